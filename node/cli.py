@@ -1,0 +1,157 @@
+"""The ``primenode`` command line.
+
+Every command turns a :class:`NodeError` (or any other failure) into one line on
+stderr and a non-zero exit; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import NodeError
+from .home import NodeHome
+
+app = typer.Typer(
+    name="primenode",
+    help="Peer-to-peer node for decentralized asynchronous RL training.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+run_app = typer.Typer(help="Create and inspect run genesis files.", no_args_is_help=True)
+dataset_app = typer.Typer(help="Prepare datasets.", no_args_is_help=True)
+app.add_typer(run_app, name="run")
+app.add_typer(dataset_app, name="dataset")
+
+_state = {"debug": False}
+
+HomeOpt = Annotated[Path, typer.Option("--home", help="Node home directory (key, config, store, database).")]
+
+
+class Role(str, enum.Enum):
+    trainer = "trainer"
+    worker = "worker"
+    validator = "validator"
+
+
+@app.callback()
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+    _state["debug"] = debug
+
+
+def not_implemented(what: str) -> None:
+    raise NodeError(f"{what} is not implemented yet")
+
+
+@app.command()
+def init(
+    home: HomeOpt,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing key (a new identity!).")] = False,
+) -> None:
+    """Create a node home: a private ed25519 identity key and a config file."""
+    key = NodeHome(home).init(force=force)
+    typer.echo(f"initialised {NodeHome(home).path}")
+    typer.echo(f"peer id {key.peer_id}")
+
+
+@app.command("id")
+def show_id(home: HomeOpt) -> None:
+    """Print this node's peer id (derived from its key; stable across runs)."""
+    typer.echo(NodeHome(home).load_key().peer_id)
+
+
+@app.command()
+def bootstrap(
+    home: HomeOpt,
+    listen: Annotated[
+        list[str], typer.Option("--listen", help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4001 (repeatable).")
+    ] = [],
+    genesis: Annotated[
+        Optional[Path], typer.Option("--genesis", help="Signed run genesis file to serve to joiners.")
+    ] = None,
+    status_port: Annotated[Optional[int], typer.Option("--status-port", help="Local status/metrics port (127.0.0.1).")] = None,
+) -> None:
+    """Run a rendezvous node: others dial it first; it serves the genesis and peer addresses."""
+    from .daemon import run_bootstrap
+
+    run_bootstrap(home=home, listen=listen, genesis=genesis, status_port=status_port)
+
+
+@app.command()
+def join(
+    home: HomeOpt,
+    role: Annotated[Role, typer.Option("--role", help="What this node does in the run.")],
+    bootstrap: Annotated[
+        list[str], typer.Option("--bootstrap", help="Multiaddr of a bootstrap node, with /p2p/<peer id> (repeatable).")
+    ] = [],
+    listen: Annotated[list[str], typer.Option("--listen", help="Multiaddr to listen on (repeatable).")] = [],
+    run_id: Annotated[
+        Optional[str], typer.Option("--run-id", help="Hex run id to join; refuses a bootstrap serving another run.")
+    ] = None,
+    genesis: Annotated[Optional[Path], typer.Option("--genesis", help="Signed genesis file (instead of asking the bootstrap).")] = None,
+    target_peers: Annotated[Optional[int], typer.Option("--target-peers", help="Connections to keep to distinct peers.")] = None,
+    max_upload_mbps: Annotated[
+        Optional[float], typer.Option("--max-upload-mbps", help="Cap on checkpoint upload rate (Mbit/s); 0 = none.")
+    ] = None,
+    data_port: Annotated[Optional[int], typer.Option("--data-port", help="TCP port of the chunk data plane.")] = None,
+    status_port: Annotated[Optional[int], typer.Option("--status-port", help="Local status/metrics port (127.0.0.1).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Torch device for inference/training (cpu, cuda).")] = "cpu",
+    engine: Annotated[str, typer.Option("--engine", help="Inference engine: transformers or vllm.")] = "transformers",
+) -> None:
+    """Join a run as trainer, worker or validator."""
+    from .daemon import run_join
+
+    run_join(
+        home=home, role=role.value, bootstrap=bootstrap, listen=listen, run_id=run_id, genesis=genesis,
+        target_peers=target_peers, max_upload_mbps=max_upload_mbps, data_port=data_port,
+        status_port=status_port, device=device, engine=engine,
+    )
+
+
+@app.command()
+def status(
+    home: HomeOpt,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Show what a running node is doing: peers, gossip, swarm, role state."""
+    from .status_cli import show_status
+
+    show_status(home=home, as_json=as_json)
+
+
+def main() -> None:
+    """Console-script entry: one clear line per error, traceback only with --debug."""
+    debug = "--debug" in sys.argv[1:]
+    try:
+        app(standalone_mode=False)
+    except NodeError as exc:
+        if debug:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and anything unexpected
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if debug:
+            raise
+        typer.echo(f"error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
