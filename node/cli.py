@@ -124,6 +124,62 @@ def status(
     show_status(home=home, as_json=as_json)
 
 
+@run_app.command("init")
+def run_init(
+    home: Annotated[Path, typer.Option("--home", help="The run owner's node home (its key signs the genesis).")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the genesis TOML.")],
+    trainer: Annotated[str, typer.Option("--trainer", help="Peer id of the trainer.")],
+    validator: Annotated[list[str], typer.Option("--validator", help="Peer id of a validator (repeatable).")],
+    name: Annotated[str, typer.Option("--name", help="Run name.")] = "primenode-run",
+    quorum: Annotated[int, typer.Option("--quorum", help="Accept votes needed to admit a batch.")] = 1,
+    max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch's policy may lag (INTELLECT-2: 2).")] = 2,
+    model: Annotated[str, typer.Option("--model", help="Model spec (e.g. tiny, smollm2, or a path).")] = "tiny",
+    dataset: Annotated[str, typer.Option("--dataset", help="Dataset spec (builtin:<task> or a file).")] = "builtin:target-length",
+    dataset_size: Annotated[int, typer.Option("--dataset-size", help="Number of prompts in the dataset.")] = 1024,
+    prompts_per_batch: Annotated[int, typer.Option("--prompts-per-batch", help="Prompts per worker batch.")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (GRPO group).")] = 8,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="Checkpoint chunk size in bytes.")] = 4 << 20,
+    config: Annotated[list[str], typer.Option("--set", help="Hyper-parameter KEY=VALUE (TOML value), repeatable.")] = [],
+) -> None:
+    """Write a signed run genesis; its hash is the run id."""
+    import tomllib
+
+    from .genesis_file import make_genesis, write_genesis
+
+    cfg: dict = {}
+    for item in config:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise NodeError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            cfg[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            cfg[key.strip()] = value
+    owner = NodeHome(home).load_key()
+    signed = make_genesis(
+        owner, cfg, name=name, model=model, dataset=dataset, dataset_size=dataset_size, trainer=trainer,
+        validators=validator, quorum=quorum, max_async=max_async, prompts_per_batch=prompts_per_batch,
+        group_size=group_size, chunk_size=chunk_size,
+    )
+    write_genesis(signed, out)
+    typer.echo(f"wrote {out}")
+    typer.echo(f"run id {signed.genesis.run_id.hex()}")
+
+
+@run_app.command("show")
+def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -> None:
+    """Verify a genesis file and print its run id and settings."""
+    from .genesis_file import read_genesis
+
+    g = read_genesis(path).genesis
+    typer.echo(f"run id     {g.run_id.hex()}")
+    typer.echo(f"owner      {g.owner}")
+    typer.echo(f"trainer    {g.trainer}")
+    typer.echo(f"validators {', '.join(g.validators)} (quorum {g.quorum})")
+    typer.echo(f"model      {g.model}   dataset {g.dataset} ({g.dataset_size} prompts)")
+    typer.echo(f"max_async  {g.max_async}   batch {g.prompts_per_batch} prompts x {g.group_size}")
+
+
 def main() -> None:
     """Console-script entry: one clear line per error, traceback only with --debug."""
     debug = "--debug" in sys.argv[1:]

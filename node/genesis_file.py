@@ -1,0 +1,83 @@
+"""Run genesis as a TOML file: what operators write, sign, pass around and join with.
+
+Layout::
+
+    run_id = "<hex sha256 of the canonical genesis>"   # informative; re-checked on load
+    signature = "<hex ed25519 by owner>"
+
+    [run]        # the typed RunGenesis fields (everything but config_toml)
+    name = "devnet" ...
+
+    [config]     # hyper-parameters; canonical text = tomli_w.dumps(this table)
+
+The ``[config]`` table is turned into the genesis ``config_toml`` string by
+``tomli_w.dumps``; loading re-derives the same string and checks that the
+result hashes to ``run_id`` and carries the owner's signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
+
+from .errors import NodeError
+
+_RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
+
+
+def make_genesis(owner: NodeKey, config: dict[str, Any], **fields: Any) -> SignedGenesis:
+    """Build and sign a genesis. ``fields`` are RunGenesis fields (owner/created_ms filled in)."""
+    fields.setdefault("owner", owner.peer_id)
+    fields.setdefault("created_ms", int(time.time() * 1000))
+    if "validators" in fields:
+        fields["validators"] = tuple(fields["validators"])
+    genesis = RunGenesis(config_toml=tomli_w.dumps(config), **fields)
+    try:
+        RunGenesis.decode(genesis.encode())  # run every protocol rule now, with a clear error
+    except ProtocolError as exc:
+        raise NodeError(f"invalid genesis: {exc}") from None
+    return sign_genesis(owner, genesis)
+
+
+def genesis_config(genesis: RunGenesis) -> dict[str, Any]:
+    return tomllib.loads(genesis.config_toml)
+
+
+def write_genesis(signed: SignedGenesis, path: Path) -> None:
+    g = signed.genesis
+    doc: dict[str, Any] = {
+        "run_id": g.run_id.hex(),
+        "signature": signed.signature.hex(),
+        "run": {name: (list(v) if isinstance(v := getattr(g, name), tuple) else v) for name in _RUN_FIELDS},
+        "config": genesis_config(g),
+    }
+    path.write_text(tomli_w.dumps(doc))
+
+
+def read_genesis(path: Path) -> SignedGenesis:
+    """Load a genesis file and verify hash and signature; NodeError says what is wrong."""
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise NodeError(f"genesis file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise NodeError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        run = dict(doc["run"])
+        run["validators"] = tuple(run.get("validators", ()))
+        genesis = RunGenesis(config_toml=tomli_w.dumps(doc.get("config", {})), **run)
+        signed = SignedGenesis(genesis=genesis, signature=bytes.fromhex(doc["signature"]))
+        signed = SignedGenesis.decode(signed.encode())  # every field rule
+        verify_genesis(signed, bytes.fromhex(doc["run_id"]))
+    except KeyError as exc:
+        raise NodeError(f"{path}: missing {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:  # ProtocolError is a ValueError
+        raise NodeError(f"{path}: invalid genesis: {exc}") from None
+    return signed
