@@ -180,6 +180,26 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"max_async  {g.max_async}   batch {g.prompts_per_batch} prompts x {g.group_size}")
 
 
+@app.command()
+def devnet(
+    out: Annotated[Path, typer.Option("--out", help="Output folder: node homes, logs, metrics.jsonl, reward_curve.png.")] = Path("devnet-out"),
+    workers: Annotated[int, typer.Option("--workers", help="Number of worker processes.")] = 2,
+    validators: Annotated[int, typer.Option("--validators", help="Number of validator processes.")] = 2,
+    steps: Annotated[int, typer.Option("--steps", help="Trainer steps before stopping.")] = 40,
+    model: Annotated[str, typer.Option("--model", help="Model: tiny (random init, char vocabulary) or smollm2.")] = "tiny",
+    task: Annotated[str, typer.Option("--task", help="Built-in task: target-length or arithmetic.")] = "target-length",
+    max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch may lag behind the trainer.")] = 2,
+    timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds.")] = 900.0,
+) -> None:
+    """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
+    from .devnet import DevnetOptions, run_devnet
+
+    summary = run_devnet(DevnetOptions(out=out, workers=workers, validators=validators, steps=steps, model=model,
+                                       task=task, max_async=max_async, timeout_s=timeout))
+    if summary["interrupted"]:
+        raise typer.Exit(130)
+
+
 def main() -> None:
     """Console-script entry: one clear line per error, traceback only with --debug."""
     debug = "--debug" in sys.argv[1:]
