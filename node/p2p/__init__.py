@@ -1,0 +1,20 @@
+"""The P2P overlay: libp2p host, validated gossip, request/response, peer
+exchange and connection management, heartbeats and the swarm view.
+
+Entry point: :class:`Node` (see node.py). Roles plug in via :class:`RoleHook`.
+"""
+
+from .connmgr import ConnectionManager
+from .gossip import Gossip, GossipError
+from .host import full_addrs, install_libp2p_fixes, make_host, parse_peer_addr
+from .metrics import NodeMetrics
+from .node import BootstrapRole, Node, P2PConfig, RoleHook, fetch_genesis
+from .policy import PeerPolicy
+from .reqresp import ReqResp, RequestError
+from .swarm import PeerState, SwarmView
+
+__all__ = [
+    "Node", "P2PConfig", "RoleHook", "BootstrapRole", "fetch_genesis", "Gossip", "GossipError",
+    "ReqResp", "RequestError", "PeerPolicy", "SwarmView", "PeerState", "ConnectionManager", "NodeMetrics",
+    "make_host", "full_addrs", "parse_peer_addr", "install_libp2p_fixes",
+]

@@ -1,0 +1,261 @@
+"""Connection manager and peer exchange.
+
+Keeps ``target_peers`` connections to distinct peers: dials peers from an
+address book (fed by bootstrap addresses, heartbeats and our peer-exchange
+protocol), replaces lost ones, backs off on failures (exponential, capped),
+never dials or keeps a banned peer, and asks connected peers for more
+addresses every ``px_interval`` seconds (which also measures latency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+
+from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
+
+from ..errors import NodeError
+from .host import parse_peer_addr, peer_info
+from .metrics import NodeMetrics
+from .policy import PeerPolicy
+from .reqresp import ReqResp, RequestError
+from .swarm import PeerState, SwarmView
+
+log = logging.getLogger("primenode.p2p.conn")
+
+
+@dataclasses.dataclass
+class BookEntry:
+    addrs: list[str]
+    updated: float
+    fails: int = 0
+    next_try: float = 0.0
+    last_error: str = ""
+
+
+class ConnectionManager:
+    def __init__(
+        self,
+        host: IHost,
+        my_id: str,
+        reqresp: ReqResp,
+        swarm: SwarmView,
+        policy: PeerPolicy,
+        metrics: NodeMetrics,
+        *,
+        bootstrap: list[str],
+        target_peers: int = 6,
+        interval: float = 1.0,
+        px_interval: float = 5.0,
+        dial_timeout: float = 5.0,
+        backoff_base: float = 1.0,
+        backoff_max: float = 60.0,
+        forget_after: float = 600.0,
+        my_addrs: callable = lambda: [],
+    ) -> None:
+        self.host = host
+        self.my_id = my_id
+        self.reqresp = reqresp
+        self.swarm = swarm
+        self.policy = policy
+        self.metrics = metrics
+        self.target_peers = target_peers
+        self.interval = interval
+        self.px_interval = px_interval
+        self.dial_timeout = dial_timeout
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.forget_after = forget_after
+        self.my_addrs = my_addrs
+        self.book: dict[str, BookEntry] = {}
+        self.bootstrap_ids: list[str] = []
+        for text in bootstrap:
+            info = parse_peer_addr(text)
+            pid = info.peer_id.to_base58()
+            if pid == my_id:
+                continue
+            self.bootstrap_ids.append(pid)
+            addr = text.split("/p2p/")[0]
+            self._learn(pid, [addr])
+        self._dialing: set[str] = set()
+        self._nursery: trio.Nursery | None = None
+        reqresp.register(PeerExchangeRequest, self._serve_px)
+        swarm.listeners.append(self._on_peer_state)
+        policy.ban_listeners.append(self._on_ban)
+
+    # ------------------------------------------------------------- queries
+    def connected(self) -> list[str]:
+        return [p.to_base58() for p in self.host.get_connected_peers()]
+
+    def peer_addr(self, peer_id: str) -> str | None:
+        try:
+            conns = self.host.get_network().get_connections(ID.from_base58(peer_id))
+        except Exception:
+            return None
+        for c in conns:
+            try:
+                addrs = c.get_transport_addresses()
+                if addrs:
+                    return str(addrs[0])
+            except Exception:
+                pass
+        e = self.book.get(peer_id)
+        return e.addrs[0] if e and e.addrs else None
+
+    # ---------------------------------------------------------- learning
+    def _learn(self, peer_id: str, addrs: list[str]) -> None:
+        if peer_id == self.my_id or not addrs:
+            return
+        addrs = [a.split("/p2p/")[0] for a in addrs][:8]
+        e = self.book.get(peer_id)
+        if e is None:
+            self.book[peer_id] = BookEntry(list(addrs), time.monotonic())
+        else:
+            if e.addrs != addrs:
+                e.addrs = list(addrs)
+            e.updated = time.monotonic()
+
+    def _on_peer_state(self, st: PeerState) -> None:
+        e = self.book.get(st.peer_id)
+        self._learn(st.peer_id, list(st.heartbeat.addrs))
+        if e is not None and e.fails:
+            # a fresh heartbeat means it is alive: allow a sooner retry
+            e.next_try = min(e.next_try, time.monotonic() + self.backoff_base)
+
+    def _serve_px(self, env: Envelope, peer: str) -> PeerExchangeResponse:
+        live = self.swarm.peers()
+        cands: list[PeerAddr] = []
+        mine = self.my_addrs()
+        if mine:
+            cands.append(PeerAddr(peer_id=self.my_id, addrs=tuple(mine[:8])))
+        order = list(live.items())
+        random.shuffle(order)
+        for pid, st in order:
+            if pid == peer or self.policy.is_banned(pid) or not st.heartbeat.addrs:
+                continue
+            cands.append(PeerAddr(peer_id=pid, addrs=tuple(st.heartbeat.addrs[:8])))
+        return PeerExchangeResponse(peers=tuple(cands[: env.body.max_peers]))
+
+    def _on_ban(self, peer_id: str, reason: str) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._disconnect, peer_id)
+
+    async def _disconnect(self, peer_id: str) -> None:
+        with trio.move_on_after(5):
+            try:
+                await self.host.disconnect(ID.from_base58(peer_id))
+            except Exception:
+                log.debug("disconnect %s failed", peer_id, exc_info=True)
+
+    # ------------------------------------------------------------- dialing
+    async def dial(self, peer_id: str) -> None:
+        """Dial one peer from the book; raises NodeError with the reason on failure."""
+        e = self.book.get(peer_id)
+        if e is None:
+            raise NodeError(f"no address known for {peer_id}")
+        self._dialing.add(peer_id)
+        try:
+            with trio.fail_after(self.dial_timeout):
+                await self.host.connect(peer_info(peer_id, e.addrs))
+        except trio.TooSlowError:
+            self._failed(peer_id, f"no answer within {self.dial_timeout:g} s")
+            raise NodeError(f"{peer_id} at {', '.join(e.addrs)}: no answer within {self.dial_timeout:g} s") from None
+        except Exception as exc:
+            self._failed(peer_id, f"{type(exc).__name__}: {exc}")
+            raise NodeError(f"{peer_id} at {', '.join(e.addrs)}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._dialing.discard(peer_id)
+        e.fails, e.next_try, e.last_error = 0, 0.0, ""
+        self.metrics.dials.labels("ok").inc()
+
+    def _failed(self, peer_id: str, why: str) -> None:
+        self.metrics.dials.labels("failed").inc()
+        e = self.book.get(peer_id)
+        if e is None:
+            return
+        e.fails += 1
+        e.last_error = why
+        delay = min(self.backoff_max, self.backoff_base * 2 ** (e.fails - 1))
+        e.next_try = time.monotonic() + delay * random.uniform(0.8, 1.2)
+
+    async def _try_dial(self, peer_id: str) -> None:
+        try:
+            await self.dial(peer_id)
+        except NodeError as exc:
+            log.debug("dial failed: %s", exc)
+
+    async def connect_bootstrap(self, attempts: int = 3) -> None:
+        """Dial the bootstrap nodes; NodeError naming each failure if none answers."""
+        if not self.bootstrap_ids:
+            return
+        errors: dict[str, str] = {}
+        for attempt in range(attempts):
+            for pid in self.bootstrap_ids:
+                try:
+                    await self.dial(pid)
+                    return
+                except NodeError as exc:
+                    errors[pid] = str(exc)
+            if attempt + 1 < attempts:
+                await trio.sleep(self.backoff_base * 2 ** attempt)
+        raise NodeError(
+            "cannot reach any bootstrap node (" + "; ".join(errors.values()) + "): is it running, and is the address right?"
+        )
+
+    async def exchange(self, peer_id: str, max_peers: int = 32) -> int:
+        """Ask ``peer_id`` for peer addresses; returns how many were new."""
+        env = await self.reqresp.request(peer_id, PeerExchangeRequest(max_peers=max_peers), PeerExchangeResponse, timeout=5)
+        new = 0
+        for pa in env.body.peers:
+            if pa.peer_id not in self.book and pa.peer_id != self.my_id:
+                new += 1
+            self._learn(pa.peer_id, list(pa.addrs))
+        return new
+
+    async def _px_one(self, peer_id: str) -> None:
+        try:
+            await self.exchange(peer_id)
+        except RequestError as exc:
+            log.debug("peer exchange with %s failed: %s", peer_id, exc)
+
+    # ---------------------------------------------------------------- loop
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            last_px = 0.0
+            while True:
+                now = time.monotonic()
+                connected = set(self.connected())
+                for pid in connected:
+                    if self.policy.is_banned(pid):
+                        nursery.start_soon(self._disconnect, pid)
+                live = {p for p in connected if not self.policy.is_banned(p)}
+                self.metrics.peers_connected.set(len(live))
+                need = self.target_peers - len(live) - len(self._dialing)
+                if need > 0:
+                    cands = [
+                        pid for pid, e in self.book.items()
+                        if pid not in connected and pid not in self._dialing
+                        and not self.policy.is_banned(pid) and e.next_try <= now
+                    ]
+                    random.shuffle(cands)
+                    # prefer non-bootstrap peers so the bootstrap is not everyone's only link
+                    cands.sort(key=lambda p: p in self.bootstrap_ids)
+                    for pid in cands[:need]:
+                        nursery.start_soon(self._try_dial, pid)
+                if live and (now - last_px >= self.px_interval or (need > 0 and now - last_px >= self.interval * 2)):
+                    last_px = now
+                    for pid in live:
+                        nursery.start_soon(self._px_one, pid)
+                # forget long-dead, never-reached entries (not bootstrap)
+                for pid, e in list(self.book.items()):
+                    if pid not in self.bootstrap_ids and e.fails >= 8 and now - e.updated > self.forget_after:
+                        del self.book[pid]
+                await trio.sleep(self.interval)

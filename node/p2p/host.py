@@ -1,0 +1,141 @@
+"""libp2p host factory with the fixes measured in ../shared/notes/measured.md.
+
+* ``ConnectionConfig(max_connections_per_peer=1)``: removes the ~250 ms dial delay.
+* :func:`closing_host` closes the host *before* leaving ``host.run()`` (otherwise
+  3 fds leak per cycle).
+* :func:`install_libp2p_fixes` raises py-libp2p's silent-drop limits: the
+  per-peer outbound pubsub queue (32 RPCs, overflow dropped) and the
+  subscription queue (32 messages, overflow dropped with a log line).
+* The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator, Sequence
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+
+from protocol import NodeKey
+
+from ..errors import NodeError
+
+log = logging.getLogger("primenode.p2p")
+
+# Queues py-libp2p drops from when full. Ours are big enough for every burst
+# this project produces (the burst test publishes 500 messages at once).
+OUTBOUND_QUEUE_RPCS = 8192
+SUBSCRIPTION_QUEUE_MESSAGES = 8192
+
+_fixes_installed = False
+
+
+def install_libp2p_fixes() -> None:
+    """Patch py-libp2p 0.8.1's hard-coded queue sizes (idempotent, process-wide)."""
+    global _fixes_installed
+    if _fixes_installed:
+        return
+    from libp2p.pubsub import pubsub as _pubsub_mod
+    from libp2p.pubsub.rpc_queue import RpcQueue
+
+    class _LargeRpcQueue(RpcQueue):
+        def __init__(self, max_size: int = OUTBOUND_QUEUE_RPCS, **kwargs) -> None:
+            super().__init__(max_size=max_size, **kwargs)
+
+    _pubsub_mod.RpcQueue = _LargeRpcQueue  # pubsub.py looks the name up per new peer
+    _pubsub_mod.SUBSCRIPTION_CHANNEL_SIZE = SUBSCRIPTION_QUEUE_MESSAGES
+    _fixes_installed = True
+
+
+def attach_libp2p_logging(level: int = logging.WARNING) -> None:
+    """Route the (non-propagating) ``libp2p`` logger to stderr at ``level``."""
+    lg = logging.getLogger("libp2p")
+    if not any(getattr(h, "_primenode", False) for h in lg.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s libp2p %(levelname)s %(name)s: %(message)s"))
+        h._primenode = True  # type: ignore[attr-defined]
+        lg.addHandler(h)
+    lg.setLevel(level)
+
+
+def libp2p_key_pair(key: NodeKey):
+    return create_new_key_pair(key.seed)
+
+
+def make_host(key: NodeKey, *, dial_timeout: float = 5.0) -> IHost:
+    install_libp2p_fixes()
+    cfg = ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout)
+    return new_host(key_pair=libp2p_key_pair(key), connection_config=cfg)
+
+
+@contextlib.asynccontextmanager
+async def closing_host(host: IHost, listen: Sequence[str]) -> AsyncIterator[IHost]:
+    """``async with host.run(...)`` that closes connections first (no fd leak)."""
+    try:
+        addrs = [multiaddr.Multiaddr(a) for a in listen]
+    except Exception as exc:
+        raise NodeError(f"bad listen address {listen!r}: {exc}") from None
+    try:
+        async with host.run(listen_addrs=addrs):
+            try:
+                yield host
+            finally:
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(5):
+                        await host.close()
+    except OSError as exc:
+        raise NodeError(f"cannot listen on {', '.join(listen)}: {exc}") from None
+
+
+def listen_addrs(host: IHost, advertise_host: str | None = None) -> list[str]:
+    """The host's transport addresses, without /p2p/, with 0.0.0.0 replaced."""
+    out: list[str] = []
+    for a in host.get_transport_addrs():
+        s = str(a)
+        if "/p2p/" in s:
+            s = s.split("/p2p/")[0]
+        if s.startswith("/ip4/0.0.0.0/"):
+            rest = s[len("/ip4/0.0.0.0/"):]
+            hosts = ["127.0.0.1"]
+            if advertise_host and advertise_host not in hosts:
+                hosts.insert(0, advertise_host)
+            out.extend(f"/ip4/{h}/{rest}" for h in hosts)
+        else:
+            out.append(s)
+    seen: list[str] = []
+    for s in out:
+        if s not in seen:
+            seen.append(s)
+    return seen
+
+
+def full_addrs(host: IHost, advertise_host: str | None = None) -> list[str]:
+    """Dialable multiaddrs with ``/p2p/<peer id>`` appended."""
+    pid = host.get_id().to_base58()
+    return [f"{a}/p2p/{pid}" for a in listen_addrs(host, advertise_host)]
+
+
+def parse_peer_addr(text: str) -> PeerInfo:
+    """A ``.../p2p/<peer id>`` multiaddr -> PeerInfo, or a NodeError saying what is wrong."""
+    try:
+        ma = multiaddr.Multiaddr(text)
+    except Exception as exc:
+        raise NodeError(f"not a multiaddr: {text!r} ({exc})") from None
+    if "/p2p/" not in text:
+        raise NodeError(f"{text!r} lacks /p2p/<peer id>: copy the full address the bootstrap node printed")
+    try:
+        return info_from_p2p_addr(ma)
+    except Exception as exc:
+        raise NodeError(f"bad peer address {text!r}: {exc}") from None
+
+
+def peer_info(peer_id: str, addrs: Sequence[str]) -> PeerInfo:
+    return PeerInfo(ID.from_base58(peer_id), [multiaddr.Multiaddr(a) for a in addrs])

@@ -1,0 +1,270 @@
+"""A running primenode: host + gossip + request/response + connections + swarm view.
+
+Roles plug in through :class:`RoleHook` (see ``docs/operating.md``)::
+
+    class MyRole(RoleHook):
+        role = "worker"
+        async def run(self, node): ...          # lives as long as the node
+        def heartbeat_fields(self): return {"policy_version": 3, "have": (...), "data_port": 9000}
+        def status(self): return {...}          # shown under "role_state" in status
+
+The node publishes heartbeats, serves ``GenesisRequest`` (when it holds the
+genesis) and ``PeerExchangeRequest``, and exposes ``node.gossip``,
+``node.reqresp``, ``node.swarm``, ``node.conns`` and ``node.policy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import trio
+
+from protocol import (
+    ZERO_RUN_ID,
+    Envelope,
+    ErrorResponse,
+    GenesisRequest,
+    GenesisResponse,
+    Heartbeat,
+    NodeKey,
+    RunGenesis,
+    SequenceCounter,
+    SignedGenesis,
+    verify_genesis,
+)
+
+from ..errors import NodeError
+from .connmgr import ConnectionManager
+from .gossip import Gossip
+from .host import closing_host, full_addrs, listen_addrs, make_host
+from .metrics import NodeMetrics
+from .policy import PeerPolicy
+from .reqresp import ReqResp, RequestError
+from .swarm import SwarmView
+
+log = logging.getLogger("primenode.p2p.node")
+
+
+@dataclasses.dataclass
+class P2PConfig:
+    """Overlay knobs. Defaults suit a real deployment; tests shrink the intervals."""
+
+    listen: list[str] = dataclasses.field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    bootstrap: list[str] = dataclasses.field(default_factory=list)
+    advertise_host: str = "127.0.0.1"
+    target_peers: int = 6
+    heartbeat_interval_s: float = 2.0
+    forget_after_s: float = 0.0  # 0: 5 heartbeat intervals, at least 10 s
+    conn_interval_s: float = 1.0
+    px_interval_s: float = 5.0
+    dial_timeout_s: float = 5.0
+    gossip_degree: int = 6
+    gossip_degree_low: int = 4
+    gossip_degree_high: int = 12
+    budget: float = 20.0
+    ban_seconds: float = 600.0
+    rate_per_s: float = 1000.0
+    rate_burst: float = 5000.0
+    data_port: int = 0
+
+
+class RoleHook:
+    """Base role: does nothing. Subclass and pass to :class:`Node`."""
+
+    role = "worker"
+
+    async def run(self, node: "Node") -> None:
+        await trio.sleep_forever()
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {}
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+
+class BootstrapRole(RoleHook):
+    role = "bootstrap"
+
+
+class Node:
+    def __init__(
+        self,
+        key: NodeKey,
+        *,
+        genesis: SignedGenesis | None = None,
+        run_id: bytes | None = None,
+        config: P2PConfig | None = None,
+        hook: RoleHook | None = None,
+    ) -> None:
+        self.key = key
+        self.peer_id = key.peer_id
+        self.config = config or P2PConfig()
+        self.hook = hook or RoleHook()
+        self.signed_genesis = genesis
+        self.genesis: RunGenesis | None = verify_genesis(genesis) if genesis is not None else None
+        if self.genesis is not None:
+            if run_id is not None and run_id != self.genesis.run_id:
+                raise NodeError("the genesis does not hash to the given run id")
+            run_id = self.genesis.run_id
+        if run_id is None:
+            raise NodeError("a node needs a run: give a genesis or a run id")
+        self.run_id = run_id
+        self.metrics = NodeMetrics()
+        self.policy = PeerPolicy(
+            budget=self.config.budget, ban_seconds=self.config.ban_seconds,
+            rate_per_s=self.config.rate_per_s, rate_burst=self.config.rate_burst,
+        )
+        self.policy.metrics = self.metrics
+        self.seq = SequenceCounter(time.time_ns() // 1000)
+        self.started = time.monotonic()
+        self.host = None
+        self.gossip: Gossip | None = None
+        self.reqresp: ReqResp | None = None
+        self.swarm = SwarmView(self.peer_id, forget_after=self.config.forget_after_s or max(10.0, 5 * self.config.heartbeat_interval_s))
+        self.conns: ConnectionManager | None = None
+        self.ready = trio.Event()
+        self._cancel = trio.CancelScope()
+
+    @property
+    def role(self) -> str:
+        return self.hook.role
+
+    # ---------------------------------------------------------------- addresses
+    def addrs(self) -> list[str]:
+        """Dialable multiaddrs (without /p2p/)."""
+        return listen_addrs(self.host, self.config.advertise_host) if self.host else []
+
+    def full_addrs(self) -> list[str]:
+        return full_addrs(self.host, self.config.advertise_host) if self.host else []
+
+    # ---------------------------------------------------------------- lifecycle
+    def stop(self) -> None:
+        self._cancel.cancel()
+
+    async def run(self, *, connect_bootstrap: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled or :meth:`stop`. ``task_status.started()`` once listening
+        and (if bootstrap addresses were given) connected to one of them."""
+        cfg = self.config
+        with self._cancel:
+            self.host = make_host(self.key, dial_timeout=cfg.dial_timeout_s)
+            async with closing_host(self.host, cfg.listen):
+                self.reqresp = ReqResp(self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq)
+                self.gossip = Gossip(
+                    self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq,
+                    degree=cfg.gossip_degree, degree_low=cfg.gossip_degree_low, degree_high=cfg.gossip_degree_high,
+                )
+                self.conns = ConnectionManager(
+                    self.host, self.peer_id, self.reqresp, self.swarm, self.policy, self.metrics,
+                    bootstrap=cfg.bootstrap, target_peers=cfg.target_peers, interval=cfg.conn_interval_s,
+                    px_interval=cfg.px_interval_s, dial_timeout=cfg.dial_timeout_s, my_addrs=self.addrs,
+                )
+                self.reqresp.register(GenesisRequest, self._serve_genesis)
+                self.gossip.on("heartbeat", self.swarm.on_heartbeat)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.gossip.run)
+                    if connect_bootstrap:
+                        await self.conns.connect_bootstrap()
+                    await nursery.start(self.conns.run)
+                    nursery.start_soon(self._heartbeat_loop)
+                    nursery.start_soon(self._run_hook)
+                    self.ready.set()
+                    task_status.started()
+                    await trio.sleep_forever()
+
+    async def _run_hook(self) -> None:
+        await self.hook.run(self)
+
+    # ---------------------------------------------------------------- heartbeats
+    def make_heartbeat(self) -> Heartbeat:
+        fields: dict[str, Any] = dict(
+            role=self.role, policy_version=-1, addrs=tuple(self.addrs()[:8]), data_port=self.config.data_port,
+            have=(), uptime_s=time.monotonic() - self.started, step=-1, batches=0,
+        )
+        fields.update(self.hook.heartbeat_fields())
+        fields["have"] = tuple(fields["have"])
+        fields["addrs"] = tuple(fields["addrs"])
+        return Heartbeat(**fields)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.gossip.publish(self.make_heartbeat())
+            except Exception:
+                log.exception("heartbeat failed")
+            self.metrics.uptime.set(time.monotonic() - self.started)
+            roles = self.swarm.by_role()
+            for r in ("bootstrap", "trainer", "worker", "validator"):
+                self.metrics.swarm_peers.labels(r).set(len(roles.get(r, [])))
+            await trio.sleep(self.config.heartbeat_interval_s)
+
+    # ---------------------------------------------------------------- genesis
+    def _serve_genesis(self, env: Envelope, peer: str):
+        if self.signed_genesis is None:
+            return ErrorResponse(code="no_genesis", detail="this node holds no run genesis")
+        return GenesisResponse(genesis=self.signed_genesis)
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> dict[str, Any]:
+        conns = self.conns
+        peers = []
+        if conns is not None:
+            for pid in conns.connected():
+                st = self.swarm.get(pid)
+                rtt = self.reqresp.rtt_ms.get(pid) if self.reqresp else None
+                peers.append({
+                    "peer_id": pid,
+                    "role": st.heartbeat.role if st else None,
+                    "addr": conns.peer_addr(pid),
+                    "latency_ms": round(rtt, 2) if rtt is not None else None,
+                    "banned": self.policy.is_banned(pid),
+                })
+        g = self.genesis
+        return {
+            "peer_id": self.peer_id,
+            "role": self.role,
+            "run_id": self.run_id.hex(),
+            "run_name": g.name if g else None,
+            "uptime_s": round(time.monotonic() - self.started, 1),
+            "addrs": self.full_addrs(),
+            "target_peers": self.config.target_peers,
+            "peers": peers,
+            "swarm": self.swarm.to_json(),
+            "gossip": {
+                **self.metrics.gossip_summary(),
+                "mesh": {k: len(self.gossip.mesh_peers(k)) for k in ("heartbeat", "checkpoint", "rollout", "vote", "ban")} if self.gossip else {},
+            },
+            "bans": self.policy.banned(),
+            "requests": {k: dict(v) for k, v in self.metrics.req.items()},
+            "role_state": self.hook.status(),
+        }
+
+
+async def fetch_genesis(key: NodeKey, bootstrap: list[str], *, timeout: float = 10.0, expected_run_id: bytes | None = None) -> SignedGenesis:
+    """Ask the bootstrap node(s) for the run genesis and verify it (NodeError if none works)."""
+    from .host import parse_peer_addr
+
+    errors = []
+    host = make_host(key, dial_timeout=timeout)
+    async with closing_host(host, ["/ip4/127.0.0.1/tcp/0"]):
+        rr = ReqResp(host, key, ZERO_RUN_ID, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(time.time_ns() // 1000))
+        for text in bootstrap:
+            info = parse_peer_addr(text)
+            pid = info.peer_id.to_base58()
+            try:
+                with trio.fail_after(timeout):
+                    await host.connect(info)
+                env = await rr.request(pid, GenesisRequest(want=0), GenesisResponse, timeout=timeout)
+                g = verify_genesis(env.body.genesis, expected_run_id)
+                log.info("genesis of run %s (%s) from %s", g.run_id.hex()[:16], g.name, pid)
+                return env.body.genesis
+            except trio.TooSlowError:
+                errors.append(f"{text}: no answer within {timeout:g} s")
+            except RequestError as exc:
+                errors.append(f"{text}: {exc}")
+            except Exception as exc:
+                errors.append(f"{text}: {type(exc).__name__}: {exc}")
+    raise NodeError("could not get the run genesis from any bootstrap node: " + "; ".join(errors))

@@ -1,0 +1,157 @@
+"""Peer policy: a misbehaviour budget per peer, temporary bans, rate limits.
+
+Every layer that catches a peer misbehaving (gossip validation, request/response,
+checkpoint chunk checks) calls :meth:`PeerPolicy.penalise`. Points decay over
+time; a peer whose points exceed ``budget`` is banned for ``ban_seconds``:
+disconnected, its gossip refused, never dialled, its inbound connections closed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Awaitable, Callable
+
+log = logging.getLogger("primenode.p2p.policy")
+
+# Default cost of each protocol rule broken (ProtocolError.rule prefixes).
+PENALTIES = {
+    "signature": 10.0,
+    "run_id": 10.0,
+    "replay": 5.0,
+    "sender_mismatch": 10.0,
+    "topic_type": 10.0,
+    "envelope.type": 10.0,
+    "canonical": 10.0,
+    "size": 10.0,
+    "timestamp": 1.0,  # clocks drift: cheap
+    "rate_limit": 0.2,
+    "bad_response": 5.0,
+    "bad_chunk": 5.0,
+}
+DEFAULT_PENALTY = 5.0
+
+
+def penalty_for(rule: str) -> float:
+    if rule in PENALTIES:
+        return PENALTIES[rule]
+    head = rule.split(":")[0].split(".")[0]
+    return PENALTIES.get(head, DEFAULT_PENALTY)
+
+
+@dataclasses.dataclass
+class _Score:
+    points: float = 0.0
+    updated: float = 0.0
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.t = burst, time.monotonic()
+
+    def take(self, n: float = 1.0) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False
+
+
+class PeerPolicy:
+    """Budgets, bans and per-peer rate limits for one node.
+
+    ``on_ban`` (set by the node) is an async callback that disconnects the peer;
+    it is scheduled, never awaited inside validation.
+    """
+
+    def __init__(
+        self,
+        budget: float = 20.0,
+        decay_per_s: float = 0.1,
+        ban_seconds: float = 600.0,
+        rate_per_s: float = 1000.0,
+        rate_burst: float = 5000.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.budget = budget
+        self.decay_per_s = decay_per_s
+        self.ban_seconds = ban_seconds
+        self.rate_per_s = rate_per_s
+        self.rate_burst = rate_burst
+        self.clock = clock
+        self._scores: dict[str, _Score] = {}
+        self._bans: dict[str, tuple[float, str]] = {}  # peer -> (until, reason)
+        self._buckets: dict[str, TokenBucket] = {}
+        self.ban_listeners: list[Callable[[str, str], None]] = []
+        self.metrics = None  # NodeMetrics, set by the node
+
+    # ---- budget
+    def points(self, peer_id: str) -> float:
+        s = self._scores.get(peer_id)
+        if s is None:
+            return 0.0
+        now = self.clock()
+        s.points = max(0.0, s.points - (now - s.updated) * self.decay_per_s)
+        s.updated = now
+        return s.points
+
+    def penalise(self, peer_id: str, reason: str, points: float | None = None) -> bool:
+        """Charge ``peer_id`` for breaking ``reason``; returns True if that banned it."""
+        pts = penalty_for(reason) if points is None else points
+        cur = self.points(peer_id)
+        s = self._scores.setdefault(peer_id, _Score(updated=self.clock()))
+        s.points = cur + pts
+        if self.metrics is not None:
+            self.metrics.penalty_points[reason.split(":")[0]] += pts
+            self.metrics.penalties.labels(reason.split(":")[0]).inc(pts)
+        log.debug("penalise %s %.1f for %s (now %.1f/%.1f)", peer_id, pts, reason, s.points, self.budget)
+        if s.points > self.budget and not self.is_banned(peer_id):
+            self.ban(peer_id, f"misbehaviour budget exceeded (last: {reason})")
+            return True
+        return False
+
+    # ---- bans
+    def ban(self, peer_id: str, reason: str, seconds: float | None = None) -> None:
+        """Ban ``peer_id`` for ``seconds`` (default ``ban_seconds``) and tell the listeners."""
+        until = self.clock() + (self.ban_seconds if seconds is None else seconds)
+        prev = self._bans.get(peer_id)
+        if prev is not None and prev[0] >= until:
+            return
+        self._bans[peer_id] = (until, reason)
+        if self.metrics is not None:
+            self.metrics.bans.inc()
+        log.warning("banned %s: %s", peer_id, reason)
+        for cb in list(self.ban_listeners):
+            try:
+                cb(peer_id, reason)
+            except Exception:  # a listener must never break the caller
+                log.exception("ban listener failed")
+
+    def unban(self, peer_id: str) -> None:
+        self._bans.pop(peer_id, None)
+        self._scores.pop(peer_id, None)
+
+    def is_banned(self, peer_id: str) -> bool:
+        b = self._bans.get(peer_id)
+        if b is None:
+            return False
+        if b[0] <= self.clock():
+            del self._bans[peer_id]
+            self._scores.pop(peer_id, None)
+            return False
+        return True
+
+    def banned(self) -> dict[str, dict]:
+        now = self.clock()
+        return {p: {"seconds_left": round(u - now, 1), "reason": r} for p, (u, r) in list(self._bans.items()) if u > now}
+
+    # ---- rate limits
+    def allow(self, peer_id: str, n: float = 1.0) -> bool:
+        b = self._buckets.get(peer_id)
+        if b is None:
+            b = self._buckets[peer_id] = TokenBucket(self.rate_per_s, self.rate_burst)
+        return b.take(n)

@@ -1,0 +1,259 @@
+"""Request/response over libp2p streams: "ask peer X for object H".
+
+Wire: one stream per exchange on ``/primenode/rr/1.0.0``; the requester writes
+one frame, the responder writes one frame and closes. A frame is a 4-byte
+big-endian length followed by a signed envelope (``protocol.seal``). Both
+sides verify the envelope and require its signer to be the peer at the other
+end of the authenticated (Noise) connection. Every read and write has a
+deadline; frames over the cap are refused before they are read.
+
+A request whose type is pre-run (``GenesisRequest``) travels with the zero run
+id and its answer too, so a joiner can ask before it knows the run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any, Awaitable, Callable, Iterable
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+import protocol
+from protocol import (
+    ZERO_RUN_ID,
+    Envelope,
+    ErrorResponse,
+    Message,
+    NodeKey,
+    ProtocolError,
+    ReplayGuard,
+    SequenceCounter,
+)
+from protocol.envelope import ENVELOPE_OVERHEAD
+from protocol.messages import PRE_RUN_TYPES
+
+from .metrics import NodeMetrics
+from .policy import PeerPolicy
+
+log = logging.getLogger("primenode.p2p.reqresp")
+
+RR_PROTOCOL = TProtocol("/primenode/rr/1.0.0")
+LEN_BYTES = 4
+
+# handler(envelope, peer_id) -> response message (or ErrorResponse); may be async
+RequestHandler = Callable[[Envelope, str], Any]
+
+
+class RequestError(Exception):
+    """A request failed: ``code`` is "timeout", "unreachable", "refused",
+    "bad_response", "too_large", "closed", or the remote's ErrorResponse code."""
+
+    def __init__(self, code: str, detail: str = "") -> None:
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{code}: {detail}" if detail else code)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+async def write_frame(stream: INetStream, data: bytes) -> None:
+    await stream.write(len(data).to_bytes(LEN_BYTES, "big") + data)
+
+
+async def read_exactly(stream: INetStream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = await stream.read(n - len(buf))
+        if not part:
+            raise RequestError("closed", f"stream ended after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
+
+
+async def read_frame(stream: INetStream, max_bytes: int) -> bytes:
+    n = int.from_bytes(await read_exactly(stream, LEN_BYTES), "big")
+    if n > max_bytes:
+        raise RequestError("too_large", f"frame of {n} bytes, cap {max_bytes}")
+    return await read_exactly(stream, n)
+
+
+class ReqResp:
+    """Request/response for one node.
+
+    * ``register(RequestType, handler)``: answer requests of that type;
+      ``handler(envelope, peer_id)`` returns the response message (or an
+      ``ErrorResponse``); exceptions become ``ErrorResponse("internal")``.
+    * ``await request(peer_id, message, expect=ResponseType, timeout=10)``:
+      returns the verified response ``Envelope``; raises :class:`RequestError`.
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        key: NodeKey,
+        run_id: bytes,
+        *,
+        policy: PeerPolicy,
+        metrics: NodeMetrics,
+        seq: SequenceCounter,
+        handler_timeout: float = 30.0,
+        io_timeout: float = 30.0,
+        max_concurrent: int = 64,
+    ) -> None:
+        self.host = host
+        self.key = key
+        self.run_id = run_id
+        self.policy = policy
+        self.metrics = metrics
+        self.seq = seq
+        self.handler_timeout = handler_timeout
+        self.io_timeout = io_timeout
+        self._handlers: dict[int, tuple[type[Message], RequestHandler]] = {}
+        self._guard_in = ReplayGuard()
+        self._guard_out = ReplayGuard()
+        self._limit = trio.Semaphore(max_concurrent)
+        self.rtt_ms: dict[str, float] = {}
+        host.set_stream_handler(RR_PROTOCOL, self._serve)
+
+    def register(self, request_type: type[Message], handler: RequestHandler) -> None:
+        self._handlers[request_type.TYPE_ID] = (request_type, handler)
+
+    # ---------------------------------------------------------------- client
+    async def request(
+        self,
+        peer_id: str,
+        message: Message,
+        expect: type[Message] | Iterable[type[Message]],
+        *,
+        timeout: float = 10.0,
+        max_bytes: int | None = None,
+    ) -> Envelope:
+        expected = (expect,) if isinstance(expect, type) else tuple(expect)
+        allowed = {c.TYPE_ID for c in expected} | {ErrorResponse.TYPE_ID}
+        cap = max_bytes or max(c.MAX_BYTES for c in expected) + ENVELOPE_OVERHEAD
+        cap = max(cap, ErrorResponse.MAX_BYTES + ENVELOPE_OVERHEAD)
+        tname = type(message).__name__
+        if self.policy.is_banned(peer_id):
+            raise RequestError("refused", f"{peer_id} is banned")
+        run_id = ZERO_RUN_ID if type(message).TYPE_ID in PRE_RUN_TYPES else self.run_id
+        data = protocol.seal(self.key, run_id, message, _now_ms(), self.seq.next())
+        t0 = time.monotonic()
+        stream = None
+        try:
+            with trio.fail_after(timeout):
+                try:
+                    stream = await self.host.new_stream(ID.from_base58(peer_id), [RR_PROTOCOL])
+                except trio.Cancelled:
+                    raise
+                except Exception as exc:
+                    raise RequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
+                try:
+                    await write_frame(stream, data)
+                    raw = await read_frame(stream, cap)
+                except RequestError:
+                    raise
+                except Exception as exc:
+                    raise RequestError("closed", f"{type(exc).__name__}: {exc}") from None
+        except trio.TooSlowError:
+            self.metrics.on_request(tname, "client", "timeout")
+            raise RequestError("timeout", f"{tname} to {peer_id} took over {timeout} s") from None
+        except RequestError as exc:
+            self.metrics.on_request(tname, "client", exc.code)
+            if exc.code == "too_large":
+                self.policy.penalise(peer_id, "bad_response")
+            raise
+        finally:
+            if stream is not None:
+                with trio.move_on_after(2) as cs:
+                    cs.shield = True
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+        try:
+            env = protocol.open_envelope(
+                raw, run_id=self.run_id, now_ms=_now_ms(), guard=self._guard_out, allowed_types=allowed
+            )
+        except ProtocolError as exc:
+            self.metrics.on_request(tname, "client", "bad_response")
+            self.policy.penalise(peer_id, "bad_response")
+            raise RequestError("bad_response", f"{exc.rule}: {exc.detail}") from None
+        if env.sender != peer_id:
+            self.metrics.on_request(tname, "client", "bad_response")
+            self.policy.penalise(peer_id, "sender_mismatch")
+            raise RequestError("bad_response", "response signed by another peer")
+        rtt = (time.monotonic() - t0) * 1000
+        prev = self.rtt_ms.get(peer_id)
+        self.rtt_ms[peer_id] = rtt if prev is None else 0.7 * prev + 0.3 * rtt
+        if isinstance(env.body, ErrorResponse) and ErrorResponse not in expected:
+            self.metrics.on_request(tname, "client", "error")
+            raise RequestError(env.body.code, env.body.detail)
+        self.metrics.on_request(tname, "client", "ok")
+        return env
+
+    # ---------------------------------------------------------------- server
+    def _max_request_bytes(self) -> int:
+        if not self._handlers:
+            return 0
+        return max(c.MAX_BYTES for c, _ in self._handlers.values()) + ENVELOPE_OVERHEAD
+
+    async def _serve(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
+        try:
+            if self.policy.is_banned(peer) or not self.policy.allow(peer):
+                await stream.reset()
+                return
+            async with self._limit:
+                with trio.move_on_after(self.io_timeout + self.handler_timeout):
+                    await self._serve_one(stream, peer)
+        except Exception as exc:
+            log.debug("request from %s failed: %s", peer, exc)
+        finally:
+            with trio.move_on_after(2) as cs:
+                cs.shield = True
+                try:
+                    await stream.close()
+                except Exception:
+                    pass
+
+    async def _serve_one(self, stream: INetStream, peer: str) -> None:
+        tname = "?"
+        with trio.fail_after(self.io_timeout):
+            raw = await read_frame(stream, self._max_request_bytes())
+        try:
+            env = protocol.open_envelope(
+                raw, run_id=self.run_id, now_ms=_now_ms(), guard=self._guard_in, allowed_types=set(self._handlers)
+            )
+            if env.sender != peer:
+                raise ProtocolError("sender_mismatch", "request signed by another peer than the connection's")
+        except ProtocolError as exc:
+            self.metrics.on_request(tname, "server", "bad_request")
+            self.policy.penalise(peer, exc.rule)
+            reply: Message = ErrorResponse(code="bad_request", detail=f"{exc.rule}: {exc.detail}"[:256])
+            run_id = self.run_id
+        else:
+            cls, handler = self._handlers[env.type_id]
+            tname = cls.__name__
+            run_id = env.run_id
+            try:
+                with trio.fail_after(self.handler_timeout):
+                    reply = handler(env, peer)
+                    if inspect.isawaitable(reply):
+                        reply = await reply
+                outcome = "ok" if not isinstance(reply, ErrorResponse) else "error"
+            except trio.TooSlowError:
+                reply, outcome = ErrorResponse(code="timeout", detail="handler timed out"), "timeout"
+            except Exception as exc:
+                log.exception("handler for %s failed", tname)
+                reply, outcome = ErrorResponse(code="internal", detail=f"{type(exc).__name__}"[:256]), "internal"
+            self.metrics.on_request(tname, "server", outcome)
+        data = protocol.seal(self.key, run_id, reply, _now_ms(), self.seq.next())
+        with trio.fail_after(self.io_timeout):
+            await write_frame(stream, data)

@@ -1,0 +1,104 @@
+"""Heartbeats and the swarm view.
+
+Every node publishes a signed ``Heartbeat`` every ``interval`` seconds (role,
+policy version, dialable addresses, data-plane port, chunk have-sets, a few
+counters). :class:`SwarmView` keeps the newest heartbeat of every peer and
+forgets peers silent for ``forget_after`` seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from protocol import Envelope, HaveEntry, Heartbeat
+
+
+@dataclasses.dataclass
+class PeerState:
+    peer_id: str
+    heartbeat: Heartbeat
+    last_seen: float  # monotonic
+    received_ms: int  # wall clock
+
+    def to_json(self, now: float) -> dict:
+        hb = self.heartbeat
+        return {
+            "peer_id": self.peer_id,
+            "role": hb.role,
+            "policy_version": hb.policy_version,
+            "addrs": list(hb.addrs),
+            "data_port": hb.data_port,
+            "have": [{"version": h.version, "root": h.root.hex(), "chunks": sum(bin(b).count("1") for b in h.bitmap)} for h in hb.have],
+            "uptime_s": round(hb.uptime_s, 1),
+            "step": hb.step,
+            "batches": hb.batches,
+            "last_seen_s": round(now - self.last_seen, 1),
+        }
+
+
+class SwarmView:
+    """Newest heartbeat per peer; peers silent for ``forget_after`` s are forgotten.
+
+    ``peers()`` -> live :class:`PeerState` by peer id; ``holders(version, root)``
+    -> {peer_id: HaveEntry} for the chunk fetcher; ``listeners`` are called with
+    each new ``PeerState`` (the connection manager learns addresses that way).
+    """
+
+    def __init__(self, my_id: str, forget_after: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.my_id = my_id
+        self.forget_after = forget_after
+        self.clock = clock
+        self._peers: dict[str, PeerState] = {}
+        self.listeners: list[Callable[[PeerState], None]] = []
+
+    def on_heartbeat(self, env: Envelope) -> None:
+        if env.sender == self.my_id or not isinstance(env.body, Heartbeat):
+            return
+        prev = self._peers.get(env.sender)
+        if prev is not None and prev.heartbeat is not None and env.timestamp_ms < prev.received_ms - 60_000:
+            return
+        st = PeerState(env.sender, env.body, self.clock(), env.timestamp_ms)
+        self._peers[env.sender] = st
+        for cb in list(self.listeners):
+            cb(st)
+
+    def forget(self, peer_id: str) -> None:
+        self._peers.pop(peer_id, None)
+
+    def prune(self) -> None:
+        cutoff = self.clock() - self.forget_after
+        for pid, st in list(self._peers.items()):
+            if st.last_seen < cutoff:
+                del self._peers[pid]
+
+    def peers(self) -> dict[str, PeerState]:
+        self.prune()
+        return dict(self._peers)
+
+    def get(self, peer_id: str) -> PeerState | None:
+        return self.peers().get(peer_id)
+
+    def by_role(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for pid, st in self.peers().items():
+            out.setdefault(st.heartbeat.role, []).append(pid)
+        return out
+
+    def holders(self, version: int, root: bytes | None = None) -> dict[str, HaveEntry]:
+        """Peers whose latest heartbeat lists chunks of ``version`` (and ``root``)."""
+        out = {}
+        for pid, st in self.peers().items():
+            for h in st.heartbeat.have:
+                if h.version == version and (root is None or h.root == root):
+                    out[pid] = h
+        return out
+
+    def to_json(self) -> dict:
+        now = self.clock()
+        peers = self.peers()
+        roles: dict[str, int] = {}
+        for st in peers.values():
+            roles[st.heartbeat.role] = roles.get(st.heartbeat.role, 0) + 1
+        return {"size": len(peers), "by_role": roles, "peers": [st.to_json(now) for st in peers.values()]}

@@ -1,0 +1,126 @@
+"""Test helpers others reuse: a signed test genesis and a factory of in-process nodes.
+
+Example::
+
+    async with trio.open_nursery() as nursery:
+        net = NodeFactory(nursery)
+        boot = await net.start()                      # the first node is the bootstrap
+        nodes = [await net.start(hook=MyRole()) for _ in range(5)]
+        await net.wait_connected()
+        ...
+        net.kill(boot)                                # cancel one node (closes its host)
+        nursery.cancel_scope.cancel()
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import trio
+
+from protocol import NodeKey, RunGenesis, SignedGenesis, sign_genesis
+
+from .node import BootstrapRole, Node, P2PConfig, RoleHook
+
+
+def make_genesis(
+    owner: NodeKey | None = None,
+    trainer: NodeKey | None = None,
+    validators: list[NodeKey] | None = None,
+    name: str = "test-run",
+    **overrides,
+) -> SignedGenesis:
+    owner = owner or NodeKey.generate()
+    trainer = trainer or owner
+    validators = validators or [trainer]
+    fields = dict(
+        name=name, owner=owner.peer_id, created_ms=time.time_ns() // 1_000_000, model="tiny-llama",
+        dataset="synthetic", dataset_size=64, trainer=trainer.peer_id,
+        validators=tuple(v.peer_id for v in validators), quorum=1, max_async=2, prompts_per_batch=4,
+        group_size=4, chunk_size=1 << 20, config_toml="",
+    )
+    fields.update(overrides)
+    return sign_genesis(owner, RunGenesis(**fields))
+
+
+def fast_config(**overrides) -> P2PConfig:
+    """Short intervals for tests on a loaded 2-core machine."""
+    cfg = P2PConfig(
+        listen=["/ip4/127.0.0.1/tcp/0"], target_peers=4, heartbeat_interval_s=0.5, forget_after_s=5.0,
+        conn_interval_s=0.3, px_interval_s=1.0, dial_timeout_s=3.0, gossip_degree=4, gossip_degree_low=3,
+        gossip_degree_high=8,
+    )
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+async def wait_until(pred: Callable[[], bool], timeout: float = 30.0, poll: float = 0.05, what: str = "condition") -> None:
+    """Poll ``pred`` until true; raises ``trio.TooSlowError`` naming ``what`` after ``timeout``."""
+    try:
+        with trio.fail_after(timeout):
+            while not pred():
+                await trio.sleep(poll)
+    except trio.TooSlowError:
+        raise trio.TooSlowError(f"timed out after {timeout} s waiting for {what}") from None
+
+
+class NodeFactory:
+    """Starts :class:`Node` s in one trio process sharing a test genesis.
+
+    The first node started is the bootstrap (``BootstrapRole``) unless
+    ``bootstrap=False``; later nodes dial it. ``start(key=...)`` restarts a
+    node with the same identity.
+    """
+
+    def __init__(self, nursery: trio.Nursery, genesis: SignedGenesis | None = None, **config_overrides) -> None:
+        self.nursery = nursery
+        self.genesis = genesis or make_genesis()
+        self.config_overrides = config_overrides
+        self.nodes: list[Node] = []
+        self.bootstrap_addrs: list[str] = []
+        self._scopes: dict[int, trio.CancelScope] = {}
+
+    async def start(self, hook: RoleHook | None = None, key: NodeKey | None = None, bootstrap: list[str] | None = None, **overrides) -> Node:
+        cfg = fast_config(**{**self.config_overrides, **overrides})
+        first = not self.bootstrap_addrs
+        cfg.bootstrap = list(self.bootstrap_addrs if bootstrap is None else bootstrap)
+        if hook is None:
+            hook = BootstrapRole() if first else RoleHook()
+        node = Node(key or NodeKey.generate(), genesis=self.genesis, config=cfg, hook=hook)
+        scope = trio.CancelScope()
+
+        async def _run(task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                await node.run(task_status=task_status)
+
+        await self.nursery.start(_run)
+        self._scopes[id(node)] = scope
+        self.nodes.append(node)
+        if first:
+            self.bootstrap_addrs = node.full_addrs()
+        return node
+
+    def kill(self, node: Node) -> None:
+        self._scopes[id(node)].cancel()
+        if node in self.nodes:
+            self.nodes.remove(node)
+
+    async def wait_connected(self, nodes: list[Node] | None = None, min_peers: int = 2, timeout: float = 60.0) -> None:
+        """Until every node has ``min_peers`` connections, sees all others' heartbeats,
+        and has gossip mesh peers on every topic."""
+        nodes = nodes or self.nodes
+        ids = {n.peer_id for n in nodes}
+
+        def ok() -> bool:
+            for n in nodes:
+                if n.conns is None or len(n.conns.connected()) < min(min_peers, len(nodes) - 1):
+                    return False
+                if not (ids - {n.peer_id}) <= set(n.swarm.peers()):
+                    return False
+                if any(not n.gossip.mesh_peers(k) for k in ("heartbeat", "vote", "rollout")):
+                    return False
+            return True
+
+        await wait_until(ok, timeout, poll=0.2, what="the overlay to connect")
