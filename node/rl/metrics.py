@@ -1,0 +1,82 @@
+"""Per-step training metrics, as one flat record a status page or a JSONL log can take."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass
+class StepMetrics:
+    """What one GRPO step did. Reward and length statistics cover every admitted rollout
+    (before the zero-advantage filter); loss, clip fraction and entropy cover the trained tokens."""
+
+    step: int = 0
+    lr: float = 0.0
+    num_groups: int = 0
+    num_rollouts: int = 0
+    filtered_groups: int = 0  # dropped by the zero-advantage filter
+    stale_groups: int = 0  # dropped by the max_async staleness bound
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    reward_min: float = 0.0
+    reward_max: float = 0.0
+    reward_hist: list[int] = dataclasses.field(default_factory=list)  # 10 bins over [reward_min, reward_max]
+    pass_rate: float = 0.0
+    length_mean: float = 0.0
+    length_min: int = 0
+    length_max: int = 0
+    loss: float = 0.0
+    grad_norm: float = 0.0  # before clipping
+    clip_fraction: float = 0.0
+    entropy: float = 0.0  # mean per trained token
+    kl: float = 0.0
+    trained_tokens: int = 0
+    tokens_per_s: float = 0.0  # prompt + completion tokens through the trainer per wall second
+    step_time_s: float = 0.0
+    skipped: bool = False  # no group survived the filters: no optimizer step
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def histogram(values: Sequence[float], bins: int = 10) -> list[int]:
+    """Counts in ``bins`` equal bins spanning [min, max] (all in the first bin if they are equal)."""
+    if not values:
+        return [0] * bins
+    lo, hi = min(values), max(values)
+    counts = [0] * bins
+    for v in values:
+        i = 0 if hi == lo else min(bins - 1, int((v - lo) / (hi - lo) * bins))
+        counts[i] += 1
+    return counts
+
+
+def reward_stats(rewards: Sequence[float], passed: Sequence[bool], lengths: Sequence[int]) -> dict[str, Any]:
+    """The reward/length part of StepMetrics."""
+    n = len(rewards)
+    if n == 0:
+        return {}
+    mean = sum(rewards) / n
+    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
+    return {
+        "reward_mean": mean, "reward_std": std, "reward_min": min(rewards), "reward_max": max(rewards),
+        "reward_hist": histogram(rewards), "pass_rate": sum(1 for p in passed if p) / n,
+        "length_mean": sum(lengths) / n, "length_min": min(lengths), "length_max": max(lengths),
+    }
+
+
+class MetricsLog:
+    """Append-only JSONL log of step metrics (one line per step, flushed)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, metrics: StepMetrics | dict[str, Any]) -> None:
+        rec = metrics.as_dict() if isinstance(metrics, StepMetrics) else metrics
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
