@@ -1,0 +1,58 @@
+"""The chunk data plane's binary frames (raw TCP, little-endian, fixed-size headers).
+
+A fetcher first obtains a ticket over libp2p (``ChunkTicketRequest`` ->
+``ChunkTicket``); libp2p authenticated both peers, the ticket binds the grant
+to the fetcher's peer id, one (version, root) and an expiry.  Then:
+
+    fetcher -> server   HELLO  40 bytes: magic "PNDP", u16 wire version (1),
+                               u16 zero, ticket (32 bytes)
+    server  -> fetcher  WELCOME 16 bytes: magic "PNDP", u8 status, 3 zero bytes,
+                               u32 number of chunks in the version, u32 zero
+
+then any number of requests, which may be pipelined (answered in order):
+
+    fetcher -> server   REQUEST 16 bytes: u8 op, 3 zero bytes, u32 chunk index, u64 zero
+    server  -> fetcher  REPLY   16 bytes: u8 op (echo), u8 status, 2 zero bytes,
+                               u32 chunk index, u64 payload length; then the payload
+
+ops: GET (1) - payload is the chunk's bytes; HAVE (2) - payload is the
+server's current have-bitmap of the version (see node.store.bitmap), so a
+fetcher learns of freshly verified chunks without waiting for a heartbeat;
+BYE (3) - no reply, the server closes.
+
+The payload is checked against the signed manifest's sha256 by the fetcher;
+the frames themselves carry no hash or MAC: integrity comes from the manifest,
+and nothing in a checkpoint is secret within the run.
+"""
+
+from __future__ import annotations
+
+import struct
+
+MAGIC = b"PNDP"
+WIRE_VERSION = 1
+
+HELLO = struct.Struct("<4sHH32s")  # 40 bytes
+WELCOME = struct.Struct("<4sB3xII")  # 16 bytes
+REQUEST = struct.Struct("<B3xIQ")  # 16 bytes
+REPLY = struct.Struct("<BB2xIQ")  # 16 bytes
+
+OP_GET = 1
+OP_HAVE = 2
+OP_BYE = 3
+
+# statuses (WELCOME and REPLY)
+OK = 0
+NOT_HELD = 1
+BAD_INDEX = 2
+BAD_TICKET = 3  # unknown or expired ticket
+BAD_REQUEST = 4
+BUSY = 5
+GONE = 6  # version no longer served (garbage-collected)
+
+STATUS_NAMES = {
+    OK: "ok", NOT_HELD: "not held", BAD_INDEX: "bad index", BAD_TICKET: "bad ticket",
+    BAD_REQUEST: "bad request", BUSY: "busy", GONE: "version gone",
+}
+
+assert HELLO.size == 40 and WELCOME.size == 16 and REQUEST.size == 16 and REPLY.size == 16

@@ -1,0 +1,207 @@
+"""The chunk server: grants tickets (called from the libp2p request handler) and serves
+chunk bytes over raw TCP with ``sendfile`` (no Python copy of the payload), under the
+node-wide upload cap.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import secrets
+import time
+
+import trio
+
+from protocol import ChunkTicket, ChunkTicketRequest
+
+from ..store import ChunkStore
+from . import frames as F
+from .ratelimit import TokenBucket
+from .wire import recv_exactly, send_all, tune
+
+log = logging.getLogger("primenode.dataplane")
+
+
+@dataclasses.dataclass
+class Ticket:
+    peer_id: str
+    version: int
+    root: bytes
+    expires: float  # trio clock
+    expires_ms: int
+
+
+class ChunkServer:
+    def __init__(
+        self,
+        store: ChunkStore,
+        listen_host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        max_upload_mbps: float = 0.0,
+        ticket_ttl_s: float = 120.0,
+        max_connections: int = 128,
+        idle_timeout_s: float = 60.0,
+        stall_timeout_s: float = 20.0,
+        send_slice: int = 256 * 1024,
+    ) -> None:
+        self.store = store
+        self.listen_host = listen_host
+        self.port = port
+        self.advertise_host = advertise_host or listen_host
+        self.bucket = TokenBucket.from_mbps(max_upload_mbps)
+        self.ticket_ttl_s = ticket_ttl_s
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.send_slice = send_slice
+        self.tickets: dict[bytes, Ticket] = {}
+        self.connections = 0
+        # stats
+        self.bytes_served = 0
+        self.chunks_served = 0
+        self.bytes_served_by_version: collections.Counter[int] = collections.Counter()
+        self.bytes_served_to: collections.Counter[str] = collections.Counter()
+        self.tickets_granted = 0
+        self._started = trio.Event()
+
+    def set_max_upload_mbps(self, mbps: float) -> None:
+        self.bucket = TokenBucket.from_mbps(mbps)
+
+    # ------------------------------------------------------------ tickets
+    def grant_ticket(self, peer_id: str, req: ChunkTicketRequest) -> ChunkTicket:
+        """Answer a ChunkTicketRequest from ``peer_id`` (authenticated by libp2p).
+
+        The ticket covers the whole (version, root) for ``ticket_ttl_s``: the
+        requested indices are a hint; chunks not held are answered NOT_HELD on
+        the data plane, and the fetcher can ask for the current bitmap there.
+        """
+        st = self.store.get(req.version, req.root)
+        if st is None:
+            return ChunkTicket(ok=False, reason="version not held", ticket=b"", host="", port=0, expires_ms=0)
+        if self.port == 0:
+            return ChunkTicket(ok=False, reason="data plane not running", ticket=b"", host="", port=0, expires_ms=0)
+        now = trio.current_time()
+        self._expire(now)
+        tok = secrets.token_bytes(32)
+        expires_ms = int((time.time() + self.ticket_ttl_s) * 1000)
+        self.tickets[tok] = Ticket(peer_id, req.version, req.root, now + self.ticket_ttl_s, expires_ms)
+        self.tickets_granted += 1
+        return ChunkTicket(ok=True, reason="", ticket=tok, host=self.advertise_host, port=self.port, expires_ms=expires_ms)
+
+    def _expire(self, now: float) -> None:
+        if len(self.tickets) > 64:
+            for k in [k for k, t in self.tickets.items() if t.expires < now]:
+                del self.tickets[k]
+
+    # ------------------------------------------------------------ serving
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host, backlog=256)
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        self._started.set()
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        peer = "?"
+        try:
+            if self.connections >= self.max_connections:
+                return
+            self.connections += 1
+            try:
+                tune(sock)
+                hello = await recv_exactly(sock, F.HELLO.size, self.stall_timeout_s)
+                magic, ver, _, tok = F.HELLO.unpack(hello)
+                t = self.tickets.get(tok)
+                if magic != F.MAGIC or ver != F.WIRE_VERSION:
+                    return
+                if t is None or t.expires < trio.current_time():
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.BAD_TICKET, 0, 0), self.stall_timeout_s)
+                    return
+                peer = t.peer_id
+                st = self.store.get(t.version, t.root)
+                if st is None:
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.GONE, 0, 0), self.stall_timeout_s)
+                    return
+                await send_all(sock, F.WELCOME.pack(F.MAGIC, F.OK, st.bitmap.n, 0), self.stall_timeout_s)
+                await self._serve(sock, t)
+            finally:
+                self.connections -= 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
+            log.debug("data connection from %s ended: %r", peer, exc)
+        finally:
+            await stream.aclose()
+
+    async def _serve(self, sock, t: Ticket) -> None:
+        while True:
+            req = None
+            with trio.move_on_after(self.idle_timeout_s):
+                req = await recv_exactly(sock, F.REQUEST.size, self.idle_timeout_s + 1)
+            if req is None:
+                return  # idle: the fetcher will reconnect when it needs more
+            op, idx, _ = F.REQUEST.unpack(req)
+            if op == F.OP_BYE:
+                return
+            st = self.store.get(t.version, t.root)
+            if st is None:
+                await send_all(sock, F.REPLY.pack(op, F.GONE, idx, 0), self.stall_timeout_s)
+                return
+            if op == F.OP_HAVE:
+                bm = st.bitmap.to_bytes()
+                await send_all(sock, F.REPLY.pack(op, F.OK, 0, len(bm)) + bm, self.stall_timeout_s)
+            elif op == F.OP_GET:
+                if idx >= st.bitmap.n:
+                    await send_all(sock, F.REPLY.pack(op, F.BAD_INDEX, idx, 0), self.stall_timeout_s)
+                elif idx not in st.bitmap:
+                    await send_all(sock, F.REPLY.pack(op, F.NOT_HELD, idx, 0), self.stall_timeout_s)
+                else:
+                    with self.store.pin(t.version):
+                        await self._send_chunk(sock, st, idx, t.peer_id)
+            else:
+                await send_all(sock, F.REPLY.pack(op, F.BAD_REQUEST, idx, 0), self.stall_timeout_s)
+                return
+
+    async def _send_chunk(self, sock, st, idx: int, peer: str) -> None:
+        length = st.chunks[idx][2]
+        path = self.store.object_path(st.chunks[idx][3])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            await send_all(sock, F.REPLY.pack(F.OP_GET, F.OK, idx, length), self.stall_timeout_s)
+            off = 0
+            out = sock.fileno()
+            while off < length:
+                n = min(self.send_slice, length - off)
+                await self.bucket.take(n)
+                end = off + n
+                while off < end:
+                    try:
+                        w = os.sendfile(out, fd, off, end - off)
+                    except BlockingIOError:
+                        with trio.fail_after(self.stall_timeout_s):
+                            await trio.lowlevel.wait_writable(sock)
+                        continue
+                    if w == 0:
+                        raise trio.BrokenResourceError("sendfile wrote nothing")
+                    off += w
+                    self.bytes_served += w
+                    self.bytes_served_by_version[st.version] += w
+                    self.bytes_served_to[peer] += w
+                await trio.lowlevel.checkpoint()
+            self.chunks_served += 1
+        finally:
+            os.close(fd)
+
+    def status(self) -> dict:
+        return {
+            "port": self.port,
+            "connections": self.connections,
+            "bytes_served": self.bytes_served,
+            "chunks_served": self.chunks_served,
+            "bytes_served_by_version": dict(self.bytes_served_by_version),
+            "bytes_served_to": dict(self.bytes_served_to),
+            "tickets_granted": self.tickets_granted,
+            "max_upload_bytes_per_s": self.bucket.rate,
+        }

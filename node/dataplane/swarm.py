@@ -1,0 +1,418 @@
+"""The swarm fetcher: get every chunk of one checkpoint version from many peers at once.
+
+* One worker task per useful peer (up to ``max_peers``): it gets a ticket over
+  the overlay, opens one TCP connection and keeps ``depth`` GETs pipelined.
+* Rarest first: each free slot takes the missing chunk that the fewest known
+  peers hold (a per-node random order breaks ties, so fetchers spread out and
+  the original seeder sends each chunk about once before peers take over).
+* Have-sets come from heartbeats (:meth:`update_have`) and, fresher, from HAVE
+  polls on the open data connections (every ``have_poll_s``).
+* Every chunk is size- and hash-checked in a worker thread (the event loop
+  never hashes), written atomically and marked held - from that moment the
+  node's own chunk server offers it to others.
+* A bad chunk: thrown away, the chunk goes back to the pool (another peer will
+  serve it), the sender is penalised; ``max_strikes`` bad chunks -> banned.
+* A stall (no byte for ``stall_timeout`` s), a refused ticket or a broken
+  connection: the peer's outstanding chunks go back to the pool and the peer
+  cools down (exponential back-off) before it is tried again.
+* Peers are ranked by measured throughput, discounted by failures.
+* Resume: the fetcher starts from whatever the store already holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import random
+import time
+from typing import Callable
+
+import trio
+
+from protocol import ChunkTicketRequest
+
+from ..store import Bitmap, ChunkRejected, ChunkStore, VersionState
+from . import frames as F
+from .client import DataConnection, DataPlaneError
+from .overlay import ChunkOverlay
+
+log = logging.getLogger("primenode.swarm")
+
+
+@dataclasses.dataclass
+class FetchPeer:
+    peer_id: str
+    bitmap: Bitmap | None = None
+    running: bool = False
+    banned: bool = False
+    strikes: int = 0
+    failures: int = 0
+    cooldown_until: float = 0.0
+    ewma_bps: float = 0.0
+    bytes: int = 0
+    chunks: int = 0
+    inflight: set[int] = dataclasses.field(default_factory=set)
+    scope: trio.CancelScope | None = None
+    last_error: str = ""
+
+    def score(self) -> float:
+        return (self.ewma_bps + 1.0) / (1 + self.failures + 3 * self.strikes)
+
+    def to_json(self) -> dict:
+        return {
+            "peer_id": self.peer_id, "bytes": self.bytes, "chunks": self.chunks,
+            "mib_per_s": round(self.ewma_bps / 2**20, 1), "failures": self.failures,
+            "strikes": self.strikes, "banned": self.banned, "holds": self.bitmap.count if self.bitmap else None,
+            "last_error": self.last_error,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchProgress:
+    version: int
+    held: int
+    total: int
+    bytes_fetched: int
+    mib_per_s: float
+    elapsed_s: float
+    done: bool
+
+
+class SwarmFetcher:
+    def __init__(
+        self,
+        store: ChunkStore,
+        version: int,
+        overlay: ChunkOverlay,
+        *,
+        max_peers: int = 16,
+        depth: int = 4,
+        max_verifying: int = 16,
+        stall_timeout: float = 10.0,
+        ticket_timeout: float = 10.0,
+        max_strikes: int = 3,
+        have_poll_s: float = 0.25,
+        on_progress: Callable[[FetchProgress], None] | None = None,
+        banned: set[str] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.st: VersionState = store.versions[version]
+        self.version = version
+        self.overlay = overlay
+        self.max_peers = max_peers
+        self.depth = depth
+        self.max_verifying = max_verifying
+        self.stall_timeout = stall_timeout
+        self.ticket_timeout = ticket_timeout
+        self.max_strikes = max_strikes
+        self.have_poll_s = have_poll_s
+        self.on_progress = on_progress
+        self.banned = banned if banned is not None else set()
+        n = self.st.bitmap.n
+        self.n = n
+        rng = rng or random.Random()
+        order = list(range(n))
+        rng.shuffle(order)
+        self._tiebreak = [0] * n
+        for rank, i in enumerate(order):
+            self._tiebreak[i] = rank
+        self.avail = [0] * n
+        self.peers: dict[str, FetchPeer] = {}
+        self._missing: set[int] = {i for i in range(n) if i not in self.st.bitmap}
+        self._inflight: dict[int, str] = {}
+        self._verifying: set[int] = set()
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        # stats
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.bytes_fetched = 0
+        self.chunks_fetched = 0
+        self.chunks_rejected = 0
+        self.held_at_start = self.st.bitmap.count
+        self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
+
+    # ------------------------------------------------------------ inputs
+    def add_peer(self, peer_id: str) -> FetchPeer:
+        p = self.peers.get(peer_id)
+        if p is None:
+            p = self.peers[peer_id] = FetchPeer(peer_id, banned=peer_id in self.banned)
+            self._poke()
+        return p
+
+    def update_have(self, peer_id: str, bitmap: bytes) -> None:
+        """A peer's have-bitmap for this version (heartbeat or HAVE reply)."""
+        p = self.add_peer(peer_id)
+        if p.banned:
+            return
+        try:
+            new = Bitmap(self.n, bitmap)
+        except ValueError:
+            self.overlay.penalise(peer_id, "bad_bitmap")
+            return
+        self._apply_bitmap(p, new)
+        self._poke()
+
+    def _apply_bitmap(self, p: FetchPeer, new: Bitmap | None) -> None:
+        old_b = p.bitmap.to_bytes() if p.bitmap is not None else bytes((self.n + 7) // 8)
+        new_b = new.to_bytes() if new is not None else bytes(len(old_b))
+        if old_b != new_b:
+            avail = self.avail
+            for bi, (a, b) in enumerate(zip(old_b, new_b)):
+                if a != b:
+                    for bit in range(8):
+                        d = ((b >> bit) & 1) - ((a >> bit) & 1)
+                        if d:
+                            avail[bi * 8 + bit] += d
+        p.bitmap = new
+
+    def _poke(self) -> None:
+        self._changed.set()
+
+    # ------------------------------------------------------------ scheduling
+    def _pick(self, p: FetchPeer) -> int | None:
+        bm = p.bitmap
+        if bm is None:
+            return None
+        held = self.st.bitmap
+        best = None
+        best_key = None
+        stale = []
+        for i in self._missing:
+            if i in held:
+                stale.append(i)
+                continue
+            if i in bm:
+                key = (self.avail[i], self._tiebreak[i])
+                if best_key is None or key < best_key:
+                    best, best_key = i, key
+        for i in stale:
+            self._missing.discard(i)
+        if best is not None:
+            self._missing.discard(best)
+            self._inflight[best] = p.peer_id
+            p.inflight.add(best)
+        return best
+
+    def _release(self, i: int, p: FetchPeer | None = None) -> None:
+        self._inflight.pop(i, None)
+        if p is not None:
+            p.inflight.discard(i)
+        if i not in self.st.bitmap:
+            self._missing.add(i)
+        self._poke()
+
+    def _depth(self, p: FetchPeer) -> int:
+        if p.failures or p.strikes:
+            return max(1, self.depth // 2)
+        return self.depth
+
+    @property
+    def complete(self) -> bool:
+        return self.st.bitmap.complete
+
+    async def run(self) -> None:
+        """Fetch until the version is complete (cancel the caller's scope to give up)."""
+        self._report()
+        if self.complete:
+            self.finished = time.monotonic()
+            return
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            while not self.complete:
+                self._changed = trio.Event()
+                self._schedule(nursery)
+                with trio.move_on_after(0.5):
+                    await self._changed.wait()
+            nursery.cancel_scope.cancel()
+        self.finished = time.monotonic()
+        self._report(force=True)
+
+    def _schedule(self, nursery: trio.Nursery) -> None:
+        now = trio.current_time()
+        active = sum(1 for p in self.peers.values() if p.running)
+        for p in sorted(self.peers.values(), key=lambda q: -q.score()):
+            if active >= self.max_peers:
+                break
+            if p.running or p.banned or p.peer_id in self.banned or now < p.cooldown_until:
+                continue
+            p.running = True
+            active += 1
+            nursery.start_soon(self._peer_worker, p)
+
+    # ------------------------------------------------------------ one peer
+    def _hint(self, p: FetchPeer) -> tuple[int, ...]:
+        if p.bitmap is not None:
+            idx = [i for i in list(self._missing)[:4096] if i in p.bitmap][:16]
+            if idx:
+                return tuple(idx)
+        return tuple(sorted(self._missing)[:16]) or (0,)
+
+    async def _peer_worker(self, p: FetchPeer) -> None:
+        conn: DataConnection | None = None
+        outstanding: collections.deque[tuple[int, int]] = collections.deque()
+        try:
+            with trio.CancelScope() as scope:
+                p.scope = scope
+                req = ChunkTicketRequest(version=self.version, root=self.st.root, chunk_indices=self._hint(p))
+                with trio.fail_after(self.ticket_timeout):
+                    ticket = await self.overlay.request_ticket(p.peer_id, req, self.ticket_timeout)
+                if not ticket.ok:
+                    raise DataPlaneError(F.BAD_TICKET, f"ticket refused: {ticket.reason}")
+                conn = await DataConnection.open(
+                    ticket.host, ticket.port, ticket.ticket,
+                    connect_timeout=self.ticket_timeout, stall_timeout=self.stall_timeout,
+                )
+                if conn.num_chunks != self.n:
+                    self.overlay.penalise(p.peer_id, "bad_chunk_count")
+                    raise DataPlaneError(F.BAD_REQUEST, f"peer says {conn.num_chunks} chunks, manifest {self.n}")
+                await self._session(p, conn, outstanding)
+        except Exception as exc:  # network, protocol or overlay failure: cool down, retry later
+            p.failures += 1
+            p.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            p.cooldown_until = trio.current_time() + min(30.0, 0.25 * 2 ** min(p.failures, 7))
+            if isinstance(exc, trio.TooSlowError):
+                self.overlay.penalise(p.peer_id, "chunk_stall")
+            log.debug("peer %s: %s", p.peer_id[-8:], p.last_error)
+        finally:
+            p.scope = None
+            for i in list(p.inflight):
+                self._release(i, p)
+            p.running = False
+            if conn is not None:
+                await conn.aclose()
+            self._poke()
+
+    async def _session(self, p: FetchPeer, conn: DataConnection, outstanding) -> None:
+        await conn.send(F.OP_HAVE)
+        outstanding.append((F.OP_HAVE, 0))
+        last_have = trio.current_time()
+        have_pending = True
+        while not self.complete and not p.banned:
+            while len(p.inflight) < self._depth(p) and len(self._verifying) < self.max_verifying:
+                i = self._pick(p)
+                if i is None:
+                    break
+                await conn.send(F.OP_GET, i)
+                outstanding.append((F.OP_GET, i))
+            now = trio.current_time()
+            if not have_pending and now - last_have >= self.have_poll_s and (not outstanding or len(outstanding) < 2):
+                await conn.send(F.OP_HAVE)
+                outstanding.append((F.OP_HAVE, 0))
+                last_have, have_pending = now, True
+            if not outstanding:
+                with trio.move_on_after(max(0.01, self.have_poll_s - (now - last_have))):
+                    await self._changed.wait()
+                continue
+            op, idx = outstanding.popleft()
+            rop, status, ridx, length = await conn.read_header()
+            if rop != op or (op == F.OP_GET and ridx != idx):
+                self.overlay.penalise(p.peer_id, "bad_frame")
+                raise DataPlaneError(F.BAD_REQUEST, "reply out of order")
+            if op == F.OP_HAVE:
+                have_pending = False
+                if status != F.OK:
+                    raise DataPlaneError(status)
+                if length != (self.n + 7) // 8:
+                    self.overlay.penalise(p.peer_id, "bad_bitmap")
+                    raise DataPlaneError(F.BAD_REQUEST, "bitmap of the wrong size")
+                buf = bytearray(length)
+                await conn.read_payload_into(memoryview(buf))
+                self.update_have(p.peer_id, bytes(buf))
+                continue
+            if status != F.OK:
+                self._release(idx, p)
+                if status == F.NOT_HELD and p.bitmap is not None and idx in p.bitmap:
+                    nb = p.bitmap.copy()
+                    nb.clear(idx)
+                    self._apply_bitmap(p, nb)
+                    continue
+                raise DataPlaneError(status, f"chunk {idx}")
+            expected = self.st.chunks[idx][2]
+            if length != expected:
+                self.chunks_rejected += 1
+                self._strike(p, f"chunk {idx}: {length} bytes announced, manifest says {expected}")
+                self._release(idx, p)
+                raise DataPlaneError(F.BAD_REQUEST, "wrong chunk size")  # cannot resync the stream
+            buf = bytearray(length)
+            t0 = time.monotonic()
+            await conn.read_payload_into(memoryview(buf))
+            dt = max(time.monotonic() - t0, 1e-6)
+            rate = length / dt
+            p.ewma_bps = rate if p.ewma_bps == 0 else 0.7 * p.ewma_bps + 0.3 * rate
+            p.inflight.discard(idx)
+            self._verifying.add(idx)
+            self._nursery.start_soon(self._verify, p, idx, buf)
+
+    def _strike(self, p: FetchPeer, reason: str) -> None:
+        p.strikes += 1
+        p.last_error = reason
+        self.overlay.penalise(p.peer_id, "bad_chunk")
+        log.warning("bad chunk from %s: %s (strike %d)", p.peer_id[-8:], reason, p.strikes)
+        if p.strikes >= self.max_strikes and not p.banned:
+            p.banned = True
+            self.banned.add(p.peer_id)
+            self._apply_bitmap(p, None)
+            self.overlay.ban(p.peer_id, f"{p.strikes} bad chunks")
+            if p.scope is not None:
+                p.scope.cancel()
+
+    async def _verify(self, p: FetchPeer, idx: int, buf: bytearray) -> None:
+        try:
+            try:
+                h = await trio.to_thread.run_sync(self.store.put_chunk_blocking, self.st, idx, buf)
+            except ChunkRejected as exc:
+                self.chunks_rejected += 1
+                self._strike(p, exc.reason)
+                return
+            self.store.mark_held(h)
+            self.bytes_fetched += len(buf)
+            self.chunks_fetched += 1
+            p.bytes += len(buf)
+            p.chunks += 1
+            self._rate_window.append((time.monotonic(), len(buf)))
+        finally:
+            self._verifying.discard(idx)
+            self._release(idx)
+            self._report()
+
+    # ------------------------------------------------------------ progress and stats
+    def mib_per_s(self) -> float:
+        now = time.monotonic()
+        w = self._rate_window
+        while w and w[0][0] < now - 3.0:
+            w.popleft()
+        if not w:
+            return 0.0
+        span = max(now - max(w[0][0], self.started), 0.25) if len(w) > 1 else max(now - self.started, 0.25)
+        return sum(b for _, b in w) / span / 2**20
+
+    def progress(self) -> FetchProgress:
+        return FetchProgress(
+            version=self.version, held=self.st.bitmap.count, total=self.n, bytes_fetched=self.bytes_fetched,
+            mib_per_s=self.mib_per_s(), elapsed_s=(self.finished or time.monotonic()) - self.started,
+            done=self.complete,
+        )
+
+    def _report(self, force: bool = False) -> None:
+        if self.on_progress is not None:
+            try:
+                self.on_progress(self.progress())
+            except Exception:
+                log.exception("progress callback failed")
+
+    def status(self) -> dict:
+        return {
+            "version": self.version,
+            "chunks_held": self.st.bitmap.count,
+            "chunks_total": self.n,
+            "bytes_fetched": self.bytes_fetched,
+            "chunks_fetched": self.chunks_fetched,
+            "chunks_rejected": self.chunks_rejected,
+            "held_at_start": self.held_at_start,
+            "seconds": round((self.finished or time.monotonic()) - self.started, 3),
+            "peers": {pid: p.to_json() for pid, p in self.peers.items() if p.bytes or p.failures or p.strikes},
+            "fed_from": sorted(pid for pid, p in self.peers.items() if p.bytes),
+        }
