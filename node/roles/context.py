@@ -1,0 +1,152 @@
+"""Everything a role derives from the run genesis: dataset, tokenizer, model, knobs.
+
+Every node computes the same context from the same signed genesis, which is
+what lets validators recompute exactly what a worker owed and what its
+rewards are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from protocol import RunGenesis, SamplingParams
+
+from ..errors import NodeError
+from ..genesis_file import genesis_config
+
+# The devnet's tiny model (genesis [config] tiny_hidden_size / tiny_layers / tiny_heads override): big enough to learn the target-length task in minutes on 2 cores.
+TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
+
+
+@dataclasses.dataclass
+class RunContext:
+    genesis: RunGenesis
+    config: dict[str, Any]
+    problems: list[Any]
+    tokenizer: Any
+    cache_dir: Path
+
+    @classmethod
+    def from_genesis(cls, genesis: RunGenesis, cache_dir: Path) -> "RunContext":
+        config = genesis_config(genesis)
+        problems = load_problems(genesis.dataset, genesis.dataset_size, int(config.get("seed", 0)))
+        tokenizer = make_tokenizer(genesis.model, cache_dir)
+        return cls(genesis, config, problems, tokenizer, Path(cache_dir))
+
+    # ------------------------------------------------------------ knobs
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=float(self.config.get("temperature", 1.0)),
+            top_p=float(self.config.get("top_p", 1.0)),
+            max_tokens=int(self.config.get("max_tokens", 48)),
+        )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return pad if pad is not None else (self.eos_token_id or 0)
+
+    def grpo_config(self):
+        from ..rl.grpo import GRPOConfig
+
+        # Tiny-model demo values (notes: "GRPO demo settings that worked here"), overridable
+        # by the genesis [config]; GRPOConfig's own defaults are INTELLECT-2's.
+        base = dict(lr=1e-4, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0, temperature=self.sampling.temperature,
+                    max_tokens=self.sampling.max_tokens, group_size=self.genesis.group_size,
+                    max_async=self.genesis.max_async, entropy_coef=0.0, micro_batch_size=32)
+        base.update({k: v for k, v in self.config.items() if k in GRPOConfig.__dataclass_fields__})
+        base["max_async"] = self.genesis.max_async
+        return GRPOConfig.from_dict(base)
+
+    # ------------------------------------------------------------ prompts
+    def prompt_tokens(self, index: int) -> list[int]:
+        text = self.problems[index].prompt
+        tok = self.tokenizer
+        if hasattr(tok, "apply_chat_template") and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return list(tok.encode(text))
+
+    def decode(self, tokens: list[int]) -> str:
+        try:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        except TypeError:
+            return self.tokenizer.decode(tokens)
+
+    def reward(self, index: int, tokens: list[int]) -> float:
+        from ..rl.rewards import compute_reward
+
+        res = compute_reward(self.problems[index], self.decode(tokens), tokens, eos_token_id=self.eos_token_id)
+        return float(res.reward)
+
+    # ------------------------------------------------------------ models
+    def initial_model(self):
+        """Version 0 of the policy: the same weights on every node that builds it."""
+        seed = int(self.config.get("seed", 0))
+        if self.genesis.model == "tiny":
+            from ..models import tiny_llama
+
+            tok = self.tokenizer
+            size = {k: int(self.config.get(f"tiny_{k}", v)) for k, v in TINY_MODEL.items()}
+            return tiny_llama(vocab_size=tok.vocab_size, hidden_size=size["hidden_size"], layers=size["layers"],
+                              heads=size["heads"], seed=seed, eos_token_id=tok.eos_token_id)
+        if self.genesis.model == "smollm2":
+            from ..models import load_smollm2
+
+            model, _ = load_smollm2(self.cache_dir)
+            return model
+        path = Path(self.genesis.model)
+        if path.is_dir():
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        raise NodeError(f"unknown model {self.genesis.model!r}: use tiny, smollm2 or a local model folder")
+
+
+def make_tokenizer(model: str, cache_dir: Path):
+    if model == "tiny":
+        from ..rl.tasks import CharTokenizer
+
+        return CharTokenizer()
+    if model == "smollm2":
+        from ..models import load_smollm2
+
+        _, tok = load_smollm2(cache_dir)
+        return tok
+    path = Path(model)
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    raise NodeError(f"unknown model {model!r}: use tiny, smollm2 or a local model folder")
+
+
+def load_problems(spec: str, size: int, seed: int) -> list[Any]:
+    from ..rl import tasks
+
+    if spec in ("builtin:target-length", "builtin:length"):
+        problems = tasks.length_problems(size, seed)
+    elif spec in ("builtin:arithmetic", "builtin:math"):
+        problems = tasks.arithmetic_problems(size, seed)
+    else:
+        problems = tasks.load_dataset(spec)
+    if len(problems) != size:
+        raise NodeError(f"dataset {spec} has {len(problems)} problems, the genesis says {size}")
+    return problems
+
+
+def sample_seed(run_id: bytes, worker: str, version: int, counter: int, prompt_index: int) -> int:
+    """The seed a worker uses for one prompt's group (recorded in the signed batch)."""
+    h = hashlib.sha256(b"%s|%s|%d|%d|%d" % (run_id, worker.encode(), version, counter, prompt_index)).digest()
+    return int.from_bytes(h[:8], "big") >> 1

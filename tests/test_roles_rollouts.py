@@ -1,0 +1,60 @@
+"""Worker batch production and validator checks, in one process with a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.roles.rollouts import produce_batch, verify_batch
+from protocol import RolloutBatch
+
+from .roles_support import WORKERS, engine_for, tiny_context
+
+W = WORKERS[0].peer_id
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    ctx = tiny_context(tmp_path_factory.mktemp("ctx"))
+    engine = engine_for(ctx)
+    return ctx, engine
+
+
+def prefill_with(engine):
+    return lambda pairs: engine.prefill_hidden_batch(pairs)
+
+
+def test_honest_batch_is_accepted_with_rule_rewards(setup):
+    ctx, engine = setup
+    batch = produce_batch(ctx, engine, W, 0, 0)
+    assert RolloutBatch.decode(batch.encode()) == batch
+    assert len(batch.samples) == ctx.genesis.prompts_per_batch * ctx.genesis.group_size
+    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    assert v.accept, v.reason
+    assert v.rewards == [s.claimed_reward for s in batch.samples]
+
+
+@pytest.mark.parametrize("tamper,rule", [("tokens", "toploc"), ("prompts", "prompts"), ("rewards", "reward")])
+def test_tampered_batches_are_rejected(setup, tamper, rule):
+    ctx, engine = setup
+    batch = produce_batch(ctx, engine, W, 0, 1, tamper=tamper)
+    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    assert not v.accept and v.rule == rule, v.reason
+
+
+def test_other_weights_are_rejected(setup):
+    ctx, engine = setup
+    other = ctx.initial_model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 0.1)
+    batch = produce_batch(ctx, engine_for(ctx, other), W, 0, 2)
+    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    assert not v.accept and v.rule == "toploc", v.reason
+
+
+def test_batch_announced_by_someone_else_is_rejected(setup):
+    ctx, engine = setup
+    batch = produce_batch(ctx, engine, W, 0, 3)
+    v = verify_batch(ctx, prefill_with(engine), batch, WORKERS[1].peer_id)
+    assert not v.accept and v.rule == "worker"
