@@ -58,6 +58,8 @@ class ConnectionManager:
         backoff_max: float = 60.0,
         forget_after: float = 600.0,
         my_addrs: callable = lambda: [],
+        has_gossip_stream: callable = lambda peer_id: True,
+        gossip_grace: float = 5.0,
     ) -> None:
         self.host = host
         self.my_id = my_id
@@ -73,6 +75,9 @@ class ConnectionManager:
         self.backoff_max = backoff_max
         self.forget_after = forget_after
         self.my_addrs = my_addrs
+        self.has_gossip_stream = has_gossip_stream
+        self.gossip_grace = gossip_grace
+        self._no_stream_since: dict[str, float] = {}
         self.book: dict[str, BookEntry] = {}
         self.bootstrap_ids: list[str] = []
         for text in bootstrap:
@@ -246,14 +251,30 @@ class ConnectionManager:
                         and not self.policy.is_banned(pid) and e.next_try <= now
                     ]
                     random.shuffle(cands)
-                    # prefer non-bootstrap peers so the bootstrap is not everyone's only link
-                    cands.sort(key=lambda p: p in self.bootstrap_ids)
+                    # Prefer non-bootstrap peers (the bootstrap must not be everyone's
+                    # only link), then peers with a higher id than ours: two peers
+                    # dialling each other at once end up with two connections, and
+                    # py-libp2p later trims one, which can orphan the pubsub stream.
+                    cands.sort(key=lambda p: (p in self.bootstrap_ids, p < self.my_id))
                     for pid in cands[:need]:
                         nursery.start_soon(self._try_dial, pid)
                 if live and (now - last_px >= self.px_interval or (need > 0 and now - last_px >= self.interval * 2)):
                     last_px = now
                     for pid in live:
                         nursery.start_soon(self._px_one, pid)
+                # Watchdog: a connection without a pubsub stream after a grace period
+                # (py-libp2p sometimes loses it when a duplicate connection is trimmed)
+                # carries no gossip: drop it so a fresh one is made.
+                for pid in live:
+                    if self.has_gossip_stream(pid):
+                        self._no_stream_since.pop(pid, None)
+                    elif now - self._no_stream_since.setdefault(pid, now) > self.gossip_grace:
+                        self._no_stream_since.pop(pid, None)
+                        self.metrics.dials.labels("dropped_no_gossip").inc()
+                        nursery.start_soon(self._disconnect, pid)
+                for pid in list(self._no_stream_since):
+                    if pid not in live:
+                        del self._no_stream_since[pid]
                 # forget long-dead, never-reached entries (not bootstrap)
                 for pid, e in list(self.book.items()):
                     if pid not in self.bootstrap_ids and e.fails >= 8 and now - e.updated > self.forget_after:

@@ -155,6 +155,21 @@ class Gossip:
     def mesh_peers(self, kind: str) -> set[str]:
         return {p.to_base58() for p in self.router.mesh.get(self._kind_topic[kind], set())}
 
+    def has_stream(self, peer_id: str) -> bool:
+        """Whether gossip can flow with ``peer_id``: pubsub has a stream to it and
+        knows its subscriptions (py-libp2p forgets both when any stream of the
+        peer fails, e.g. one on a trimmed duplicate connection)."""
+        try:
+            pid = ID.from_base58(peer_id)
+        except Exception:
+            return False
+        if pid not in self.pubsub.peers:
+            return False
+        q = self.pubsub.peer_queues.get(pid)
+        if q is None or q.closed or len(q) > 256:
+            return False  # no sender, or one stuck writing to a dead stream
+        return all(pid in self.pubsub.peer_topics.get(tp, ()) for tp in self._topic_kind)
+
     def topic_peers(self, kind: str) -> set[str]:
         return {p.to_base58() for p in self.pubsub.peer_topics.get(self._kind_topic[kind], set())}
 

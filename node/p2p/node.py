@@ -61,9 +61,11 @@ class P2PConfig:
     conn_interval_s: float = 1.0
     px_interval_s: float = 5.0
     dial_timeout_s: float = 5.0
-    gossip_degree: int = 6
-    gossip_degree_low: int = 4
-    gossip_degree_high: int = 12
+    # Mesh degree >= connections: GossipSub then forwards to every connected
+    # subscriber and the fan-out is bounded by target_peers (see docs/operating.md).
+    gossip_degree: int = 64
+    gossip_degree_low: int = 64
+    gossip_degree_high: int = 64
     budget: float = 20.0
     ban_seconds: float = 600.0
     rate_per_s: float = 1000.0
@@ -161,6 +163,7 @@ class Node:
                     self.host, self.peer_id, self.reqresp, self.swarm, self.policy, self.metrics,
                     bootstrap=cfg.bootstrap, target_peers=cfg.target_peers, interval=cfg.conn_interval_s,
                     px_interval=cfg.px_interval_s, dial_timeout=cfg.dial_timeout_s, my_addrs=self.addrs,
+                    has_gossip_stream=self.gossip.has_stream,
                 )
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
                 self.gossip.on("heartbeat", self.swarm.on_heartbeat)

@@ -48,8 +48,7 @@ def fast_config(**overrides) -> P2PConfig:
     """Short intervals for tests on a loaded 2-core machine."""
     cfg = P2PConfig(
         listen=["/ip4/127.0.0.1/tcp/0"], target_peers=4, heartbeat_interval_s=0.5, forget_after_s=5.0,
-        conn_interval_s=0.3, px_interval_s=1.0, dial_timeout_s=3.0, gossip_degree=4, gossip_degree_low=3,
-        gossip_degree_high=8,
+        conn_interval_s=0.3, px_interval_s=1.0, dial_timeout_s=3.0,
     )
     for k, v in overrides.items():
         setattr(cfg, k, v)
