@@ -110,6 +110,10 @@ class Distribution:
         if hb.data_port == 0:
             return
         self._have[peer_id] = (time.monotonic(), hb.have)
+        for f in self.fetchers.values():
+            # a peer that serves chunks but does not list this version yet probably
+            # just heard of it too: try it (its HAVE replies tell us what it holds)
+            f.add_peer(peer_id)
         for e in hb.have:
             f = self.fetchers.get(e.version)
             if f is not None and f.st.root == e.root:
@@ -145,6 +149,7 @@ class Distribution:
         self.fetchers[version] = f
         st = f.st
         for pid, (_, have) in self._have.items():
+            f.add_peer(pid)
             for e in have:
                 if e.version == version and e.root == st.root:
                     f.update_have(pid, e.bitmap)

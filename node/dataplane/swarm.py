@@ -40,6 +40,10 @@ from .overlay import ChunkOverlay
 log = logging.getLogger("primenode.swarm")
 
 
+class TicketError(Exception):
+    """No ticket from a peer (timeout, unreachable over the overlay, refused)."""
+
+
 @dataclasses.dataclass
 class FetchPeer:
     peer_id: str
@@ -90,7 +94,7 @@ class SwarmFetcher:
         depth: int = 4,
         max_verifying: int = 16,
         stall_timeout: float = 10.0,
-        ticket_timeout: float = 10.0,
+        ticket_timeout: float = 5.0,
         max_strikes: int = 3,
         have_poll_s: float = 0.25,
         on_progress: Callable[[FetchProgress], None] | None = None,
@@ -257,8 +261,11 @@ class SwarmFetcher:
             with trio.CancelScope() as scope:
                 p.scope = scope
                 req = ChunkTicketRequest(version=self.version, root=self.st.root, chunk_indices=self._hint(p))
-                with trio.fail_after(self.ticket_timeout):
-                    ticket = await self.overlay.request_ticket(p.peer_id, req, self.ticket_timeout)
+                try:
+                    with trio.fail_after(self.ticket_timeout):
+                        ticket = await self.overlay.request_ticket(p.peer_id, req, self.ticket_timeout)
+                except Exception as exc:
+                    raise TicketError(f"{type(exc).__name__}: {exc}") from None
                 if not ticket.ok:
                     raise DataPlaneError(F.BAD_TICKET, f"ticket refused: {ticket.reason}")
                 conn = await DataConnection.open(
@@ -273,7 +280,9 @@ class SwarmFetcher:
             p.failures += 1
             p.last_error = f"{type(exc).__name__}: {exc}"[:200]
             p.cooldown_until = trio.current_time() + min(30.0, 0.25 * 2 ** min(p.failures, 7))
-            if isinstance(exc, trio.TooSlowError):
+            if isinstance(exc, TicketError):  # the overlay's problem, not the peer's fault: retry soon
+                p.cooldown_until = trio.current_time() + min(5.0, 0.2 * p.failures)
+            elif isinstance(exc, trio.TooSlowError):
                 self.overlay.penalise(p.peer_id, "chunk_stall")
             log.debug("peer %s: %s", p.peer_id[-8:], p.last_error)
         finally:
