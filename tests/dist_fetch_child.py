@@ -1,0 +1,45 @@
+"""Child process for the resume test: fetch one version with a pre-granted ticket.
+
+usage: python -m tests.dist_fetch_child STORE_DIR TRAINER_ID ANNOUNCE_FILE PEER_ID HOST PORT TICKET_HEX
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import trio
+
+from node.dataplane import SwarmFetcher
+from node.store import ChunkStore
+from protocol import ChunkTicket
+
+RUN_ID = hashlib.sha256(b"distribution-test-run").digest()
+
+
+class StaticTicketOverlay:
+    def __init__(self, ticket: ChunkTicket) -> None:
+        self.ticket = ticket
+
+    async def request_ticket(self, peer_id, req, timeout):
+        return self.ticket
+
+    def penalise(self, peer_id, reason):
+        pass
+
+    def ban(self, peer_id, reason):
+        pass
+
+
+async def main(argv: list[str]) -> None:
+    store_dir, trainer, ann, peer, host, port, tok = argv
+    store = ChunkStore(store_dir, RUN_ID, trainer)
+    st, _ = store.add_announce(open(ann, "rb").read(), guard=None)
+    ticket = ChunkTicket(ok=True, reason="", ticket=bytes.fromhex(tok), host=host, port=int(port), expires_ms=0)
+    f = SwarmFetcher(store, st.version, StaticTicketOverlay(ticket), depth=2)
+    f.add_peer(peer)
+    await f.run()
+
+
+if __name__ == "__main__":
+    trio.run(main, sys.argv[1:])
