@@ -1,0 +1,393 @@
+"""Checkpoint distribution benchmark: one seeder, N fetcher processes, and two baselines.
+
+    python bench/distribution.py [--size-mib 1024] [--fetchers 8] [--max-upload-mbps 0]
+
+Reports, in one run:
+* ``seconds``: from the announce until every fetcher holds every chunk, verified
+  against the signed manifest and stored atomically (assembly into files is
+  reported separately as ``assembled_seconds``);
+* ``seeder_bytes``: bytes the seeder uploaded;
+* ``bound_seconds``: size / cap (the seeder's uplink bound), when capped;
+* ``raw_copy_seconds``: one plain TCP copy of the same bytes to one process
+  (sendfile -> recv_into -> file), this machine's limit;
+* ``shardcast_seconds``: PyPI ``shardcast`` (origin + the same number of clients,
+  each downloading every file; it has no upload cap, so it always runs uncapped).
+
+Every node is its own OS process (seeder, fetchers, shardcast origin and clients).
+Tickets: each node answers signed ``ChunkTicketRequest`` envelopes on a small TCP
+port (the sender is authenticated by its signature) instead of going through
+libp2p request/response, whose stream set-up on a fresh overlay costs 1-5 s here
+and would measure the overlay, not the data plane. The bytes path is the real one.
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+RUN_ID = hashlib.sha256(b"bench-distribution").digest()
+
+
+def node_key(i: int):
+    from protocol import NodeKey
+
+    return NodeKey(hashlib.sha256(b"bench-node-%d" % i).digest())
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def make_checkpoint(d: Path, size_mib: int) -> list[Path]:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    per_file = 256  # MiB per safetensors file, like sharded HF checkpoints
+    files, left, k = [], size_mib, 0
+    while left > 0:
+        m = min(per_file, left)
+        n = m * 2**20 // 4
+        tensors = {f"layers.{k}.{j}.weight": rng.standard_normal(n // 4, dtype=np.float32) for j in range(4)}
+        p = d / f"model-{k:05d}-of-xxxxx.safetensors"
+        save_file(tensors, str(p))
+        files.append(p)
+        left -= m
+        k += 1
+    return files
+
+
+# --------------------------------------------------------------------------- our node process
+def run_node(a) -> None:
+    import trio
+
+    from node.dataplane import Distribution
+    from protocol import ChunkTicket, ChunkTicketRequest, ReplayGuard, SequenceCounter, open_envelope, seal
+    from node.store import ChunkStore
+
+    key = node_key(a.index)
+    trainer = node_key(0).peer_id
+    peers = json.loads(Path(a.peers).read_text())  # peer id -> ticket port
+    seq = SequenceCounter(time.time_ns())
+    work = Path(a.work)
+
+    class TcpTicketOverlay:
+        async def request_ticket(self, peer_id, req, timeout):
+            with trio.fail_after(timeout):
+                s = await trio.open_tcp_stream("127.0.0.1", peers[peer_id])
+                async with s:
+                    data = seal(key, RUN_ID, req, int(time.time() * 1000), seq.next())
+                    await s.send_all(len(data).to_bytes(4, "big") + data)
+                    buf = b""
+                    while True:
+                        part = await s.receive_some(65536)
+                        if not part:
+                            break
+                        buf += part
+            return ChunkTicket.decode(buf[4:4 + int.from_bytes(buf[:4], "big")])
+
+        def penalise(self, peer_id, reason):
+            pass
+
+        def ban(self, peer_id, reason):
+            pass
+
+    store = ChunkStore(Path(a.home), RUN_ID, trainer)
+    dist = Distribution(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
+    guard = ReplayGuard()
+    result = {"index": a.index}
+
+    async def serve_tickets(stream):
+        async with stream:
+            try:
+                with trio.fail_after(10):
+                    buf = b""
+                    while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "big"):
+                        part = await stream.receive_some(65536)
+                        if not part:
+                            return
+                        buf += part
+                env = open_envelope(buf[4:], run_id=RUN_ID, now_ms=int(time.time() * 1000), guard=guard,
+                                    allowed_types={ChunkTicketRequest.TYPE_ID})
+                t = dist.grant_ticket(env.sender, env.body).encode()
+                await stream.send_all(len(t).to_bytes(4, "big") + t)
+            except Exception:
+                return
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(dist.run)
+            n.start_soon(trio.serve_tcp, serve_tickets, peers[key.peer_id])
+            if a.index == 0:
+                raw = await dist.publish(key, 1, a.src, chunk_size=a.chunk_mib * 2**20)
+                (work / "announce").write_bytes(raw)
+                (work / "ready-0").write_text("")
+            else:
+                (work / f"ready-{a.index}").write_text("")
+                while not (work / "go").exists():
+                    await trio.sleep(0.005)
+
+                def on_progress(p):
+                    if p.done and "fetched_at" not in result:
+                        result["fetched_at"] = time.time()
+
+                dist.progress_callbacks.append(on_progress)
+                for pid in peers:
+                    if pid != key.peer_id:
+                        dist.add_peer(pid)
+                dist.on_announce((work / "announce").read_bytes(), guard=None)
+                await dist.wait_version(1)
+                result["assembled_at"] = time.time()
+                result["fetch"] = dist.fetch_history.get(1, {})
+                result["fetch"].pop("peers", None)
+                (work / f"done-{a.index}.json").write_text(json.dumps(result))
+            while not (work / "stop").exists():
+                await trio.sleep(0.05)
+            result["bytes_served"] = dist.server.bytes_served
+            (work / f"final-{a.index}.json").write_text(json.dumps(result))
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def bench_ours(args, src: Path, work: Path, total: int) -> dict:
+    n = args.fetchers + 1
+    peers = {node_key(i).peer_id: free_port() for i in range(n)}
+    (work / "peers.json").write_text(json.dumps(peers))
+    procs = []
+    common = ["--work", str(work), "--peers", str(work / "peers.json"), "--max-upload-mbps", str(args.max_upload_mbps),
+              "--chunk-mib", str(args.chunk_mib), "--src", str(src)]
+    for i in range(n):
+        procs.append(subprocess.Popen([sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common))
+    try:
+        deadline = time.time() + 600
+        while not all((work / f"ready-{i}").exists() for i in range(n)):
+            if any(p.poll() is not None for p in procs) or time.time() > deadline:
+                raise RuntimeError("a node failed to start")
+            time.sleep(0.05)
+        t0 = time.time()
+        (work / "go").write_text("")
+        while not all((work / f"done-{i}.json").exists() for i in range(1, n)):
+            if any(p.poll() is not None for p in procs) or time.time() > t0 + 1800:
+                raise RuntimeError("a fetcher died or the fetch took over 30 minutes")
+            time.sleep(0.05)
+        done = [json.loads((work / f"done-{i}.json").read_text()) for i in range(1, n)]
+        (work / "stop").write_text("")
+        for p in procs:
+            p.wait(timeout=60)
+        final = {i: json.loads((work / f"final-{i}.json").read_text()) for i in range(n)}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    per = sorted(d["fetched_at"] - t0 for d in done)
+    return {
+        "seconds": round(per[-1], 3),
+        "assembled_seconds": round(max(d["assembled_at"] for d in done) - t0, 3),
+        "fetcher_seconds": [round(x, 2) for x in per],
+        "seeder_bytes": final[0]["bytes_served"],
+        "seeder_copies": round(final[0]["bytes_served"] / total, 2),
+        "fetcher_bytes_served": [final[i]["bytes_served"] for i in range(1, n)],
+    }
+
+
+# --------------------------------------------------------------------------- raw TCP copy
+def run_raw_client(a) -> None:
+    s = socket.create_connection(("127.0.0.1", a.port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    buf = bytearray(4 << 20)
+    view = memoryview(buf)
+    got = 0
+    with open(a.out, "wb", buffering=0) as f:
+        while got < a.size:
+            n = s.recv_into(view)
+            if not n:
+                break
+            f.write(view[:n])
+            got += n
+    assert got == a.size, (got, a.size)
+
+
+def bench_raw(files: list[Path], work: Path, total: int) -> float:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+
+    def serve():
+        c, _ = srv.accept()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        for p in files:
+            with open(p, "rb") as f:
+                c.sendfile(f)
+        c.close()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    t0 = time.time()
+    subprocess.run([sys.executable, __file__, "_rawclient", "--port", str(port), "--out", str(work / "raw.bin"), "--size", str(total)], check=True)
+    dt = time.time() - t0
+    th.join()
+    srv.close()
+    (work / "raw.bin").unlink()
+    return round(dt, 3)
+
+
+# --------------------------------------------------------------------------- SHARDCAST
+def run_shardcast_origin(a) -> None:
+    import logging
+
+    from shardcast import OriginServer
+
+    logging.getLogger("shardcast").setLevel(logging.WARNING)
+    origin = OriginServer(a.data_dir, a.port)
+    # shardcast clients probe every server by fetching "data1.bin" before anything else
+    Path(a.data_dir, "data1.bin").write_bytes(os.urandom(1 << 20))
+    for f in a.files:
+        origin.broadcast(f)
+    Path(a.ready).write_text("")
+    while True:
+        time.sleep(1)
+
+
+def run_shardcast_client(a) -> None:
+    import logging
+
+    from shardcast import ClientNode
+
+    logging.getLogger("shardcast").setLevel(logging.WARNING)
+    import fcntl
+
+    # the probe download goes to a hard-coded /tmp/dummy.bin: serialise it between clients
+    with open(os.path.join(os.path.dirname(a.out), "sc-probe.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        c = ClientNode([f"http://127.0.0.1:{a.port}"], a.out)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    for i, name in enumerate(a.names):
+        out = c.download_version(f"v{i + 1}", os.path.join(a.out, name))
+        if out is None:
+            raise SystemExit(f"shardcast client failed on v{i + 1}")
+
+
+def bench_shardcast(files: list[Path], work: Path, fetchers: int) -> float | None:
+    if shutil.which("wget") is None:
+        print("shardcast baseline skipped: wget missing (apt-get install wget)", file=sys.stderr)
+        return None
+    try:
+        import shardcast  # noqa: F401
+    except ImportError:
+        print("shardcast baseline skipped: pip install shardcast", file=sys.stderr)
+        return None
+    port = free_port()
+    ready = work / "sc-ready"
+    origin = subprocess.Popen([sys.executable, __file__, "_sc_origin", "--data-dir", str(work / "sc-origin"), "--port", str(port),
+                               "--ready", str(ready), "--files"] + [str(f) for f in files])
+    try:
+        while not ready.exists():
+            if origin.poll() is not None:
+                raise RuntimeError("shardcast origin died")
+            time.sleep(0.05)
+        t0 = time.time()
+        clients = [subprocess.Popen([sys.executable, __file__, "_sc_client", "--port", str(port), "--out", str(work / f"sc{i}"),
+                                     "--names"] + [f.name for f in files]) for i in range(fetchers)]
+        rcs = [c.wait(timeout=3600) for c in clients]
+        dt = time.time() - t0
+        if any(rcs):
+            raise RuntimeError(f"shardcast clients failed: {rcs}")
+        for i in range(fetchers):
+            for f in files:
+                if (work / f"sc{i}" / f.name).stat().st_size != f.stat().st_size:
+                    raise RuntimeError("shardcast produced a wrong file")
+        return round(dt, 3)
+    finally:
+        origin.kill()
+        origin.wait()
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
+        cmd = sys.argv[1]
+        p = argparse.ArgumentParser()
+        if cmd == "_node":
+            for o in ("--work", "--peers", "--home", "--src"):
+                p.add_argument(o)
+            p.add_argument("--index", type=int)
+            p.add_argument("--max-upload-mbps", type=float)
+            p.add_argument("--chunk-mib", type=int)
+            return run_node(p.parse_args(sys.argv[2:]))
+        if cmd == "_rawclient":
+            p.add_argument("--port", type=int)
+            p.add_argument("--out")
+            p.add_argument("--size", type=int)
+            return run_raw_client(p.parse_args(sys.argv[2:]))
+        if cmd == "_sc_origin":
+            p.add_argument("--data-dir")
+            p.add_argument("--port", type=int)
+            p.add_argument("--ready")
+            p.add_argument("--files", nargs="+")
+            return run_shardcast_origin(p.parse_args(sys.argv[2:]))
+        if cmd == "_sc_client":
+            p.add_argument("--port", type=int)
+            p.add_argument("--out")
+            p.add_argument("--names", nargs="+")
+            return run_shardcast_client(p.parse_args(sys.argv[2:]))
+        raise SystemExit(f"unknown internal command {cmd}")
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--fetchers", type=int, default=8)
+    p.add_argument("--max-upload-mbps", type=float, default=0.0, help="cap on every node's upload (Mbit/s); 0 = none")
+    p.add_argument("--chunk-mib", type=int, default=4)
+    p.add_argument("--no-shardcast", action="store_true")
+    p.add_argument("--no-raw", action="store_true")
+    p.add_argument("--workdir", default=None)
+    args = p.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="pn-bench-", dir=args.workdir))
+    try:
+        src = work / "ckpt"
+        files = make_checkpoint(src, args.size_mib)
+        total = sum(f.stat().st_size for f in files)
+        print(f"checkpoint: {len(files)} files, {total / 2**20:.0f} MiB; {args.fetchers} fetchers; "
+              f"cap {args.max_upload_mbps or 'none'} Mbit/s", file=sys.stderr)
+        out: dict = {"size_mib": round(total / 2**20, 1), "fetchers": args.fetchers, "max_upload_mbps": args.max_upload_mbps}
+        out["raw_copy_seconds"] = None if args.no_raw else bench_raw(files, work, total)
+        print(f"raw copy: {out['raw_copy_seconds']} s", file=sys.stderr)
+        ours = bench_ours(args, src, work / "ours", total) if (work / "ours").mkdir() is None else None
+        out.update(ours)
+        shutil.rmtree(work / "ours", ignore_errors=True)
+        out["bound_seconds"] = round(total * 8 / (args.max_upload_mbps * 1e6), 3) if args.max_upload_mbps else None
+        print(f"primenode: {ours['seconds']} s, seeder uploaded {ours['seeder_copies']} copies", file=sys.stderr)
+        out["shardcast_seconds"] = None if args.no_shardcast else bench_shardcast(files, work, args.fetchers)
+        print(f"shardcast: {out['shardcast_seconds']} s", file=sys.stderr)
+        if out["bound_seconds"]:
+            out["seconds_over_bound"] = round(out["seconds"] / out["bound_seconds"], 3)
+        if out["shardcast_seconds"]:
+            out["speedup_vs_shardcast"] = round(out["shardcast_seconds"] / out["seconds"], 2)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
