@@ -1,0 +1,160 @@
+"""What every learning role shares: the checkpoint distribution, policy weights by
+version, honouring ban notices, and fetching announced rollout batches."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from protocol import (
+    BanNotice,
+    BatchRequest,
+    BatchResponse,
+    Envelope,
+    ProtocolError,
+    RolloutAnnounce,
+    RolloutBatch,
+    open_envelope,
+    sha256,
+)
+
+from ..dataplane import Distribution
+from ..dataplane.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
+from ..home import NodeHome
+from ..p2p.node import RoleHook
+from ..p2p.reqresp import RequestError
+from ..store import ChunkStore
+from .context import RunContext
+
+log = logging.getLogger("primenode.roles")
+
+BAN_SECONDS_DEFAULT = 3600.0
+
+
+class LearningRole(RoleHook):
+    """Base of trainer, worker and validator: owns the node's checkpoint distribution."""
+
+    def __init__(self, home: NodeHome, ctx: RunContext, *, max_upload_mbps: float = 0.0, data_port: int = 0,
+                 advertise_host: str = "127.0.0.1") -> None:
+        self.home = home
+        self.ctx = ctx
+        g = ctx.genesis
+        self.store = ChunkStore(home.path / "chunks", g.run_id, g.trainer)
+        self.dist: Distribution | None = None
+        self._dist_args = dict(max_async=g.max_async, data_port=data_port, advertise_host=advertise_host,
+                               max_upload_mbps=max_upload_mbps)
+        self.node: Any = None
+        self.weights = WeightCache(self, capacity=g.max_async + 2)
+        self.bans_honoured = 0
+
+    async def start_common(self, node, nursery: trio.Nursery) -> None:
+        self.node = node
+        self.dist = Distribution(self.store, P2POverlay(node), **self._dist_args)
+        await nursery.start(serve_distribution, node, self.dist)
+        node.gossip.on("ban", self._on_ban)
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return distribution_heartbeat_fields(self.dist) if self.dist is not None else {}
+
+    def distribution_status(self) -> dict[str, Any]:
+        return self.dist.status() if self.dist is not None else {}
+
+    # ------------------------------------------------------------ bans
+    def _on_ban(self, env: Envelope) -> None:
+        notice: BanNotice = env.body
+        g = self.ctx.genesis
+        if env.sender != g.trainer and env.sender not in g.validators:
+            self.node.policy.penalise(env.sender, "unauthorised_ban")
+            return
+        if notice.peer_id in (self.node.peer_id, g.trainer):
+            return  # never ban ourselves or the trainer on someone's word
+        seconds = max(1.0, (notice.until_ms - time.time() * 1000) / 1000)
+        self.node.policy.ban(notice.peer_id, f"ban notice from {env.sender[:12]}: {notice.reason}", seconds)
+        self.bans_honoured += 1
+
+    async def publish_ban(self, peer_id: str, reason: str, seconds: float = BAN_SECONDS_DEFAULT) -> None:
+        self.node.policy.ban(peer_id, reason, seconds)
+        await self.node.gossip.publish(BanNotice(peer_id=peer_id, reason=reason[:256],
+                                                 until_ms=int((time.time() + seconds) * 1000)))
+
+    # ------------------------------------------------------------ batches
+    async def fetch_batch(self, announce: Envelope, timeout: float = 30.0) -> tuple[bytes, RolloutBatch]:
+        """Fetch an announced batch from its announcer and check it against the announced hash.
+
+        Raises RequestError (network) or ProtocolError (bad bytes; the peer is charged)."""
+        ann: RolloutAnnounce = announce.body
+        env = await self.node.reqresp.request(announce.sender, BatchRequest(batch_id=ann.batch_id), BatchResponse,
+                                              timeout=timeout)
+        resp: BatchResponse = env.body
+        if not resp.found:
+            raise RequestError("not_found", "the announcer no longer holds the batch")
+        raw = resp.envelope
+        if sha256(raw) != ann.batch_id:
+            self.node.policy.penalise(announce.sender, "batch_hash")
+            raise ProtocolError("batch_hash", "batch bytes do not match the announced hash")
+        inner = open_envelope(raw, run_id=self.ctx.genesis.run_id, now_ms=int(time.time() * 1000), guard=None,
+                              allowed_types={RolloutBatch.TYPE_ID})
+        if inner.sender != announce.sender:
+            self.node.policy.penalise(announce.sender, "batch_sender")
+            raise ProtocolError("batch_sender", "batch signed by another peer than its announcer")
+        batch: RolloutBatch = inner.body
+        if (batch.policy_version, batch.batch_counter, len(batch.samples)) != (
+                ann.policy_version, ann.batch_counter, ann.num_samples):
+            self.node.policy.penalise(announce.sender, "batch_mismatch")
+            raise ProtocolError("batch_mismatch", "batch does not match its announcement")
+        return raw, batch
+
+
+class WeightCache:
+    """Policy weights (state dicts) by version, loaded from the assembled checkpoint files."""
+
+    def __init__(self, role: LearningRole, capacity: int) -> None:
+        self.role = role
+        self.capacity = capacity
+        self._cache: collections.OrderedDict[int, dict] = collections.OrderedDict()
+
+    def held(self, version: int) -> bool:
+        st = self.role.store.get(version)
+        return version in self._cache or (st is not None and st.assembled)
+
+    async def get(self, version: int) -> dict:
+        if version in self._cache:
+            self._cache.move_to_end(version)
+            return self._cache[version]
+        with self.role.dist.open_version(version) as files:
+            state = await trio.to_thread.run_sync(load_state_dict, files)
+        self._cache[version] = state
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return state
+
+
+def load_state_dict(files: dict[str, Path]) -> dict:
+    from safetensors.torch import load_file
+
+    state: dict = {}
+    for name, path in sorted(files.items()):
+        if name.endswith(".safetensors"):
+            state.update(load_file(str(path)))
+    if not state:
+        raise RuntimeError("checkpoint holds no safetensors files")
+    return state
+
+
+def export_weights(model, out_dir: Path) -> Path:
+    """Write only what workers need (safetensors weights + config), never optimizer state."""
+    import shutil
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir

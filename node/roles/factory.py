@@ -1,0 +1,38 @@
+"""Build the role hook a ``primenode join --role R`` process runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol import SignedGenesis
+
+from ..errors import NodeError
+from ..home import NodeHome
+from ..p2p.node import RoleHook
+from .context import RunContext
+
+
+def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id: str, max_upload_mbps: float = 0.0,
+              data_port: int = 0, advertise_host: str = "127.0.0.1", device: str = "cpu",
+              tamper: str | None = None) -> RoleHook:
+    """The hook for ``role``; refuses a trainer/validator whose key the genesis does not name."""
+    g = genesis.genesis
+    if role == "trainer" and key_peer_id != g.trainer:
+        raise NodeError(f"this node ({key_peer_id}) is not the run's trainer ({g.trainer})")
+    if role == "validator" and key_peer_id not in g.validators:
+        raise NodeError(f"this node ({key_peer_id}) is not one of the run's validators")
+    ctx = RunContext.from_genesis(g, home.path / "cache")
+    common: dict[str, Any] = dict(max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host)
+    if role == "trainer":
+        from .trainer import TrainerRole
+
+        return TrainerRole(home, ctx, device=device, **common)
+    if role == "validator":
+        from .validator import ValidatorRole
+
+        return ValidatorRole(home, ctx, device=device, **common)
+    if role == "worker":
+        from .worker import WorkerRole
+
+        return WorkerRole(home, ctx, device=device, tamper=tamper, **common)
+    raise NodeError(f"unknown role {role!r}")

@@ -1,0 +1,212 @@
+"""The trainer: owns the policy. Admits batches on a quorum of validator votes
+(durably, in SQLite, before anything else), trains GRPO steps on the validators'
+rewards, and publishes each new version to the swarm. Two-step async: workers
+keep generating with older versions (up to ``max_async`` behind) while the next
+one travels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import trio
+
+from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutBatch, open_envelope
+
+from ..p2p.reqresp import RequestError
+from .common import LearningRole, export_weights
+from .ledger import AdmittedBatch, Ledger
+
+log = logging.getLogger("primenode.trainer")
+
+
+class TrainerRole(LearningRole):
+    role = "trainer"
+
+    def __init__(self, *args: Any, device: str = "cpu", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        g = self.ctx.genesis
+        self.device = device
+        self.steps = int(self.ctx.config.get("steps", 0)) or None  # None: train forever
+        self.batches_per_step = int(self.ctx.config.get("batches_per_step", 1))
+        self.ledger = Ledger(self.home.path / "node.db", g.validators, g.quorum, g.max_async)
+        self.ckpt_dir = self.home.path / "trainer" / "checkpoint"
+        self.export_root = self.home.path / "trainer" / "export"
+        self.metrics_path = self.home.path / "metrics.jsonl"
+        self.trainer: Any = None
+        self.version = 0
+        self.last_metrics: dict[str, Any] = {}
+        self.restored = 0
+        self._admitted = trio.Event()
+        self._announces_in, self._announces_out = trio.open_memory_channel[Envelope](1024)
+        self.dropped_announces = 0
+        self.fetch_failures = 0
+
+    # ------------------------------------------------------------ lifecycle
+    async def run(self, node) -> None:
+        async with trio.open_nursery() as nursery:
+            await self.start_common(node, nursery)
+            await trio.to_thread.run_sync(self._load_or_init)
+            await self._publish_current()
+            node.gossip.on("rollout", self._on_announce)
+            node.gossip.on("vote", self._on_vote)
+            for _ in range(4):
+                nursery.start_soon(self._fetch_loop)
+            nursery.start_soon(self._reannounce_loop)
+            await self._train_loop()
+
+    def _load_or_init(self) -> None:
+        from ..rl.grpo import GRPOTrainer
+
+        cfg = self.ctx.grpo_config()
+        if (self.ckpt_dir / "trainer_state.pt").exists():
+            self.trainer = GRPOTrainer.from_checkpoint(self.ckpt_dir, config=cfg, pad_token_id=self.ctx.pad_token_id,
+                                                       device=self.device)
+            self.restored = self.ledger.recover()
+            log.info("resumed at step %d (%d admitted batches back in the queue)", self.trainer.version, self.restored)
+        else:
+            self.trainer = GRPOTrainer(self.ctx.initial_model(), cfg, pad_token_id=self.ctx.pad_token_id,
+                                       device=self.device)
+            self.trainer.save_checkpoint(self.ckpt_dir)
+        self.version = self.trainer.version
+        self.ledger.commit_checkpoint(self.version, self.version)
+
+    async def _publish_current(self) -> None:
+        """Announce the current version; after a restart, re-announce the manifest already in the store."""
+        from ..dataplane.p2p_overlay import publish_checkpoint
+
+        st = self.store.get(self.version)
+        if st is not None and st.complete:
+            await self.node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
+            return
+        out = self.export_root / f"v{self.version}"
+        await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
+        await publish_checkpoint(self.node, self.dist, self.version, out)
+        log.info("published policy version %d", self.version)
+
+    async def _reannounce_loop(self) -> None:
+        """Late joiners learn the newest version without waiting for the next step."""
+        while True:
+            await trio.sleep(5.0)
+            st = self.store.get(self.version)
+            if st is not None and st.complete:
+                await self.node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
+
+    # ------------------------------------------------------------ admission
+    def _on_announce(self, env: Envelope) -> None:
+        if self.node.policy.is_banned(env.sender):
+            return
+        ann = env.body
+        self.ledger.record_batch(ann.batch_id, env.sender, ann.policy_version, ann.batch_counter, ann.num_samples, None)
+        try:
+            self._announces_in.send_nowait(env)
+        except trio.WouldBlock:
+            self.dropped_announces += 1
+
+    async def _fetch_loop(self) -> None:
+        async for env in self._announces_out:
+            for attempt in range(3):
+                try:
+                    raw, _batch = await self.fetch_batch(env)
+                except RequestError as exc:
+                    log.info("batch fetch from %s failed (%s), attempt %d", env.sender[:12], exc, attempt + 1)
+                    await trio.sleep(1.0)
+                    continue
+                except ProtocolError as exc:
+                    log.warning("bad batch from %s: %s", env.sender, exc)
+                    break
+                ann = env.body
+                self.ledger.record_batch(ann.batch_id, env.sender, ann.policy_version, ann.batch_counter,
+                                         ann.num_samples, raw)
+                self._decide(ann.batch_id)
+                break
+            else:
+                self.fetch_failures += 1
+
+    def _on_vote(self, env: Envelope) -> None:
+        vote = env.body
+        if env.sender not in self.ctx.genesis.validators:
+            return  # only the genesis's validators count
+        if self.ledger.record_vote(vote.batch_id, env.sender, vote.accept, vote.reason, vote.rewards):
+            self._decide(vote.batch_id)
+
+    def _decide(self, batch_id: bytes) -> None:
+        if self.ledger.try_admit(batch_id) == "admitted":
+            log.info("admitted batch %s", batch_id.hex()[:12])
+            self._admitted.set()
+
+    # ------------------------------------------------------------ training
+    def _groups(self, batches: list[AdmittedBatch]):
+        from ..rl.grpo import Rollout
+
+        g = self.ctx.genesis
+        groups = []
+        for b in batches:
+            env = open_envelope(b.envelope, run_id=g.run_id, now_ms=0, guard=None,
+                                allowed_types={RolloutBatch.TYPE_ID})
+            batch: RolloutBatch = env.body
+            rollouts = [
+                Rollout(self.ctx.prompt_tokens(s.prompt_index), s.token_ids(), reward, policy_version=batch.policy_version)
+                for s, reward in zip(batch.samples, b.rewards)
+            ]
+            groups += [rollouts[i : i + g.group_size] for i in range(0, len(rollouts), g.group_size)]
+        return groups
+
+    async def _train_loop(self) -> None:
+        while self.steps is None or self.version < self.steps:
+            self.ledger.drop_stale()
+            batches = self.ledger.untrained(limit=self.batches_per_step)
+            if len(batches) < self.batches_per_step:
+                self._admitted = trio.Event()
+                with trio.move_on_after(1.0):
+                    await self._admitted.wait()
+                continue
+            groups = self._groups(batches)
+            step = self.version + 1
+            t0 = time.monotonic()
+            metrics = await trio.to_thread.run_sync(self.trainer.step, groups)
+            self.ledger.mark_trained([b.batch_id for b in batches], step)
+            await trio.to_thread.run_sync(self.trainer.save_checkpoint, self.ckpt_dir)
+            self.version = self.trainer.version
+            self.ledger.commit_checkpoint(self.version, self.version)
+            await self._publish_current()
+            counts = self.ledger.counts()
+            self.last_metrics = {
+                **metrics.as_dict(), "step": self.version, "policy_version": self.version,
+                "batches": len(batches), "batch_versions": sorted({b.policy_version for b in batches}),
+                "admitted": counts["admitted"], "rejected": counts["rejected"], "buffer": counts["buffer"],
+                "step_wall_s": round(time.monotonic() - t0, 3), "time": time.time(),
+            }
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(self.last_metrics) + "\n")
+            log.info("step %d: reward %.3f over %d rollouts", self.version, metrics.reward_mean, metrics.num_rollouts)
+            self.dist.gc()
+        log.info("reached %s steps; serving until stopped", self.steps)
+        await trio.sleep_forever()
+
+    # ------------------------------------------------------------ status
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {**super().heartbeat_fields(), "step": self.version, "batches": self.ledger.counts()["admitted"]}
+
+    def status(self) -> dict[str, Any]:
+        counts = self.ledger.counts()
+        m = self.last_metrics
+        return {
+            "step": self.version,
+            "policy_version": self.version,
+            "target_steps": self.steps,
+            "reward_mean": m.get("reward_mean"),
+            "admitted": counts["admitted"],
+            "rejected": counts["rejected"],
+            "pending": counts["pending"],
+            "buffer": counts["buffer"],
+            "trained_batches": counts["trained"],
+            "restored_after_crash": self.restored,
+            "dropped_announces": self.dropped_announces,
+            "last_step": {k: m[k] for k in ("loss", "grad_norm", "clip_fraction", "entropy", "filtered_groups",
+                                           "stale_groups", "tokens_per_s", "length_mean") if k in m},
+            "distribution": self.distribution_status(),
+        }

@@ -1,0 +1,149 @@
+"""The validator: fetch each announced batch, check it (owed prompts, TOPLOC against
+its own prefill with the same policy version, rule rewards), gossip a signed vote,
+and ban workers that keep cheating."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import trio
+
+from protocol import Envelope, ProtocolError, RolloutBatch, Vote
+
+from ..p2p.reqresp import RequestError
+from .common import LearningRole
+from .rollouts import BatchVerdict, verify_batch
+
+log = logging.getLogger("primenode.validator")
+
+# Rejections that only a dishonest worker produces; "stale" and "unverifiable" are not held against it.
+CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "sampling", "run"}
+
+
+class ValidatorRole(LearningRole):
+    role = "validator"
+
+    def __init__(self, *args: Any, device: str = "cpu", fetchers: int = 4, queue: int = 256, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = device
+        self.n_fetchers = fetchers
+        self.ban_after = int(self.ctx.config.get("ban_after_rejections", 2))
+        self._announces_in, self._announces_out = trio.open_memory_channel[Envelope](queue)
+        self._verify_in, self._verify_out = trio.open_memory_channel[tuple[Envelope, RolloutBatch]](16)
+        self.engine: Any = None
+        self.loaded_version = -1
+        self.verdicts: collections.Counter[str] = collections.Counter()
+        self.reasons: collections.Counter[str] = collections.Counter()
+        self.strikes: collections.Counter[str] = collections.Counter()
+        self.last_reasons: collections.deque[str] = collections.deque(maxlen=10)
+        self.dropped_announces = 0
+        self.verify_s = 0.0
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    async def run(self, node) -> None:
+        async with trio.open_nursery() as nursery:
+            await self.start_common(node, nursery)
+            node.gossip.on("rollout", self._on_announce)
+            for _ in range(self.n_fetchers):
+                nursery.start_soon(self._fetch_loop)
+            nursery.start_soon(self._verify_loop)
+
+    def _on_announce(self, env: Envelope) -> None:
+        if self.node.policy.is_banned(env.sender) or env.body.batch_id in self._seen:
+            return
+        self._seen[env.body.batch_id] = None
+        while len(self._seen) > 10_000:
+            self._seen.popitem(last=False)
+        try:
+            self._announces_in.send_nowait(env)
+        except trio.WouldBlock:
+            self.dropped_announces += 1  # bounded queue: shed load rather than grow without limit
+
+    async def _fetch_loop(self) -> None:
+        async for env in self._announces_out:
+            if self.node.policy.is_banned(env.sender):
+                continue
+            try:
+                _, batch = await self.fetch_batch(env)
+            except (RequestError, ProtocolError) as exc:
+                log.info("could not fetch batch %s from %s: %s", env.body.batch_id.hex()[:12], env.sender[:12], exc)
+                if isinstance(exc, ProtocolError):
+                    await self._vote(env, BatchVerdict(False, f"batch: {exc}"[:250], []))
+                continue
+            await self._verify_in.send((env, batch))
+
+    async def _verify_loop(self) -> None:
+        g = self.ctx.genesis
+        async for env, batch in self._verify_out:
+            newest_known = max(self.store.versions, default=-1)
+            v = batch.policy_version
+            if v < newest_known - g.max_async:
+                await self._vote(env, BatchVerdict(False, f"stale: policy version {v}, newest {newest_known}, "
+                                                          f"max_async {g.max_async}", []))
+                continue
+            if v > newest_known or not self.weights.held(v):
+                try:
+                    with trio.fail_after(60):
+                        while not self.weights.held(v):
+                            await self.dist.wait_version(v)
+                            if not self.weights.held(v):
+                                await trio.sleep(0.5)
+                except trio.TooSlowError:
+                    self.verdicts["unverifiable"] += 1
+                    continue
+            await self._ensure_version(v)
+            verdict = await trio.to_thread.run_sync(
+                lambda: verify_batch(self.ctx, self.engine.prefill_hidden_batch, batch, env.sender))
+            self.verify_s = round(verdict.seconds, 3)
+            await self._vote(env, verdict)
+
+    async def _ensure_version(self, version: int) -> None:
+        if self.loaded_version == version:
+            return
+        state = await self.weights.get(version)
+        if self.engine is None:
+            self.engine = await trio.to_thread.run_sync(self._make_engine)
+        await trio.to_thread.run_sync(self.engine.load_weights, state)
+        self.loaded_version = version
+
+    def _make_engine(self):
+        from ..engines.transformers_engine import TransformersEngine
+
+        return TransformersEngine(self.ctx.initial_model(), device=self.device, eos_token_id=self.ctx.eos_token_id,
+                                  pad_token_id=self.ctx.pad_token_id)
+
+    async def _vote(self, env: Envelope, verdict: BatchVerdict) -> None:
+        ann = env.body
+        vote = Vote(batch_id=ann.batch_id, worker=env.sender, policy_version=ann.policy_version,
+                    accept=verdict.accept, reason="" if verdict.accept else (verdict.reason or "rejected")[:256],
+                    rewards=tuple(float(r) for r in verdict.rewards))
+        await self.node.gossip.publish(vote)
+        self.verdicts["accept" if verdict.accept else "reject"] += 1
+        if verdict.accept:
+            return
+        self.reasons[verdict.rule] += 1
+        self.last_reasons.append(f"{env.sender[:12]}: {verdict.reason[:120]}")
+        log.warning("rejected batch %s from %s: %s", ann.batch_id.hex()[:12], env.sender, verdict.reason)
+        if verdict.rule in CHEATING_RULES or verdict.rule == "batch":
+            self.strikes[env.sender] += 1
+            if self.strikes[env.sender] >= self.ban_after and not self.node.policy.is_banned(env.sender):
+                await self.publish_ban(env.sender, f"{self.strikes[env.sender]} rejected batches, last: {verdict.reason}")
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {**super().heartbeat_fields(), "batches": sum(self.verdicts.values())}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "policy_version": self.loaded_version,
+            "verdicts": dict(self.verdicts),
+            "reasons": dict(self.reasons),
+            "recent_rejections": list(self.last_reasons),
+            "strikes": dict(self.strikes),
+            "queued": self._announces_in.statistics().current_buffer_used,
+            "dropped_announces": self.dropped_announces,
+            "last_verify_s": self.verify_s,
+            "distribution": self.distribution_status(),
+        }
