@@ -37,7 +37,6 @@ def delivered(got, nodes, tags_by_publisher) -> bool:
     return True
 
 
-@pytest.mark.xfail(reason="open: at 12 nodes py-libp2p pubsub delivery degrades (see report); not yet solved", strict=False)
 async def test_twelve_nodes_exactly_once_then_heal_after_four_die():
     with trio.fail_after(150):
         async with trio.open_nursery() as nursery:
