@@ -85,23 +85,58 @@ def _as_number(s: str) -> Fraction | None:
     return None
 
 
-_POW = re.compile(r"(\^|\*\*)\s*(\{[^{}]*\}|\(?[-+]?\d+\)?|[a-zA-Z\\]+)")
 _BIGNUM = re.compile(r"\d{7,}")
 
 
+def _exponents(expr: str) -> list[tuple[str, int]]:
+    """(exponent text, end index) for every ``^``/``**``, braces matched (nesting allowed)."""
+    out = []
+    i = 0
+    while i < len(expr):
+        if expr[i] == "^" or expr.startswith("**", i):
+            j = i + (1 if expr[i] == "^" else 2)
+            while j < len(expr) and expr[j] == " ":
+                j += 1
+            if j < len(expr) and expr[j] in "{(":
+                open_c, close_c = expr[j], "}" if expr[j] == "{" else ")"
+                depth, k = 0, j
+                while k < len(expr):
+                    depth += expr[k] == open_c
+                    depth -= expr[k] == close_c
+                    k += 1
+                    if depth == 0:
+                        break
+                out.append((expr[j + 1 : k - 1], k))
+                i = k
+                continue
+            m = re.match(r"[-+]?(\d+(\.\d*)?|\\?[a-zA-Z]+)", expr[j:])
+            k = j + (m.end() if m else 0)
+            out.append((expr[j:k], k))
+            i = k
+            continue
+        i += 1
+    return out
+
+
 def looks_dangerous(expr: str) -> bool:
-    """True for inputs that could make sympy compute for a very long time."""
+    """True for inputs that could make sympy compute for a very long time: power towers,
+    exponents or factorials of large numbers, very long text."""
     if len(expr) > MAX_BOXED_CHARS:
         return True
-    if expr.count("^") + expr.count("**") > 3:
+    if expr.count("^") + expr.count("**") > 4:
         return True
-    for m in _POW.finditer(expr):
-        exp = m.group(2).strip("{}() ")
-        if "^" in exp or "**" in exp:
+    for exp, end in _exponents(expr):
+        if "^" in exp or "**" in exp or "!" in exp:
             return True
-        if re.fullmatch(r"[-+]?\d+", exp) and abs(int(exp)) > 1000:
+        rest = expr[end:].lstrip()
+        if rest.startswith("^") or rest.startswith("**"):  # chained a^b^c
             return True
-    for m in re.finditer(r"(\d+)\s*!", expr):
+        size = 1
+        for d in re.findall(r"\d+", exp):
+            size *= max(1, int(d))
+            if size > 10_000:
+                return True
+    for m in re.finditer(r"(\d+)\s*\)?\s*!", expr):
         if int(m.group(1)) > 1000:
             return True
     if "!" in expr and _BIGNUM.search(expr):

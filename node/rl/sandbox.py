@@ -19,7 +19,8 @@ directory and executed, followed by the task's tests, in a child process:
     and RLIMIT_NPROC is enforced;
   - ``"namespaces"`` (unprivileged user with user namespaces):
     ``unshare --map-root-user --net --pid --fork --kill-child``;
-  - ``"audit"``: no namespaces; only the in-process guard below.
+  - ``"audit"``: no namespaces; only the in-process guard below, which then also
+    refuses ``os.fork`` (RLIMIT_NPROC does not bind a root user).
 
 * an in-process guard in every mode (defence in depth, a ``sys.addaudithook``
   installed before the untrusted code runs): sockets, ``os.exec*``, ``os.system``,
@@ -71,6 +72,8 @@ _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
                 "os.symlink", "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move"}
 _BLOCKED = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "ctypes.dlopen",
             "ctypes.dlsym", "ctypes.cdata", "os.startfile", "pty.spawn", "os.forkpty"}
+if _cfg.get("block_fork"):
+    _BLOCKED |= {"os.fork", "os.forkpty"}
 _realpath = os.path.realpath
 def _inside(p):
     try:
@@ -204,6 +207,34 @@ def _nproc_limit(mode: str, max_procs: int) -> int:
     return count + max_procs
 
 
+def _stragglers(marker: bytes) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as fh:
+                    if marker in fh.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def _reap_stragglers(scratch: Path, wait_s: float = 5.0) -> None:
+    """Backstop after the group kill: every process of this run still carries the scratch path in
+    its command line (forks inherit it), including one that left the process group; SIGKILL them
+    and wait until they are gone, so the next run starts from a clean slate."""
+    marker = str(scratch).encode()
+    deadline = time.monotonic() + wait_s
+    while (pids := _stragglers(marker)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -235,7 +266,7 @@ def run_python_tests(
                 os.chown(p, SANDBOX_UID, SANDBOX_UID)
         cfg_r, cfg_w = os.pipe()
         res_r, res_w = os.pipe()
-        cfg = {"scratch": str(scratch), "nonce": nonce, "result_fd": res_w}
+        cfg = {"scratch": str(scratch), "nonce": nonce, "result_fd": res_w, "block_fork": mode == "audit"}
         env = {"PATH": "/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
         argv = _ns_prefix(mode) + [sys.executable, "-I", "-B", str(scratch / "runner.py"), str(cfg_r)]
@@ -256,6 +287,7 @@ def run_python_tests(
                 timed_out, rc = True, None
             _kill_group(proc)
             proc.wait()
+            _reap_stragglers(scratch)
             os.set_blocking(res_r, False)
             try:
                 got = os.read(res_r, 64)
