@@ -54,3 +54,36 @@ async def test_network_advances_versions_with_quorum_admission(tmp_path):
             lines = (trainer.home.path / "metrics.jsonl").read_text().splitlines()
             assert len(lines) >= 3
             nursery.cancel_scope.cancel()
+
+
+async def test_cheating_workers_are_refused_and_banned_while_training_continues(tmp_path):
+    from protocol import NodeKey
+
+    genesis = tiny_genesis(steps=3, batches_per_step=1)
+    tampers = ["weights", "tokens", "prompts", "rewards"]
+    with trio.fail_after(300):
+        async with trio.open_nursery() as nursery:
+            net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis,
+                                                                    worker_tamper=(None,))
+            ctx = trainer.ctx
+            cheats = {}
+            for i, mode in enumerate(tampers):
+                key = NodeKey(bytes([0x40 + i]) * 32)
+                w = WorkerRole(homes(tmp_path, f"cheat-{mode}"), ctx, tamper=mode)
+                cheats[mode] = (key.peer_id, w)
+                await net.start(hook=w, key=key)
+            await wait_until(lambda: trainer.version >= 3, 240, poll=0.2, what="three honest trainer steps")
+            banned_modes = ["weights", "tokens", "prompts"]
+            await wait_until(
+                lambda: all(all(v.node.policy.is_banned(cheats[m][0]) for v in validators) for m in banned_modes),
+                60, poll=0.2, what="the cheating workers banned by every validator")
+            admitted_workers = {
+                row[0] for row in trainer.ledger.db.execute("SELECT worker FROM batches WHERE status = 'admitted'")
+            }
+            assert admitted_workers == {workers[0].node.peer_id}
+            for mode, (pid, w) in cheats.items():
+                assert w.stats["batches_produced"] >= 1, mode
+                assert pid not in admitted_workers
+            # the ban notice reached the trainer too (network-wide)
+            assert all(trainer.node.policy.is_banned(cheats[m][0]) for m in banned_modes)
+            nursery.cancel_scope.cancel()
