@@ -39,6 +39,16 @@ class ProofConfig:
     max_mant_err_mean: float = 10.0
     max_mant_err_median: float = 8.0
 
+    @classmethod
+    def tight(cls, **overrides: object) -> "ProofConfig":
+        """Thresholds for a worker and validator on the same numerics stack (e.g. both
+        fp32 transformers on CPU): honest runs then give 0 mismatches, and a bf16/fp32
+        swap still passes (<= 4 mismatches, mean <= 2.4 measured on SmolLM2-135M), while
+        single-token prompt edits that the paper's defaults miss are caught. See docs/proofs.md."""
+        base = dict(max_exp_mismatches=8, max_mant_err_mean=4.0, max_mant_err_median=3.0)
+        base.update(overrides)
+        return cls(**base)  # type: ignore[arg-type]
+
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.topk < 1:
             raise ProofError(f"chunk_size and topk must be >= 1, got {self.chunk_size}, {self.topk}")

@@ -1,0 +1,262 @@
+"""InferenceEngine on Hugging Face transformers: batched, KV-cached sampling with
+per-completion seeded generators, and capture of the final-norm hidden states for
+TOPLOC proofs during that same generation (a forward hook on the final norm, so
+no second pass).
+
+Rows are left-padded; positions come from the attention mask, so a padded row
+sees the same positions as an unpadded one. On CPU compute stays fp32 (bf16
+matmuls are 3-10x slower there); proofs cast the captured states to bf16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .base import Completion, SamplingConfig
+
+
+def completion_seed(group_seed: int, index: int) -> int:
+    """Seed of completion ``index`` in a group: independent streams per completion,
+    so a completion does not depend on how many siblings were sampled with it."""
+    digest = hashlib.blake2b(f"{group_seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def final_norm(model: Any) -> torch.nn.Module:
+    """The module whose output is the last hidden state (Llama-style ``model.model.norm``)."""
+    for path in ("model.norm", "model.model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm"):
+        mod: Any = model
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        if isinstance(mod, torch.nn.Module):
+            return mod
+    raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+
+
+class TransformersEngine:
+    """``TransformersEngine(model, device="cpu")``; ``model`` is a causal LM
+    (e.g. LlamaForCausalLM). ``max_batch`` caps rows per forward (memory)."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        device: str | torch.device | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        max_batch: int = 64,
+    ) -> None:
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()
+        eos = eos_token_id
+        if eos is None:
+            gen_cfg = getattr(model, "generation_config", None)
+            eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+            if eos is None:
+                eos = getattr(model.config, "eos_token_id", None)
+        self._eos_ids: set[int] = set([eos] if isinstance(eos, int) else (eos or []))
+        self._eos: int | None = eos if isinstance(eos, int) else (list(eos)[0] if eos else None)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (self._eos if self._eos is not None else 0)
+        self.max_batch = max_batch
+        self._captured: list[torch.Tensor] | None = None
+        final_norm(model).register_forward_hook(self._hook)
+
+    # ------------------------------------------------------------ interface
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingConfig,
+        seeds: Sequence[int],
+        capture_hidden: bool = False,
+    ) -> list[list[Completion]]:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        if n < 1 or params.max_tokens < 1:
+            raise ValueError("n and max_tokens must be >= 1")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"bad sampling params {params}")
+        rows: list[tuple[int, list[int], int]] = []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one token")
+            rows += [(i, [int(t) for t in prompt], j) for j in range(n)]
+        done: list[Completion] = []
+        for start in range(0, len(rows), self.max_batch):
+            part = rows[start : start + self.max_batch]
+            gens = [self._generator(completion_seed(seeds[i], j)) for i, _, j in part]
+            done += self._generate_batch(
+                [p for _, p, _ in part], [seeds[i] for i, _, _ in part], gens, params, capture_hidden
+            )
+        return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def prefill_hidden(self, prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> torch.Tensor:
+        return self.prefill_hidden_batch([(prompt_tokens, completion_tokens)])[0]
+
+    def prefill_hidden_batch(
+        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[torch.Tensor]:
+        """Validator side, batched (an addition to the interface): one prefill per
+        micro-batch of prompt + claimed completion; final-norm states, fp32 CPU."""
+        seqs = [[int(t) for t in p] + [int(t) for t in c] for p, c in pairs]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("empty sequence: nothing to prefill")
+        out: list[torch.Tensor] = []
+        for start in range(0, len(seqs), self.max_batch):
+            part = seqs[start : start + self.max_batch]
+            ids, mask, pos = self._left_pad(part)
+            with torch.inference_mode():
+                base = getattr(self.model, "model", None)
+                if base is not None and final_norm(self.model) is getattr(base, "norm", None):
+                    hidden = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+                else:  # generic path: run the whole LM, read the hook
+                    self._captured = []
+                    self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+                    hidden = self._captured[0]
+                    self._captured = None
+            width = ids.shape[1]
+            out += [hidden[b, width - len(s) :].float().cpu() for b, s in enumerate(part)]
+        return out
+
+    def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy new weights into the live parameters (no re-allocation, hooks stay).
+        Tied weights (lm_head = embeddings) may be absent, as in HF checkpoints."""
+        own = self.model.state_dict()
+        unexpected = sorted(set(state_dict) - set(own))
+        missing = sorted(set(own) - set(state_dict))
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            missing = [k for k in missing if k != "lm_head.weight"]
+        if unexpected or missing:
+            raise ValueError(f"state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, value in state_dict.items():
+            if tuple(own[name].shape) != tuple(value.shape):
+                raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(own[name].shape)}")
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                own[name].copy_(torch.as_tensor(value).to(own[name].dtype))
+
+    # ------------------------------------------------------------ internals
+
+    def _hook(self, _module: Any, _inputs: Any, output: Any) -> None:
+        if self._captured is not None:
+            self._captured.append((output[0] if isinstance(output, tuple) else output).detach())
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _left_pad(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[b, width - len(s) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        return ids.to(self.device), mask.to(self.device), pos.to(self.device)
+
+    def _sample(
+        self, logits: torch.Tensor, gens: list[torch.Generator], params: SamplingConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token and its log-probability under the temperature-scaled distribution
+        (top-p truncation changes what can be drawn, not the reported log-probability)."""
+        logits = logits.float()
+        if params.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tokens = logits.argmax(dim=-1)
+            return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        probs = logp.exp()
+        if params.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p) > params.top_p  # keeps at least the top token
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        tokens = torch.stack([torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)])
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+    def _generate_batch(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        gens: list[torch.Generator],
+        params: SamplingConfig,
+        capture: bool,
+    ) -> list[Completion]:
+        batch = len(prompts)
+        ids, mask, pos = self._left_pad(prompts)
+        width = ids.shape[1]
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        rows: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        active = [True] * batch
+        next_pos = torch.tensor([len(p) for p in prompts], device=self.device)
+        self._captured = [] if capture else None
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+                )
+                if capture:
+                    prefill = self._captured.pop()  # type: ignore[union-attr]
+                    for b, p in enumerate(prompts):
+                        rows[b].append(prefill[b, width - len(p) :].float().cpu())
+                cache, logits = out.past_key_values, out.logits[:, -1, :]
+                for step in range(params.max_tokens):
+                    new, lps = self._sample(logits, gens, params)
+                    fed = list(active)
+                    new_list, lp_list = new.tolist(), lps.tolist()
+                    for b in range(batch):
+                        if active[b]:
+                            tokens[b].append(new_list[b])
+                            logprobs[b].append(lp_list[b])
+                            if new_list[b] in self._eos_ids:
+                                active[b], finish[b] = False, "stop"
+                    more = any(active) and step + 1 < params.max_tokens
+                    if not more and not capture:
+                        break
+                    # Feed what was just sampled: the next logits, and (when capturing)
+                    # the hidden state of that token; finished rows get padding.
+                    feed = torch.tensor(
+                        [new_list[b] if fed[b] else self.pad_token_id for b in range(batch)], device=self.device
+                    )
+                    mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                    out = self.model(
+                        input_ids=feed[:, None],
+                        attention_mask=mask,
+                        position_ids=next_pos[:, None],
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    next_pos = next_pos + 1
+                    if capture:
+                        state = self._captured.pop()  # type: ignore[union-attr]
+                        for b in range(batch):
+                            if fed[b]:
+                                rows[b].append(state[b, -1:].float().cpu())
+                    if not more:
+                        break
+                    cache, logits = out.past_key_values, out.logits[:, -1, :]
+        finally:
+            self._captured = None
+        return [
+            Completion(
+                prompt_tokens=list(prompts[b]),
+                tokens=tokens[b],
+                logprobs=logprobs[b],
+                seed=seeds[b],
+                finish_reason=finish[b],
+                hidden=torch.cat(rows[b], dim=0) if capture else None,
+            )
+            for b in range(batch)
+        ]
