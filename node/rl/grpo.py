@@ -322,6 +322,10 @@ class GRPOTrainer:
         }
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "grpo_config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
+        # config.json does not record the attention kernel and from_pretrained picks sdpa; eager and
+        # sdpa differ in the last bits, which would break exact resume, so keep the choice here.
+        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        (tmp / "trainer_meta.json").write_text(json.dumps({"attn_implementation": attn}))
         if out.exists():
             old = out.with_name(out.name + ".old")
             if old.exists():
@@ -356,7 +360,12 @@ class GRPOTrainer:
         p = Path(path)
         if config is None:
             config = GRPOConfig.from_dict(json.loads((p / "grpo_config.json").read_text()))
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+        kwargs: dict[str, Any] = {}
+        if (p / "trainer_meta.json").exists():
+            attn = json.loads((p / "trainer_meta.json").read_text()).get("attn_implementation")
+            if attn:
+                kwargs["attn_implementation"] = attn
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kwargs)
         reference = None
         if (p / "reference.safetensors").exists():
             from safetensors.torch import load_file
