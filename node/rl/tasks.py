@@ -174,7 +174,10 @@ def save_dataset(problems: Iterable[Problem | dict[str, Any]], path: str | os.Pa
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(records), tmp)
+        keys: list[str] = []
+        for rec in records:  # from_pylist takes its columns from the first row only
+            keys += [k for k in rec if k not in keys]
+        pq.write_table(pa.Table.from_pylist([{k: rec.get(k) for k in keys} for rec in records]), tmp)
     else:
         with tmp.open("w", encoding="utf-8") as fh:
             for rec in records:
