@@ -180,6 +180,33 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"max_async  {g.max_async}   batch {g.prompts_per_batch} prompts x {g.group_size}")
 
 
+@dataset_app.command("filter")
+def dataset_filter(
+    input_path: Annotated[Path, typer.Argument(help="Dataset file: .jsonl, .json or .parquet (see docs/rl.md).")],
+    model: Annotated[str, typer.Option("--model", help="Model sampling the completions: tiny, smollm2 or a local HF folder.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Filtered dataset (.jsonl or .parquet), with pass_rate.")],
+    k: Annotated[int, typer.Option("--k", help="Completions sampled per problem.")] = 16,
+    lo: Annotated[float, typer.Option("--min-pass", help="Keep problems with pass rate >= this (INTELLECT-2: 0.1).")] = 0.1,
+    hi: Annotated[float, typer.Option("--max-pass", help="Keep problems with pass rate <= this (INTELLECT-2: 0.8).")] = 0.8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Max new tokens per completion.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature.")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed (same seed, same pass rates).")] = 0,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N problems.")] = None,
+    device: Annotated[str, typer.Option("--device", help="Torch device (cpu, cuda).")] = "cpu",
+) -> None:
+    """Sample k completions per problem, record pass rates, keep problems inside [min-pass, max-pass]."""
+    from .rl.dataset_cli import filter_dataset
+
+    try:
+        summary = filter_dataset(input_path, model, output, k=k, lo=lo, hi=hi, max_tokens=max_tokens,
+                                 temperature=temperature, seed=seed, limit=limit, device=device,
+                                 progress=lambda done, total: typer.echo(f"\r{done}/{total} problems", nl=False, err=True))
+    except (FileNotFoundError, ValueError) as exc:
+        raise NodeError(str(exc)) from exc
+    typer.echo("", err=True)
+    typer.echo(f"kept {summary.kept}/{summary.total} problems with pass rate in [{lo}, {hi}] -> {summary.output}")
+
+
 @app.command()
 def devnet(
     out: Annotated[Path, typer.Option("--out", help="Output folder: node homes, logs, metrics.jsonl, reward_curve.png.")] = Path("devnet-out"),
