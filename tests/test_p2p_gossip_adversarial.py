@@ -7,24 +7,25 @@ import time
 import trio
 
 from node.p2p.testing import NodeFactory, wait_until
-from protocol import NodeKey, Vote, seal
+from protocol import NodeKey, RolloutAnnounce, seal
 from protocol.schema import pack, unpack
 
 
-def vote(tag: int, worker: str) -> Vote:
-    return Vote(batch_id=tag.to_bytes(32, "big"), worker=worker, policy_version=0, accept=True, reason="", rewards=())
+def vote(tag: int, worker: str) -> RolloutAnnounce:
+    """A small gossip payload anyone may publish (votes are restricted to validators)."""
+    return RolloutAnnounce(batch_id=tag.to_bytes(32, "big"), policy_version=0, batch_counter=0, num_samples=1, size_bytes=1)
 
 
 def collect(nodes):
     got = {n.peer_id: [] for n in nodes}
     for n in nodes:
-        n.gossip.on("vote", lambda env, pid=n.peer_id: got[pid].append(int.from_bytes(env.body.batch_id, "big")))
+        n.gossip.on("rollout", lambda env, pid=n.peer_id: got[pid].append(int.from_bytes(env.body.batch_id, "big")))
     return got
 
 
 def inject(attacker, envelope: bytes) -> None:
-    """Push raw envelope bytes on the vote topic to every peer of ``attacker``, bypassing its own checks."""
-    attacker.gossip._fanout(pack([attacker.gossip.topic("vote"), envelope]), exclude=())
+    """Push raw envelope bytes on the rollout topic to every peer of ``attacker``, bypassing its own checks."""
+    attacker.gossip._fanout(pack([attacker.gossip.topic("rollout"), envelope]), exclude=())
 
 
 def bad_signatures(attacker, run_id, now):
@@ -100,4 +101,27 @@ async def test_burst_of_500_valid_messages_all_arrive_exactly_once():
             for n in nodes:
                 if n is not src:
                     assert sorted(got[n.peer_id]) == sorted(want)
+            nursery.cancel_scope.cancel()
+
+
+async def test_restricted_kinds_only_from_the_genesis_roles():
+    """Checkpoint announces only from the trainer, votes only from validators: others' are dropped
+    at the first hop and never relayed."""
+    from protocol import Vote
+
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery)
+            nodes = [await net.start() for _ in range(4)]
+            await net.wait_connected(min_peers=2)
+            got = {n.peer_id: [] for n in nodes}
+            for n in nodes:
+                n.gossip.on("vote", lambda env, pid=n.peer_id: got[pid].append(env.sender))
+            impostor = nodes[2]
+            await impostor.gossip.publish(Vote(batch_id=bytes(32), worker=impostor.peer_id, policy_version=0,
+                                               accept=True, reason="", rewards=()))
+            await wait_until(lambda: sum(n.metrics.dropped["unauthorised"] for n in nodes) >= 1, 20,
+                             what="the impostor's vote dropped")
+            await trio.sleep(1.0)
+            assert not any(got.values())
             nursery.cancel_scope.cancel()

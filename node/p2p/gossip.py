@@ -19,6 +19,8 @@ costs little and is easy to make lossless and to reason about:
   topic, run id, time window, signature, canonical form, replay guard); an
   invalid message is dropped, counted by reason, charged to the *forwarding*
   peer, and never relayed (an honest peer validates before relaying);
+* a kind restricted by the genesis (checkpoint announces: the trainer; votes:
+  the validators; bans: either) from anyone else is dropped and charged;
 * a valid message is delivered once to this node's handlers (per-kind queue,
   its own task) and relayed to every other connected peer.
 """
@@ -99,6 +101,7 @@ class Gossip:
         seen_capacity: int = 200_000,
         seen_ttl_s: float = 180.0,
         write_timeout: float = 10.0,
+        authorised: dict[str, frozenset[str]] | None = None,
         **_ignored: Any,  # GossipSub-era knobs (degree, heartbeat) are accepted and unused
     ) -> None:
         self.host = host
@@ -113,6 +116,9 @@ class Gossip:
         self.write_timeout = write_timeout
         self.seen_capacity = seen_capacity
         self.seen_ttl_s = seen_ttl_s
+        # kind -> the only senders whose messages of that kind count (from the genesis):
+        # checkpoints from the trainer, votes from validators, bans from either.
+        self.authorised = authorised or {}
         self._topic_kind = {topic_name(run_id, k): (k, t) for k, t in TOPIC_TYPES.items()}
         self._kind_topic = {k: tp for tp, (k, _t) in self._topic_kind.items()}
         self._handlers: dict[str, list[Handler]] = {k: [] for k in TOPIC_TYPES}
@@ -338,6 +344,9 @@ class Gossip:
             rule = "topic_type" if exc.rule == "envelope.type" else exc.rule
             return self._drop(rule, fwd)
         self._mark_seen(msg_id)
+        allowed = self.authorised.get(kind)
+        if allowed is not None and env.sender not in allowed:
+            return self._drop("unauthorised", fwd)  # an honest peer would not have relayed it
         if env.sender == self.my_id:
             return False  # our own message came back (after a restart): do not deliver it to ourselves
         self.metrics.on_accepted(kind)

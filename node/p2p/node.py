@@ -157,7 +157,7 @@ class Node:
                 self.reqresp = ReqResp(self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq)
                 self.gossip = Gossip(
                     self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq,
-                    degree=cfg.gossip_degree, degree_low=cfg.gossip_degree_low, degree_high=cfg.gossip_degree_high,
+                    authorised=self._authorised_senders(),
                 )
                 self.conns = ConnectionManager(
                     self.host, self.peer_id, self.reqresp, self.swarm, self.policy, self.metrics,
@@ -167,6 +167,7 @@ class Node:
                 )
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
                 self.gossip.on("heartbeat", self.swarm.on_heartbeat)
+                self.swarm.listeners.append(self._remember_addrs)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.gossip.run)
                     if connect_bootstrap:
@@ -177,6 +178,26 @@ class Node:
                     self.ready.set()
                     task_status.started()
                     await trio.sleep_forever()
+
+    def _authorised_senders(self) -> dict[str, frozenset[str]]:
+        g = self.genesis
+        if g is None:
+            return {}
+        validators = frozenset(g.validators)
+        return {"checkpoint": frozenset({g.trainer}), "vote": validators, "ban": validators | {g.trainer}}
+
+    def _remember_addrs(self, st) -> None:
+        """Heartbeat addresses go to the peerstore, so a request to a peer we are not
+        connected to yet (a chunk ticket, a batch fetch) can dial it."""
+        try:
+            import multiaddr
+            from libp2p.peer.id import ID
+
+            addrs = [multiaddr.Multiaddr(a) for a in st.heartbeat.addrs]
+            if addrs:
+                self.host.get_peerstore().add_addrs(ID.from_base58(st.peer_id), addrs, 600)
+        except Exception:
+            log.debug("could not record addresses of %s", st.peer_id, exc_info=True)
 
     async def _run_hook(self) -> None:
         await self.hook.run(self)
