@@ -16,7 +16,6 @@ compares bf16 exponents and mantissas. A chunk fails above the thresholds.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Sequence
 
 import torch
@@ -229,9 +228,14 @@ def _fp_parts(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _stats(errs: list[int]) -> tuple[float, float]:
+    """Mean and median as the reference's statistics.mean / statistics.median give them
+    (int / int true division is correctly rounded, as statistics.mean is)."""
     if not errs:
         return NO_MATCH, NO_MATCH
-    return float(statistics.mean(errs)), float(statistics.median(errs))
+    errs = sorted(errs)
+    n, mid = len(errs), len(errs) // 2
+    median = float(errs[mid]) if n % 2 else (errs[mid - 1] + errs[mid]) / 2
+    return sum(errs) / n, median
 
 
 def check_chunks(
