@@ -69,7 +69,13 @@ def read_genesis(path: Path) -> SignedGenesis:
         raise NodeError(f"genesis file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise NodeError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise NodeError(f"{path}: not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise NodeError(f"{path}: cannot read: {exc}") from None
     try:
+        if not isinstance(doc.get("run", {}), dict) or not isinstance(doc.get("config", {}), dict):
+            raise NodeError(f"{path}: [run] and [config] must be tables")
         run = dict(doc["run"])
         run["validators"] = tuple(run.get("validators", ()))
         genesis = RunGenesis(config_toml=tomli_w.dumps(doc.get("config", {})), **run)
@@ -78,6 +84,6 @@ def read_genesis(path: Path) -> SignedGenesis:
         verify_genesis(signed, bytes.fromhex(doc["run_id"]))
     except KeyError as exc:
         raise NodeError(f"{path}: missing {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:  # ProtocolError is a ValueError
+    except (TypeError, ValueError, OverflowError) as exc:  # ProtocolError is a ValueError; ints beyond msgpack's range overflow
         raise NodeError(f"{path}: invalid genesis: {exc}") from None
     return signed
