@@ -110,7 +110,10 @@ class Devnet:
         quorum = o.quorum or max(1, (o.validators // 2) + 1 if o.validators > 2 else o.validators)
         config = {
             "task": o.task, "steps": o.steps, "lr": o.lr, "max_tokens": o.max_tokens,
-            "temperature": o.temperature, "seed": o.seed, **o.extra_config,
+            "temperature": o.temperature, "seed": o.seed, "batches_per_step": 1,
+            # one batch per worker per version: with two workers the trainer always has a fresh
+            # batch and one a step old (two-step async), and little work goes stale
+            "worker_batches_per_version": 1, **o.extra_config,
         }
         signed = make_genesis(
             owner, config, name=f"devnet-{o.task}", model=o.model, dataset=f"builtin:{o.task}",

@@ -34,6 +34,8 @@ from .context import RunContext
 log = logging.getLogger("primenode.roles")
 
 BAN_SECONDS_DEFAULT = 3600.0
+MAX_PENDING_PER_ANNOUNCER = 4  # announcements of one sender waiting in a fetch queue
+UNSERVED_POINTS = 5.0  # per announced batch its announcer failed to serve (budget ~20)
 
 
 class LearningRole(RoleHook):
@@ -83,6 +85,26 @@ class LearningRole(RoleHook):
                                                  until_ms=int((time.time() + seconds) * 1000)))
 
     # ------------------------------------------------------------ batches
+    def admit_announce(self, pending: "collections.Counter[str]", sender: str) -> bool:
+        """Per-announcer fairness: at most ``MAX_PENDING_PER_ANNOUNCER`` of one sender's
+        announcements wait in a fetch queue, so one identity cannot fill it."""
+        if pending[sender] >= MAX_PENDING_PER_ANNOUNCER:
+            return False
+        pending[sender] += 1
+        return True
+
+    @staticmethod
+    def release_announce(pending: "collections.Counter[str]", sender: str) -> None:
+        pending[sender] -= 1
+        if pending[sender] <= 0:
+            del pending[sender]
+
+    def charge_unserved(self, sender: str, exc: Exception) -> None:
+        """An announcer that does not serve its batch (timeout, unreachable, not found) is
+        charged: a few failures ban it, so announcing batches one never serves stops costing
+        fetchers time (see docs/security.md)."""
+        self.node.policy.penalise(sender, "batch_unserved", UNSERVED_POINTS)
+
     async def fetch_batch(self, announce: Envelope, timeout: float = 30.0) -> tuple[bytes, RolloutBatch]:
         """Fetch an announced batch from its announcer and check it against the announced hash.
 
@@ -150,6 +172,9 @@ def export_weights(model, out_dir: Path) -> Path:
     """Write only what workers need (safetensors weights + config), never optimizer state."""
     import shutil
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no tqdm bars in node logs
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
