@@ -102,6 +102,7 @@ def join(
     status_port: Annotated[Optional[int], typer.Option("--status-port", help="Local status/metrics port (127.0.0.1).")] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device for inference/training (cpu, cuda).")] = "cpu",
     engine: Annotated[str, typer.Option("--engine", help="Inference engine: transformers or vllm.")] = "transformers",
+    tamper: Annotated[Optional[str], typer.Option("--tamper", hidden=True, help="Adversarial tests: misbehave this way.")] = None,
 ) -> None:
     """Join a run as trainer, worker or validator."""
     from .daemon import run_join
@@ -109,7 +110,7 @@ def join(
     run_join(
         home=home, role=role.value, bootstrap=bootstrap, listen=listen, run_id=run_id, genesis=genesis,
         target_peers=target_peers, max_upload_mbps=max_upload_mbps, data_port=data_port,
-        status_port=status_port, device=device, engine=engine,
+        status_port=status_port, device=device, engine=engine, tamper=tamper,
     )
 
 

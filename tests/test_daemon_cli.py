@@ -1,0 +1,243 @@
+"""Daemons as a user runs them: real OS processes started through the CLI.
+
+bootstrap + join see each other in ``primenode status --json``; SIGTERM stops
+both with exit 0 and removes ``runtime.json``; an unreachable bootstrap, a
+missing genesis and a home with no running node are one clear line each.
+Time limits here are hang guards, not performance thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PRIMENODE = shutil.which("primenode")
+BASE = [PRIMENODE] if PRIMENODE else [sys.executable, "-m", "node.cli"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+HANG_GUARD_S = 120
+
+
+def cli(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
+    return subprocess.run([*BASE, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def start(*args: str, log: Path) -> subprocess.Popen:
+    f = open(log, "wb")
+    try:
+        return subprocess.Popen([*BASE, *args], stdout=subprocess.PIPE, stderr=f, env=ENV, start_new_session=True)
+    finally:
+        f.close()
+
+
+def init_home(path: Path) -> str:
+    res = cli("init", "--home", str(path))
+    assert res.returncode == 0, res.stderr
+    return cli("id", "--home", str(path)).stdout.strip()
+
+
+def wait_for(pred, timeout: float, what: str, logs: list[Path] = (), procs: list[subprocess.Popen] = ()):
+    """Poll ``pred``; fail (with the logs) on timeout or as soon as one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    problem = f"timed out after {timeout}s waiting for {what}"
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            problem = f"{dead[0].args[len(BASE)]} exited with {dead[0].returncode} while waiting for {what}"
+            break
+        time.sleep(0.3)
+    text = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+    raise AssertionError(f"{problem}{text}")
+
+
+def status_json(home: Path) -> dict | None:
+    res = cli("status", "--json", "--home", str(home), timeout=60)
+    if res.returncode != 0:
+        return None
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stdout  # one JSON object
+    return json.loads(lines[0])
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"process {proc.args} did not stop within {timeout}s of signal {sig}")
+
+
+def outgoing_ip() -> str | None:
+    """A non-loopback address of this machine, if it has one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            ip = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+@pytest.fixture
+def run_setup(tmp_path):
+    boot, joiner = tmp_path / "boot", tmp_path / "joiner"
+    init_home(boot)
+    joiner_id = init_home(joiner)
+    genesis = tmp_path / "run.toml"
+    res = cli("run", "init", "--home", str(boot), "--out", str(genesis), "--trainer", joiner_id,
+              "--validator", joiner_id, "--name", "cli-test")
+    assert res.returncode == 0, res.stderr
+    return boot, joiner, genesis
+
+
+def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup):
+    boot_home, join_home, genesis = run_setup
+    boot_log, join_log = tmp_path / "boot.log", tmp_path / "join.log"
+    procs = []
+    try:
+        boot = start("bootstrap", "--home", str(boot_home), "--listen", "/ip4/127.0.0.1/tcp/0",
+                     "--genesis", str(genesis), log=boot_log)
+        procs.append(boot)
+        first = boot.stdout.readline().decode().strip()  # blocks until the bootstrap listens (or exits)
+        assert first.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in first, (first, boot_log.read_text())
+        boot_id = first.rsplit("/p2p/", 1)[1]
+
+        joiner = start("join", "--home", str(join_home), "--role", "worker", "--bootstrap", first,
+                       "--listen", "/ip4/127.0.0.1/tcp/0", log=join_log)
+        procs.append(joiner)
+        join_id = cli("id", "--home", str(join_home)).stdout.strip()
+
+        def sees(home: Path, other: str):
+            st = status_json(home)
+            return st if st and other in {p["peer_id"] for p in st["peers"]} else None
+
+        logs = [boot_log, join_log]
+        st_boot = wait_for(lambda: sees(boot_home, join_id), HANG_GUARD_S, "the bootstrap to list the joiner", logs, procs)
+        st_join = wait_for(lambda: sees(join_home, boot_id), HANG_GUARD_S, "the joiner to list the bootstrap", logs, procs)
+        assert st_boot["peer_id"] == boot_id and st_boot["role"] == "bootstrap"
+        assert st_join["peer_id"] == join_id and st_join["role"] == "worker"
+        for st in (st_boot, st_join):
+            assert {"peer_id", "role", "peers", "swarm", "gossip", "run_id"} <= set(st)
+        assert st_boot["run_id"] == st_join["run_id"]  # the joiner got the genesis from the bootstrap
+        # the swarm view fills from heartbeats
+        wait_for(lambda: (status_json(join_home) or {}).get("swarm", {}).get("by_role", {}).get("bootstrap"),
+                 HANG_GUARD_S, "a bootstrap heartbeat in the joiner's swarm view", logs, procs)
+
+        runtime = json.loads((join_home / "runtime.json").read_text())
+        assert runtime["pid"] == joiner.pid and runtime["peer_id"] == join_id and runtime["role"] == "worker"
+        assert all("/p2p/" + join_id in a for a in runtime["addrs"])
+        # the status port answers on loopback only
+        ip = outgoing_ip()
+        if ip is not None:
+            with pytest.raises(OSError):
+                socket.create_connection((ip, runtime["status_port"]), timeout=5).close()
+
+        # the human-readable view works too
+        res = cli("status", "--home", str(boot_home))
+        assert res.returncode == 0, res.stderr
+        assert boot_id in res.stdout and "connected peers" in res.stdout and "gossip" in res.stdout
+
+        # SIGTERM: both exit 0 and clean up
+        assert stop(joiner) == 0, join_log.read_text()[-3000:]
+        assert stop(boot) == 0, boot_log.read_text()[-3000:]
+        assert not (join_home / "runtime.json").exists()
+        assert not (boot_home / "runtime.json").exists()
+        for log in logs:
+            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+        res = cli("status", "--home", str(boot_home))
+        assert res.returncode == 1 and "no running node" in res.stderr
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+
+
+def test_sigint_stops_a_bootstrap_with_exit_0(tmp_path, run_setup):
+    boot_home, _, genesis = run_setup
+    log = tmp_path / "boot.log"
+    boot = start("bootstrap", "--home", str(boot_home), "--listen", "/ip4/127.0.0.1/tcp/0", "--genesis", str(genesis),
+                 log=log)
+    try:
+        lines = [boot.stdout.readline().decode().strip()]
+        assert lines[0].startswith("/ip4/"), log.read_text()
+        assert stop(boot, signal.SIGINT) == 0, log.read_text()
+        rest = boot.stdout.read().decode().splitlines()
+        assert all(ln.startswith("/ip4/") for ln in lines + [ln for ln in rest if ln.strip()])  # stdout: addrs only
+        assert not (boot_home / "runtime.json").exists()
+    finally:
+        if boot.poll() is None:
+            boot.kill()
+            boot.wait()
+        boot.stdout.close()
+
+
+def test_unreachable_bootstrap_is_a_clear_error_not_a_hang(tmp_path, run_setup):
+    _, join_home, _ = run_setup
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fake_id = cli("id", "--home", str(tmp_path / "boot")).stdout.strip()
+    res = cli("join", "--home", str(join_home), "--role", "worker",
+              "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{fake_id}", "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "genesis" in lines[0] and "Traceback" not in res.stderr, res.stderr
+    assert not (join_home / "runtime.json").exists()
+
+
+def test_unreachable_bootstrap_with_local_genesis_is_a_clear_error(tmp_path, run_setup):
+    boot_home, join_home, genesis = run_setup
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    boot_id = cli("id", "--home", str(boot_home)).stdout.strip()
+    res = cli("join", "--home", str(join_home), "--role", "worker", "--genesis", str(genesis),
+              "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}", "--listen", "/ip4/127.0.0.1/tcp/0")
+    assert res.returncode != 0
+    assert "cannot reach any bootstrap" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (join_home / "runtime.json").exists()
+
+
+def test_clear_errors_before_starting(tmp_path, run_setup):
+    boot_home, join_home, genesis = run_setup
+    # status with no node running
+    res = cli("status", "--home", str(join_home))
+    assert res.returncode == 1
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and "no running node" in err[0] and "primenode join/bootstrap" in err[0]
+    assert cli("status", "--json", "--home", str(join_home)).returncode == 1
+    # a stale runtime.json (a node that died) reads the same
+    (join_home / "runtime.json").write_text(json.dumps({"pid": 1, "status_port": 9}))
+    res = cli("status", "--home", str(join_home))
+    assert res.returncode == 1 and "no running node" in res.stderr
+    (join_home / "runtime.json").unlink()
+    # bootstrap without a genesis, join without a bootstrap, a bad bootstrap address, a missing home
+    res = cli("bootstrap", "--home", str(boot_home))
+    assert res.returncode == 1 and "--genesis" in res.stderr
+    res = cli("join", "--home", str(join_home), "--role", "worker")
+    assert res.returncode == 1 and "--bootstrap" in res.stderr
+    res = cli("join", "--home", str(join_home), "--role", "worker", "--bootstrap", "/ip4/127.0.0.1/tcp/1")
+    assert res.returncode == 1 and "/p2p/" in res.stderr
+    res = cli("join", "--home", str(tmp_path / "nohome"), "--role", "worker", "--genesis", str(genesis))
+    assert res.returncode == 1 and "primenode init" in res.stderr
+    # a validator the genesis does not name is refused (the trainer/validator here is the joiner)
+    res = cli("join", "--home", str(boot_home), "--role", "validator", "--genesis", str(genesis))
+    assert res.returncode == 1 and "validators" in res.stderr
+    for r in (res,):
+        assert "Traceback" not in r.stderr
