@@ -58,7 +58,11 @@ class ChunkServer:
         self.stall_timeout_s = stall_timeout_s
         self.send_slice = send_slice
         self.tickets: dict[bytes, Ticket] = {}
+        self.max_tickets = 8192  # bounded: tickets that are never used expire, and a peer holds at most
+        self.max_tickets_per_peer = 32  # this many at once (its oldest is replaced)
         self.connections = 0
+        self.max_connections_per_peer = 8
+        self._per_peer: collections.Counter[str] = collections.Counter()
         # stats
         self.bytes_served = 0
         self.chunks_served = 0
@@ -85,6 +89,13 @@ class ChunkServer:
             return ChunkTicket(ok=False, reason="data plane not running", ticket=b"", host="", port=0, expires_ms=0)
         now = trio.current_time()
         self._expire(now)
+        mine = [k for k, t in self.tickets.items() if t.peer_id == peer_id] if len(self.tickets) > 64 else []
+        if len(mine) >= self.max_tickets_per_peer:
+            # a peer asking for tickets it never uses replaces its own oldest, not others'
+            del self.tickets[mine[0]]
+        if len(self.tickets) >= self.max_tickets:
+            return ChunkTicket(ok=False, reason="busy: too many outstanding tickets", ticket=b"", host="", port=0,
+                               expires_ms=0)
         tok = secrets.token_bytes(32)
         expires_ms = int((time.time() + self.ticket_ttl_s) * 1000)
         self.tickets[tok] = Ticket(peer_id, req.version, req.root, now + self.ticket_ttl_s, expires_ms)
@@ -126,8 +137,18 @@ class ChunkServer:
                 if st is None:
                     await send_all(sock, F.WELCOME.pack(F.MAGIC, F.GONE, 0, 0), self.stall_timeout_s)
                     return
-                await send_all(sock, F.WELCOME.pack(F.MAGIC, F.OK, st.bitmap.n, 0), self.stall_timeout_s)
-                await self._serve(sock, t)
+                if self._per_peer[peer] >= self.max_connections_per_peer:
+                    # one identity may not take every slot (e.g. requesting chunks it never reads)
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.BUSY, 0, 0), self.stall_timeout_s)
+                    return
+                self._per_peer[peer] += 1
+                try:
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.OK, st.bitmap.n, 0), self.stall_timeout_s)
+                    await self._serve(sock, t)
+                finally:
+                    self._per_peer[peer] -= 1
+                    if self._per_peer[peer] <= 0:
+                        del self._per_peer[peer]
             finally:
                 self.connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:

@@ -109,6 +109,12 @@ class Distribution:
     def on_heartbeat(self, peer_id: str, hb: Heartbeat) -> None:
         if hb.data_port == 0:
             return
+        if peer_id not in self._have and len(self._have) >= 2048:
+            # bounded: drop have-sets not refreshed for a minute, else the oldest quarter
+            now = time.monotonic()
+            stale = [p for p, (t, _h) in self._have.items() if now - t > 60]
+            for p in stale or sorted(self._have, key=lambda p: self._have[p][0])[: len(self._have) // 4]:
+                del self._have[p]
         self._have[peer_id] = (time.monotonic(), hb.have)
         for f in self.fetchers.values():
             # a peer that serves chunks but does not list this version yet probably

@@ -60,6 +60,7 @@ class ConnectionManager:
         my_addrs: callable = lambda: [],
         has_gossip_stream: callable = lambda peer_id: True,
         gossip_grace: float = 5.0,
+        max_connections: int | None = None,
     ) -> None:
         self.host = host
         self.my_id = my_id
@@ -79,6 +80,14 @@ class ConnectionManager:
         self.gossip_grace = gossip_grace
         self._no_stream_since: dict[str, float] = {}
         self.book: dict[str, BookEntry] = {}
+        self.max_book = 2048  # bounded: heartbeats and peer exchange from free identities feed it
+        # Inbound connections are accepted by libp2p without limit; beyond this many the
+        # newest unprotected ones are closed (protected: bootstrap, and the genesis roles
+        # the node puts in ``protected``).
+        self.max_connections = max_connections or max(4 * target_peers, 32)
+        self.protected: set[str] = set()
+        self._conn_since: dict[str, float] = {}
+        self.trimmed = 0
         self.bootstrap_ids: list[str] = []
         for text in bootstrap:
             info = parse_peer_addr(text)
@@ -120,11 +129,24 @@ class ConnectionManager:
         addrs = [a.split("/p2p/")[0] for a in addrs][:8]
         e = self.book.get(peer_id)
         if e is None:
+            if len(self.book) >= self.max_book:
+                self._trim_book()
+                if len(self.book) >= self.max_book:
+                    return
             self.book[peer_id] = BookEntry(list(addrs), time.monotonic())
         else:
             if e.addrs != addrs:
                 e.addrs = list(addrs)
             e.updated = time.monotonic()
+
+    def _trim_book(self) -> None:
+        """Make room: forget failing entries first, then the least recently refreshed quarter
+        (never bootstrap or connected peers)."""
+        keep = set(self.bootstrap_ids) | set(self.connected())
+        cands = [p for p in self.book if p not in keep]
+        cands.sort(key=lambda p: (-self.book[p].fails, self.book[p].updated))
+        for pid in cands[: max(1, len(self.book) // 4)]:
+            del self.book[pid]
 
     def _on_peer_state(self, st: PeerState) -> None:
         e = self.book.get(st.peer_id)
@@ -189,6 +211,24 @@ class ConnectionManager:
         delay = min(self.backoff_max, self.backoff_base * 2 ** (e.fails - 1))
         e.next_try = time.monotonic() + delay * random.uniform(0.8, 1.2)
 
+    def _trim_connections(self, live: set[str], nursery: trio.Nursery, now: float) -> set[str]:
+        for pid in live:
+            self._conn_since.setdefault(pid, now)
+        for pid in list(self._conn_since):
+            if pid not in live:
+                del self._conn_since[pid]
+        excess = len(live) - self.max_connections
+        if excess <= 0:
+            return set()
+        keep = set(self.bootstrap_ids) | self.protected
+        newest = sorted((p for p in live if p not in keep), key=lambda p: self._conn_since[p], reverse=True)
+        drop = set(newest[:excess])
+        for pid in drop:
+            self.trimmed += 1
+            self.metrics.dials.labels("trimmed").inc()
+            nursery.start_soon(self._disconnect, pid)
+        return drop
+
     async def _try_dial(self, peer_id: str) -> None:
         try:
             await self.dial(peer_id)
@@ -242,6 +282,7 @@ class ConnectionManager:
                     if self.policy.is_banned(pid):
                         nursery.start_soon(self._disconnect, pid)
                 live = {p for p in connected if not self.policy.is_banned(p)}
+                live -= self._trim_connections(live, nursery, now)
                 self.metrics.peers_connected.set(len(live))
                 need = self.target_peers - len(live) - len(self._dialing)
                 if need > 0:

@@ -349,6 +349,10 @@ class Gossip:
             return self._drop("unauthorised", fwd)  # an honest peer would not have relayed it
         if env.sender == self.my_id:
             return False  # our own message came back (after a restart): do not deliver it to ourselves
+        if not self.policy.allow_origin(env.sender):
+            # One signer flooding valid messages: not delivered, not relayed. Only the origin
+            # itself is charged (an honest relay may pass on a burst before its own limit bites).
+            return self._drop("origin_rate", fwd, charge=fwd == env.sender)
         self.metrics.on_accepted(kind)
         try:
             self._queues[kind][0].send_nowait(env)

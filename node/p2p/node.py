@@ -165,6 +165,8 @@ class Node:
                     px_interval=cfg.px_interval_s, dial_timeout=cfg.dial_timeout_s, my_addrs=self.addrs,
                     has_gossip_stream=self.gossip.has_stream,
                 )
+                if self.genesis is not None:
+                    self.conns.protected = {self.genesis.trainer, *self.genesis.validators}
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
                 self.gossip.on("heartbeat", self.swarm.on_heartbeat)
                 self.swarm.listeners.append(self._remember_addrs)

@@ -27,6 +27,8 @@ PENALTIES = {
     "size": 10.0,
     "timestamp": 1.0,  # clocks drift: cheap
     "rate_limit": 0.2,
+    "origin_rate": 0.2,  # charged only when the forwarder is the origin itself
+    "batch_unserved": 5.0,
     "bad_response": 5.0,
     "bad_chunk": 5.0,
 }
@@ -76,8 +78,14 @@ class PeerPolicy:
         rate_per_s: float = 1000.0,
         rate_burst: float = 5000.0,
         clock: Callable[[], float] = time.monotonic,
+        max_peers: int = 10_000,
+        origin_rate_per_s: float = 100.0,
+        origin_burst: float = 1000.0,
     ) -> None:
         self.budget = budget
+        # Bound on each per-peer table (scores, buckets, bans): fresh identities are free,
+        # so nothing keyed by peer may grow without limit (see docs/security.md).
+        self.max_peers = max_peers
         self.decay_per_s = decay_per_s
         self.ban_seconds = ban_seconds
         self.rate_per_s = rate_per_s
@@ -86,6 +94,11 @@ class PeerPolicy:
         self._scores: dict[str, _Score] = {}
         self._bans: dict[str, tuple[float, str]] = {}  # peer -> (until, reason)
         self._buckets: dict[str, TokenBucket] = {}
+        # Per-origin (signer) gossip rate: a valid-but-useless flood from one identity is cut
+        # at the first hop even when it arrives through honest relays.
+        self.origin_rate_per_s = origin_rate_per_s
+        self.origin_burst = origin_burst
+        self._origin_buckets: dict[str, TokenBucket] = {}
         self.ban_listeners: list[Callable[[str, str], None]] = []
         self.metrics = None  # NodeMetrics, set by the node
 
@@ -103,6 +116,8 @@ class PeerPolicy:
         """Charge ``peer_id`` for breaking ``reason``; returns True if that banned it."""
         pts = penalty_for(reason) if points is None else points
         cur = self.points(peer_id)
+        if peer_id not in self._scores and len(self._scores) >= self.max_peers:
+            self._prune_scores()
         s = self._scores.setdefault(peer_id, _Score(updated=self.clock()))
         s.points = cur + pts
         if self.metrics is not None:
@@ -121,6 +136,8 @@ class PeerPolicy:
         prev = self._bans.get(peer_id)
         if prev is not None and prev[0] >= until:
             return
+        if peer_id not in self._bans and len(self._bans) >= self.max_peers:
+            self._prune_bans()
         self._bans[peer_id] = (until, reason)
         if self.metrics is not None:
             self.metrics.bans.inc()
@@ -153,5 +170,51 @@ class PeerPolicy:
     def allow(self, peer_id: str, n: float = 1.0) -> bool:
         b = self._buckets.get(peer_id)
         if b is None:
+            if len(self._buckets) >= self.max_peers:
+                self._prune_buckets()
             b = self._buckets[peer_id] = TokenBucket(self.rate_per_s, self.rate_burst)
         return b.take(n)
+
+    def allow_origin(self, sender: str, n: float = 1.0) -> bool:
+        """Rate limit per message signer (gossip), independent of who relayed it."""
+        b = self._origin_buckets.get(sender)
+        if b is None:
+            if len(self._origin_buckets) >= self.max_peers:
+                self._prune_buckets(self._origin_buckets)
+            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, self.origin_burst)
+        return b.take(n)
+
+    # ---- bounds
+    def _prune_scores(self) -> None:
+        """Forget scores that decayed to zero; if still full, the lowest half."""
+        for pid in list(self._scores):
+            if self.points(pid) <= 0.0 and pid not in self._bans:
+                del self._scores[pid]
+        if len(self._scores) >= self.max_peers:
+            for pid in sorted(self._scores, key=lambda p: self._scores[p].points)[: len(self._scores) // 2]:
+                del self._scores[pid]
+
+    def _prune_bans(self) -> None:
+        """Drop expired bans; if still full, those ending soonest."""
+        now = self.clock()
+        for pid, (until, _r) in list(self._bans.items()):
+            if until <= now:
+                del self._bans[pid]
+        if len(self._bans) >= self.max_peers:
+            for pid in sorted(self._bans, key=lambda p: self._bans[p][0])[: len(self._bans) // 10 + 1]:
+                del self._bans[pid]
+
+    def _prune_buckets(self, table: dict[str, TokenBucket] | None = None) -> None:
+        """Drop buckets that are full again (idle peers: a new bucket is identical)."""
+        table = self._buckets if table is None else table
+        now = time.monotonic()
+        for pid, b in list(table.items()):
+            if b.tokens + (now - b.t) * b.rate >= b.burst:
+                del table[pid]
+        if len(table) >= self.max_peers:  # all busy: forget the least recently used half
+            for pid in sorted(table, key=lambda p: table[p].t)[: len(table) // 2]:
+                del table[pid]
+
+    def sizes(self) -> dict[str, int]:
+        return {"scores": len(self._scores), "bans": len(self._bans), "buckets": len(self._buckets),
+                "origin_buckets": len(self._origin_buckets)}

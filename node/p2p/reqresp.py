@@ -191,6 +191,8 @@ class ReqResp:
             raise RequestError("bad_response", "response signed by another peer")
         rtt = (time.monotonic() - t0) * 1000
         prev = self.rtt_ms.get(peer_id)
+        if prev is None and len(self.rtt_ms) >= 4096:
+            self.rtt_ms.pop(next(iter(self.rtt_ms)))  # bounded: forget the oldest entry
         self.rtt_ms[peer_id] = rtt if prev is None else 0.7 * prev + 0.3 * rtt
         if isinstance(env.body, ErrorResponse) and ErrorResponse not in expected:
             self.metrics.on_request(tname, "client", "error")

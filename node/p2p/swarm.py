@@ -46,8 +46,14 @@ class SwarmView:
     each new ``PeerState`` (the connection manager learns addresses that way).
     """
 
-    def __init__(self, my_id: str, forget_after: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, my_id: str, forget_after: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 max_peers: int = 2048) -> None:
         self.my_id = my_id
+        # Heartbeats are up to 200 KiB and identities are free: a flood of fresh senders must
+        # not grow the view without bound. When full, peers already known keep refreshing and
+        # new ones wait until silent peers are forgotten.
+        self.max_peers = max_peers
+        self.refused = 0
         self.forget_after = forget_after
         self.clock = clock
         self._peers: dict[str, PeerState] = {}
@@ -59,6 +65,11 @@ class SwarmView:
         prev = self._peers.get(env.sender)
         if prev is not None and prev.heartbeat is not None and env.timestamp_ms < prev.received_ms - 60_000:
             return
+        if prev is None and len(self._peers) >= self.max_peers:
+            self.prune()
+            if len(self._peers) >= self.max_peers:
+                self.refused += 1
+                return
         st = PeerState(env.sender, env.body, self.clock(), env.timestamp_ms)
         self._peers[env.sender] = st
         for cb in list(self.listeners):

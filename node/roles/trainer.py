@@ -7,6 +7,7 @@ one travels.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -44,6 +45,8 @@ class TrainerRole(LearningRole):
         self._announces_in, self._announces_out = trio.open_memory_channel[Envelope](1024)
         self.dropped_announces = 0
         self.fetch_failures = 0
+        self._pending: collections.Counter[str] = collections.Counter()  # queued announces per sender
+        self._queued_ids: set[bytes] = set()
 
     # ------------------------------------------------------------ lifecycle
     async def run(self, node) -> None:
@@ -99,32 +102,49 @@ class TrainerRole(LearningRole):
     def _on_announce(self, env: Envelope) -> None:
         if self.node.policy.is_banned(env.sender):
             return
-        ann = env.body
-        self.ledger.record_batch(ann.batch_id, env.sender, ann.policy_version, ann.batch_counter, ann.num_samples, None)
+        # Nothing is written to the ledger before the batch is fetched: announces from free
+        # identities must not grow the database (the row is written with the bytes below).
+        if env.body.batch_id in self._queued_ids or not self.admit_announce(self._pending, env.sender):
+            self.dropped_announces += 1
+            return
         try:
             self._announces_in.send_nowait(env)
+            self._queued_ids.add(env.body.batch_id)
         except trio.WouldBlock:
+            self.release_announce(self._pending, env.sender)
             self.dropped_announces += 1
 
     async def _fetch_loop(self) -> None:
         async for env in self._announces_out:
-            for attempt in range(3):
-                try:
-                    raw, _batch = await self.fetch_batch(env)
-                except RequestError as exc:
-                    log.info("batch fetch from %s failed (%s), attempt %d", env.sender[:12], exc, attempt + 1)
-                    await trio.sleep(1.0)
-                    continue
-                except ProtocolError as exc:
-                    log.warning("bad batch from %s: %s", env.sender, exc)
-                    break
-                ann = env.body
-                self.ledger.record_batch(ann.batch_id, env.sender, ann.policy_version, ann.batch_counter,
-                                         ann.num_samples, raw)
-                self._decide(ann.batch_id)
-                break
-            else:
-                self.fetch_failures += 1
+            try:
+                await self._fetch_one(env)
+            finally:
+                self.release_announce(self._pending, env.sender)
+                self._queued_ids.discard(env.body.batch_id)
+
+    async def _fetch_one(self, env: Envelope) -> None:
+        last: Exception | None = None
+        for attempt in range(3):
+            if self.node.policy.is_banned(env.sender):
+                return
+            try:
+                raw, _batch = await self.fetch_batch(env)
+            except RequestError as exc:
+                last = exc
+                log.info("batch fetch from %s failed (%s), attempt %d", env.sender[:12], exc, attempt + 1)
+                await trio.sleep(1.0)
+                continue
+            except ProtocolError as exc:
+                log.warning("bad batch from %s: %s", env.sender, exc)
+                return
+            ann = env.body
+            self.ledger.record_batch(ann.batch_id, env.sender, ann.policy_version, ann.batch_counter,
+                                     ann.num_samples, raw)
+            self._decide(ann.batch_id)
+            return
+        self.fetch_failures += 1
+        if last is not None:
+            self.charge_unserved(env.sender, last)
 
     def _on_vote(self, env: Envelope) -> None:
         vote = env.body

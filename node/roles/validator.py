@@ -40,6 +40,8 @@ class ValidatorRole(LearningRole):
         self.strikes: collections.Counter[str] = collections.Counter()
         self.last_reasons: collections.deque[str] = collections.deque(maxlen=10)
         self.dropped_announces = 0
+        self.fetch_failures = 0
+        self._pending: collections.Counter[str] = collections.Counter()  # queued announces per sender
         self.verify_s = 0.0
         self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
@@ -54,16 +56,21 @@ class ValidatorRole(LearningRole):
     def _on_announce(self, env: Envelope) -> None:
         if self.node.policy.is_banned(env.sender) or env.body.batch_id in self._seen:
             return
+        if not self.admit_announce(self._pending, env.sender):
+            self.dropped_announces += 1  # one announcer may not fill the queue
+            return
         self._seen[env.body.batch_id] = None
         while len(self._seen) > 10_000:
             self._seen.popitem(last=False)
         try:
             self._announces_in.send_nowait(env)
         except trio.WouldBlock:
+            self.release_announce(self._pending, env.sender)
             self.dropped_announces += 1  # bounded queue: shed load rather than grow without limit
 
     async def _fetch_loop(self) -> None:
         async for env in self._announces_out:
+            self.release_announce(self._pending, env.sender)
             if self.node.policy.is_banned(env.sender):
                 continue
             try:
@@ -72,6 +79,9 @@ class ValidatorRole(LearningRole):
                 log.info("could not fetch batch %s from %s: %s", env.body.batch_id.hex()[:12], env.sender[:12], exc)
                 if isinstance(exc, ProtocolError):
                     await self._vote(env, BatchVerdict(False, f"batch: {exc}"[:250], []))
+                else:
+                    self.fetch_failures += 1
+                    self.charge_unserved(env.sender, exc)
                 continue
             await self._verify_in.send((env, batch))
 
@@ -128,6 +138,8 @@ class ValidatorRole(LearningRole):
         self.last_reasons.append(f"{env.sender[:12]}: {verdict.reason[:120]}")
         log.warning("rejected batch %s from %s: %s", ann.batch_id.hex()[:12], env.sender, verdict.reason)
         if verdict.rule in CHEATING_RULES or verdict.rule == "batch":
+            if env.sender not in self.strikes and len(self.strikes) >= 10_000:
+                del self.strikes[min(self.strikes, key=self.strikes.get)]  # bounded: forget the mildest
             self.strikes[env.sender] += 1
             if self.strikes[env.sender] >= self.ban_after and not self.node.policy.is_banned(env.sender):
                 await self.publish_ban(env.sender, f"{self.strikes[env.sender]} rejected batches, last: {verdict.reason}")
