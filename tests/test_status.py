@@ -179,3 +179,32 @@ def test_render_every_role(role, state, expect):
     text = _render_text({**BASE, "role": role, "role_state": state})
     for word in ["connected peers", "1.2 ms", "bad_signature", "forged tokens", "swarm view", "1h02m05s", *expect]:
         assert word in text, (word, text)
+
+
+def test_fetch_progress_logs_without_a_terminal(caplog):
+    from node.daemon import _FetchReporter
+    from node.dataplane.swarm import FetchProgress
+
+    rep = _FetchReporter(tty=False, every_s=3600)
+    with caplog.at_level("INFO", logger="primenode.daemon"):
+        rep.update(FetchProgress(version=2, held=1, total=8, bytes_fetched=2**20, mib_per_s=5.0, elapsed_s=0.2, done=False))
+        rep.update(FetchProgress(version=2, held=2, total=8, bytes_fetched=2**21, mib_per_s=5.0, elapsed_s=0.4, done=False))
+        rep.update(FetchProgress(version=2, held=8, total=8, bytes_fetched=2**23, mib_per_s=5.0, elapsed_s=1.0, done=True))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["checkpoint v2: 1/8 chunks, 5.0 MiB/s",  # then rate-limited
+                    "checkpoint v2: all 8 chunks held (8.0 MiB fetched in 1.0 s)"]
+
+
+def test_libp2p_tracebacks_are_shortened():
+    import logging
+
+    from node.daemon import _QuietTracebacks
+
+    try:
+        raise ConnectionResetError("peer hung up")
+    except ConnectionResetError:
+        import sys
+
+        rec = logging.LogRecord("libp2p.x", logging.WARNING, __file__, 1, "stream %s failed", ("s1",), sys.exc_info())
+    assert _QuietTracebacks().filter(rec)
+    assert rec.exc_info is None and rec.getMessage() == "stream s1 failed (ConnectionResetError: peer hung up)"
