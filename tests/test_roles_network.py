@@ -49,10 +49,11 @@ async def test_network_advances_versions_with_quorum_admission(tmp_path):
             assert admitted
             for b in admitted:
                 assert len(trainer.ledger.accept_voters(b)) >= genesis.genesis.quorum
-            assert all(w.loaded_version >= 1 for w in workers)
+            # workers hot-reload new versions; every validator voted
+            await wait_until(lambda: all(w.loaded_version >= 1 for w in workers), 60, what="workers on a new version")
             assert all(v.verdicts["accept"] >= 1 for v in validators)
-            lines = (trainer.home.path / "metrics.jsonl").read_text().splitlines()
-            assert len(lines) >= 3
+            metrics = trainer.home.path / "metrics.jsonl"
+            await wait_until(lambda: len(metrics.read_text().splitlines()) >= 3, 30, what="three metrics lines")
             nursery.cancel_scope.cancel()
 
 

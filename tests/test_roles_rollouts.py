@@ -58,3 +58,16 @@ def test_batch_announced_by_someone_else_is_rejected(setup):
     batch = produce_batch(ctx, engine, W, 0, 3)
     v = verify_batch(ctx, prefill_with(engine), batch, WORKERS[1].peer_id)
     assert not v.accept and v.rule == "worker"
+
+
+def test_one_token_completions_with_a_narrow_model_verify(tmp_path):
+    """A chunk with fewer than topk values carries a shorter proof: splitting must follow the shape."""
+    from node.roles.rollouts import split_proofs
+
+    ctx = tiny_context(tmp_path, max_tokens=1, tiny_hidden_size=32)
+    engine = engine_for(ctx)
+    batch = produce_batch(ctx, engine, W, 0, 0)
+    assert all(len(s.token_ids()) == 1 for s in batch.samples)
+    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    assert v.accept, v.reason
+    assert split_proofs(b"\0" * 7, 3, 1, 32) is None

@@ -34,6 +34,29 @@ PROOF = ProofConfig()
 REWARD_TOLERANCE = 1e-6
 
 
+def chunk_rows(prompt_len: int, completion_len: int, config: ProofConfig = PROOF) -> list[int]:
+    """Hidden-state rows per proof chunk: the whole prompt (unless skipped), then
+    ``chunk_size`` generated tokens at a time (the last chunk may be shorter)."""
+    rows = [] if config.skip_prefill or prompt_len == 0 else [prompt_len]
+    rows += [min(config.chunk_size, completion_len - i) for i in range(0, completion_len, config.chunk_size)]
+    return rows
+
+
+def split_proofs(blob: bytes, prompt_len: int, completion_len: int, hidden_size: int,
+                 config: ProofConfig = PROOF) -> list[bytes] | None:
+    """Cut a sample's concatenated proofs into per-chunk proofs. A chunk with fewer than
+    ``topk`` values carries a shorter proof (all its values), so the sizes follow from the
+    shape; None if the blob does not have exactly the expected length."""
+    sizes = [proof_size(min(config.topk, rows * hidden_size)) for rows in chunk_rows(prompt_len, completion_len, config)]
+    if sum(sizes) != len(blob):
+        return None
+    out, pos = [], 0
+    for n in sizes:
+        out.append(blob[pos : pos + n])
+        pos += n
+    return out
+
+
 def owed_prompts(ctx: RunContext, worker: str, version: int, counter: int) -> list[int]:
     g = ctx.genesis
     return assign_prompts(g.run_id, worker, version, counter, g.dataset_size, g.prompts_per_batch)
@@ -115,8 +138,6 @@ def check_batch_rules(ctx: RunContext, batch: RolloutBatch, announcer: str) -> s
             return f"tokens: sample {k} has {len(toks)} tokens, max {ctx.sampling.max_tokens}"
         if any(t >= vocab for t in toks):
             return f"tokens: sample {k} has a token id outside the vocabulary"
-        if len(s.proof) % proof_size(PROOF.topk):
-            return f"proof: sample {k} proof bytes are malformed"
     return ""
 
 
@@ -134,12 +155,12 @@ def verify_batch(
         return BatchVerdict(False, reason, [], time.perf_counter() - t0)
     pairs = [(ctx.prompt_tokens(s.prompt_index), s.token_ids()) for s in batch.samples]
     hiddens = prefill(pairs)
-    size = proof_size(PROOF.topk)
     for k, (s, (prompt, comp), hidden) in enumerate(zip(batch.samples, pairs, hiddens)):
-        proofs = [s.proof[i : i + size] for i in range(0, len(s.proof), size)]
-        if len(proofs) != expected_chunks(len(prompt), len(comp), PROOF):
-            return BatchVerdict(False, f"proof: sample {k} has {len(proofs)} proof chunks, expected "
-                                       f"{expected_chunks(len(prompt), len(comp), PROOF)}", [], time.perf_counter() - t0)
+        proofs = split_proofs(s.proof, len(prompt), len(comp), int(hidden.shape[-1]))
+        if proofs is None:
+            return BatchVerdict(False, f"proof: sample {k} carries {len(s.proof)} proof bytes, expected "
+                                       f"{expected_chunks(len(prompt), len(comp), PROOF)} chunk proofs", [],
+                                time.perf_counter() - t0)
         try:
             verdict = verify_sequence(hidden, len(prompt), proofs, PROOF)
         except ProofError as exc:
