@@ -308,7 +308,7 @@ async def _attach_progress(hook, reporter: _FetchReporter) -> None:
 
 
 # --------------------------------------------------------------------------- the daemon
-async def _serve(s: _Settings, node, nursery: trio.Nursery, *, quiet_addrs: bool = False) -> None:
+async def _serve(s: _Settings, node, nursery: trio.Nursery) -> None:
     from .status_server import serve_status
 
     status_port = await nursery.start(serve_status, node, s.status_port)
@@ -335,7 +335,7 @@ async def _serve(s: _Settings, node, nursery: trio.Nursery, *, quiet_addrs: bool
 
 def _run_node(s: _Settings, node) -> None:
     try:
-        _, stopped = run_trio(lambda nursery: _serve(s, node, nursery))
+        run_trio(lambda nursery: _serve(s, node, nursery))
     finally:
         remove_runtime(s.home)
     log.info("stopped")
@@ -357,6 +357,8 @@ def _guard_early(fn: Callable[[], None]) -> None:
         log.info("stopped before starting")
     except KeyboardInterrupt:
         log.info("interrupted")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_bootstrap(home: Path, listen: list[str] | None = None, genesis: Path | None = None,
