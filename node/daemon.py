@@ -251,8 +251,13 @@ class _FetchReporter:
         self.bar = None
         self.active: set[int] = set()
         self.last_log: dict[int, float] = {}
+        self.done: set[int] = set()
 
     def update(self, p) -> None:
+        if p.version in self.done:
+            return  # the fetcher may report completion more than once
+        if p.done:
+            self.done.add(p.version)
         try:
             if self.tty:
                 self._bar(p)

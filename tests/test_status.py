@@ -190,6 +190,7 @@ def test_fetch_progress_logs_without_a_terminal(caplog):
         rep.update(FetchProgress(version=2, held=1, total=8, bytes_fetched=2**20, mib_per_s=5.0, elapsed_s=0.2, done=False))
         rep.update(FetchProgress(version=2, held=2, total=8, bytes_fetched=2**21, mib_per_s=5.0, elapsed_s=0.4, done=False))
         rep.update(FetchProgress(version=2, held=8, total=8, bytes_fetched=2**23, mib_per_s=5.0, elapsed_s=1.0, done=True))
+        rep.update(FetchProgress(version=2, held=8, total=8, bytes_fetched=2**23, mib_per_s=5.0, elapsed_s=1.0, done=True))
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs == ["checkpoint v2: 1/8 chunks, 5.0 MiB/s",  # then rate-limited
                     "checkpoint v2: all 8 chunks held (8.0 MiB fetched in 1.0 s)"]
