@@ -6,6 +6,8 @@
 * :func:`install_libp2p_fixes` raises py-libp2p's silent-drop limits: the
   per-peer outbound pubsub queue (32 RPCs, overflow dropped) and the
   subscription queue (32 messages, overflow dropped with a log line).
+* :func:`install_libp2p_fixes` also switches off the library's AutoConnector
+  (it would dial the whole peerstore); :class:`ConnectionManager` decides.
 * The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
 """
 
@@ -52,6 +54,17 @@ def install_libp2p_fixes() -> None:
 
     _pubsub_mod.RpcQueue = _LargeRpcQueue  # pubsub.py looks the name up per new peer
     _pubsub_mod.SUBSCRIPTION_CHANNEL_SIZE = SUBSCRIPTION_QUEUE_MESSAGES
+
+    # py-libp2p's AutoConnector dials every peer in the peerstore until the node has
+    # ~200 connections. Our ConnectionManager keeps `target_peers` on purpose (and we
+    # put heartbeat addresses in the peerstore), so the library's dialler must not run:
+    # with it, nodes held 7-17 connections and logged thousands of dial errors.
+    from libp2p.network.auto_connector import AutoConnector
+
+    async def _no_auto_connect(self) -> None:
+        return None
+
+    AutoConnector.maybe_connect = _no_auto_connect
     _fixes_installed = True
 
 

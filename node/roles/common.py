@@ -48,8 +48,11 @@ class LearningRole(RoleHook):
         g = ctx.genesis
         self.store = ChunkStore(home.path / "chunks", g.run_id, g.trainer)
         self.dist: Distribution | None = None
+        # The data plane listens where peers can reach it: loopback for a one-machine
+        # network, every interface when the node advertises a routable address.
+        listen_host = "127.0.0.1" if advertise_host.startswith("127.") or advertise_host == "localhost" else "0.0.0.0"
         self._dist_args = dict(max_async=g.max_async, data_port=data_port, advertise_host=advertise_host,
-                               max_upload_mbps=max_upload_mbps)
+                               listen_host=listen_host, max_upload_mbps=max_upload_mbps)
         self.node: Any = None
         self.weights = WeightCache(self, capacity=g.max_async + 2)
         self.bans_honoured = 0
