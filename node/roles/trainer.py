@@ -124,14 +124,16 @@ class TrainerRole(LearningRole):
 
     async def _fetch_one(self, env: Envelope) -> None:
         last: Exception | None = None
-        for attempt in range(3):
+        for attempt in range(2):
             if self.node.policy.is_banned(env.sender):
                 return
             try:
-                raw, _batch = await self.fetch_batch(env)
+                raw, _batch = await self.fetch_batch(env, timeout=10.0)
             except RequestError as exc:
                 last = exc
                 log.info("batch fetch from %s failed (%s), attempt %d", env.sender[:12], exc, attempt + 1)
+                if exc.code in ("unreachable", "not_found", "refused"):
+                    break  # a dead or forgetful announcer: do not hold a fetch slot for it
                 await trio.sleep(1.0)
                 continue
             except ProtocolError as exc:
@@ -185,14 +187,18 @@ class TrainerRole(LearningRole):
                     await self._admitted.wait()
                 continue
             groups = self._groups(batches)
-            step = self.version + 1
             t0 = time.monotonic()
             metrics = await trio.to_thread.run_sync(self.trainer.step, groups)
-            self.ledger.mark_trained([b.batch_id for b in batches], step)
-            await trio.to_thread.run_sync(self.trainer.save_checkpoint, self.ckpt_dir)
-            self.version = self.trainer.version
-            self.ledger.commit_checkpoint(self.version, self.version)
-            await self._publish_current()
+            if metrics.skipped:
+                # every group filtered out (all-equal rewards): no optimizer step, the policy
+                # is unchanged, so the batches are consumed at the current checkpoint
+                self.ledger.mark_trained([b.batch_id for b in batches], self.version)
+            else:
+                self.ledger.mark_trained([b.batch_id for b in batches], self.version + 1)
+                await trio.to_thread.run_sync(self.trainer.save_checkpoint, self.ckpt_dir)
+                self.version = self.trainer.version
+                self.ledger.commit_checkpoint(self.version, self.version)
+                await self._publish_current()
             counts = self.ledger.counts()
             self.last_metrics = {
                 **metrics.as_dict(), "step": self.version, "policy_version": self.version,
@@ -202,7 +208,8 @@ class TrainerRole(LearningRole):
             }
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(self.last_metrics) + "\n")
-            log.info("step %d: reward %.3f over %d rollouts", self.version, metrics.reward_mean, metrics.num_rollouts)
+            log.info("step %d%s: reward %.3f over %d rollouts", self.version, " (skipped: no group with signal)"
+                     if metrics.skipped else "", metrics.reward_mean, metrics.num_rollouts)
             self.dist.gc()
         log.info("reached %s steps; serving until stopped", self.steps)
         await trio.sleep_forever()

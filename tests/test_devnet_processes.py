@@ -1,0 +1,75 @@
+"""A real network of OS processes started through the CLI (tiny model): crashes and restarts."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import time
+
+import pytest
+
+from node.devnet import Devnet, DevnetOptions
+
+
+def wait_for(pred, timeout: float, what: str, devnet: Devnet | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    logs = ""
+    if devnet is not None:
+        for p in sorted((devnet.out / "logs").glob("*.log")):
+            logs += f"\n--- {p.name}\n" + p.read_text()[-3000:]
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{logs}")
+
+
+def trainer_step(devnet: Devnet) -> int:
+    rows = devnet.trainer_metrics()
+    return max((r["step"] for r in rows), default=0)
+
+
+def admitted(devnet: Devnet) -> set[bytes]:
+    db = devnet.node("trainer").home.path / "node.db"
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return {r[0] for r in con.execute("SELECT batch_id FROM batches WHERE status = 'admitted'")}
+    finally:
+        con.close()
+
+
+def small_options(tmp_path, **kw) -> DevnetOptions:
+    opts = DevnetOptions(out=tmp_path / "devnet", workers=2, validators=3, quorum=2, steps=1000,
+                         prompts_per_batch=2, group_size=4, max_tokens=16,
+                         extra_config={"tiny_hidden_size": 64, "tiny_layers": 2, "batches_per_step": 1,
+                                       "worker_batches_per_version": 2})
+    for k, v in kw.items():
+        setattr(opts, k, v)
+    return opts
+
+
+def test_kill9_worker_validator_and_trainer(tmp_path):
+    devnet = Devnet(small_options(tmp_path))
+    devnet.prepare()
+    devnet.start_all()
+    try:
+        wait_for(lambda: trainer_step(devnet) >= 2, 300, "two steps", devnet)
+        devnet.kill("worker-0", signal.SIGKILL)
+        devnet.kill("validator-0", signal.SIGKILL)
+        reached = trainer_step(devnet)
+        wait_for(lambda: trainer_step(devnet) >= reached + 2, 300, "training to continue without them", devnet)
+
+        before = admitted(devnet)
+        step_before = trainer_step(devnet)
+        assert before
+        devnet.kill("trainer", signal.SIGKILL)
+        devnet.start(devnet.node("trainer"))
+        wait_for(lambda: trainer_step(devnet) >= step_before + 2, 300, "the restarted trainer to train", devnet)
+        after = admitted(devnet)
+        assert before <= after, "an admitted rollout was lost across the trainer crash"
+        steps = [r["step"] for r in devnet.trainer_metrics() if not r.get("skipped")]
+        # resumed from its checkpoint: step numbers keep increasing, none trained twice
+        assert steps == sorted(set(steps))
+    finally:
+        codes = devnet.stop_all()
+    assert codes["bootstrap"] == 0
