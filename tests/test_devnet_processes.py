@@ -42,7 +42,7 @@ def small_options(tmp_path, **kw) -> DevnetOptions:
     opts = DevnetOptions(out=tmp_path / "devnet", workers=2, validators=3, quorum=2, steps=1000,
                          prompts_per_batch=2, group_size=4, max_tokens=16,
                          extra_config={"tiny_hidden_size": 64, "tiny_layers": 2, "batches_per_step": 1,
-                                       "worker_batches_per_version": 2})
+                                       "worker_batches_per_version": 2, "worker_idle_s": 5.0})
     for k, v in kw.items():
         setattr(opts, k, v)
     return opts

@@ -30,6 +30,10 @@ class WorkerRole(LearningRole):
         self.tamper = tamper
         self.device = device
         self.per_version = int(self.ctx.config.get("worker_batches_per_version", 2))
+        # With no new version for this long (trainer restarting, batches lost with it), the
+        # worker produces one more batch for the version it holds instead of idling forever.
+        self.idle_s = float(self.ctx.config.get("worker_idle_s", 20.0))
+        self.allowance: collections.Counter[int] = collections.Counter()
         self.batches: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.keep_batches = 64
         self.produced: collections.Counter[int] = collections.Counter()
@@ -87,8 +91,11 @@ class WorkerRole(LearningRole):
             if newest != self.loaded_version:
                 await self._load(newest)  # hot reload between batches; the next version keeps fetching meanwhile
             version = self.loaded_version
-            if self.produced[version] >= self.per_version:
-                await self.dist.wait_version(version + 1)
+            if self.produced[version] >= self.per_version + self.allowance[version]:
+                with trio.move_on_after(self.idle_s) as idle:
+                    await self.dist.wait_version(version + 1)
+                if idle.cancelled_caught:
+                    self.allowance[version] += 1
                 continue
             counter = self.produced[version]
             self.produced[version] += 1
