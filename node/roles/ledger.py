@@ -167,9 +167,10 @@ class Ledger:
 
     # ------------------------------------------------------------- training
     def untrained(self, limit: int | None = None) -> list[AdmittedBatch]:
-        """Admitted batches no step has consumed yet, oldest admission first."""
+        """Admitted batches no step has consumed yet, freshest policy first (the most
+        on-policy data trains first; older leftovers age out through ``drop_stale``)."""
         q = ("SELECT batch_id, worker, policy_version, batch_counter, envelope, rewards FROM batches "
-             "WHERE status = 'admitted' AND trained_step IS NULL ORDER BY admitted_ms, batch_id")
+             "WHERE status = 'admitted' AND trained_step IS NULL ORDER BY policy_version DESC, admitted_ms, batch_id")
         if limit is not None:
             q += f" LIMIT {int(limit)}"
         return [AdmittedBatch(b, w, v, c, e, msgpack.unpackb(r)) for b, w, v, c, e, r in self.db.execute(q)]
