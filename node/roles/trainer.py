@@ -128,7 +128,7 @@ class TrainerRole(LearningRole):
             if self.node.policy.is_banned(env.sender):
                 return
             try:
-                raw, _batch = await self.fetch_batch(env, timeout=10.0)
+                raw, _batch = await self.fetch_batch(env, timeout=30.0)
             except RequestError as exc:
                 last = exc
                 log.info("batch fetch from %s failed (%s), attempt %d", env.sender[:12], exc, attempt + 1)

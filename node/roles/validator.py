@@ -74,7 +74,7 @@ class ValidatorRole(LearningRole):
             if self.node.policy.is_banned(env.sender):
                 continue
             try:
-                _, batch = await self.fetch_batch(env, timeout=10.0)
+                _, batch = await self.fetch_batch(env, timeout=30.0)
             except (RequestError, ProtocolError) as exc:
                 log.info("could not fetch batch %s from %s: %s", env.body.batch_id.hex()[:12], env.sender[:12], exc)
                 if isinstance(exc, ProtocolError):
