@@ -213,7 +213,7 @@ def devnet(
     out: Annotated[Path, typer.Option("--out", help="Output folder: node homes, logs, metrics.jsonl, reward_curve.png.")] = Path("devnet-out"),
     workers: Annotated[int, typer.Option("--workers", help="Number of worker processes.")] = 2,
     validators: Annotated[int, typer.Option("--validators", help="Number of validator processes.")] = 2,
-    steps: Annotated[int, typer.Option("--steps", help="Trainer steps before stopping.")] = 60,
+    steps: Annotated[int, typer.Option("--steps", help="Trainer steps before stopping.")] = 40,
     model: Annotated[str, typer.Option("--model", help="Model: tiny (random init, char vocabulary) or smollm2.")] = "tiny",
     task: Annotated[str, typer.Option("--task", help="Built-in task: target-length or arithmetic.")] = "target-length",
     max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch may lag behind the trainer.")] = 2,
