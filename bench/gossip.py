@@ -82,6 +82,7 @@ def decode_id(batch_id: bytes) -> tuple[int, float]:
 
 
 async def run_bench(args) -> dict:
+    from node.p2p.node import P2PConfig
     from node.p2p.testing import NodeFactory, make_genesis
 
     rng = random.Random(args.seed)
@@ -95,8 +96,12 @@ async def run_bench(args) -> dict:
     info: dict = {}
 
     async with trio.open_nursery() as nursery:
+        # Production overlay intervals (P2PConfig defaults), not the test factory's short ones.
+        prod = P2PConfig()
         net = NodeFactory(nursery, genesis=genesis, target_peers=args.target_peers,
-                          heartbeat_interval_s=args.heartbeat_s, forget_after_s=max(10.0, 5 * args.heartbeat_s))
+                          heartbeat_interval_s=args.heartbeat_s, forget_after_s=max(10.0, 5 * args.heartbeat_s),
+                          conn_interval_s=prod.conn_interval_s, px_interval_s=prod.px_interval_s,
+                          dial_timeout_s=prod.dial_timeout_s)
         t0 = time.perf_counter()
         nodes = []
         for k in keys:
@@ -148,6 +153,11 @@ async def run_bench(args) -> dict:
         nursery.start_soon(sampler)
         total = int(args.rate * args.seconds)
         lag_max = 0.0
+        # CPU of the quiet overlay (heartbeats, peer exchange) for one second, then under load.
+        cpu0 = time.process_time()
+        await trio.sleep(1.0)
+        info["idle_cpu_per_s"] = round(time.process_time() - cpu0, 3)
+        cpu0 = time.process_time()
         start = time.perf_counter()
         for seq in range(total):
             due = start + seq / args.rate
@@ -172,9 +182,17 @@ async def run_bench(args) -> dict:
         while delivered() < expected and time.perf_counter() - drain_start < args.drain:
             await trio.sleep(0.1)
         info["drain_s"] = round(time.perf_counter() - drain_start, 2)
+        info["load_cpu_per_s"] = round((time.process_time() - cpu0) / (time.perf_counter() - start), 3)
         info["publish_s"] = round(publish_s, 2)
         info["publish_lag_max_ms"] = round(lag_max * 1000, 1)
         info["connections_per_node"] = round(statistics.mean(len(n.conns.connected()) for n in nodes), 1)
+        # Gossip internals summed over nodes: how many copies and repairs the overlay needed.
+        totals: collections.Counter = collections.Counter()
+        for n in nodes:
+            for k, v in n.gossip.status().items():
+                if isinstance(v, int):
+                    totals[k] += v
+        info["gossip_totals"] = dict(sorted(totals.items()))
         nursery.cancel_scope.cancel()
 
     snap_times = [t for t, _ in snapshots]

@@ -1,28 +1,49 @@
-"""Validated flood gossip over our own libp2p streams.
+"""Validated gossip over our own libp2p streams: eager push on a tree, lazy repair.
 
 Why not py-libp2p's GossipSub: measured here (see docs/architecture.md), its
 mesh logic and per-peer stream handling lost most messages at 12 nodes in one
 process (peers forgotten when one of their streams failed, one-sided meshes,
 a 60 s back-off after a prune), on top of the silent-drop traps in the notes
-(spam limit, 32-slot queues, 1 MiB cap, 120 s heartbeat). Our announcements
-are small and few, so a plain flood over the ~6 connections each node keeps
-costs little and is easy to make lossless and to reason about:
+(spam limit, 32-slot queues, 1 MiB cap, 120 s heartbeat).
 
-* one long-lived outbound stream per connected peer (protocol
-  ``/primenode/gossip/1.0.0``), fed by a bounded per-peer queue; a frame
-  whose write fails is re-sent on a fresh stream, and a peer whose queue
-  overflows is disconnected and counted (never a silent drop);
-* a frame is ``len(4 bytes) || msgpack([topic, envelope])``; the topic must be
-  one of this run's and allow exactly the envelope's type;
-* on arrival: de-duplicate by sha256 of the envelope (no charge), then the
-  per-peer rate limit, then ``protocol.open_envelope`` (size, type for the
-  topic, run id, time window, signature, canonical form, replay guard); an
-  invalid message is dropped, counted by reason, charged to the *forwarding*
-  peer, and never relayed (an honest peer validates before relaying);
-* a kind restricted by the genesis (checkpoint announces: the trainer; votes:
-  the validators; bans: either) from anyone else is dropped and charged;
-* a valid message is delivered once to this node's handlers (per-kind queue,
-  its own task) and relayed to every other connected peer.
+Dissemination follows Plumtree (Leitão, Pereira, Rodrigues: "Epidemic
+Broadcast Trees", 2007), because a plain flood costs every node one frame per
+message per connection, and through py-libp2p's Python Noise + yamux a frame
+costs ~1 ms of CPU (bench/gossip.py: 20 nodes at 100 msg/s needed 3 cores):
+
+* every connected peer starts *eager*: a new valid message is pushed to all
+  eager peers (except the one it came from and its origin);
+* a peer that sends us a message we already have is moved to *lazy* and sent
+  PRUNE (it moves us to lazy too): the eager links shrink to a spanning tree,
+  so each node receives about one copy of each message;
+* lazy peers get the message *ids* instead, batched every ``ihave_interval_s``
+  (IHAVE); an id still missing ``graft_timeout_s`` after its first IHAVE is
+  requested with GRAFT, which also makes that link eager again: a tree broken
+  by a dead node heals itself;
+* recent messages are kept (bounded by count and age) to answer GRAFTs.
+
+Wire: one long-lived outbound stream per connected peer (protocol
+``/primenode/gossip/1.1.0``), fed by a bounded per-peer queue; every frame
+waiting in the queue goes out in one stream write (so under load one Noise +
+yamux frame carries many gossip frames); frames whose write fails are re-sent
+on a fresh stream, and a peer whose queue overflows is disconnected and
+counted (never a silent drop). A frame is ``len(4 bytes) || msgpack(x)`` with
+``x`` one of:
+
+* ``[topic, envelope]``: a message; the topic must be one of this run's and
+  allow exactly the envelope's type;
+* ``[1, [id, ...]]`` IHAVE, ``[2, [id, ...]]`` GRAFT (ids are sha256 of the
+  envelope, at most ``MAX_IDS_PER_FRAME``), ``[3, []]`` PRUNE.
+
+On arrival of a message: de-duplicate by id (no charge), then the per-peer
+rate limit, then ``protocol.open_envelope`` (size, type for the topic, run id,
+time window, signature, canonical form, replay guard); an invalid message is
+dropped, counted by reason, charged to the *forwarding* peer, and never relayed
+(an honest peer validates before relaying); a kind restricted by the genesis
+(checkpoint announces: the trainer; votes: the validators; bans: either) from
+anyone else is dropped and charged; a valid message is delivered once to this
+node's handlers (per-kind queue, its own task) and passed on as above. Control
+frames count against the same per-peer rate limit; malformed ones are charged.
 """
 
 from __future__ import annotations
@@ -45,14 +66,21 @@ from protocol.topics import TOPIC_TYPES, topic as topic_name
 
 from .metrics import NodeMetrics
 from .policy import PeerPolicy
-from .reqresp import read_exactly
 
 log = logging.getLogger("primenode.p2p.gossip")
 
-GOSSIP_PROTOCOL = TProtocol("/primenode/gossip/1.0.0")
+GOSSIP_PROTOCOL = TProtocol("/primenode/gossip/1.1.0")
 KIND_OF_TYPE = {t: k for k, t in TOPIC_TYPES.items()}
 PUBSUB_CAP = 1024 * 1024 - 4096  # gossip stays under 1 MiB; bulk data is fetched by request
 FRAME_CAP = PUBSUB_CAP + 1024
+WRITE_BATCH_BYTES = 256 * 1024  # frames coalesced into one stream write, at most
+READ_CHUNK_BYTES = 256 * 1024
+PARTIAL_FRAME_TIMEOUT_S = 30.0  # a frame that has started must be complete by then (slow senders are cut)
+IHAVE, GRAFT, PRUNE = 1, 2, 3  # control frame kinds: [kind, [ids]]
+MAX_IDS_PER_FRAME = 4096
+PRUNE_AFTER = 3  # duplicates in a row from an eager peer before it is pruned
+MIN_EAGER = 2  # never prune below this many eager links
+ID_BYTES = 32
 
 Handler = Callable[[Envelope], Any]
 
@@ -102,6 +130,11 @@ class Gossip:
         seen_ttl_s: float = 180.0,
         write_timeout: float = 10.0,
         authorised: dict[str, frozenset[str]] | None = None,
+        ihave_interval_s: float = 1.0,
+        graft_timeout_s: float = 0.5,
+        cache_capacity: int = 20_000,
+        cache_ttl_s: float = 120.0,
+        missing_capacity: int = 20_000,
         **_ignored: Any,  # GossipSub-era knobs (degree, heartbeat) are accepted and unused
     ) -> None:
         self.host = host
@@ -116,6 +149,11 @@ class Gossip:
         self.write_timeout = write_timeout
         self.seen_capacity = seen_capacity
         self.seen_ttl_s = seen_ttl_s
+        self.ihave_interval_s = ihave_interval_s
+        self.graft_timeout_s = graft_timeout_s
+        self.cache_capacity = cache_capacity
+        self.cache_ttl_s = cache_ttl_s
+        self.missing_capacity = missing_capacity
         # kind -> the only senders whose messages of that kind count (from the genesis):
         # checkpoints from the trainer, votes from validators, bans from either.
         self.authorised = authorised or {}
@@ -125,6 +163,17 @@ class Gossip:
         self._queues = {k: trio.open_memory_channel[Envelope](queue_size) for k in TOPIC_TYPES}
         self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._links: dict[str, _Link] = {}
+        # Plumtree state. Every peer with a link is in exactly one of eager / lazy.
+        self._eager: set[str] = set()
+        self._lazy: set[str] = set()
+        # id -> (message frame, time): answers GRAFTs (bounded by count and age).
+        self._cache: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        # peer -> ids to announce in its next IHAVE (bounded per peer).
+        self._ihave_out: dict[str, list[bytes]] = {}
+        # id we lack -> [deadline, peers that announced it] (bounded).
+        self._missing: collections.OrderedDict[bytes, list] = collections.OrderedDict()
+        self._dup_streak: dict[str, int] = {}  # eager peer -> duplicates in a row from it
+        self.counters: collections.Counter[str] = collections.Counter()
         self._ready = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.relayed_frames = 0
@@ -151,8 +200,11 @@ class Gossip:
         if len(data) > PUBSUB_CAP:
             raise GossipError(f"{type(message).__name__} envelope is {len(data)} bytes, over the gossip cap")
         await self._ready.wait()
-        self._mark_seen(sha256(data))
-        self._fanout(pack([self._kind_topic[kind], data]), exclude=())
+        msg_id = sha256(data)
+        self._mark_seen(msg_id)
+        frame = pack([self._kind_topic[kind], data])
+        self._remember(msg_id, frame)
+        self._pass_on(msg_id, frame, exclude=())
         self.metrics.on_published(kind)
         return data
 
@@ -168,8 +220,10 @@ class Gossip:
         return link is not None and link.stream_ok
 
     def status(self) -> dict[str, Any]:
-        return {"links": len(self._links), "duplicates": self.duplicates, "relayed_frames": self.relayed_frames,
-                "seen_cache": len(self._seen)}
+        return {"links": len(self._links), "eager": len(self._eager), "lazy": len(self._lazy),
+                "duplicates": self.duplicates, "relayed_frames": self.relayed_frames,
+                "seen_cache": len(self._seen), "message_cache": len(self._cache), "missing": len(self._missing),
+                **{k: v for k, v in sorted(self.counters.items())}}
 
     # ------------------------------------------------------------- running
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -178,6 +232,8 @@ class Gossip:
             for kind, (_send, recv) in self._queues.items():
                 nursery.start_soon(self._dispatch, kind, recv)
             nursery.start_soon(self._link_loop)
+            nursery.start_soon(self._ihave_loop)
+            nursery.start_soon(self._graft_loop)
             self._ready.set()
             task_status.started()
             await trio.sleep_forever()
@@ -200,12 +256,18 @@ class Gossip:
                 continue
             link = _Link(pid, self.peer_queue_size)
             self._links[pid] = link
+            self._eager.add(pid)  # Plumtree: a new neighbour starts eager
+            self._lazy.discard(pid)
             self._nursery.start_soon(self._sender, link)
         for pid in set(self._links) - connected:
             self._close_link(pid)
 
     def _close_link(self, pid: str) -> None:
         link = self._links.pop(pid, None)
+        self._eager.discard(pid)
+        self._lazy.discard(pid)
+        self._ihave_out.pop(pid, None)
+        self._dup_streak.pop(pid, None)
         if link is not None:
             link.scope.cancel()
 
@@ -214,19 +276,93 @@ class Gossip:
             self._sync_links()
             await trio.sleep(0.1)
 
+    def _send(self, pid: str, frame: bytes) -> None:
+        link = self._links.get(pid)
+        if link is None:
+            return
+        try:
+            link.send.send_nowait(frame)
+        except trio.WouldBlock:
+            # A peer that cannot keep up would make us buffer without bound: cut it loose.
+            self.metrics.on_dropped("peer_queue_full")
+            log.warning("gossip queue to %s overflowed; disconnecting it", pid)
+            self._close_link(pid)
+            self._nursery.start_soon(self._disconnect, pid)
+
     def _fanout(self, frame: bytes, exclude: tuple[str, ...]) -> None:
+        """Push ``frame`` to every linked peer (tests use it to play a misbehaving relay)."""
         self._sync_links()
-        for pid, link in list(self._links.items()):
-            if pid in exclude:
-                continue
-            try:
-                link.send.send_nowait(frame)
-            except trio.WouldBlock:
-                # A peer that cannot keep up would make us buffer without bound: cut it loose.
-                self.metrics.on_dropped("peer_queue_full")
-                log.warning("gossip queue to %s overflowed; disconnecting it", pid)
-                self._close_link(pid)
-                self._nursery.start_soon(self._disconnect, pid)
+        for pid in list(self._links):
+            if pid not in exclude:
+                self._send(pid, frame)
+
+    def _pass_on(self, msg_id: bytes, frame: bytes, exclude: tuple[str, ...]) -> None:
+        """Push a new message to eager peers and queue its id for lazy ones."""
+        self._sync_links()
+        for pid in list(self._eager):
+            if pid not in exclude:
+                self._send(pid, frame)
+        for pid in self._lazy:
+            if pid not in exclude:
+                ids = self._ihave_out.setdefault(pid, [])
+                if len(ids) < MAX_IDS_PER_FRAME:  # beyond that the peer still has GRAFT from others
+                    ids.append(msg_id)
+
+    def _remember(self, msg_id: bytes, frame: bytes) -> None:
+        now = time.monotonic()
+        self._cache[msg_id] = (frame, now)
+        while self._cache:
+            _oldest, (_f, t) = next(iter(self._cache.items()))
+            if len(self._cache) > self.cache_capacity or now - t > self.cache_ttl_s:
+                self._cache.popitem(last=False)
+            else:
+                break
+
+    def _make_eager(self, pid: str) -> None:
+        if pid in self._links:
+            self._lazy.discard(pid)
+            self._eager.add(pid)
+
+    def _make_lazy(self, pid: str) -> None:
+        if pid in self._links:
+            self._eager.discard(pid)
+            self._lazy.add(pid)
+
+    async def _ihave_loop(self) -> None:
+        while True:
+            await trio.sleep(self.ihave_interval_s)
+            out, self._ihave_out = self._ihave_out, {}
+            for pid, ids in out.items():
+                if ids:
+                    self.counters["ihave_sent"] += len(ids)
+                    self._send(pid, pack([IHAVE, ids]))
+
+    async def _graft_loop(self) -> None:
+        """Ask an announcer for every id still missing after ``graft_timeout_s``."""
+        while True:
+            await trio.sleep(min(0.05, self.graft_timeout_s / 2))
+            now = trio.current_time()
+            wanted: dict[str, list[bytes]] = {}
+            for msg_id, entry in list(self._missing.items()):
+                deadline, announcers = entry
+                if msg_id in self._seen:
+                    del self._missing[msg_id]
+                    continue
+                if deadline > now:
+                    continue
+                while announcers and announcers[0] not in self._links:
+                    announcers.pop(0)
+                if not announcers:
+                    del self._missing[msg_id]  # nobody left to ask; a later IHAVE starts over
+                    continue
+                pid = announcers.pop(0)
+                wanted.setdefault(pid, []).append(msg_id)
+                entry[0] = now + self.graft_timeout_s  # then the next announcer
+            for pid, ids in wanted.items():
+                for i in range(0, len(ids), MAX_IDS_PER_FRAME):
+                    self.counters["graft_sent"] += 1
+                    self._make_eager(pid)
+                    self._send(pid, pack([GRAFT, ids[i : i + MAX_IDS_PER_FRAME]]))
 
     async def _disconnect(self, pid: str) -> None:
         try:
@@ -235,8 +371,23 @@ class Gossip:
         except Exception:
             pass
 
+    @staticmethod
+    def _take_batch(link: _Link, first: bytes) -> tuple[bytes, int]:
+        """``first`` plus every frame already queued (up to WRITE_BATCH_BYTES), length-prefixed."""
+        parts = [len(first).to_bytes(4, "big"), first]
+        size, count = 4 + len(first), 1
+        while size < WRITE_BATCH_BYTES:
+            try:
+                frame = link.recv.receive_nowait()
+            except trio.WouldBlock:
+                break
+            parts += [len(frame).to_bytes(4, "big"), frame]
+            size += 4 + len(frame)
+            count += 1
+        return b"".join(parts), count
+
     async def _sender(self, link: _Link) -> None:
-        pending: bytes | None = None
+        pending: tuple[bytes, int] | None = None  # a batch not yet written (kept across stream failures)
         backoff = 0.05
         with link.scope:
             while True:
@@ -248,10 +399,10 @@ class Gossip:
                     backoff = 0.05
                     while True:
                         if pending is None:
-                            pending = await link.recv.receive()
+                            pending = self._take_batch(link, await link.recv.receive())
                         with trio.fail_after(self.write_timeout):
-                            await stream.write(len(pending).to_bytes(4, "big") + pending)
-                        link.sent += 1
+                            await stream.write(pending[0])
+                        link.sent += pending[1]
                         pending = None
                 except trio.Cancelled:
                     raise
@@ -273,18 +424,36 @@ class Gossip:
     # ------------------------------------------------------------- inbound
     async def _handle_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
+        buf = bytearray()
+        partial_deadline: float | None = None
         try:
             while True:
-                header = await read_exactly(stream, 4)
-                n = int.from_bytes(header, "big")
-                if n > FRAME_CAP:
-                    self._drop("size", peer)
+                # Cut every complete frame out of the buffer, then read more. A frame
+                # that has started must complete within 30 s (a stalled sender is cut).
+                while len(buf) >= 4:
+                    n = int.from_bytes(buf[:4], "big")
+                    if n > FRAME_CAP:
+                        self._drop("size", peer)
+                        return
+                    if len(buf) < 4 + n:
+                        break
+                    frame = bytes(buf[4 : 4 + n])
+                    del buf[: 4 + n]
+                    partial_deadline = None
+                    if self.policy.is_banned(peer):
+                        return
+                    self._on_frame(peer, frame)
+                if buf:
+                    if partial_deadline is None:
+                        partial_deadline = trio.current_time() + PARTIAL_FRAME_TIMEOUT_S
+                    with trio.fail_at(partial_deadline):
+                        part = await stream.read(READ_CHUNK_BYTES)
+                else:
+                    partial_deadline = None
+                    part = await stream.read(READ_CHUNK_BYTES)
+                if not part:
                     return
-                with trio.fail_after(30):
-                    frame = await read_exactly(stream, n)
-                if self.policy.is_banned(peer):
-                    return
-                self._on_frame(peer, frame)
+                buf += part
         except trio.Cancelled:
             raise
         except Exception as exc:
@@ -324,7 +493,11 @@ class Gossip:
             items = unpack(frame)
         except ProtocolError:
             return self._drop("encoding", fwd)
-        if not (isinstance(items, list) and len(items) == 2 and isinstance(items[0], str) and isinstance(items[1], bytes)):
+        if not (isinstance(items, list) and len(items) == 2):
+            return self._drop("frame", fwd)
+        if isinstance(items[0], int) and not isinstance(items[0], bool):
+            return self._on_control(fwd, items[0], items[1])
+        if not (isinstance(items[0], str) and isinstance(items[1], bytes)):
             return self._drop("frame", fwd)
         topic, data = items
         if topic not in self._topic_kind:
@@ -333,6 +506,17 @@ class Gossip:
         msg_id = sha256(data)
         if msg_id in self._seen:
             self.duplicates += 1
+            if fwd in self._eager:
+                # Plumtree: a second eager path to us; keep the first, demote this one. With
+                # hysteresis: only after PRUNE_AFTER duplicates in a row, and never below
+                # MIN_EAGER links (concurrent prunes by several nodes for messages from
+                # several origins otherwise cut the tree apart, and GRAFT storms follow).
+                streak = self._dup_streak[fwd] = self._dup_streak.get(fwd, 0) + 1
+                if streak >= PRUNE_AFTER and len(self._eager) > MIN_EAGER:
+                    self._dup_streak.pop(fwd, None)
+                    self._make_lazy(fwd)
+                    self.counters["prune_sent"] += 1
+                    self._send(fwd, pack([PRUNE, []]))
             return False  # an honest peer relays what we already have: no charge
         self.metrics.on_received(kind)
         if not self.policy.allow(fwd):
@@ -359,8 +543,45 @@ class Gossip:
         except trio.WouldBlock:
             self.metrics.on_dropped("local_queue_full")
         self.relayed_frames += 1
-        self._fanout(frame, exclude=(fwd, env.sender))
+        self._missing.pop(msg_id, None)
+        self._remember(msg_id, frame)
+        self._make_eager(fwd)  # the path that delivered first stays in the tree
+        self._dup_streak.pop(fwd, None)
+        self._pass_on(msg_id, frame, exclude=(fwd, env.sender))
         return True
+
+    def _on_control(self, fwd: str, kind: int, ids: Any) -> bool:
+        if kind not in (IHAVE, GRAFT, PRUNE) or not isinstance(ids, list) or len(ids) > MAX_IDS_PER_FRAME:
+            return self._drop("frame", fwd)
+        if not all(isinstance(i, bytes) and len(i) == ID_BYTES for i in ids):
+            return self._drop("frame", fwd)
+        if not self.policy.allow(fwd):
+            return self._drop("rate_limit", fwd)
+        if kind == PRUNE:
+            self.counters["prune_received"] += 1
+            self._make_lazy(fwd)
+        elif kind == GRAFT:
+            self.counters["graft_received"] += 1
+            self._make_eager(fwd)
+            for msg_id in ids:
+                hit = self._cache.get(msg_id)
+                if hit is not None:
+                    self.counters["graft_served"] += 1
+                    self._send(fwd, hit[0])
+        else:
+            self.counters["ihave_received"] += len(ids)
+            deadline = trio.current_time() + self.graft_timeout_s
+            for msg_id in ids:
+                if msg_id in self._seen:
+                    continue
+                entry = self._missing.get(msg_id)
+                if entry is None:
+                    if len(self._missing) >= self.missing_capacity:
+                        self._missing.popitem(last=False)
+                    self._missing[msg_id] = [deadline, [fwd]]
+                elif fwd not in entry[1] and len(entry[1]) < 16:
+                    entry[1].append(fwd)
+        return False
 
     def _on_ban(self, peer_id: str, reason: str) -> None:
         self._close_link(peer_id)

@@ -1,0 +1,118 @@
+"""Plumtree dissemination: the eager links shrink to a tree, and lazy repair heals it.
+
+Real libp2p hosts on 127.0.0.1 in one trio process (node/p2p/testing.py).
+"""
+
+from __future__ import annotations
+
+import trio
+
+from node.p2p.gossip import GRAFT, IHAVE, MAX_IDS_PER_FRAME, PRUNE
+from node.p2p.testing import NodeFactory, wait_until
+from protocol import RolloutAnnounce
+from protocol.schema import pack
+
+
+def announce(tag: int) -> RolloutAnnounce:
+    return RolloutAnnounce(batch_id=tag.to_bytes(32, "big"), policy_version=0, batch_counter=0, num_samples=1, size_bytes=1)
+
+
+def collect(nodes):
+    got = {n.peer_id: [] for n in nodes}
+    for n in nodes:
+        n.gossip.on("rollout", lambda env, pid=n.peer_id: got[pid].append(int.from_bytes(env.body.batch_id, "big")))
+    return got
+
+
+def copies_received(nodes) -> int:
+    """Message frames that reached the validator, first copies and duplicates together."""
+    return sum(n.gossip.relayed_frames + n.gossip.duplicates for n in nodes)
+
+
+async def publish_round(nodes, got, tags) -> None:
+    for i, tag in enumerate(tags):
+        publisher = nodes[i % len(nodes)]
+        await publisher.gossip.publish(announce(tag))
+        got[publisher.peer_id].append(tag)  # a node's handlers never see its own messages
+        await trio.sleep(0.02)
+    want = set(tags)
+    await wait_until(lambda: all(want <= set(v) for v in got.values()), 30, what="every message at every node")
+
+
+async def test_duplicates_stop_once_the_eager_links_form_a_tree():
+    """A flood sends every node one copy per link; after warm-up, about one copy per node."""
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=4, heartbeat_interval_s=2.0)
+            nodes = [await net.start() for _ in range(8)]
+            await net.wait_connected(nodes, min_peers=3)
+            got = collect(nodes)
+            await publish_round(nodes, got, range(0, 60))  # warm-up: duplicates prune links
+            links = sum(n.gossip.status()["links"] for n in nodes) // 2
+            assert links > len(nodes) - 1, "the overlay must have cycles for this test to mean anything"
+            before = copies_received(nodes)
+            tags = range(100, 140)
+            await publish_round(nodes, got, tags)
+            await trio.sleep(0.5)
+            copies = copies_received(nodes) - before
+            first = len(tags) * (len(nodes) - 1)
+            # A flood would deliver about (2 x links - (N - 1)) copies per message; the tree ~ N - 1.
+            flood = len(tags) * (2 * links - (len(nodes) - 1))
+            assert first <= copies < (first + flood) / 2, (copies, first, flood)
+            # Exactly once to the application, whatever the copies.
+            for pid, tags_seen in got.items():
+                assert len(tags_seen) == len(set(tags_seen)), pid
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_node_whose_eager_links_were_all_pruned_still_gets_everything_by_graft():
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=3, heartbeat_interval_s=2.0)
+            nodes = [await net.start() for _ in range(5)]
+            await net.wait_connected(nodes, min_peers=2)
+            got = collect(nodes)
+            victim = nodes[-1]
+            # Every neighbour is told to stop pushing to the victim: only IHAVE reaches it now.
+            for pid in list(victim.gossip._links):
+                victim.gossip._send(pid, pack([PRUNE, []]))
+            await wait_until(lambda: all(victim.peer_id not in n.gossip._eager for n in nodes if n is not victim),
+                             20, what="the neighbours to demote the victim to lazy")
+            grafts_before = victim.gossip.counters["graft_sent"]
+            await publish_round(nodes[:-1], got, range(500, 510))
+            assert sorted(got[victim.peer_id]) == list(range(500, 510))
+            assert victim.gossip.counters["graft_sent"] > grafts_before
+            nursery.cancel_scope.cancel()
+
+
+async def test_malformed_control_frames_are_charged_and_bounded():
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=2)
+            target = await net.start()
+            attacker = await net.start(target_peers=1)
+            await wait_until(lambda: attacker.gossip.has_stream(target.peer_id), 20, what="attacker's gossip link")
+            # Announcing ids that never come costs the target bounded state only.
+            target.gossip.missing_capacity = 50
+            for i in range(4):
+                ids = [(i * 1000 + j).to_bytes(32, "big") for j in range(40)]
+                attacker.gossip._send(target.peer_id, pack([IHAVE, ids]))
+            # GRAFT for ids the target never saw: nothing is sent back, nothing breaks.
+            attacker.gossip._send(target.peer_id, pack([GRAFT, [bytes(32)]]))
+            await wait_until(lambda: target.gossip.counters["ihave_received"] >= 160, 20, what="the IHAVEs")
+            await wait_until(lambda: target.gossip.counters["graft_received"] >= 1, 20, what="the GRAFT")
+            assert len(target.gossip._missing) <= 50
+            assert target.gossip.counters["graft_served"] == 0
+            before = target.metrics.dropped["frame"]
+            bad = [
+                pack([9, []]),                                   # unknown control kind
+                pack([IHAVE, [b"short"]]),                       # id of the wrong size
+                pack([GRAFT, "not a list"]),                     # ids not a list
+                pack([IHAVE, [bytes(32)] * (MAX_IDS_PER_FRAME + 1)]),  # too many ids
+                pack([True, []]),                                # a bool is not a kind
+            ]
+            for f in bad:
+                attacker.gossip._send(target.peer_id, f)
+            await wait_until(lambda: target.metrics.dropped["frame"] >= before + len(bad), 20, what="the bad frames dropped")
+            assert target.policy.points(attacker.peer_id) > 0 or target.policy.is_banned(attacker.peer_id)
+            nursery.cancel_scope.cancel()
