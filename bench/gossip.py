@@ -1,20 +1,22 @@
 """Gossip benchmark: N nodes, R messages per second, delivery ratio and latency.
 
-    python bench/gossip.py [--nodes 20] [--rate 100] [--seconds 10] [--target-peers 6]
+    python bench/gossip.py [--nodes 20] [--rate 100] [--seconds 10] [--procs 2] [--target-peers 6]
 
-All N nodes run in ONE OS process, one trio event loop, on 127.0.0.1 (real
-libp2p hosts, Noise + Yamux, our flood gossip, full envelope validation with
-signatures, dedup and relay). They share the CPU, so the latencies include
-queueing behind the other 19 nodes' work: a deployment with one node per
-machine sees less.
+Real libp2p hosts on 127.0.0.1 (Noise + Yamux, our Plumtree gossip, full
+envelope validation with signatures, dedup and relay), production overlay
+intervals. ``--procs P`` (default 2, this machine's cores) spreads the nodes
+over P OS processes (bench/gossip_procs.py says how they coordinate);
+``--procs 1`` runs all N nodes in this process, one trio event loop, where
+they share one core, so latencies include queueing behind the other nodes'
+work (a deployment with one node per machine sees less).
 
 The first node is the bootstrap; the others join it and keep ``target_peers``
 connections (the production default is 6). Once every node sees every other
 node's heartbeat, a publisher task sends R ``Vote`` messages per second, each
 from a random node (every node is a validator in the bench genesis, since only
 validators may send votes). The vote's ``batch_id`` carries the message number
-and the send time (``time.perf_counter``, meaningful because all nodes share a
-process). Every node records when each vote reaches its handler.
+and the send time (``time.perf_counter`` in one process, ``time.time`` across
+processes: one clock on one machine). Every node records when each vote reaches its handler.
 
 Reported:
 
@@ -24,8 +26,8 @@ Reported:
   Hops are not carried in the message (our envelope has no TTL field); the hop
   count of a delivery is the shortest-path distance from the publisher to the
   receiver in the connection graph, sampled every 0.5 s (the snapshot nearest
-  to the send time). The first copy of a flood travels a shortest path unless a
-  queue delays it, so this is the hop count of the fastest possible route.
+  to the send time). This is the hop count of the fastest possible route; the
+  Plumtree copy may travel a longer path along the tree.
 
 The last line of output is one JSON object.
 """
@@ -257,7 +259,8 @@ def print_table(r: dict) -> None:
     from rich.table import Table
 
     c = Console()
-    c.print(f"{r['nodes']} nodes in one process (one trio loop) on 127.0.0.1, target_peers {r['target_peers']}, "
+    where = "in one process (one trio loop)" if r.get("one_process", True) else f"in {r['processes']} processes"
+    c.print(f"{r['nodes']} nodes {where} on 127.0.0.1, target_peers {r['target_peers']}, "
             f"{r['connections_per_node']} connections per node on average; {r['messages']} votes at {r['rate']}/s "
             f"for {r['seconds']} s (published in {r['publish_s']} s, worst publish lag {r['publish_lag_max_ms']} ms); "
             f"waited {r['connect_s']} s for the overlay; drained in {r['drain_s']} s")
@@ -290,6 +293,11 @@ def main() -> None:
     p.add_argument("--strict", action="store_true", help="fail instead of measuring when the overlay did not form")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--libp2p-logs", action="store_true", help="print py-libp2p's error logs instead of counting them")
+    p.add_argument("--procs", type=int, default=2,
+                   help="OS processes to spread the nodes over (1: all in this process; see bench/gossip_procs.py)")
+    p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)  # internal: one shard of --procs
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
     args = p.parse_args()
     if args.nodes < 2:
         p.error("--nodes must be at least 2")
@@ -305,7 +313,15 @@ def main() -> None:
         for h in list(lg.handlers):
             lg.removeHandler(h)
         lg.addHandler(counter)
-    result = trio.run(run_bench, args)
+    if args.procs > 1:
+        from bench import gossip_procs
+
+        if args.shard is not None:
+            gossip_procs.shard_main(args, encode_id, decode_id)
+            return
+        result = gossip_procs.coordinate(args, argv)
+    else:
+        result = trio.run(run_bench, args)
     result["libp2p_error_logs"] = counter.count
     if "error" in result:
         print(f"FAILED: {result['error']}; connections per node {result['connections_at_start']}, "
