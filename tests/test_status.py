@@ -53,6 +53,7 @@ def test_status_and_metrics_endpoints():
         assert st["peer_id"] == node.peer_id and st["role"] == "worker"
         assert boot.peer_id in {p["peer_id"] for p in st["peers"]}
         assert {"swarm", "gossip", "run_id", "uptime_s", "role_state"} <= set(st)
+        assert st["gossip"]["tree"]["links"] >= 1 and {"eager", "lazy"} <= set(st["gossip"]["tree"])
         assert int(headers["content-length"]) == len(raw)
 
         code, headers, raw = await http(port, get("/metrics"))

@@ -262,6 +262,8 @@ class Node:
             "gossip": {
                 **self.metrics.gossip_summary(),
                 "mesh": {k: len(self.gossip.mesh_peers(k)) for k in ("heartbeat", "checkpoint", "rollout", "vote", "ban")} if self.gossip else {},
+                # Plumtree state: eager/lazy links, IHAVE/GRAFT/PRUNE counters, caches.
+                "tree": self.gossip.status() if self.gossip else {},
             },
             "bans": self.policy.banned(),
             "requests": {k: dict(v) for k, v in self.metrics.req.items()},
