@@ -45,6 +45,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -81,6 +82,20 @@ def encode_id(seq: int, sent: float) -> bytes:
 
 def decode_id(batch_id: bytes) -> tuple[int, float]:
     return struct.unpack(">Qd", batch_id[:16])
+
+
+def record_votes(node, into: dict[int, list], clock: Callable[[], float]) -> None:
+    """``into[seq] = [first arrival time, copies]`` for every bench vote ``node`` receives."""
+    def handler(env) -> None:
+        now = clock()
+        seq, _ = decode_id(env.body.batch_id)
+        rec = into.get(seq)
+        if rec is None:
+            into[seq] = [now, 1]
+        else:
+            rec[1] += 1
+
+    node.gossip.on("vote", handler)
 
 
 async def run_bench(args) -> dict:
@@ -128,16 +143,7 @@ async def run_bench(args) -> dict:
         index = {n.peer_id: i for i, n in enumerate(nodes)}
 
         for i, n in enumerate(nodes):
-            def handler(env, i=i):
-                now = time.perf_counter()
-                seq, _ = decode_id(env.body.batch_id)
-                rec = received[i].get(seq)
-                if rec is None:
-                    received[i][seq] = [now, 1]
-                else:
-                    rec[1] += 1
-
-            n.gossip.on("vote", handler)
+            record_votes(n, received[i], time.perf_counter)
 
         def snapshot() -> None:
             graph = {n.peer_id: set(n.conns.connected()) & set(index) for n in nodes}
@@ -198,23 +204,38 @@ async def run_bench(args) -> dict:
         nursery.cancel_scope.cancel()
 
     snap_times = [t for t, _ in snapshots]
+
+    def graph_near(t: float) -> tuple[int, dict[str, set[str]]]:
+        si = min(max(bisect.bisect_left(snap_times, t), 0), len(snapshots) - 1) if snapshots else -1
+        return si, (snapshots[si][1] if si >= 0 else {})
+
+    peer_ids = [n.peer_id for n in nodes]
+    received_by_index = dict(enumerate(received))
+    return {**summarise(args, sent, received_by_index, peer_ids, graph_near), "one_process": True, **info}
+
+
+def summarise(args, sent: dict[int, tuple[float, int]], received: dict[int, dict[int, list]],
+              peer_ids: list[str], graph_near: Callable[[float], tuple[int, dict[str, set[str]]]]) -> dict:
+    """Delivery ratio, latency percentiles and per-hop numbers from send and receive records.
+
+    ``sent[seq] = (send time, publisher index)``; ``received[node index][seq] = [first
+    receive time, copies]``; ``graph_near(t)`` gives (a cache key, the connection graph
+    sampled nearest to ``t``).
+    """
     dist_cache: dict[tuple[int, int], dict[str, int]] = {}
     latencies: list[float] = []
     by_hop: dict[int, list[float]] = collections.defaultdict(list)
     missing_by_hop: collections.Counter = collections.Counter()
     duplicates = 0
     for seq, (t_sent, p) in sent.items():
-        si = min(max(bisect.bisect_left(snap_times, t_sent), 0), len(snapshots) - 1) if snapshots else -1
-        dists = {}
-        if si >= 0:
-            key = (si, p)
-            if key not in dist_cache:
-                dist_cache[key] = bfs(snapshots[si][1], nodes[p].peer_id)
-            dists = dist_cache[key]
-        for i, n in enumerate(nodes):
+        key, graph = graph_near(t_sent)
+        if (key, p) not in dist_cache:
+            dist_cache[(key, p)] = bfs(graph, peer_ids[p])
+        dists = dist_cache[(key, p)]
+        for i, pid in enumerate(peer_ids):
             if i == p:
                 continue
-            hop = dists.get(n.peer_id, -1)
+            hop = dists.get(pid, -1)
             rec = received[i].get(seq)
             if rec is None:
                 missing_by_hop[hop] += 1
@@ -223,26 +244,15 @@ async def run_bench(args) -> dict:
             ms = (rec[0] - t_sent) * 1000
             latencies.append(ms)
             by_hop[hop].append(ms)
-
     latencies.sort()
-    total_expected = len(sent) * (len(nodes) - 1)
+    expected = len(sent) * (len(peer_ids) - 1)
     result = {
-        "nodes": len(nodes),
-        "rate": args.rate,
-        "seconds": args.seconds,
-        "messages": len(sent),
-        "one_process": True,
-        "target_peers": args.target_peers,
-        "delivered": len(latencies),
-        "expected": total_expected,
-        "delivery_ratio": round(len(latencies) / total_expected, 6) if total_expected else None,
-        "duplicates": duplicates,
-        "p50_ms": round(percentile(latencies, 0.50), 2),
-        "p90_ms": round(percentile(latencies, 0.90), 2),
-        "p99_ms": round(percentile(latencies, 0.99), 2),
-        "max_ms": round(latencies[-1], 2) if latencies else None,
+        "nodes": len(peer_ids), "rate": args.rate, "seconds": args.seconds, "messages": len(sent),
+        "target_peers": args.target_peers, "delivered": len(latencies), "expected": expected,
+        "delivery_ratio": round(len(latencies) / expected, 6) if expected else None, "duplicates": duplicates,
+        "p50_ms": round(percentile(latencies, 0.50), 2), "p90_ms": round(percentile(latencies, 0.90), 2),
+        "p99_ms": round(percentile(latencies, 0.99), 2), "max_ms": round(latencies[-1], 2) if latencies else None,
         "by_hop": {},
-        **info,
     }
     for hop in sorted(set(by_hop) | set(missing_by_hop)):
         v = sorted(by_hop.get(hop, []))

@@ -99,16 +99,10 @@ async def run_shard(args, encode_id, decode_id) -> None:
                 await trio.sleep(0.2)
         (work / f"ready-{args.shard}").write_text(json.dumps(whole_overlay()))
 
+        from bench.gossip import record_votes  # noqa: PLC0415
+
         for i, n in nodes.items():
-            def handler(env, i=i):
-                now = time.time()
-                seq, _ = decode_id(env.body.batch_id)
-                rec = received[i].get(seq)
-                if rec is None:
-                    received[i][seq] = [now, 1]
-                else:
-                    rec[1] += 1
-            n.gossip.on("vote", handler)
+            record_votes(n, received[i], time.time)
 
         async def sampler() -> None:
             while True:
@@ -196,72 +190,40 @@ def coordinate(args, argv: list[str]) -> dict:
 
 
 def merge(args, shards: list[dict], formed: bool, connect_s: float) -> dict:
-    from bench.gossip import bfs, percentile  # noqa: PLC0415 - same helpers as one process
+    from bench.gossip import summarise  # noqa: PLC0415 - the same numbers as one process
 
     peer_of = {int(i): pid for s in shards for i, pid in s["nodes"].items()}
+    peer_ids = [peer_of[i] for i in range(args.nodes)]
     sent = {int(seq): tuple(v) for s in shards for seq, v in s["sent"].items()}
     received = {int(i): {int(seq): r for seq, r in rec.items()} for s in shards for i, rec in s["received"].items()}
-    # one connection graph per snapshot instant: each shard's snapshot nearest in time
     times = [t for t, _ in shards[0]["snapshots"]]
 
-    def graph_at(t: float) -> dict[str, set[str]]:
+    def graph_near(t: float) -> tuple[int, dict[str, set[str]]]:
+        """Every shard's connection snapshot nearest to ``t``, joined into one graph."""
+        key = min(range(len(times)), key=lambda k: abs(times[k] - t)) if times else -1
         g: dict[str, set[str]] = collections.defaultdict(set)
         for s in shards:
-            snaps = s["snapshots"]
-            if not snaps:
-                continue
-            _, conns = min(snaps, key=lambda x: abs(x[0] - t))
-            for u, vs in conns.items():
-                for v in vs:
-                    g[u].add(v)
-                    g[v].add(u)
-        return g
+            if s["snapshots"]:
+                _, conns = min(s["snapshots"], key=lambda x: abs(x[0] - t))
+                for u, vs in conns.items():
+                    for v in vs:
+                        g[u].add(v)
+                        g[v].add(u)
+        return key, g
 
-    dist_cache: dict[tuple[int, int], dict[str, int]] = {}
-    latencies, by_hop, missing_by_hop, duplicates = [], collections.defaultdict(list), collections.Counter(), 0
-    for seq, (t_sent, p) in sent.items():
-        ti = min(range(len(times)), key=lambda k: abs(times[k] - t_sent)) if times else -1
-        key = (ti, p)
-        if key not in dist_cache:
-            dist_cache[key] = bfs(graph_at(times[ti]), peer_of[p]) if ti >= 0 else {}
-        dists = dist_cache[key]
-        for i in range(args.nodes):
-            if i == p:
-                continue
-            hop = dists.get(peer_of[i], -1)
-            rec = received[i].get(seq)
-            if rec is None:
-                missing_by_hop[hop] += 1
-                continue
-            duplicates += rec[1] - 1
-            ms = (rec[0] - t_sent) * 1000
-            latencies.append(ms)
-            by_hop[hop].append(ms)
-    latencies.sort()
-    expected = len(sent) * (args.nodes - 1)
     totals: collections.Counter = collections.Counter()
     for s in shards:
         totals.update(s["gossip_totals"])
     conns = [c for s in shards for c in s["connections"]]
-    result = {
-        "nodes": args.nodes, "rate": args.rate, "seconds": args.seconds, "messages": len(sent),
-        "one_process": False, "processes": args.procs, "target_peers": args.target_peers,
-        "delivered": len(latencies), "expected": expected,
-        "delivery_ratio": round(len(latencies) / expected, 6) if expected else None, "duplicates": duplicates,
-        "p50_ms": round(percentile(latencies, 0.5), 2), "p90_ms": round(percentile(latencies, 0.9), 2),
-        "p99_ms": round(percentile(latencies, 0.99), 2), "max_ms": round(latencies[-1], 2) if latencies else None,
-        "by_hop": {}, "overlay_formed": formed, "connect_s": connect_s, "drain_s": None,
-        "publish_s": args.seconds, "publish_lag_max_ms": max(s["publish_lag_max_ms"] for s in shards),
+    return {
+        **summarise(args, sent, received, peer_ids, graph_near),
+        "one_process": False, "processes": args.procs, "overlay_formed": formed, "connect_s": connect_s,
+        "drain_s": None, "publish_s": args.seconds,
+        "publish_lag_max_ms": max(s["publish_lag_max_ms"] for s in shards),
         "connections_per_node": round(sum(conns) / len(conns), 1),
         "load_cpu_per_s": round(sum(s["load_cpu_s"] / max(s["load_wall_s"], 1e-9) for s in shards), 3),
         "gossip_totals": dict(sorted(totals.items())),
     }
-    for hop in sorted(set(by_hop) | set(missing_by_hop)):
-        v = sorted(by_hop.get(hop, []))
-        n_exp = len(v) + missing_by_hop.get(hop, 0)
-        result["by_hop"][str(hop)] = {"deliveries": len(v), "delivery_ratio": round(len(v) / n_exp, 6) if n_exp else None,
-                                      "p50_ms": round(percentile(v, 0.5), 2), "p99_ms": round(percentile(v, 0.99), 2)}
-    return result
 
 
 def shard_main(args, encode_id, decode_id) -> None:

@@ -8,20 +8,8 @@ from __future__ import annotations
 import trio
 
 from node.p2p.gossip import GRAFT, IHAVE, MAX_IDS_PER_FRAME, PRUNE
-from node.p2p.testing import NodeFactory, wait_until
-from protocol import RolloutAnnounce
+from node.p2p.testing import NodeFactory, collect_tags as collect, tagged_announce as announce, wait_until
 from protocol.schema import pack
-
-
-def announce(tag: int) -> RolloutAnnounce:
-    return RolloutAnnounce(batch_id=tag.to_bytes(32, "big"), policy_version=0, batch_counter=0, num_samples=1, size_bytes=1)
-
-
-def collect(nodes):
-    got = {n.peer_id: [] for n in nodes}
-    for n in nodes:
-        n.gossip.on("rollout", lambda env, pid=n.peer_id: got[pid].append(int.from_bytes(env.body.batch_id, "big")))
-    return got
 
 
 def copies_received(nodes) -> int:

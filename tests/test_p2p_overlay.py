@@ -5,20 +5,12 @@ from __future__ import annotations
 import pytest
 import trio
 
-from node.p2p.testing import NodeFactory, wait_until
+from node.p2p.testing import NodeFactory, collect_tags as collect, tagged_announce, wait_until
 from protocol import NodeKey, RolloutAnnounce
 
 
 def vote(tag: int, worker: str) -> RolloutAnnounce:
-    """A small gossip payload anyone may publish (votes are restricted to validators)."""
-    return RolloutAnnounce(batch_id=tag.to_bytes(32, "big"), policy_version=0, batch_counter=0, num_samples=1, size_bytes=1)
-
-
-def collect(nodes):
-    got = {n.peer_id: [] for n in nodes}
-    for n in nodes:
-        n.gossip.on("rollout", lambda env, pid=n.peer_id: got[pid].append(int.from_bytes(env.body.batch_id, "big")))
-    return got
+    return tagged_announce(tag)
 
 
 async def publish_round(nodes, base: int) -> set[int]:

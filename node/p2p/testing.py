@@ -19,7 +19,7 @@ from typing import Callable
 
 import trio
 
-from protocol import NodeKey, RunGenesis, SignedGenesis, sign_genesis
+from protocol import NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
 
 from .node import BootstrapRole, Node, P2PConfig, RoleHook
 
@@ -123,3 +123,16 @@ class NodeFactory:
             return True
 
         await wait_until(ok, timeout, poll=0.2, what="the overlay to connect")
+
+
+def tagged_announce(tag: int) -> RolloutAnnounce:
+    """A small gossip message anyone may publish, told apart by ``tag`` (votes are validators' only)."""
+    return RolloutAnnounce(batch_id=tag.to_bytes(32, "big"), policy_version=0, batch_counter=0, num_samples=1, size_bytes=1)
+
+
+def collect_tags(nodes: list[Node], kind: str = "rollout") -> dict[str, list[int]]:
+    """Record, per node, the tags of the ``kind`` messages its handlers receive (in order)."""
+    got: dict[str, list[int]] = {n.peer_id: [] for n in nodes}
+    for n in nodes:
+        n.gossip.on(kind, lambda env, pid=n.peer_id: got[pid].append(int.from_bytes(env.body.batch_id, "big")))
+    return got
