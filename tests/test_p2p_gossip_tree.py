@@ -104,3 +104,19 @@ async def test_malformed_control_frames_are_charged_and_bounded():
             await wait_until(lambda: target.metrics.dropped["frame"] >= before + len(bad), 20, what="the bad frames dropped")
             assert target.policy.points(attacker.peer_id) > 0 or target.policy.is_banned(attacker.peer_id)
             nursery.cancel_scope.cancel()
+
+
+async def test_the_graft_cache_is_bounded_by_bytes():
+    """Checkpoint announces carry manifests: the message cache must not hold thousands of them."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=2)
+            a, b = await net.start(), await net.start()
+            await net.wait_connected([a, b], min_peers=1)
+            a.gossip.cache_max_bytes = 4000
+            for tag in range(100):
+                await a.gossip.publish(announce(tag))
+            st = a.gossip.status()
+            assert 0 < st["message_cache_bytes"] <= 4000
+            assert st["message_cache"] < 100
+            nursery.cancel_scope.cancel()

@@ -133,6 +133,7 @@ class Gossip:
         ihave_interval_s: float = 1.0,
         graft_timeout_s: float = 0.5,
         cache_capacity: int = 20_000,
+        cache_max_bytes: int = 64 * 1024 * 1024,
         cache_ttl_s: float = 120.0,
         missing_capacity: int = 20_000,
         **_ignored: Any,  # GossipSub-era knobs (degree, heartbeat) are accepted and unused
@@ -152,6 +153,8 @@ class Gossip:
         self.ihave_interval_s = ihave_interval_s
         self.graft_timeout_s = graft_timeout_s
         self.cache_capacity = cache_capacity
+        self.cache_max_bytes = cache_max_bytes
+        self._cache_bytes = 0
         self.cache_ttl_s = cache_ttl_s
         self.missing_capacity = missing_capacity
         # kind -> the only senders whose messages of that kind count (from the genesis):
@@ -222,7 +225,8 @@ class Gossip:
     def status(self) -> dict[str, Any]:
         return {"links": len(self._links), "eager": len(self._eager), "lazy": len(self._lazy),
                 "duplicates": self.duplicates, "relayed_frames": self.relayed_frames,
-                "seen_cache": len(self._seen), "message_cache": len(self._cache), "missing": len(self._missing),
+                "seen_cache": len(self._seen), "message_cache": len(self._cache),
+                "message_cache_bytes": self._cache_bytes, "missing": len(self._missing),
                 **{k: v for k, v in sorted(self.counters.items())}}
 
     # ------------------------------------------------------------- running
@@ -309,12 +313,18 @@ class Gossip:
                     ids.append(msg_id)
 
     def _remember(self, msg_id: bytes, frame: bytes) -> None:
+        """Keep ``frame`` to answer GRAFTs: bounded by count, bytes (manifests are large) and age."""
         now = time.monotonic()
+        if msg_id in self._cache:
+            return
         self._cache[msg_id] = (frame, now)
+        self._cache_bytes += len(frame)
         while self._cache:
-            _oldest, (_f, t) = next(iter(self._cache.items()))
-            if len(self._cache) > self.cache_capacity or now - t > self.cache_ttl_s:
+            _oldest, (f, t) = next(iter(self._cache.items()))
+            if (len(self._cache) > self.cache_capacity or self._cache_bytes > self.cache_max_bytes
+                    or now - t > self.cache_ttl_s):
                 self._cache.popitem(last=False)
+                self._cache_bytes -= len(f)
             else:
                 break
 
