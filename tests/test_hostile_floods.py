@@ -171,7 +171,9 @@ async def test_valid_but_useless_flood_is_rate_limited_then_banned():
                                         int(time.time() * 1000), time.time_ns())]) for i in range(1000, 1600)]
             sent = [0]
             await _bare_attacker(entry.full_addrs()[0], frames, sent, key)
-            await wait_until(lambda: entry.metrics.dropped["rate_limit"] >= 100, 20, what="rate-limit drops")
+            # a fresh identity: the unknown-origin burst (20) bites first, then the per-peer rate
+            await wait_until(lambda: entry.metrics.dropped["rate_limit"] + entry.metrics.dropped["origin_rate"] >= 100,
+                             20, what="rate-limit drops")
             await wait_until(lambda: entry.policy.is_banned(key.peer_id), 20, what="the flooder banned")
             # only what fitted in the burst got through; honest traffic still flows
             delivered = {t for t in got[honest[2].peer_id] if 1000 <= t < 1600}
@@ -341,3 +343,48 @@ async def test_trainer_moves_on_from_batches_that_are_never_served(tmp_path, mon
     role, liar = await _unserved(trainer_mod.TrainerRole, tmp_path)
     # nothing from the liar reached the ledger (rows are written only for fetched batches)
     assert role.ledger.db.execute("SELECT COUNT(*) FROM batches WHERE worker = ?", (liar.peer_id,)).fetchone()[0] == 0
+
+
+def test_unknown_origins_get_a_small_burst_known_ones_the_full_one():
+    policy = PeerPolicy(origin_rate_per_s=0.001, origin_burst=1000, unknown_origin_burst=20)
+    assert sum(policy.allow_origin("fresh", known=False) for _ in range(100)) == 20
+    assert sum(policy.allow_origin("member", known=True) for _ in range(1500)) == 1000
+    # an origin that becomes known (its heartbeat arrived) gets the full headroom from then on
+    assert not policy.allow_origin("fresh", known=False)
+    assert policy._origin_buckets["fresh"].burst == 20
+    policy.allow_origin("fresh", known=True)
+    assert policy._origin_buckets["fresh"].burst == 1000
+
+
+async def test_a_fresh_identity_cannot_push_a_big_valid_burst_but_a_member_can():
+    """Valid, signed messages from a throw-away identity nobody heard a heartbeat from are cut
+    at the unknown-origin burst; a node in the swarm view may publish 300 at once."""
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, rate_per_s=1e6, rate_burst=1e6)
+            honest = [await net.start() for _ in range(3)]
+            await net.wait_connected(min_peers=2)
+            for n in honest:
+                n.policy.origin_rate_per_s = 1.0  # sustained rate out of the picture: bursts only
+            got = collect(honest)
+            entry, far = honest[1], honest[2]
+            key = NodeKey.generate()
+            topic = entry.gossip.topic("rollout")
+            frames = [pack([topic, seal(key, entry.run_id, vote(2000 + i, key.peer_id), int(time.time() * 1000),
+                                        time.time_ns())]) for i in range(300)]
+            await _bare_attacker(entry.full_addrs()[0], frames, [0], key)
+            await wait_until(lambda: entry.policy.is_banned(key.peer_id), 30, what="the flooder banned (origin rate)")
+            assert entry.metrics.dropped["origin_rate"] >= 50
+            await trio.sleep(1.0)
+            from_fresh = [t for t in got[far.peer_id] if 2000 <= t < 2300]
+            assert len(from_fresh) <= entry.policy.unknown_origin_burst + 20, len(from_fresh)
+            # a member of the swarm (its heartbeats are known) publishes 300 at once: all arrive
+            # (back to the default sustained rate, so the member's own heartbeats keep flowing)
+            for n in honest:
+                n.policy.origin_rate_per_s = PeerPolicy().origin_rate_per_s
+                n.policy._origin_buckets.clear()
+            for i in range(300):
+                await honest[0].gossip.publish(vote(5000 + i, honest[0].peer_id))
+            await wait_until(lambda: all(set(range(5000, 5300)) <= set(got[n.peer_id]) for n in honest[1:]),
+                             60, what="the member's burst everywhere")
+            nursery.cancel_scope.cancel()

@@ -130,6 +130,7 @@ class Gossip:
         seen_ttl_s: float = 180.0,
         write_timeout: float = 10.0,
         authorised: dict[str, frozenset[str]] | None = None,
+        is_known_origin: Callable[[str], bool] = lambda peer_id: True,
         ihave_interval_s: float = 1.0,
         graft_timeout_s: float = 0.5,
         cache_capacity: int = 20_000,
@@ -160,6 +161,7 @@ class Gossip:
         # kind -> the only senders whose messages of that kind count (from the genesis):
         # checkpoints from the trainer, votes from validators, bans from either.
         self.authorised = authorised or {}
+        self.is_known_origin = is_known_origin
         self._topic_kind = {topic_name(run_id, k): (k, t) for k, t in TOPIC_TYPES.items()}
         self._kind_topic = {k: tp for tp, (k, _t) in self._topic_kind.items()}
         self._handlers: dict[str, list[Handler]] = {k: [] for k in TOPIC_TYPES}
@@ -543,7 +545,7 @@ class Gossip:
             return self._drop("unauthorised", fwd)  # an honest peer would not have relayed it
         if env.sender == self.my_id:
             return False  # our own message came back (after a restart): do not deliver it to ourselves
-        if not self.policy.allow_origin(env.sender):
+        if not self.policy.allow_origin(env.sender, known=self.is_known_origin(env.sender)):
             # One signer flooding valid messages: not delivered, not relayed. Only the origin
             # itself is charged (an honest relay may pass on a burst before its own limit bites).
             return self._drop("origin_rate", fwd, charge=fwd == env.sender)

@@ -147,6 +147,13 @@ class Node:
     def stop(self) -> None:
         self._cancel.cancel()
 
+    def _is_known_origin(self, peer_id: str) -> bool:
+        """A signer we have a heartbeat from, or one the genesis names."""
+        if self.swarm.knows(peer_id):
+            return True
+        g = self.genesis
+        return g is not None and (peer_id == g.trainer or peer_id in g.validators or peer_id == g.owner)
+
     async def run(self, *, connect_bootstrap: bool = True, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled or :meth:`stop`. ``task_status.started()`` once listening
         and (if bootstrap addresses were given) connected to one of them."""
@@ -158,6 +165,7 @@ class Node:
                 self.gossip = Gossip(
                     self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq,
                     authorised=self._authorised_senders(),
+                    is_known_origin=self._is_known_origin,
                 )
                 self.conns = ConnectionManager(
                     self.host, self.peer_id, self.reqresp, self.swarm, self.policy, self.metrics,

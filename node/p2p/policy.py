@@ -81,6 +81,7 @@ class PeerPolicy:
         max_peers: int = 10_000,
         origin_rate_per_s: float = 100.0,
         origin_burst: float = 1000.0,
+        unknown_origin_burst: float = 20.0,
     ) -> None:
         self.budget = budget
         # Bound on each per-peer table (scores, buckets, bans): fresh identities are free,
@@ -98,6 +99,10 @@ class PeerPolicy:
         # at the first hop even when it arrives through honest relays.
         self.origin_rate_per_s = origin_rate_per_s
         self.origin_burst = origin_burst
+        # A signer nobody has heard a heartbeat from (a fresh identity) gets a small burst:
+        # with the full one, every throw-away identity could push 1000 valid messages
+        # through the whole network before its rate limit bit (bench/hostile.py "useless").
+        self.unknown_origin_burst = unknown_origin_burst
         self._origin_buckets: dict[str, TokenBucket] = {}
         self.ban_listeners: list[Callable[[str, str], None]] = []
         self.metrics = None  # NodeMetrics, set by the node
@@ -175,13 +180,22 @@ class PeerPolicy:
             b = self._buckets[peer_id] = TokenBucket(self.rate_per_s, self.rate_burst)
         return b.take(n)
 
-    def allow_origin(self, sender: str, n: float = 1.0) -> bool:
-        """Rate limit per message signer (gossip), independent of who relayed it."""
+    def allow_origin(self, sender: str, n: float = 1.0, known: bool = True) -> bool:
+        """Rate limit per message signer (gossip), independent of who relayed it.
+
+        ``known``: the signer is in the swarm view or the genesis; unknown signers get
+        ``unknown_origin_burst`` instead of ``origin_burst`` (same sustained rate).
+        """
+        burst = self.origin_burst if known else self.unknown_origin_burst
         b = self._origin_buckets.get(sender)
         if b is None:
             if len(self._origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._origin_buckets)
-            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, self.origin_burst)
+            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
+        elif b.burst < burst:  # became known: the full headroom, as if it had been known all along
+            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
+        elif b.burst > burst:  # forgotten (silent too long): back to the small headroom
+            b.burst = burst
         return b.take(n)
 
     # ---- bounds

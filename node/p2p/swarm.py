@@ -88,6 +88,10 @@ class SwarmView:
         self.prune()
         return dict(self._peers)
 
+    def knows(self, peer_id: str) -> bool:
+        """Whether we hold a heartbeat from ``peer_id`` (cheap: no copy, no pruning)."""
+        return peer_id in self._peers
+
     def get(self, peer_id: str) -> PeerState | None:
         return self.peers().get(peer_id)
 
