@@ -388,3 +388,28 @@ async def test_a_fresh_identity_cannot_push_a_big_valid_burst_but_a_member_can()
             await wait_until(lambda: all(set(range(5000, 5300)) <= set(got[n.peer_id]) for n in honest[1:]),
                              60, what="the member's burst everywhere")
             nursery.cancel_scope.cancel()
+
+
+async def test_inbound_connection_floods_are_cut_before_the_handshake():
+    """Sixty raw TCP connections at once: beyond the accept burst they are closed before any
+    Noise work; a real peer still gets in a moment later."""
+    from node.p2p import host as host_mod
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery)
+            target = await net.start()
+            addr = target.full_addrs()[0]
+            port = int(addr.split("/tcp/")[1].split("/")[0])
+            swarm = target.host.get_network()
+            socks = []
+            for _ in range(60):
+                socks.append(await trio.open_tcp_stream("127.0.0.1", port))
+            await wait_until(lambda: getattr(swarm, "primenode_inbound_refused", 0)
+                             >= 60 - host_mod.INBOUND_CONNECTIONS_BURST - 5, 20, what="connections refused")
+            for s in socks:
+                await s.aclose()
+            await trio.sleep(1.0)  # the bucket refills
+            late = await net.start(bootstrap=[addr])
+            await wait_until(lambda: target.peer_id in late.conns.connected(), 20, what="a real peer connected")
+            nursery.cancel_scope.cancel()

@@ -8,6 +8,9 @@
   subscription queue (32 messages, overflow dropped with a log line).
 * :func:`install_libp2p_fixes` also switches off the library's AutoConnector
   (it would dial the whole peerstore); :class:`ConnectionManager` decides.
+* :func:`install_libp2p_fixes` caps new inbound connections per second
+  (closed before the Noise handshake): fresh identities are free, handshakes
+  are not.
 * :func:`install_libp2p_fixes` makes yamux return receive credit in
   half-window batches: the library sends a WINDOW_UPDATE frame after
   practically *every* read, which doubled the frames a gossip flood costs.
@@ -69,7 +72,39 @@ def install_libp2p_fixes() -> None:
 
     AutoConnector.maybe_connect = _no_auto_connect
     _batch_yamux_window_updates()
+    _limit_inbound_connection_rate()
     _fixes_installed = True
+
+
+# New inbound connections a node accepts per second (burst: at once). Joins are rare;
+# a flood of fresh identities is not: each costs a Noise handshake and identify
+# (bench/hostile.py burnt ~30 identities/s against one node).
+INBOUND_CONNECTIONS_PER_S = 10.0
+INBOUND_CONNECTIONS_BURST = 40.0
+
+
+def _limit_inbound_connection_rate() -> None:
+    """Close inbound TCP connections beyond a per-swarm rate *before* the handshake."""
+    from libp2p.network.swarm import Swarm
+
+    from .policy import TokenBucket
+
+    original = Swarm._handle_inbound_connection
+
+    async def _rate_limited(self, read_write_closer, maddr) -> None:
+        bucket = getattr(self, "_primenode_accept_bucket", None)
+        if bucket is None:
+            bucket = self._primenode_accept_bucket = TokenBucket(INBOUND_CONNECTIONS_PER_S, INBOUND_CONNECTIONS_BURST)
+        if not bucket.take():
+            self.primenode_inbound_refused = getattr(self, "primenode_inbound_refused", 0) + 1
+            try:
+                await read_write_closer.close()
+            except Exception:  # noqa: BLE001 - the peer may already be gone
+                pass
+            return
+        await original(self, read_write_closer, maddr)
+
+    Swarm._handle_inbound_connection = _rate_limited
 
 
 def _batch_yamux_window_updates() -> None:
