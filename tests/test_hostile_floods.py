@@ -413,3 +413,30 @@ async def test_inbound_connection_floods_are_cut_before_the_handshake():
             late = await net.start(bootstrap=[addr])
             await wait_until(lambda: target.peer_id in late.conns.connected(), 20, what="a real peer connected")
             nursery.cancel_scope.cancel()
+
+
+async def test_a_fresh_identity_per_message_is_capped_per_forwarder():
+    """Each message signed by a new throw-away key dodges the per-origin limit; the
+    per-forwarder cap on unknown signers stops the flood at the first hop."""
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, rate_per_s=1e6, rate_burst=1e6)
+            honest = [await net.start() for _ in range(3)]
+            await net.wait_connected(min_peers=2)
+            got = collect(honest)
+            entry, far = honest[1], honest[2]
+            entry.policy.unknown_origins_per_forwarder_per_s = 1.0  # bursts only, for a clear count
+            topic = entry.gossip.topic("rollout")
+            frames = []
+            for i in range(400):
+                k = NodeKey.generate()
+                frames.append(pack([topic, seal(k, entry.run_id, vote(3000 + i, k.peer_id), int(time.time() * 1000),
+                                                time.time_ns())]))
+            await _bare_attacker(entry.full_addrs()[0], frames, [0])
+            await wait_until(lambda: entry.metrics.dropped["unknown_origin_rate"] >= 150, 30,
+                             what="unknown-origin drops at the entry")
+            await trio.sleep(1.0)
+            passed = [t for t in got[far.peer_id] if 3000 <= t < 3400]
+            assert len(passed) <= entry.policy.unknown_origins_per_forwarder_burst + 20, len(passed)
+            assert entry.policy.sizes()["unknown_origin_buckets"] >= 1
+            nursery.cancel_scope.cancel()

@@ -545,7 +545,12 @@ class Gossip:
             return self._drop("unauthorised", fwd)  # an honest peer would not have relayed it
         if env.sender == self.my_id:
             return False  # our own message came back (after a restart): do not deliver it to ourselves
-        if not self.policy.allow_origin(env.sender, known=self.is_known_origin(env.sender)):
+        known = self.is_known_origin(env.sender)
+        if not known and not self.policy.allow_unknown_origin_via(fwd):
+            # Many fresh signers through one peer: not delivered, not relayed, not charged
+            # (an honest relay may be passing on someone else's burst).
+            return self._drop("unknown_origin_rate", fwd, charge=False)
+        if not self.policy.allow_origin(env.sender, known=known):
             # One signer flooding valid messages: not delivered, not relayed. Only the origin
             # itself is charged (an honest relay may pass on a burst before its own limit bites).
             return self._drop("origin_rate", fwd, charge=fwd == env.sender)

@@ -82,6 +82,8 @@ class PeerPolicy:
         origin_rate_per_s: float = 100.0,
         origin_burst: float = 1000.0,
         unknown_origin_burst: float = 20.0,
+        unknown_origins_per_forwarder_per_s: float = 50.0,
+        unknown_origins_per_forwarder_burst: float = 200.0,
     ) -> None:
         self.budget = budget
         # Bound on each per-peer table (scores, buckets, bans): fresh identities are free,
@@ -103,6 +105,11 @@ class PeerPolicy:
         # with the full one, every throw-away identity could push 1000 valid messages
         # through the whole network before its rate limit bit (bench/hostile.py "useless").
         self.unknown_origin_burst = unknown_origin_burst
+        # ...and a forwarder may bring us only so many messages from unknown signers per
+        # second: a fresh identity *per message* would otherwise dodge the per-origin limit.
+        self.unknown_origins_per_forwarder_per_s = unknown_origins_per_forwarder_per_s
+        self.unknown_origins_per_forwarder_burst = unknown_origins_per_forwarder_burst
+        self._unknown_origin_buckets: dict[str, TokenBucket] = {}
         self._origin_buckets: dict[str, TokenBucket] = {}
         self.ban_listeners: list[Callable[[str, str], None]] = []
         self.metrics = None  # NodeMetrics, set by the node
@@ -198,6 +205,16 @@ class PeerPolicy:
             b.burst = burst
         return b.take(n)
 
+    def allow_unknown_origin_via(self, forwarder: str) -> bool:
+        """Rate limit, per forwarding peer, on messages signed by origins nobody knows."""
+        b = self._unknown_origin_buckets.get(forwarder)
+        if b is None:
+            if len(self._unknown_origin_buckets) >= self.max_peers:
+                self._prune_buckets(self._unknown_origin_buckets)
+            b = self._unknown_origin_buckets[forwarder] = TokenBucket(
+                self.unknown_origins_per_forwarder_per_s, self.unknown_origins_per_forwarder_burst)
+        return b.take()
+
     # ---- bounds
     def _prune_scores(self) -> None:
         """Forget scores that decayed to zero; if still full, the lowest half."""
@@ -231,4 +248,4 @@ class PeerPolicy:
 
     def sizes(self) -> dict[str, int]:
         return {"scores": len(self._scores), "bans": len(self._bans), "buckets": len(self._buckets),
-                "origin_buckets": len(self._origin_buckets)}
+                "origin_buckets": len(self._origin_buckets), "unknown_origin_buckets": len(self._unknown_origin_buckets)}
