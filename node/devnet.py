@@ -113,7 +113,10 @@ class Devnet:
             "temperature": o.temperature, "seed": o.seed, "batches_per_step": 1,
             # one batch per worker per version: with two workers the trainer always has a fresh
             # batch and one a step old (two-step async), and little work goes stale
-            "worker_batches_per_version": 1, **o.extra_config,
+            "worker_batches_per_version": 1,
+            # every devnet node runs the transformers engine in fp32 on this CPU: one numerics
+            # stack, so validators use the tight TOPLOC thresholds (docs/proofs.md)
+            "numerics": "transformers-fp32-cpu", **o.extra_config,
         }
         signed = make_genesis(
             owner, config, name=f"devnet-{o.task}", model=o.model, dataset=f"builtin:{o.task}",

@@ -81,6 +81,25 @@ def test_captured_hidden_equals_validator_prefill_and_proofs_verify(engine: Tran
         assert verify_sequence(h, len(c.prompt_tokens), pr).ok
 
 
+def test_batched_prefill_paths_equal_one_plain_forward_each(engine: TransformersEngine) -> None:
+    """Shared-prompt groups, length-sorted right-padded micro-batches, an empty
+    completion, tiny budgets: every row equals a lone unpadded forward, in input order."""
+    long = list(range(20, 60))
+    pairs = [(PROMPTS[0], [12, 13, 14]), (PROMPTS[1], []), (PROMPTS[0], [15]), (PROMPTS[1], long),
+             ([4], long[:30]), (PROMPTS[0], []), ([4, 5], [6]), ([7], [])]
+    with torch.no_grad():
+        want = [engine.model.model(input_ids=torch.tensor([list(p) + list(c)])).last_hidden_state[0]
+                for p, c in pairs]
+    for budget, pad in ((None, 0.25), (8, 0.0), (1000, 1.0)):
+        got = engine.prefill_hidden_batch(pairs, token_budget=budget, max_pad=pad)
+        assert [h.shape for h in got] == [w.shape for w in want]
+        for h, w in zip(got, want):
+            assert torch.allclose(h, w, atol=1e-4)
+    assert engine.prefill_hidden_batch([]) == []
+    with pytest.raises(ValueError, match="empty"):
+        engine.prefill_hidden_batch([([], [])])
+
+
 def test_single_token_generation_is_provable(engine: TransformersEngine) -> None:
     out = engine.generate([PROMPTS[1]], 1, SamplingConfig(temperature=1.0, max_tokens=1), [9], capture_hidden=True)
     c = out[0][0]

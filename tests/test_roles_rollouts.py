@@ -71,3 +71,47 @@ def test_one_token_completions_with_a_narrow_model_verify(tmp_path):
     v = verify_batch(ctx, prefill_with(engine), batch, W)
     assert v.accept, v.reason
     assert split_proofs(b"\0" * 7, 3, 1, 32) is None
+
+
+def test_genesis_picks_the_toploc_thresholds(tmp_path):
+    from node.errors import NodeError
+    from node.roles.context import proof_config_for
+    from proofs import ProofConfig
+
+    assert proof_config_for({}) == ProofConfig()  # mixed hardware: the paper's thresholds
+    assert proof_config_for({"numerics": "transformers-fp32-cpu"}) == ProofConfig.tight()
+    assert proof_config_for({"numerics": "transformers-fp32-cpu", "toploc_thresholds": "paper"}) == ProofConfig()
+    assert proof_config_for({"toploc_thresholds": "tight", "toploc_max_exp_mismatches": 5}) == ProofConfig.tight(
+        max_exp_mismatches=5)
+    for bad in ({"toploc_thresholds": "loose"}, {"toploc_max_exp_mismatches": 2.5},
+                {"toploc_max_mant_err_mean": -1}, {"toploc_max_mant_err_median": "8"}):
+        with pytest.raises(NodeError):
+            proof_config_for(bad)
+    with pytest.raises(NodeError):
+        tiny_context(tmp_path, toploc_thresholds="loose")  # refused when the node joins
+
+
+def test_declared_numerics_stack_tight_thresholds_and_engine_check(tmp_path):
+    """A genesis declaring one numerics stack: honest batches still pass the tight
+    thresholds (worker batch of 8 rows vs the validator's own micro-batches), tampered
+    tokens fail, and a node on another stack (bf16) refuses to take part."""
+    from node.errors import NodeError
+    from proofs import ProofConfig
+
+    ctx = tiny_context(tmp_path, numerics="transformers-fp32-cpu")
+    assert ctx.proof_config == ProofConfig.tight()
+    engine = engine_for(ctx)
+    ctx.check_engine(engine)
+    for counter in range(3):
+        batch = produce_batch(ctx, engine, W, 0, counter)
+        v = verify_batch(ctx, prefill_with(engine), batch, W)
+        assert v.accept, v.reason
+        alone = lambda pairs: [h for p in pairs for h in engine.prefill_hidden_batch([p])]  # noqa: E731
+        assert verify_batch(ctx, alone, batch, W).accept
+    bad = produce_batch(ctx, engine, W, 0, 5, tamper="tokens")
+    assert verify_batch(ctx, prefill_with(engine), bad, W).rule == "toploc"
+    low = engine_for(ctx, ctx.initial_model().to(torch.bfloat16))
+    assert low.numerics == "transformers-bf16-cpu"
+    with pytest.raises(NodeError, match="numerics"):
+        ctx.check_engine(low)
+    tiny_context(tmp_path).check_engine(low)  # no stack declared: anything goes

@@ -74,7 +74,7 @@ async def serve_distribution(node, dist: Distribution, task_status=trio.TASK_STA
             dist.on_heartbeat(env.sender, env.body)
 
     def on_ban(peer_id: str, reason: str) -> None:
-        dist.banned.add(peer_id)
+        dist.note_banned(peer_id, node.policy.banned)
 
     node.reqresp.register(ChunkTicketRequest, on_ticket)
     node.gossip.on("checkpoint", on_announce)

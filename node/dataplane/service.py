@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import trio
 
@@ -37,6 +37,14 @@ from .server import ChunkServer
 from .swarm import FetchProgress, SwarmFetcher
 
 log = logging.getLogger("primenode.distribution")
+
+
+# Bounds (docs/security.md): finished fetches whose status is kept (the status JSON shows
+# only versions still in the store); peers in the chunk server's bytes-served-to table;
+# banned peers remembered here (the policy's own ban table is bounded and expires).
+FETCH_HISTORY_VERSIONS = 16
+SERVED_TO_PEERS = 1024
+MAX_BANNED = 10_000
 
 
 class Distribution:
@@ -171,7 +179,7 @@ class Distribution:
                 await f.run()
             finally:
                 self._fetch_scopes.pop(f.version, None)
-                self.fetch_history[f.version] = f.status()
+                self._remember_fetch(f.version, f.status())
         if f.complete:
             await self._finish(f.version)
         self.fetchers.pop(f.version, None)
@@ -216,7 +224,33 @@ class Distribution:
         removed = self.store.gc(self.max_async)
         for v in removed:
             log.info("garbage-collected checkpoint version %d", v)
+        self._trim_tables()
         return removed
+
+    def _remember_fetch(self, version: int, status: dict) -> None:
+        self.fetch_history[version] = status
+        while len(self.fetch_history) > FETCH_HISTORY_VERSIONS:  # one entry per version ever fetched otherwise
+            del self.fetch_history[min(self.fetch_history)]
+
+    def _trim_tables(self) -> None:
+        """Per-version and per-peer counters of the chunk server, bounded at every GC."""
+        srv = self.server
+        held = set(self.store.versions)
+        for v in [v for v in srv.bytes_served_by_version if v not in held]:
+            del srv.bytes_served_by_version[v]
+        if len(srv.bytes_served_to) > SERVED_TO_PEERS:  # free identities: keep the biggest consumers
+            keep = dict(srv.bytes_served_to.most_common(SERVED_TO_PEERS // 2))
+            srv.bytes_served_to.clear()
+            srv.bytes_served_to.update(keep)
+
+    def note_banned(self, peer_id: str, still_banned: Callable[[], Iterable[str]] = lambda: ()) -> None:
+        """A peer the node banned: refused tickets, skipped by fetchers. Bounded: when full,
+        only the peers ``still_banned()`` lists are kept (in place: fetchers share the set)."""
+        if peer_id not in self.banned and len(self.banned) >= MAX_BANNED:
+            self.banned.intersection_update(set(still_banned()))
+            while len(self.banned) >= MAX_BANNED:
+                self.banned.pop()
+        self.banned.add(peer_id)
 
     def have_entries(self):
         return self.store.have_entries()

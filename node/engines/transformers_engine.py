@@ -72,6 +72,13 @@ class TransformersEngine:
     def eos_token_id(self) -> int | None:
         return self._eos
 
+    @property
+    def numerics(self) -> str:
+        """The numerics stack, as a run genesis names it: "transformers-fp32-cpu"."""
+        dtype = next(self.model.parameters()).dtype
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+        return f"transformers-{name}-{self.device.type}"
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -104,29 +111,100 @@ class TransformersEngine:
         return self.prefill_hidden_batch([(prompt_tokens, completion_tokens)])[0]
 
     def prefill_hidden_batch(
-        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
+        self,
+        pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+        token_budget: int | None = None,
+        max_pad: float = 0.25,
     ) -> list[torch.Tensor]:
-        """Validator side, batched (an addition to the interface): one prefill per
-        micro-batch of prompt + claimed completion; final-norm states, fp32 CPU."""
-        seqs = [[int(t) for t in p] + [int(t) for t in c] for p, c in pairs]
-        if any(len(s) == 0 for s in seqs):
+        """Validator side, batched (an addition to the interface): final-norm states of
+        prompt + claimed completion, fp32 CPU, in the order given, from the base model
+        (no LM head). The cost is all matmuls, so the aim is to compute no token twice
+        and no padding:
+
+        * completions that share a prompt (a GRPO group) share one prefill of it: the
+          prompt runs once, its KV cache is repeated for the group's completions;
+        * other sequences are sorted by length and cut into micro-batches of at most
+          ``token_budget`` padded tokens (default: the generation batch cap times the
+          longest sequence) whose rows are padded by at most ``max_pad`` of their width.
+
+        Rows are right-padded and run without an attention mask: attention is causal,
+        so a real token never sees the padding after it, and SDPA takes its unmasked path."""
+        prompts = [[int(t) for t in p] for p, _ in pairs]
+        comps = [[int(t) for t in c] for _, c in pairs]
+        if any(len(p) + len(c) == 0 for p, c in zip(prompts, comps)):
             raise ValueError("empty sequence: nothing to prefill")
-        out: list[torch.Tensor] = []
-        for start in range(0, len(seqs), self.max_batch):
-            part = seqs[start : start + self.max_batch]
-            ids, mask, pos = self._left_pad(part)
-            with torch.inference_mode():
-                base = getattr(self.model, "model", None)
-                if base is not None and final_norm(self.model) is getattr(base, "norm", None):
-                    hidden = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-                else:  # generic path: run the whole LM, read the hook
-                    self._captured = []
-                    self.model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
+        out: list[torch.Tensor | None] = [None] * len(pairs)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(tuple(p), []).append(i)
+        rest: list[int] = []
+        for prompt, members in groups.items():
+            if len(members) < 2 or not prompt or self._base() is None:
+                rest += members
+                continue
+            for start in range(0, len(members), self.max_batch):
+                part = members[start : start + self.max_batch]
+                for i, hidden in zip(part, self._forward_group(list(prompt), [comps[i] for i in part])):
+                    out[i] = hidden
+        seqs = {i: prompts[i] + comps[i] for i in rest}
+        order = sorted(rest, key=lambda i: -len(seqs[i]))
+        start = 0
+        while start < len(order):
+            width = len(seqs[order[start]])  # the longest of this micro-batch (sorted)
+            budget = token_budget or self.max_batch * width
+            end = start + 1
+            while (end < len(order) and end - start < self.max_batch and (end + 1 - start) * width <= budget
+                   and width - len(seqs[order[end]]) <= max_pad * width):
+                end += 1
+            part = order[start:end]
+            for i, hidden in zip(part, self._forward_hidden([seqs[i] for i in part])):
+                out[i] = hidden
+            start = end
+        return [h for h in out if h is not None]
+
+    def _base(self) -> Any:
+        """The base model whose output is the final norm's (Llama-style), or None."""
+        base = getattr(self.model, "model", None)
+        return base if base is not None and final_norm(self.model) is getattr(base, "norm", None) else None
+
+    def _right_padded(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        ids = torch.full((len(seqs), max(len(s) for s in seqs)), self.pad_token_id, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        return ids.to(self.device)
+
+    def _forward_hidden(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Final-norm states of right-padded rows, no mask (see prefill_hidden_batch)."""
+        ids = self._right_padded(seqs)
+        base = self._base()
+        with torch.inference_mode():
+            if base is not None:
+                hidden = base(input_ids=ids, use_cache=False).last_hidden_state
+            else:  # generic path: run the whole LM (one logit row), read the hook
+                self._captured = []
+                try:
+                    self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
                     hidden = self._captured[0]
+                finally:
                     self._captured = None
-            width = ids.shape[1]
-            out += [hidden[b, width - len(s) :].float().cpu() for b, s in enumerate(part)]
-        return out
+        return [hidden[b, : len(s)].float().cpu() for b, s in enumerate(seqs)]
+
+    def _forward_group(self, prompt: list[int], comps: list[list[int]]) -> list[torch.Tensor]:
+        """One prompt, several completions: prefill the prompt once, repeat its KV cache
+        per completion, then run the right-padded completions on top of it."""
+        base = self._base()
+        with torch.inference_mode():
+            first = base(input_ids=self._right_padded([prompt]), use_cache=True)
+            head = first.last_hidden_state[0].float().cpu()
+            if max(len(c) for c in comps) == 0:
+                return [head.clone() for _ in comps]
+            cache = first.past_key_values
+            cache.batch_repeat_interleave(len(comps))
+            ids = self._right_padded(comps)
+            pos = torch.arange(len(prompt), len(prompt) + ids.shape[1], device=self.device)
+            hidden = base(input_ids=ids, position_ids=pos.expand(len(comps), -1), past_key_values=cache,
+                          use_cache=True).last_hidden_state
+        return [torch.cat([head, hidden[b, : len(c)].float().cpu()]) for b, c in enumerate(comps)]
 
     def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         """Copy new weights into the live parameters (no re-allocation, hooks stay).

@@ -63,6 +63,7 @@ class ConnectionManager:
         has_gossip_stream: callable = lambda peer_id: True,
         gossip_grace: float = 5.0,
         max_connections: int | None = None,
+        probe_interval: float = 30.0,
     ) -> None:
         self.host = host
         self.my_id = my_id
@@ -90,6 +91,11 @@ class ConnectionManager:
         self.protected: set[str] = set()
         self._conn_since: dict[str, float] = {}
         self.trimmed = 0
+        # At target, a node still dials one peer it has an address for but hears nothing
+        # from (no heartbeat) every ``probe_interval`` s: after a partition heals, two halves
+        # that are each at target would otherwise never reconnect (nobody is below target).
+        self.probe_interval = probe_interval
+        self.probes = 0
         self.bootstrap_ids: list[str] = []
         for text in bootstrap:
             info = parse_peer_addr(text)
@@ -188,6 +194,9 @@ class ConnectionManager:
         e = self.book.get(peer_id)
         if e is None:
             raise NodeError(f"no address known for {peer_id}")
+        if not self.policy.reachable(peer_id):  # fault layer (tests): fails like a dead link
+            self._failed(peer_id, "link cut (fault layer)")
+            raise NodeError(f"{peer_id} at {', '.join(e.addrs)}: unreachable (link cut by the fault layer)")
         self._dialing.add(peer_id)
         try:
             with trio.fail_after(self.dial_timeout):
@@ -277,13 +286,14 @@ class ConnectionManager:
             self._nursery = nursery
             task_status.started()
             last_px = 0.0
+            last_probe = time.monotonic()
             while True:
                 now = time.monotonic()
                 connected = set(self.connected())
                 for pid in connected:
-                    if self.policy.is_banned(pid):
+                    if self.policy.refuses(pid):  # banned, or cut by the fault layer
                         nursery.start_soon(self._disconnect, pid)
-                live = {p for p in connected if not self.policy.is_banned(p)}
+                live = {p for p in connected if not self.policy.refuses(p)}
                 live -= self._trim_connections(live, nursery, now)
                 self.metrics.peers_connected.set(len(live))
                 need = self.target_peers - len(live) - len(self._dialing)
@@ -301,6 +311,17 @@ class ConnectionManager:
                     cands.sort(key=lambda p: (p in self.bootstrap_ids, p < self.my_id))
                     for pid in cands[:need]:
                         nursery.start_soon(self._try_dial, pid)
+                elif self.probe_interval > 0 and now - last_probe >= self.probe_interval:
+                    last_probe = now
+                    unheard = [
+                        pid for pid, e in self.book.items()
+                        if pid not in connected and pid not in self._dialing and e.next_try <= now
+                        and not self.policy.is_banned(pid) and not self.swarm.knows(pid)
+                    ]
+                    if unheard:
+                        self.probes += 1
+                        self.metrics.dials.labels("probe").inc()
+                        nursery.start_soon(self._try_dial, random.choice(unheard))
                 if live and (now - last_px >= self.px_interval or (need > 0 and now - last_px >= self.interval * 2)):
                     last_px = now
                     # Below target: ask everyone (we need addresses now). Otherwise two random

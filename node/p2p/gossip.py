@@ -258,15 +258,16 @@ class Gossip:
     def _sync_links(self) -> None:
         connected = {p.to_base58() for p in self.host.get_connected_peers()}
         for pid in connected - set(self._links):
-            if self.policy.is_banned(pid):
+            if self.policy.refuses(pid):
                 continue
             link = _Link(pid, self.peer_queue_size)
             self._links[pid] = link
             self._eager.add(pid)  # Plumtree: a new neighbour starts eager
             self._lazy.discard(pid)
             self._nursery.start_soon(self._sender, link)
-        for pid in set(self._links) - connected:
-            self._close_link(pid)
+        for pid in set(self._links):
+            if pid not in connected or not self.policy.reachable(pid):
+                self._close_link(pid)
 
     def _close_link(self, pid: str) -> None:
         link = self._links.pop(pid, None)
@@ -452,7 +453,7 @@ class Gossip:
                     frame = bytes(buf[4 : 4 + n])
                     del buf[: 4 + n]
                     partial_deadline = None
-                    if self.policy.is_banned(peer):
+                    if self.policy.refuses(peer):
                         return
                     self._on_frame(peer, frame)
                 if buf:

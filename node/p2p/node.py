@@ -61,6 +61,9 @@ class P2PConfig:
     conn_interval_s: float = 1.0
     px_interval_s: float = 5.0
     dial_timeout_s: float = 5.0
+    # At target, dial one address-book peer we hear no heartbeat from this often (heals
+    # partitions whose halves are each at target; 0: never).
+    probe_interval_s: float = 30.0
     # Mesh degree >= connections: GossipSub then forwards to every connected
     # subscriber and the fan-out is bounded by target_peers (see docs/operating.md).
     gossip_degree: int = 64
@@ -171,7 +174,7 @@ class Node:
                     self.host, self.peer_id, self.reqresp, self.swarm, self.policy, self.metrics,
                     bootstrap=cfg.bootstrap, target_peers=cfg.target_peers, interval=cfg.conn_interval_s,
                     px_interval=cfg.px_interval_s, dial_timeout=cfg.dial_timeout_s, my_addrs=self.addrs,
-                    has_gossip_stream=self.gossip.has_stream,
+                    has_gossip_stream=self.gossip.has_stream, probe_interval=cfg.probe_interval_s,
                 )
                 if self.genesis is not None:
                     self.conns.protected = {self.genesis.trainer, *self.genesis.validators}

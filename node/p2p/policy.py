@@ -113,6 +113,9 @@ class PeerPolicy:
         self._origin_buckets: dict[str, TokenBucket] = {}
         self.ban_listeners: list[Callable[[str, str], None]] = []
         self.metrics = None  # NodeMetrics, set by the node
+        # Transport fault layer (node/p2p/faults.py, tests and benchmarks only): peer id ->
+        # may this node exchange traffic with it. None (production): every link is up.
+        self.link_filter: Callable[[str], bool] | None = None
 
     # ---- budget
     def points(self, peer_id: str) -> float:
@@ -173,6 +176,15 @@ class PeerPolicy:
             self._scores.pop(peer_id, None)
             return False
         return True
+
+    def reachable(self, peer_id: str) -> bool:
+        """False while a fault filter (node/p2p/faults.py) cuts the link to ``peer_id``."""
+        f = self.link_filter
+        return f is None or f(peer_id)
+
+    def refuses(self, peer_id: str) -> bool:
+        """The transport must not carry traffic to or from ``peer_id``: banned, or cut."""
+        return self.is_banned(peer_id) or not self.reachable(peer_id)
 
     def banned(self) -> dict[str, dict]:
         now = self.clock()

@@ -142,6 +142,9 @@ class ReqResp:
         tname = type(message).__name__
         if self.policy.is_banned(peer_id):
             raise RequestError("refused", f"{peer_id} is banned")
+        if not self.policy.reachable(peer_id):
+            self.metrics.on_request(tname, "client", "unreachable")
+            raise RequestError("unreachable", f"{peer_id}: link cut (fault layer)")
         run_id = ZERO_RUN_ID if type(message).TYPE_ID in PRE_RUN_TYPES else self.run_id
         data = protocol.seal(self.key, run_id, message, _now_ms(), self.seq.next())
         t0 = time.monotonic()
@@ -209,7 +212,7 @@ class ReqResp:
     async def _serve(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
         try:
-            if self.policy.is_banned(peer) or not self.policy.allow(peer):
+            if self.policy.refuses(peer) or not self.policy.allow(peer):
                 await stream.reset()
                 return
             async with self._limit:

@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from proofs import ProofConfig
 from protocol import RunGenesis, SamplingParams
 
 from ..errors import NodeError
@@ -19,6 +20,36 @@ from ..genesis_file import genesis_config
 
 # The devnet's tiny model (genesis [config] tiny_hidden_size / tiny_layers / tiny_heads override): big enough to learn the target-length task in minutes on 2 cores.
 TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
+
+
+# TOPLOC thresholds a genesis can name ([config] toploc_thresholds). "paper": the
+# defaults calibrated across GPUs (mixed hardware). "tight": for a run whose nodes all
+# compute on one numerics stack, where honest chunks give ~0 mismatches; catches the
+# one-token prompt edits the paper's thresholds miss (docs/proofs.md).
+TOPLOC_PRESETS = {"paper": ProofConfig(), "tight": ProofConfig.tight()}
+_THRESHOLD_KEYS = {"toploc_max_exp_mismatches": int, "toploc_max_mant_err_mean": float,
+                   "toploc_max_mant_err_median": float}
+
+
+def proof_config_for(config: dict[str, Any]) -> ProofConfig:
+    """The run's TOPLOC thresholds from its genesis [config]: ``toploc_thresholds``
+    ("paper" or "tight"; default "tight" when the genesis declares one ``numerics``
+    stack for every node, else "paper"), then any explicit ``toploc_max_*`` values.
+    Chunking (32 tokens, top-128, prefill included) is the wire format and fixed."""
+    default = "tight" if config.get("numerics") else "paper"
+    name = config.get("toploc_thresholds", default)
+    if name not in TOPLOC_PRESETS:
+        raise NodeError(f"genesis toploc_thresholds must be one of {sorted(TOPLOC_PRESETS)}, got {name!r}")
+    base = TOPLOC_PRESETS[name]
+    overrides: dict[str, Any] = {}
+    for key, kind in _THRESHOLD_KEYS.items():
+        if key in config:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                    kind is int and not isinstance(value, int)):
+                raise NodeError(f"genesis {key} must be a non-negative {kind.__name__}, got {value!r}")
+            overrides[key.removeprefix("toploc_")] = kind(value)
+    return dataclasses.replace(base, **overrides)
 
 
 @dataclasses.dataclass
@@ -34,6 +65,7 @@ class RunContext:
         config = genesis_config(genesis)
         problems = load_problems(genesis.dataset, genesis.dataset_size, int(config.get("seed", 0)))
         tokenizer = make_tokenizer(genesis.model, cache_dir)
+        proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
         return cls(genesis, config, problems, tokenizer, Path(cache_dir))
 
     # ------------------------------------------------------------ knobs
@@ -44,6 +76,25 @@ class RunContext:
             top_p=float(self.config.get("top_p", 1.0)),
             max_tokens=int(self.config.get("max_tokens", 48)),
         )
+
+    @property
+    def numerics(self) -> str | None:
+        """The numerics stack the genesis requires of every worker and validator
+        (e.g. "transformers-fp32-cpu"), or None for a mixed-hardware run."""
+        value = self.config.get("numerics")
+        return str(value) if value else None
+
+    @property
+    def proof_config(self) -> ProofConfig:
+        return proof_config_for(self.config)
+
+    def check_engine(self, engine: Any) -> None:
+        """Refuse to work or validate on another stack than the genesis declares: tight
+        thresholds assume worker and validator numerics agree bit for bit (nearly)."""
+        want = self.numerics
+        have = getattr(engine, "numerics", None)
+        if want and have != want:
+            raise NodeError(f"this run requires the numerics stack {want!r}; this node's engine is {have!r}")
 
     @property
     def eos_token_id(self) -> int | None:

@@ -12,7 +12,8 @@ the first rule that failed in its vote:
 3. every completion is well-formed (token ids in the vocabulary, length within
    ``max_tokens``);
 4. every TOPLOC proof verifies against the validator's own prefill of prompt +
-   claimed tokens with the weights of the claimed policy version;
+   claimed tokens with the weights of the claimed policy version, under the
+   run's thresholds (``RunContext.proof_config``: the genesis picks them);
 5. the rewards the worker claims equal the rules' rewards.
 """
 
@@ -30,7 +31,7 @@ from protocol import RolloutBatch, Sample, assign_prompts
 from ..engines.base import SamplingConfig
 from .context import RunContext, sample_seed
 
-PROOF = ProofConfig()
+PROOF = ProofConfig()  # chunking (the wire format); the thresholds come from the run (ctx.proof_config)
 REWARD_TOLERANCE = 1e-6
 
 
@@ -155,6 +156,7 @@ def verify_batch(
         return BatchVerdict(False, reason, [], time.perf_counter() - t0)
     pairs = [(ctx.prompt_tokens(s.prompt_index), s.token_ids()) for s in batch.samples]
     hiddens = prefill(pairs)
+    config = ctx.proof_config
     for k, (s, (prompt, comp), hidden) in enumerate(zip(batch.samples, pairs, hiddens)):
         proofs = split_proofs(s.proof, len(prompt), len(comp), int(hidden.shape[-1]))
         if proofs is None:
@@ -162,7 +164,7 @@ def verify_batch(
                                        f"{expected_chunks(len(prompt), len(comp), PROOF)} chunk proofs", [],
                                 time.perf_counter() - t0)
         try:
-            verdict = verify_sequence(hidden, len(prompt), proofs, PROOF)
+            verdict = verify_sequence(hidden, len(prompt), proofs, config)
         except ProofError as exc:
             return BatchVerdict(False, f"proof: sample {k}: {exc}", [], time.perf_counter() - t0)
         if not verdict.ok:

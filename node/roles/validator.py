@@ -122,8 +122,10 @@ class ValidatorRole(LearningRole):
     def _make_engine(self):
         from ..engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(self.ctx.initial_model(), device=self.device, eos_token_id=self.ctx.eos_token_id,
-                                  pad_token_id=self.ctx.pad_token_id)
+        engine = TransformersEngine(self.ctx.initial_model(), device=self.device,
+                                    eos_token_id=self.ctx.eos_token_id, pad_token_id=self.ctx.pad_token_id)
+        self.ctx.check_engine(engine)
+        return engine
 
     async def _vote(self, env: Envelope, verdict: BatchVerdict) -> None:
         ann = env.body

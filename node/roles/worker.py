@@ -80,8 +80,10 @@ class WorkerRole(LearningRole):
     def _make_engine(self):
         from ..engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(self.ctx.initial_model(), device=self.device, eos_token_id=self.ctx.eos_token_id,
-                                  pad_token_id=self.ctx.pad_token_id)
+        engine = TransformersEngine(self.ctx.initial_model(), device=self.device,
+                                    eos_token_id=self.ctx.eos_token_id, pad_token_id=self.ctx.pad_token_id)
+        self.ctx.check_engine(engine)
+        return engine
 
     async def _loop(self) -> None:
         node = self.node
