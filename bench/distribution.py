@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -111,7 +112,7 @@ def run_node(a) -> None:
         def ban(self, peer_id, reason):
             pass
 
-    store = ChunkStore(Path(a.home), RUN_ID, trainer)
+    store = ChunkStore(Path(a.home), RUN_ID, trainer, durable=not a.no_fsync)
     dist = Distribution(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
     guard = ReplayGuard()
     result = {"index": a.index}
@@ -133,9 +134,20 @@ def run_node(a) -> None:
             except Exception:
                 return
 
+    timeline = []  # (seconds since go, bytes served so far), every 0.5 s
+
+    async def sample():
+        while not (work / "go").exists():
+            await trio.sleep(0.005)
+        t0 = time.time()
+        while True:
+            timeline.append((round(time.time() - t0, 2), dist.server.bytes_served))
+            await trio.sleep(0.5)
+
     async def main():
         async with trio.open_nursery() as n:
             await n.start(dist.run)
+            n.start_soon(sample)
             n.start_soon(trio.serve_tcp, serve_tickets, peers[key.peer_id])
             if a.index == 0:
                 raw = await dist.publish(key, 1, a.src, chunk_size=a.chunk_mib * 2**20)
@@ -162,7 +174,11 @@ def run_node(a) -> None:
                 (work / f"done-{a.index}.json").write_text(json.dumps(result))
             while not (work / "stop").exists():
                 await trio.sleep(0.05)
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            result["cpu_user_s"], result["cpu_sys_s"] = round(ru.ru_utime, 2), round(ru.ru_stime, 2)
             result["bytes_served"] = dist.server.bytes_served
+            result["chunks_elsewhere"] = dist.server.chunks_elsewhere
+            result["served_timeline"] = timeline
             (work / f"final-{a.index}.json").write_text(json.dumps(result))
             n.cancel_scope.cancel()
 
@@ -175,7 +191,7 @@ def bench_ours(args, src: Path, work: Path, total: int) -> dict:
     (work / "peers.json").write_text(json.dumps(peers))
     procs = []
     common = ["--work", str(work), "--peers", str(work / "peers.json"), "--max-upload-mbps", str(args.max_upload_mbps),
-              "--chunk-mib", str(args.chunk_mib), "--src", str(src)]
+              "--chunk-mib", str(args.chunk_mib), "--src", str(src)] + (["--no-fsync"] if args.no_fsync else [])
     for i in range(n):
         procs.append(subprocess.Popen([sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common))
     try:
@@ -200,14 +216,22 @@ def bench_ours(args, src: Path, work: Path, total: int) -> dict:
             if p.poll() is None:
                 p.kill()
     per = sorted(d["fetched_at"] - t0 for d in done)
-    return {
+    out = {
         "seconds": round(per[-1], 3),
         "assembled_seconds": round(max(d["assembled_at"] for d in done) - t0, 3),
         "fetcher_seconds": [round(x, 2) for x in per],
         "seeder_bytes": final[0]["bytes_served"],
         "seeder_copies": round(final[0]["bytes_served"] / total, 2),
         "fetcher_bytes_served": [final[i]["bytes_served"] for i in range(1, n)],
+        "seeder_chunks_elsewhere": final[0]["chunks_elsewhere"],
+        "cpu_s": {"user": round(sum(f["cpu_user_s"] for f in final.values()), 1),
+                  "sys": round(sum(f["cpu_sys_s"] for f in final.values()), 1)},
     }
+    tl = final[0]["served_timeline"]
+    print("seeder copies uploaded by t (s): " + " ".join(f"{t:.0f}:{b / total:.2f}" for t, b in tl[1::4]), file=sys.stderr)
+    print("fetch stats: " + json.dumps([{k: d["fetch"].get(k) for k in ("seconds", "chunks_elsewhere", "chunks_endgame", "chunks_duplicate", "bytes_from_seeds")}
+                                         for d in done]), file=sys.stderr)
+    return out
 
 
 # --------------------------------------------------------------------------- raw TCP copy
@@ -272,7 +296,14 @@ def run_shardcast_origin(a) -> None:
 def run_shardcast_client(a) -> None:
     import logging
 
+    # Each client imports its own copy of the package (see bench_shardcast): shardcast
+    # downloads the version listing to a fixed path next to its package directory
+    # (``<site-packages>/temp_distribution.txt``, then renames and deletes it), so
+    # clients sharing one installation on one machine race on that file.
+    sys.path.insert(0, a.pkg)
     from shardcast import ClientNode
+
+    assert os.path.dirname(os.path.dirname(sys.modules["shardcast"].__file__)) == a.pkg
 
     logging.getLogger("shardcast").setLevel(logging.WARNING)
     import fcntl
@@ -283,12 +314,13 @@ def run_shardcast_client(a) -> None:
         c = ClientNode([f"http://127.0.0.1:{a.port}"], a.out)
         fcntl.flock(lock, fcntl.LOCK_UN)
     for i, name in enumerate(a.names):
-        # the origin's listing (distribution.txt) sometimes fails to download under
-        # load ("No versions available"): retry like an operator would; the time counts
+        # with a private package copy the listing no longer fails; keep a bounded retry
+        # (an operator would retry too), count it, and let the time include it
         for attempt in range(10):
             out = c.download_version(f"v{i + 1}", os.path.join(a.out, name))
             if out is not None:
                 break
+            print(f"shardcast client {a.out}: v{i + 1} attempt {attempt + 1} failed, retrying", file=sys.stderr)
             time.sleep(1)
         else:
             raise SystemExit(f"shardcast client failed on v{i + 1}")
@@ -303,8 +335,18 @@ def bench_shardcast(files: list[Path], work: Path, fetchers: int) -> float | Non
     except ImportError:
         print("shardcast baseline skipped: pip install shardcast", file=sys.stderr)
         return None
+    import shardcast
+
     port = free_port()
     ready = work / "sc-ready"
+    # one copy of the package per client, as if each client were its own machine: the
+    # listing's temp file lives next to the package (see run_shardcast_client). Without
+    # this, clients on one machine clobber each other's listing ("No versions available
+    # for download"), and a client whose second listing fails falls back to shard
+    # discovery, asks for shards 7..10 of a 6-shard file and retries those 404s forever.
+    pkg_src = Path(shardcast.__file__).resolve().parent
+    for i in range(fetchers):
+        shutil.copytree(pkg_src, work / f"sc-pkg{i}" / "shardcast", ignore=shutil.ignore_patterns("__pycache__"))
     origin = subprocess.Popen([sys.executable, __file__, "_sc_origin", "--data-dir", str(work / "sc-origin"), "--port", str(port),
                                "--ready", str(ready), "--files"] + [str(f) for f in files])
     try:
@@ -314,7 +356,8 @@ def bench_shardcast(files: list[Path], work: Path, fetchers: int) -> float | Non
             time.sleep(0.05)
         t0 = time.time()
         clients = [subprocess.Popen([sys.executable, __file__, "_sc_client", "--port", str(port), "--out", str(work / f"sc{i}"),
-                                     "--names"] + [f.name for f in files]) for i in range(fetchers)]
+                                     "--pkg", str(work / f"sc-pkg{i}"), "--names"] + [f.name for f in files])
+                   for i in range(fetchers)]
         rcs = [c.wait(timeout=3600) for c in clients]
         dt = time.time() - t0
         if any(rcs):
@@ -340,6 +383,7 @@ def main() -> None:
             p.add_argument("--index", type=int)
             p.add_argument("--max-upload-mbps", type=float)
             p.add_argument("--chunk-mib", type=int)
+            p.add_argument("--no-fsync", action="store_true")
             return run_node(p.parse_args(sys.argv[2:]))
         if cmd == "_rawclient":
             p.add_argument("--port", type=int)
@@ -355,6 +399,7 @@ def main() -> None:
         if cmd == "_sc_client":
             p.add_argument("--port", type=int)
             p.add_argument("--out")
+            p.add_argument("--pkg")
             p.add_argument("--names", nargs="+")
             return run_shardcast_client(p.parse_args(sys.argv[2:]))
         raise SystemExit(f"unknown internal command {cmd}")
@@ -367,6 +412,8 @@ def main() -> None:
     p.add_argument("--no-shardcast", action="store_true")
     p.add_argument("--no-raw", action="store_true")
     p.add_argument("--no-ours", action="store_true", help="baselines only")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="diagnostic only: our stores skip fsync (not crash-safe), to measure what durability costs")
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
 
@@ -378,6 +425,8 @@ def main() -> None:
         print(f"checkpoint: {len(files)} files, {total / 2**20:.0f} MiB; {args.fetchers} fetchers; "
               f"cap {args.max_upload_mbps or 'none'} Mbit/s", file=sys.stderr)
         out: dict = {"size_mib": round(total / 2**20, 1), "fetchers": args.fetchers, "max_upload_mbps": args.max_upload_mbps}
+        if args.no_fsync:
+            out["no_fsync"] = True
         out["raw_copy_seconds"] = None if args.no_raw else bench_raw(files, work, total)
         print(f"raw copy: {out['raw_copy_seconds']} s", file=sys.stderr)
         out["bound_seconds"] = round(total * 8 / (args.max_upload_mbps * 1e6), 3) if args.max_upload_mbps else None

@@ -8,6 +8,8 @@ overlay rather than the swarm.  ``test_libp2p_overlay_end_to_end`` runs the
 same path through real libp2p nodes: the announce over gossip, have-sets in
 heartbeats, tickets over request/response.
 
+The seeder must upload about one copy (super-seeding), not five.
+
 Every node's upload is capped at 200 Mbit/s (as on home links): uncapped on
 loopback the seeder pushes 64 MiB to everyone before the fetchers have
 exchanged a single have-set, which is not the situation under test.
@@ -62,7 +64,9 @@ async def test_six_nodes_one_seeder(tmp_path):
                 assert load_file(str(path))  # loadable safetensors
         assert same_files(src, d.store.files_dir(1))  # byte-identical to the trainer's
     seeder = dists[0].server.bytes_served
-    assert seeder < 2.5 * total, f"the seeder served {seeder / total:.2f} copies"
+    # super-seeding: the seeder sends each chunk about once (1.00 copies in every run seen;
+    # 1.7-1.8 with super-seeding off), the fetchers multiply it among themselves
+    assert seeder <= 1.2 * total, f"the seeder served {seeder / total:.2f} copies"
     assert sum(d.server.bytes_served for d in dists[1:]) > 2.5 * total  # fetchers fed each other
     for d in dists[1:]:
         st = d.status()["versions"][0]

@@ -28,12 +28,13 @@ class DataConnection:
         self.stall_timeout = stall_timeout
 
     @classmethod
-    async def open(cls, host: str, port: int, ticket: bytes, *, connect_timeout: float = 10.0, stall_timeout: float = 10.0) -> "DataConnection":
+    async def open(cls, host: str, port: int, ticket: bytes, *, connect_timeout: float = 10.0, stall_timeout: float = 10.0,
+                   flags: int = 0) -> "DataConnection":
         with trio.fail_after(connect_timeout):
             stream = await trio.open_tcp_stream(host, port)
         try:
             tune(stream.socket)
-            await send_all(stream.socket, F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, 0, ticket.ljust(32, b"\0")), stall_timeout)
+            await send_all(stream.socket, F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, flags, ticket.ljust(32, b"\0")), stall_timeout)
             welcome = await recv_exactly(stream.socket, F.WELCOME.size, stall_timeout)
             magic, status, n = F.WELCOME.unpack(welcome)[:3]
             if magic != F.MAGIC:

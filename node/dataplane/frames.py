@@ -5,7 +5,7 @@ A fetcher first obtains a ticket over libp2p (``ChunkTicketRequest`` ->
 to the fetcher's peer id, one (version, root) and an expiry.  Then:
 
     fetcher -> server   HELLO  40 bytes: magic "PNDP", u16 wire version (1),
-                               u16 zero, ticket (32 bytes)
+                               u16 flags, ticket (32 bytes)
     server  -> fetcher  WELCOME 16 bytes: magic "PNDP", u8 status, 3 zero bytes,
                                u32 number of chunks in the version, u32 zero
 
@@ -19,6 +19,18 @@ ops: GET (1) - payload is the chunk's bytes; HAVE (2) - payload is the
 server's current have-bitmap of the version (see node.store.bitmap), so a
 fetcher learns of freshly verified chunks without waiting for a heartbeat;
 BYE (3) - no reply, the server closes.
+
+HELLO flags: bit 0 (``FLAG_PUSH_HAVE``) asks the server to push its bitmap
+unasked: before a GET reply, whenever the bitmap changed since it last sent
+one on this connection, the server first writes a HAVE reply with index
+``PUSH_INDEX`` (0xFFFFFFFF; an answer to a HAVE request carries index 0).
+Such a push is not an answer to any request; the fetcher reads it, updates
+its view of the peer, and reads on. Without the flag nothing is pushed.
+
+Status ``ELSEWHERE`` (7) on a GET: the server holds the chunk, but it is
+super-seeding (it holds the whole version) and sent that chunk to another
+peer moments ago: get it from the peers instead (it is served again once the
+hold-off has passed, so a recipient that vanishes cannot starve anyone).
 
 The payload is checked against the signed manifest's sha256 by the fetcher;
 the frames themselves carry no hash or MAC: integrity comes from the manifest,
@@ -41,6 +53,9 @@ OP_GET = 1
 OP_HAVE = 2
 OP_BYE = 3
 
+FLAG_PUSH_HAVE = 1  # HELLO flags
+PUSH_INDEX = 0xFFFFFFFF  # index of a HAVE reply the server pushed unasked
+
 # statuses (WELCOME and REPLY)
 OK = 0
 NOT_HELD = 1
@@ -49,10 +64,11 @@ BAD_TICKET = 3  # unknown or expired ticket
 BAD_REQUEST = 4
 BUSY = 5
 GONE = 6  # version no longer served (garbage-collected)
+ELSEWHERE = 7  # a super-seeding server sent this chunk to another peer moments ago
 
 STATUS_NAMES = {
     OK: "ok", NOT_HELD: "not held", BAD_INDEX: "bad index", BAD_TICKET: "bad ticket",
-    BAD_REQUEST: "bad request", BUSY: "busy", GONE: "version gone",
+    BAD_REQUEST: "bad request", BUSY: "busy", GONE: "version gone", ELSEWHERE: "ask other peers",
 }
 
 assert HELLO.size == 40 and WELCOME.size == 16 and REQUEST.size == 16 and REPLY.size == 16

@@ -1,6 +1,15 @@
 """The chunk server: grants tickets (called from the libp2p request handler) and serves
 chunk bytes over raw TCP with ``sendfile`` (no Python copy of the payload), under the
 node-wide upload cap.
+
+Super-seeding: for a version this node holds entirely, the server remembers which
+peer it last sent each chunk to. Another peer asking for that chunk while it is
+being sent, or within ``reseed_after_s`` after, is answered ``ELSEWHERE``: it should
+get the chunk from the peer that has it. So the seeder's uplink carries each chunk
+about once and the fetchers multiply it among themselves. Once every chunk has been
+sent at least once the hold-off drops to ``reseed_after_all_s`` and the seed helps
+finish the tail. A hold-off always ends, so a recipient that disappears costs its
+chunks at most that long.
 """
 
 from __future__ import annotations
@@ -22,6 +31,36 @@ from .ratelimit import TokenBucket
 from .wire import recv_exactly, send_all, tune
 
 log = logging.getLogger("primenode.dataplane")
+
+
+class SeedLog:
+    """Super-seeding memory for one version held entirely: who got each chunk, and when."""
+
+    __slots__ = ("sent", "ever", "unsent")
+
+    def __init__(self, n: int) -> None:
+        self.sent: dict[int, tuple[str, float]] = {}  # index -> (peer, finished at; inf while sending)
+        self.ever = bytearray(n)
+        self.unsent = n
+
+    def held_off(self, idx: int, peer: str, now: float, hold_s: float, hold_all_s: float) -> bool:
+        rec = self.sent.get(idx)
+        if rec is None or rec[0] == peer:
+            return False
+        return now < rec[1] + (hold_s if self.unsent else hold_all_s)
+
+    def start(self, idx: int, peer: str) -> None:
+        self.sent[idx] = (peer, float("inf"))
+
+    def finish(self, idx: int, peer: str, ok: bool, now: float) -> None:
+        if not ok:
+            if self.sent.get(idx, ("",))[0] == peer:
+                del self.sent[idx]
+            return
+        self.sent[idx] = (peer, now)
+        if not self.ever[idx]:
+            self.ever[idx] = 1
+            self.unsent -= 1
 
 
 @dataclasses.dataclass
@@ -46,6 +85,9 @@ class ChunkServer:
         idle_timeout_s: float = 60.0,
         stall_timeout_s: float = 20.0,
         send_slice: int = 256 * 1024,
+        superseed: bool = True,
+        reseed_after_s: float = 10.0,
+        reseed_after_all_s: float = 1.0,
     ) -> None:
         self.store = store
         self.listen_host = listen_host
@@ -57,6 +99,10 @@ class ChunkServer:
         self.idle_timeout_s = idle_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.send_slice = send_slice
+        self.superseed = superseed
+        self.reseed_after_s = reseed_after_s
+        self.reseed_after_all_s = reseed_after_all_s
+        self._seeding: dict[tuple[int, bytes], SeedLog] = {}
         self.tickets: dict[bytes, Ticket] = {}
         self.max_tickets = 8192  # bounded: tickets that are never used expire, and a peer holds at most
         self.max_tickets_per_peer = 32  # this many at once (its oldest is replaced)
@@ -69,6 +115,8 @@ class ChunkServer:
         self.bytes_served_by_version: collections.Counter[int] = collections.Counter()
         self.bytes_served_to: collections.Counter[str] = collections.Counter()
         self.tickets_granted = 0
+        self.chunks_elsewhere = 0  # GETs answered ELSEWHERE (super-seeding)
+        self.have_pushes = 0
         self._started = trio.Event()
 
     def set_max_upload_mbps(self, mbps: float) -> None:
@@ -125,7 +173,7 @@ class ChunkServer:
             try:
                 tune(sock)
                 hello = await recv_exactly(sock, F.HELLO.size, self.stall_timeout_s)
-                magic, ver, _, tok = F.HELLO.unpack(hello)
+                magic, ver, flags, tok = F.HELLO.unpack(hello)
                 t = self.tickets.get(tok)
                 if magic != F.MAGIC or ver != F.WIRE_VERSION:
                     return
@@ -144,7 +192,7 @@ class ChunkServer:
                 self._per_peer[peer] += 1
                 try:
                     await send_all(sock, F.WELCOME.pack(F.MAGIC, F.OK, st.bitmap.n, 0), self.stall_timeout_s)
-                    await self._serve(sock, t)
+                    await self._serve(sock, t, flags)
                 finally:
                     self._per_peer[peer] -= 1
                     if self._per_peer[peer] <= 0:
@@ -156,7 +204,20 @@ class ChunkServer:
         finally:
             await stream.aclose()
 
-    async def _serve(self, sock, t: Ticket) -> None:
+    def _seed_log(self, st) -> SeedLog | None:
+        if not self.superseed or not st.bitmap.complete:
+            return None
+        key = (st.version, st.root)
+        sl = self._seeding.get(key)
+        if sl is None:
+            for k in [k for k in self._seeding if self.store.get(*k) is None]:
+                del self._seeding[k]  # versions garbage-collected since
+            sl = self._seeding[key] = SeedLog(st.bitmap.n)
+        return sl
+
+    async def _serve(self, sock, t: Ticket, flags: int = 0) -> None:
+        push = bool(flags & F.FLAG_PUSH_HAVE)
+        pushed = b""
         while True:
             req = None
             with trio.move_on_after(self.idle_timeout_s):
@@ -171,16 +232,36 @@ class ChunkServer:
                 await send_all(sock, F.REPLY.pack(op, F.GONE, idx, 0), self.stall_timeout_s)
                 return
             if op == F.OP_HAVE:
-                bm = st.bitmap.to_bytes()
+                bm = pushed = st.bitmap.to_bytes()
                 await send_all(sock, F.REPLY.pack(op, F.OK, 0, len(bm)) + bm, self.stall_timeout_s)
             elif op == F.OP_GET:
+                if push:
+                    bm = st.bitmap.to_bytes()
+                    if bm != pushed:  # fresh chunks since the last bitmap this fetcher saw
+                        pushed = bm
+                        self.have_pushes += 1
+                        await send_all(sock, F.REPLY.pack(F.OP_HAVE, F.OK, F.PUSH_INDEX, len(bm)) + bm,
+                                       self.stall_timeout_s)
+                sl = self._seed_log(st) if idx < st.bitmap.n else None
                 if idx >= st.bitmap.n:
                     await send_all(sock, F.REPLY.pack(op, F.BAD_INDEX, idx, 0), self.stall_timeout_s)
                 elif idx not in st.bitmap:
                     await send_all(sock, F.REPLY.pack(op, F.NOT_HELD, idx, 0), self.stall_timeout_s)
+                elif sl is not None and sl.held_off(idx, t.peer_id, trio.current_time(), self.reseed_after_s,
+                                                    self.reseed_after_all_s):
+                    self.chunks_elsewhere += 1
+                    await send_all(sock, F.REPLY.pack(op, F.ELSEWHERE, idx, 0), self.stall_timeout_s)
                 else:
-                    with self.store.pin(t.version):
-                        await self._send_chunk(sock, st, idx, t.peer_id)
+                    ok = False
+                    if sl is not None:
+                        sl.start(idx, t.peer_id)
+                    try:
+                        with self.store.pin(t.version):
+                            await self._send_chunk(sock, st, idx, t.peer_id)
+                        ok = True
+                    finally:
+                        if sl is not None:
+                            sl.finish(idx, t.peer_id, ok, trio.current_time())
             else:
                 await send_all(sock, F.REPLY.pack(op, F.BAD_REQUEST, idx, 0), self.stall_timeout_s)
                 return
@@ -224,5 +305,7 @@ class ChunkServer:
             "bytes_served_by_version": dict(self.bytes_served_by_version),
             "bytes_served_to": dict(self.bytes_served_to),
             "tickets_granted": self.tickets_granted,
+            "chunks_elsewhere": self.chunks_elsewhere,
+            "have_pushes": self.have_pushes,
             "max_upload_bytes_per_s": self.bucket.rate,
         }

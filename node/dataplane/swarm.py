@@ -5,8 +5,16 @@
 * Rarest first: each free slot takes the missing chunk that the fewest known
   peers hold (a per-node random order breaks ties, so fetchers spread out and
   the original seeder sends each chunk about once before peers take over).
-* Have-sets come from heartbeats (:meth:`update_have`) and, fresher, from HAVE
-  polls on the open data connections (every ``have_poll_s``).
+* Have-sets come from heartbeats (:meth:`update_have`) and, fresher, from the
+  data connections: the server pushes its bitmap ahead of a GET reply whenever
+  it changed (``FLAG_PUSH_HAVE``), and an idle connection polls HAVE every
+  ``have_poll_s``.
+* Super-seeding: a seed (a peer holding the whole version) is asked only for
+  chunks that no other known peer holds, so the seed's uplink carries each
+  chunk about once and the fetchers trade the rest; a seed that sent a chunk
+  to someone else moments ago answers ``ELSEWHERE`` and the chunk is left to
+  the peers. Once every chunk is held by some non-seed peer, a seed is used
+  like any other peer (rarest first), which speeds up the tail.
 * Every chunk is size- and hash-checked in a worker thread (the event loop
   never hashes), written atomically and marked held - from that moment the
   node's own chunk server offers it to others.
@@ -15,6 +23,9 @@
 * A stall (no byte for ``stall_timeout`` s), a refused ticket or a broken
   connection: the peer's outstanding chunks go back to the pool and the peer
   cools down (exponential back-off) before it is tried again.
+* End game: once every missing chunk is on its way and a seed has a free slot,
+  the seed is also asked for the chunk requested longest ago; whichever copy
+  arrives first is kept, the other is read and dropped.
 * Peers are ranked by measured throughput, discounted by failures.
 * Resume: the fetcher starts from whatever the store already holds.
 """
@@ -59,6 +70,12 @@ class FetchPeer:
     inflight: set[int] = dataclasses.field(default_factory=set)
     scope: trio.CancelScope | None = None
     last_error: str = ""
+    refused: dict[int, float] = dataclasses.field(default_factory=dict)  # chunk -> retry after (ELSEWHERE)
+    elsewhere: int = 0
+
+    @property
+    def seed(self) -> bool:
+        return self.bitmap is not None and self.bitmap.complete
 
     def score(self) -> float:
         return (self.ewma_bps + 1.0) / (1 + self.failures + 3 * self.strikes)
@@ -68,7 +85,7 @@ class FetchPeer:
             "peer_id": self.peer_id, "bytes": self.bytes, "chunks": self.chunks,
             "mib_per_s": round(self.ewma_bps / 2**20, 1), "failures": self.failures,
             "strikes": self.strikes, "banned": self.banned, "holds": self.bitmap.count if self.bitmap else None,
-            "last_error": self.last_error,
+            "elsewhere": self.elsewhere, "last_error": self.last_error,
         }
 
 
@@ -97,6 +114,9 @@ class SwarmFetcher:
         ticket_timeout: float = 5.0,
         max_strikes: int = 3,
         have_poll_s: float = 0.25,
+        superseed: bool = True,
+        elsewhere_retry_s: float = 1.0,
+        endgame_after_s: float | None = 0.5,
         on_progress: Callable[[FetchProgress], None] | None = None,
         banned: set[str] | None = None,
         rng: random.Random | None = None,
@@ -112,6 +132,9 @@ class SwarmFetcher:
         self.ticket_timeout = ticket_timeout
         self.max_strikes = max_strikes
         self.have_poll_s = have_poll_s
+        self.superseed = superseed
+        self.elsewhere_retry_s = elsewhere_retry_s
+        self.endgame_after_s = endgame_after_s
         self.on_progress = on_progress
         self.banned = banned if banned is not None else set()
         n = self.st.bitmap.n
@@ -123,18 +146,28 @@ class SwarmFetcher:
         for rank, i in enumerate(order):
             self._tiebreak[i] = rank
         self.avail = [0] * n
+        self.nseeds = 0  # peers whose bitmap is complete (they count in every avail[i])
         self.peers: dict[str, FetchPeer] = {}
         self._missing: set[int] = {i for i in range(n) if i not in self.st.bitmap}
-        self._inflight: dict[int, str] = {}
+        self._inflight: dict[int, str] = {}  # chunk -> the peer it was first asked from
+        self._inflight_since: dict[int, float] = {}
         self._verifying: set[int] = set()
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        # receive buffers are reused: a fresh 4 MiB bytearray per chunk costs a zero-fill and,
+        # from glibc's mmap threshold up, an mmap/munmap with a page fault per 4 KiB page
+        self._chunk_len = max((c[2] for c in self.st.chunks), default=0)
+        self._free_bufs: list[bytearray] = []
         # stats
         self.started = time.monotonic()
         self.finished: float | None = None
         self.bytes_fetched = 0
         self.chunks_fetched = 0
         self.chunks_rejected = 0
+        self.chunks_elsewhere = 0
+        self.chunks_endgame = 0  # second requests sent to a seed in the end game
+        self.chunks_duplicate = 0  # payloads that arrived after another copy of the chunk
+        self.bytes_from_seeds = 0
         self.held_at_start = self.st.bitmap.count
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -170,42 +203,86 @@ class SwarmFetcher:
                         d = ((b >> bit) & 1) - ((a >> bit) & 1)
                         if d:
                             avail[bi * 8 + bit] += d
+        was_seed = p.seed
         p.bitmap = new
+        self.nseeds += int(p.seed) - int(was_seed)
 
     def _poke(self) -> None:
         self._changed.set()
 
     # ------------------------------------------------------------ scheduling
     def _pick(self, p: FetchPeer) -> int | None:
+        """The next chunk to ask ``p`` for: rarest first; from a seed, only chunks no other peer holds
+        (until every chunk is held by some non-seed peer; then the seed helps like any peer)."""
         bm = p.bitmap
         if bm is None:
             return None
         held = self.st.bitmap
+        avail, tiebreak = self.avail, self._tiebreak
+        seed = self.superseed and p.seed
+        nseeds = self.nseeds
+        refused = p.refused
+        now = trio.current_time() if refused else 0.0
         best = None
         best_key = None
+        best_only = None  # seeds: the rarest chunk that only seeds hold
+        best_only_key = None
+        seed_only_left = False
         stale = []
         for i in self._missing:
             if i in held:
                 stale.append(i)
                 continue
             if i in bm:
-                key = (self.avail[i], self._tiebreak[i])
+                if refused and refused.get(i, 0.0) > now:
+                    if seed and avail[i] <= nseeds:
+                        seed_only_left = True
+                    continue
+                key = (avail[i], tiebreak[i])
                 if best_key is None or key < best_key:
                     best, best_key = i, key
+                if seed and avail[i] <= nseeds:
+                    seed_only_left = True
+                    if best_only_key is None or key < best_only_key:
+                        best_only, best_only_key = i, key
         for i in stale:
             self._missing.discard(i)
+        if seed and seed_only_left:
+            best = best_only  # None while the seed-only chunks were all just refused: wait
+        elif best is None and p.seed and self.endgame_after_s is not None:
+            best = self._endgame_pick(p)
+            if best is not None:
+                self.chunks_endgame += 1
+                p.inflight.add(best)  # a second request; the first owner stays in _inflight
+            return best
         if best is not None:
             self._missing.discard(best)
             self._inflight[best] = p.peer_id
+            self._inflight_since[best] = trio.current_time()
             p.inflight.add(best)
         return best
 
+    def _endgame_pick(self, p: FetchPeer) -> int | None:
+        """End game: nothing is left to pick, every missing chunk is on its way from some peer.
+        A seed with a free slot also asks for the chunk requested longest ago (at least
+        ``endgame_after_s``), so the tail does not wait on one slow, busy peer."""
+        now = trio.current_time()
+        held, verifying, owner = self.st.bitmap, self._verifying, self._inflight
+        best, oldest = None, now - self.endgame_after_s
+        for i, since in self._inflight_since.items():
+            if (since <= oldest and owner.get(i) != p.peer_id and i not in p.inflight and i not in verifying
+                    and i not in held and p.refused.get(i, 0.0) <= now):
+                best, oldest = i, since
+        return best
+
     def _release(self, i: int, p: FetchPeer | None = None) -> None:
-        self._inflight.pop(i, None)
+        if p is None or self._inflight.get(i) == p.peer_id:
+            self._inflight.pop(i, None)
+            self._inflight_since.pop(i, None)
+            if i not in self.st.bitmap:
+                self._missing.add(i)
         if p is not None:
             p.inflight.discard(i)
-        if i not in self.st.bitmap:
-            self._missing.add(i)
         self._poke()
 
     def _depth(self, p: FetchPeer) -> int:
@@ -270,7 +347,7 @@ class SwarmFetcher:
                     raise DataPlaneError(F.BAD_TICKET, f"ticket refused: {ticket.reason}")
                 conn = await DataConnection.open(
                     ticket.host, ticket.port, ticket.ticket,
-                    connect_timeout=self.ticket_timeout, stall_timeout=self.stall_timeout,
+                    connect_timeout=self.ticket_timeout, stall_timeout=self.stall_timeout, flags=F.FLAG_PUSH_HAVE,
                 )
                 if conn.num_chunks != self.n:
                     self.overlay.penalise(p.peer_id, "bad_chunk_count")
@@ -315,13 +392,16 @@ class SwarmFetcher:
                 with trio.move_on_after(max(0.01, self.have_poll_s - (now - last_have))):
                     await self._changed.wait()
                 continue
-            op, idx = outstanding.popleft()
             rop, status, ridx, length = await conn.read_header()
-            if rop != op or (op == F.OP_GET and ridx != idx):
-                self.overlay.penalise(p.peer_id, "bad_frame")
-                raise DataPlaneError(F.BAD_REQUEST, "reply out of order")
-            if op == F.OP_HAVE:
-                have_pending = False
+            pushed = rop == F.OP_HAVE and ridx == F.PUSH_INDEX
+            if not pushed:
+                op, idx = outstanding.popleft()
+                if rop != op or (op == F.OP_GET and ridx != idx):
+                    self.overlay.penalise(p.peer_id, "bad_frame")
+                    raise DataPlaneError(F.BAD_REQUEST, "reply out of order")
+            if rop == F.OP_HAVE:
+                if not pushed:
+                    have_pending = False
                 if status != F.OK:
                     raise DataPlaneError(status)
                 if length != (self.n + 7) // 8:
@@ -333,6 +413,11 @@ class SwarmFetcher:
                 continue
             if status != F.OK:
                 self._release(idx, p)
+                if status == F.ELSEWHERE:  # a super-seeding seed: someone else just got it from there
+                    p.elsewhere += 1
+                    self.chunks_elsewhere += 1
+                    p.refused[idx] = trio.current_time() + self.elsewhere_retry_s
+                    continue
                 if status == F.NOT_HELD and p.bitmap is not None and idx in p.bitmap:
                     nb = p.bitmap.copy()
                     nb.clear(idx)
@@ -345,12 +430,21 @@ class SwarmFetcher:
                 self._strike(p, f"chunk {idx}: {length} bytes announced, manifest says {expected}")
                 self._release(idx, p)
                 raise DataPlaneError(F.BAD_REQUEST, "wrong chunk size")  # cannot resync the stream
-            buf = bytearray(length)
+            buf = self._free_bufs.pop() if length == self._chunk_len and self._free_bufs else bytearray(length)
             t0 = time.monotonic()
             await conn.read_payload_into(memoryview(buf))
+            if idx in self.st.bitmap or idx in self._verifying:  # the other copy of an end-game request won
+                self.chunks_duplicate += 1
+                p.inflight.discard(idx)
+                if length == self._chunk_len and len(self._free_bufs) < 2 * self.max_verifying:
+                    self._free_bufs.append(buf)
+                continue
             dt = max(time.monotonic() - t0, 1e-6)
             rate = length / dt
             p.ewma_bps = rate if p.ewma_bps == 0 else 0.7 * p.ewma_bps + 0.3 * rate
+            if p.seed:
+                self.bytes_from_seeds += length
+            p.refused.pop(idx, None)
             p.inflight.discard(idx)
             self._verifying.add(idx)
             self._nursery.start_soon(self._verify, p, idx, buf)
@@ -383,6 +477,8 @@ class SwarmFetcher:
             p.chunks += 1
             self._rate_window.append((time.monotonic(), len(buf)))
         finally:
+            if len(buf) == self._chunk_len and len(self._free_bufs) < 2 * self.max_verifying:
+                self._free_bufs.append(buf)
             self._verifying.discard(idx)
             self._release(idx)
             self._report()
@@ -420,6 +516,10 @@ class SwarmFetcher:
             "bytes_fetched": self.bytes_fetched,
             "chunks_fetched": self.chunks_fetched,
             "chunks_rejected": self.chunks_rejected,
+            "chunks_elsewhere": self.chunks_elsewhere,
+            "chunks_endgame": self.chunks_endgame,
+            "chunks_duplicate": self.chunks_duplicate,
+            "bytes_from_seeds": self.bytes_from_seeds,
             "held_at_start": self.held_at_start,
             "seconds": round((self.finished or time.monotonic()) - self.started, 3),
             "peers": {pid: p.to_json() for pid, p in self.peers.items() if p.bytes or p.failures or p.strikes},

@@ -4,8 +4,10 @@ TOPLOC proofs during that same generation (a forward hook on the final norm, so
 no second pass).
 
 Rows are left-padded; positions come from the attention mask, so a padded row
-sees the same positions as an unpadded one. On CPU compute stays fp32 (bf16
-matmuls are 3-10x slower there); proofs cast the captured states to bf16.
+sees the same positions as an unpadded one. On CPU compute stays fp32, the stack
+the run's TOPLOC thresholds are calibrated for (on this AVX512-BF16 CPU bf16
+matmuls are ~3x faster, but a bf16 validator drifts to the tight limit against
+fp32 proofs: docs/benchmarks.md); proofs cast the captured states to bf16.
 """
 
 from __future__ import annotations
