@@ -178,3 +178,27 @@ async def test_end_game_takes_stuck_chunks_from_the_seed(tmp_path):
     assert servers[trainer.peer_id].bytes_served == seed_st.manifest.total_bytes  # nothing twice
     await store.assemble(1)
     assert same_files(src, store.files_dir(1))
+
+
+async def test_a_peer_that_never_reads_pins_no_chunk_beyond_the_hold_off(tmp_path):
+    """A hoarder asks the seed for every chunk and reads none: the send that blocks on its
+    full socket must not keep the chunk refused (ELSEWHERE) to everyone else."""
+    _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=32, chunk=512 * 1024)
+    hoarder, honest = (k.peer_id for k in keys(3)[1:])
+    server = ChunkServer(store, reseed_after_s=0.5, stall_timeout_s=3600.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        ch, cb = await _connect(server, hoarder, st), await _connect(server, honest, st)
+        n = st.bitmap.n
+        for i in range(n):
+            await ch.send(F.OP_GET, i)  # never read
+        # the server is now stuck mid-send on the hoarder's full socket
+        await trio.sleep(1.0)
+        assert 0 < server.bytes_served < st.manifest.total_bytes
+        for i in range(n):  # past the hold-off: every chunk, the one stuck mid-send too
+            status, data = await _get(cb, i)
+            assert status == F.OK, f"chunk {i} still refused to others"
+            assert data == store.read_chunk_blocking(st, i)
+        for c in (ch, cb):
+            await c.aclose()
+        nursery.cancel_scope.cancel()

@@ -3,9 +3,11 @@ chunk bytes over raw TCP with ``sendfile`` (no Python copy of the payload), unde
 node-wide upload cap.
 
 Super-seeding: for a version this node holds entirely, the server remembers which
-peer it last sent each chunk to. Another peer asking for that chunk while it is
-being sent, or within ``reseed_after_s`` after, is answered ``ELSEWHERE``: it should
-get the chunk from the peer that has it. So the seeder's uplink carries each chunk
+peer it last sent each chunk to. Another peer asking for that chunk within
+``reseed_after_s`` of the moment that send started (or, once it finished, of its
+end) is answered ``ELSEWHERE``: it should get the chunk from the peer that has it.
+The hold-off runs from the start of a send, not from its end, so a peer that asks
+for chunks and never reads them pins each one for at most ``reseed_after_s``. So the seeder's uplink carries each chunk
 about once and the fetchers multiply it among themselves. Once every chunk has been
 sent at least once the hold-off drops to ``reseed_after_all_s`` and the seed helps
 finish the tail. A hold-off always ends, so a recipient that disappears costs its
@@ -39,7 +41,7 @@ class SeedLog:
     __slots__ = ("sent", "ever", "unsent")
 
     def __init__(self, n: int) -> None:
-        self.sent: dict[int, tuple[str, float]] = {}  # index -> (peer, finished at; inf while sending)
+        self.sent: dict[int, tuple[str, float]] = {}  # index -> (peer, send started at, or finished at)
         self.ever = bytearray(n)
         self.unsent = n
 
@@ -49,8 +51,8 @@ class SeedLog:
             return False
         return now < rec[1] + (hold_s if self.unsent else hold_all_s)
 
-    def start(self, idx: int, peer: str) -> None:
-        self.sent[idx] = (peer, float("inf"))
+    def start(self, idx: int, peer: str, now: float) -> None:
+        self.sent[idx] = (peer, now)
 
     def finish(self, idx: int, peer: str, ok: bool, now: float) -> None:
         if not ok:
@@ -254,7 +256,7 @@ class ChunkServer:
                 else:
                     ok = False
                     if sl is not None:
-                        sl.start(idx, t.peer_id)
+                        sl.start(idx, t.peer_id, trio.current_time())
                     try:
                         with self.store.pin(t.version):
                             await self._send_chunk(sock, st, idx, t.peer_id)
