@@ -32,6 +32,7 @@ import trio
 
 from .errors import NodeError
 from .home import NodeHome
+from .memory import limit_malloc_arenas
 
 log = logging.getLogger("primenode.daemon")
 
@@ -173,6 +174,7 @@ def run_trio(fn: Callable[[trio.Nursery], Awaitable[Any]]) -> tuple[Any, bool]:
                 nursery.cancel_scope.cancel()
             return result
 
+    limit_malloc_arenas()  # before any worker thread exists: keeps RSS flat (node/memory.py)
     try:
         result = trio.run(main, strict_exception_groups=True)
     except BaseException as exc:  # noqa: BLE001 - unwrapped below

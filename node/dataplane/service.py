@@ -17,7 +17,10 @@
 
 A node fetches the newest version it knows of; an older incomplete fetch is
 abandoned when a newer version is announced (its chunks stay in the store
-while the version is within the ``max_async`` window, and are served).
+while the version is within the ``max_async`` window, and are served), unless
+a role asked for that version with ``want_version`` (a validator checking a
+batch that claims it): wanted versions inside the window are fetched alongside
+the newest and never abandoned for it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class Distribution:
         self._static_peers: set[str] = set()
         self._nursery: trio.Nursery | None = None
         self._fetch_scopes: dict[int, trio.CancelScope] = {}
+        self._wanted: set[int] = set()  # older versions a role needs (bounded by the window)
+        self._finishing: set[int] = set()  # versions being assembled
         self._changed = trio.Event()
 
     # ------------------------------------------------------------ lifecycle
@@ -90,6 +95,7 @@ class Distribution:
             await nursery.start(self.server.run)
             for st in self.store.versions.values():  # resume after a restart
                 if st.complete and not st.assembled:
+                    self._finishing.add(st.version)
                     nursery.start_soon(self._finish, st.version)
             self._maybe_fetch()
             task_status.started(self.server.port)
@@ -147,16 +153,40 @@ class Distribution:
         if not self.auto_fetch or self._nursery is None:
             return
         newest = self.store.newest()
-        if newest is None or newest.version in self.fetchers:
+        if newest is None:
             return
+        floor = newest.version - self.max_async
+        self._wanted = {v for v in self._wanted if v >= floor}
         for v, scope in list(self._fetch_scopes.items()):
-            if v < newest.version:
+            if v < newest.version and v not in self._wanted:
                 scope.cancel()
-        if newest.complete:
-            if not newest.assembled:
-                self._nursery.start_soon(self._finish, newest.version)
+        for v in sorted(self._wanted | {newest.version}):
+            self._ensure_fetch(v)
+
+    def _ensure_fetch(self, version: int) -> None:
+        """Fetch (or assemble) ``version`` unless that is done or under way."""
+        st = self.store.versions.get(version)
+        if st is None or version in self.fetchers or st.assembled:
             return
-        self._start_fetch(newest.version)
+        if st.complete:
+            if version not in self._finishing:
+                self._finishing.add(version)
+                self._nursery.start_soon(self._finish, version)
+            return
+        self._start_fetch(version)
+
+    def want_version(self, version: int) -> bool:
+        """Fetch ``version`` even when a newer one exists, as long as it is inside the
+        ``max_async`` window of the newest. A validator calls this for the version a
+        batch claims, so it never waits for a checkpoint nobody is fetching. Returns
+        False if the version is outside the window (the caller should not wait for it)."""
+        newest = self.store.newest()
+        if newest is not None and version < newest.version - self.max_async:
+            return False
+        if version in self.store.versions:  # a version not announced yet is fetched as the newest once it is
+            self._wanted.add(version)
+            self._maybe_fetch()
+        return True
 
     def _start_fetch(self, version: int) -> SwarmFetcher:
         f = SwarmFetcher(self.store, version, self.overlay, banned=self.banned, on_progress=self._on_progress, **self.fetcher_options)
@@ -169,12 +199,13 @@ class Distribution:
                     f.update_have(pid, e.bitmap)
         for pid in self._static_peers:
             f.add_peer(pid)
-        self._nursery.start_soon(self._fetch, f)
+        # the scope exists before the task runs, so a newer announce can cancel it at once
+        scope = self._fetch_scopes[version] = trio.CancelScope()
+        self._nursery.start_soon(self._fetch, f, scope)
         return f
 
-    async def _fetch(self, f: SwarmFetcher) -> None:
-        with trio.CancelScope() as scope:
-            self._fetch_scopes[f.version] = scope
+    async def _fetch(self, f: SwarmFetcher, scope: trio.CancelScope) -> None:
+        with scope:
             try:
                 await f.run()
             finally:
@@ -185,9 +216,13 @@ class Distribution:
         self.fetchers.pop(f.version, None)
 
     async def _finish(self, version: int) -> None:
-        if version not in self.store.versions:
-            return
-        await self.store.assemble(version)
+        try:
+            if version not in self.store.versions:
+                return
+            await self.store.assemble(version)
+        finally:
+            self._finishing.discard(version)
+        self._wanted.discard(version)
         self.gc()
         self._changed.set()
         self._changed = trio.Event()
@@ -215,6 +250,14 @@ class Distribution:
             while self.newest_version() < min_version:
                 await self._changed.wait()
         return self.newest_version()
+
+    async def wait_assembled(self, version: int) -> None:
+        """Wait until exactly ``version`` is complete and assembled (see ``want_version``)."""
+        while True:
+            st = self.store.versions.get(version)
+            if st is not None and st.assembled:
+                return
+            await self._changed.wait()
 
     def open_version(self, version: int):
         """Context manager: ``{path: file}`` of an assembled version, pinned against GC."""

@@ -14,10 +14,14 @@ import trio
 from protocol import Envelope, ProtocolError, RolloutBatch, Vote
 
 from ..p2p.reqresp import RequestError
+from ..memory import release_free_memory
 from .common import LearningRole
 from .rollouts import BatchVerdict, verify_batch
 
 log = logging.getLogger("primenode.validator")
+
+# How long a queued batch may wait for the checkpoint version it claims (fetched on demand).
+VERSION_WAIT_S = 60
 
 # Rejections that only a dishonest worker produces; "stale" and "unverifiable" are not held against it.
 CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "sampling", "run"}
@@ -83,6 +87,8 @@ class ValidatorRole(LearningRole):
                     self.fetch_failures += 1
                     self.charge_unserved(env.sender, exc)
                 continue
+            # start fetching the checkpoint this batch claims now, while it waits to be verified
+            self.dist.want_version(batch.policy_version)
             await self._verify_in.send((env, batch))
 
     async def _verify_loop(self) -> None:
@@ -94,19 +100,21 @@ class ValidatorRole(LearningRole):
                 await self._vote(env, BatchVerdict(False, f"stale: policy version {v}, newest {newest_known}, "
                                                           f"max_async {g.max_async}", []))
                 continue
-            if v > newest_known or not self.weights.held(v):
+            if not self.weights.held(v):
                 try:
-                    with trio.fail_after(60):
-                        while not self.weights.held(v):
-                            await self.dist.wait_version(v)
-                            if not self.weights.held(v):
-                                await trio.sleep(0.5)
+                    if not self.dist.want_version(v):
+                        raise trio.TooSlowError  # fell out of the window while queued
+                    with trio.fail_after(VERSION_WAIT_S):
+                        await self.dist.wait_assembled(v)
                 except trio.TooSlowError:
                     self.verdicts["unverifiable"] += 1
+                    log.info("batch %s: checkpoint v%d not available within %ds; no vote",
+                             env.body.batch_id.hex()[:12], v, VERSION_WAIT_S)
                     continue
             await self._ensure_version(v)
             verdict = await trio.to_thread.run_sync(
                 lambda: verify_batch(self.ctx, self.engine.prefill_hidden_batch, batch, env.sender))
+            await trio.to_thread.run_sync(release_free_memory)  # the prefill's transient tensors
             self.verify_s = round(verdict.seconds, 3)
             await self._vote(env, verdict)
 
@@ -117,6 +125,7 @@ class ValidatorRole(LearningRole):
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self._make_engine)
         await trio.to_thread.run_sync(self.engine.load_weights, state)
+        await trio.to_thread.run_sync(release_free_memory)
         self.loaded_version = version
 
     def _make_engine(self):

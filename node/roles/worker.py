@@ -12,6 +12,7 @@ import trio
 
 from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
 
+from ..memory import release_free_memory
 from .common import LearningRole
 from .rollouts import produce_batch
 
@@ -72,6 +73,7 @@ class WorkerRole(LearningRole):
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self._make_engine)
         await trio.to_thread.run_sync(self.engine.load_weights, state)
+        await trio.to_thread.run_sync(release_free_memory)
         if self.tamper == "weights":
             await trio.to_thread.run_sync(_perturb, self.engine.model, 0.1)
         self.loaded_version = version
@@ -105,6 +107,7 @@ class WorkerRole(LearningRole):
             batch = await trio.to_thread.run_sync(
                 lambda: produce_batch(self.ctx, self.engine, node.peer_id, version, counter,
                                       tamper=self.tamper if self.tamper != "weights" else None))
+            await trio.to_thread.run_sync(release_free_memory)  # generation's transient tensors
             self.stats["generate_s"] = round(time.perf_counter() - t0, 2)
             raw = seal(node.key, g.run_id, batch, int(time.time() * 1000), node.seq.next())
             batch_id = sha256(raw)
