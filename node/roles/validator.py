@@ -20,11 +20,17 @@ from .rollouts import BatchVerdict, verify_batch
 
 log = logging.getLogger("primenode.validator")
 
-# How long a queued batch may wait for the checkpoint version it claims (fetched on demand).
+# How long a batch may wait for the checkpoint version it claims (fetched on demand) ...
 VERSION_WAIT_S = 60
+# ... and for that version's announcement, if the validator has not heard of it yet (gossip
+# races are sub-second; a version nobody announced is a lie, and is struck as one).
+ANNOUNCE_GRACE_S = 10
+# Batches waiting for their checkpoint at once (each waits in its own task, never in the
+# verify queue, so one unavailable version cannot stall the batches behind it).
+MAX_PARKED = 32
 
 # Rejections that only a dishonest worker produces; "stale" and "unverifiable" are not held against it.
-CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "sampling", "run"}
+CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "sampling", "run", "version"}
 
 
 class ValidatorRole(LearningRole):
@@ -48,9 +54,12 @@ class ValidatorRole(LearningRole):
         self._pending: collections.Counter[str] = collections.Counter()  # queued announces per sender
         self.verify_s = 0.0
         self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._parking = trio.Semaphore(MAX_PARKED)
+        self._nursery: trio.Nursery | None = None
 
     async def run(self, node) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             await self.start_common(node, nursery)
             node.gossip.on("rollout", self._on_announce)
             for _ in range(self.n_fetchers):
@@ -87,30 +96,60 @@ class ValidatorRole(LearningRole):
                     self.fetch_failures += 1
                     self.charge_unserved(env.sender, exc)
                 continue
-            # start fetching the checkpoint this batch claims now, while it waits to be verified
-            self.dist.want_version(batch.policy_version)
+            stale = self._stale_reason(batch.policy_version)
+            if stale:
+                await self._vote(env, BatchVerdict(False, stale, []))
+            elif self.weights.held(batch.policy_version):
+                await self._verify_in.send((env, batch))
+            else:
+                await self._parking.acquire()
+                self._nursery.start_soon(self._park, env, batch)
+
+    def _newest_known(self) -> int:
+        """Newest version whose signed manifest we hold (complete or not)."""
+        return max(self.store.versions, default=-1)
+
+    def _stale_reason(self, version: int) -> str:
+        newest = self._newest_known()
+        if version < newest - self.ctx.genesis.max_async:
+            return f"stale: policy version {version}, newest {newest}, max_async {self.ctx.genesis.max_async}"
+        return ""
+
+    async def _park(self, env: Envelope, batch: RolloutBatch) -> None:
+        """Wait (in its own task) for the checkpoint ``batch`` claims, fetching it on demand,
+        then queue the batch for verification. A version never announced is rejected."""
+        v = batch.policy_version
+        try:
+            with trio.move_on_after(ANNOUNCE_GRACE_S):
+                while v not in self.store.versions and self._newest_known() < v:
+                    await trio.sleep(0.25)
+            if v > self._newest_known():
+                await self._vote(env, BatchVerdict(False, f"version: policy version {v} was never announced "
+                                                          f"(newest {self._newest_known()})", []))
+                return
+            # (an older version we never heard announced, having joined after it, stays unverifiable)
+            with trio.move_on_after(VERSION_WAIT_S if v in self.store.versions else 0):
+                if self.dist.want_version(v):
+                    await self.dist.wait_assembled(v)
+            if not self.weights.held(v):
+                self.verdicts["unverifiable"] += 1
+                log.info("batch %s: checkpoint v%d not available within %ds; no vote",
+                         env.body.batch_id.hex()[:12], v, VERSION_WAIT_S)
+                return
             await self._verify_in.send((env, batch))
+        finally:
+            self._parking.release()
 
     async def _verify_loop(self) -> None:
-        g = self.ctx.genesis
         async for env, batch in self._verify_out:
-            newest_known = max(self.store.versions, default=-1)
             v = batch.policy_version
-            if v < newest_known - g.max_async:
-                await self._vote(env, BatchVerdict(False, f"stale: policy version {v}, newest {newest_known}, "
-                                                          f"max_async {g.max_async}", []))
+            stale = self._stale_reason(v)
+            if stale:  # a newer version arrived while the batch waited
+                await self._vote(env, BatchVerdict(False, stale, []))
                 continue
             if not self.weights.held(v):
-                try:
-                    if not self.dist.want_version(v):
-                        raise trio.TooSlowError  # fell out of the window while queued
-                    with trio.fail_after(VERSION_WAIT_S):
-                        await self.dist.wait_assembled(v)
-                except trio.TooSlowError:
-                    self.verdicts["unverifiable"] += 1
-                    log.info("batch %s: checkpoint v%d not available within %ds; no vote",
-                             env.body.batch_id.hex()[:12], v, VERSION_WAIT_S)
-                    continue
+                self.verdicts["unverifiable"] += 1  # collected since it was queued
+                continue
             await self._ensure_version(v)
             verdict = await trio.to_thread.run_sync(
                 lambda: verify_batch(self.ctx, self.engine.prefill_hidden_batch, batch, env.sender))
