@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -294,7 +295,7 @@ class _FetchReporter:
             log.info("checkpoint v%d: all %d chunks held (%.1f MiB fetched in %.1f s)", p.version, p.total,
                      p.bytes_fetched / 2**20, p.elapsed_s)
             return
-        if now - self.last_log.get(p.version, 0.0) >= self.every_s:
+        if now - self.last_log.get(p.version, -math.inf) >= self.every_s:  # the first line always
             self.last_log[p.version] = now
             log.info("checkpoint v%d: %d/%d chunks, %.1f MiB/s", p.version, p.held, p.total, p.mib_per_s)
 

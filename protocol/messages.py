@@ -18,6 +18,11 @@ from .schema import Message, Spec, pack, spec
 
 KIB = 1024
 MIB = 1024 * KIB
+# Samples one rollout batch may hold (so prompts_per_batch x group_size in a genesis).
+MAX_BATCH_SAMPLES = 65536
+# Rewards a validator may report: far beyond any rule's range (task rewards are 0..1, the
+# length penalty is 0.0003 per token), finite so a median stays meaningful.
+MAX_ABS_REWARD = 1e6
 
 MAX_U63 = 2**63 - 1
 HASH_LEN = 32
@@ -68,6 +73,9 @@ class RunGenesis(Message):
             raise ProtocolError("field:RunGenesis.quorum", "quorum exceeds the number of validators")
         if len(set(self.validators)) != len(self.validators):
             raise ProtocolError("field:RunGenesis.validators", "duplicate validator")
+        if self.prompts_per_batch * self.group_size > MAX_BATCH_SAMPLES:
+            raise ProtocolError("field:RunGenesis.group_size",
+                                f"prompts_per_batch x group_size exceeds {MAX_BATCH_SAMPLES} samples per batch")
 
     @property
     def run_id(self) -> bytes:
@@ -269,7 +277,7 @@ class RolloutBatch(Message):
     policy_version: int = spec(**_VERSION)
     batch_counter: int = spec(lo=0, hi=2**31 - 1)
     sampling: SamplingParams
-    samples: tuple[Sample, ...] = spec(min_len=1, max_len=65536)
+    samples: tuple[Sample, ...] = spec(min_len=1, max_len=MAX_BATCH_SAMPLES)
     created_ms: int = spec(**_COUNT)
 
 
@@ -283,7 +291,7 @@ class RolloutAnnounce(Message):
     batch_id: bytes = spec(**_HASH)
     policy_version: int = spec(**_VERSION)
     batch_counter: int = spec(lo=0, hi=2**31 - 1)
-    num_samples: int = spec(lo=1, hi=65536)
+    num_samples: int = spec(lo=1, hi=MAX_BATCH_SAMPLES)
     size_bytes: int = spec(lo=1, hi=RolloutBatch.MAX_BYTES + 4 * KIB)
 
 
@@ -299,7 +307,7 @@ class Vote(Message):
     policy_version: int = spec(**_VERSION)
     accept: bool
     reason: str = spec(**_REASON)
-    rewards: tuple[float, ...] = spec(max_len=65536)
+    rewards: tuple[float, ...] = spec(max_len=MAX_BATCH_SAMPLES, item=Spec(lo=-MAX_ABS_REWARD, hi=MAX_ABS_REWARD))
 
     def validate(self) -> None:
         if self.accept and self.reason:
@@ -319,7 +327,7 @@ class ChunkTicketRequest(Message):
 
     version: int = spec(**_VERSION)
     root: bytes = spec(**_HASH)
-    chunk_indices: tuple[int, ...] = spec(min_len=1, max_len=256)
+    chunk_indices: tuple[int, ...] = spec(min_len=1, max_len=256, item=Spec(lo=0, hi=2**32 - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +375,8 @@ class PeerExchangeRequest(Message):
 @dataclasses.dataclass(frozen=True)
 class PeerExchangeResponse(Message):
     TYPE_ID: ClassVar[int] = 14
-    MAX_BYTES: ClassVar[int] = 64 * KIB
+    # 64 peers x (peer id + 8 addresses of 256 chars) is ~133 KiB: the cap admits every legal answer
+    MAX_BYTES: ClassVar[int] = 136 * KIB
 
     peers: tuple[PeerAddr, ...] = spec(max_len=64)
 

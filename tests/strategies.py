@@ -91,7 +91,10 @@ def _manifests(draw) -> m.CheckpointManifest:
 @st.composite
 def _geneses(draw) -> m.RunGenesis:
     validators = draw(st.lists(peer_ids, min_size=1, max_size=5, unique=True))
-    base = draw(_generic(m.RunGenesis, validators=st.just(tuple(validators)), quorum=st.integers(1, len(validators))))
+    group = draw(st.integers(1, 1024))
+    per_batch = st.integers(1, min(4096, m.MAX_BATCH_SAMPLES // group))  # a batch holds at most MAX_BATCH_SAMPLES
+    base = draw(_generic(m.RunGenesis, validators=st.just(tuple(validators)), quorum=st.integers(1, len(validators)),
+                         group_size=st.just(group), prompts_per_batch=per_batch))
     return base
 
 
