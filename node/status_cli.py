@@ -149,6 +149,32 @@ def render(st: dict[str, Any]) -> list:
     return out
 
 
+FED_FROM_SHOWN = 8  # peers listed per version in the table; --json has them all
+
+
+def _fed_from(fed: Any, fed_bytes: Any = None) -> str:
+    """The peers a version was fetched from: count, then short peer ids with the bytes each
+    sent (most first), e.g. ``2 peers`` / ``12D3KooW…x1y2z3w4 3.0 MiB``."""
+    if fed is None and not fed_bytes:
+        return "-"
+    if not isinstance(fed, (list, tuple, dict)):
+        return str(fed)
+    sizes: dict[str, Any] = dict(fed) if isinstance(fed, dict) else {}
+    if isinstance(fed_bytes, dict):
+        sizes.update(fed_bytes)
+    peers = list(dict.fromkeys([*fed, *sizes]))
+    if not peers:
+        return "-"
+    peers.sort(key=lambda p: -sizes[p] if isinstance(sizes.get(p), (int, float)) else 0)
+    lines = [f"{len(peers)} peer" + ("" if len(peers) == 1 else "s")]
+    for p in peers[:FED_FROM_SHOWN]:
+        b = sizes.get(p)
+        lines.append(_short(str(p)) + (f" {_mib(b)}" if isinstance(b, (int, float)) else ""))
+    if len(peers) > FED_FROM_SHOWN:
+        lines.append(f"+{len(peers) - FED_FROM_SHOWN} more (--json)")
+    return "\n".join(lines)
+
+
 def render_role_state(role: str, rs: dict[str, Any]) -> list:
     from rich.table import Table
 
@@ -190,8 +216,7 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list:
         for col in ("version", "chunks", "complete", "served", "fetched", "fed from", "rate"):
             t.add_column(col)
         for v in dist.get("versions") or []:
-            fed = v.get("fed_from") or []
-            fed_s = f"{len(fed)} peers" if isinstance(fed, (list, dict)) else str(fed)
+            fed_s = _fed_from(v.get("fed_from"), v.get("fed_from_bytes"))
             t.add_row(str(v.get("version")), f"{v.get('chunks_held', 0)}/{v.get('chunks_total', 0)}",
                       "yes" if v.get("complete") else ("fetching" if v.get("fetching") else "no"),
                       _mib(v.get("bytes_served")), _mib(v.get("bytes_fetched")), fed_s,

@@ -10,6 +10,11 @@ class TokenBucket:
 
     Reservations are served in arrival order (virtual finishing times), so
     concurrent uploads share the cap fairly. ``rate <= 0`` means unlimited.
+
+    ``_t`` is the virtual time at which everything granted so far has drained at
+    ``rate``; a reservation may start once that lies at most ``burst / rate`` ahead
+    of now. Over any interval of length T at most ``burst + rate * T`` bytes are
+    granted (tested in tests/test_distribution_ratelimit.py).
     """
 
     def __init__(self, rate: float, burst: int = 512 * 1024) -> None:
@@ -29,7 +34,9 @@ class TokenBucket:
         if self.rate <= 0:
             return
         now = trio.current_time()
-        start = max(self._t, now - self.burst / self.rate)
+        # an idle bucket holds at most ``burst`` tokens: its drain time never lags behind now
+        # (it started at ``now - burst / rate`` here before, which allowed bursts of 2 x burst)
+        start = max(self._t, now)
         self._t = start + n / self.rate
         delay = self._t - self.burst / self.rate - now
         if delay > 0:

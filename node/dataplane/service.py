@@ -309,6 +309,7 @@ class Distribution:
                 "bytes_served": self.server.bytes_served_by_version.get(ver, 0),
                 "bytes_fetched": fs.get("bytes_fetched", 0),
                 "fed_from": fs.get("fed_from", []),
+                "fed_from_bytes": {pid: p["bytes"] for pid, p in (fs.get("peers") or {}).items() if p.get("bytes")},
                 "fetching": f is not None,
                 "mib_per_s": round(f.mib_per_s(), 1) if f is not None else 0.0,
             })
