@@ -17,6 +17,7 @@ import trio
 
 from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutBatch, open_envelope
 
+from ..memory import release_free_memory
 from ..p2p.reqresp import RequestError
 from .common import LearningRole, export_weights
 from .ledger import AdmittedBatch, Ledger
@@ -189,6 +190,7 @@ class TrainerRole(LearningRole):
             groups = self._groups(batches)
             t0 = time.monotonic()
             metrics = await trio.to_thread.run_sync(self.trainer.step, groups)
+            await trio.to_thread.run_sync(release_free_memory)  # the step's transient tensors (node/memory.py)
             if metrics.skipped:
                 # every group filtered out (all-equal rewards): no optimizer step, the policy
                 # is unchanged, so the batches are consumed at the current checkpoint
