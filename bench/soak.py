@@ -16,8 +16,10 @@ checkpoints, caches filling): a least-squares slope per node, and
 * memory is flat when the slope, projected over the measured window, grows the
   node by less than max(``--rss-tolerance-mib``, ``--rss-tolerance-pct`` of its RSS);
 * fds are flat when the slope projected over the window is under
-  ``--fd-tolerance`` and the last sample is within ``--fd-tolerance`` of the
-  window's first sample.
+  ``--fd-tolerance`` and the floor (the fewest fds in the last five samples) is
+  within ``--fd-tolerance`` of the floor of the window's first five samples: a
+  leak raises the floor, while data-plane connections that are open for a
+  moment when a checkpoint moves only raise single samples.
 
 A node that died during the soak fails the run. The trainer's step count and
 the ledger's admitted batches are reported too (the run must keep training).
@@ -112,7 +114,9 @@ def summarise(samples: list[dict], names: list[str], warmup_s: float, args) -> d
         rss_growth = rss_slope * window
         fd_growth = fd_slope * window
         rss_flat = rss_growth < max(args.rss_tolerance_mib, args.rss_tolerance_pct / 100 * rss_med)
-        fd_flat = fd_growth < args.fd_tolerance and fds[-1] - fds[0] <= args.fd_tolerance
+        # a leak raises the floor; data-plane connections open while chunks move raise peaks only
+        fd_floor_growth = min(fds[-5:]) - min(fds[:5])
+        fd_flat = fd_growth < args.fd_tolerance and fd_floor_growth <= args.fd_tolerance
         nodes[name] = {
             "alive": samples[-1]["procs"].get(name) is not None,
             "rss_start_mib": round(rows[0][1]["rss"] / MIB, 1),
@@ -124,6 +128,7 @@ def summarise(samples: list[dict], names: list[str], warmup_s: float, args) -> d
             "fds_start": rows[0][1]["fds"], "fds_warm": fds[0], "fds_end": fds[-1],
             "fds_max": max(r["fds"] for _, r in rows),
             "fds_slope_per_h": round(fd_slope * 3600, 2),
+            "fds_floor_growth": fd_floor_growth,
             "threads_end": after[-1][1]["threads"],
             "window_s": round(window, 1),
             "rss_flat": rss_flat, "fds_flat": fd_flat,
