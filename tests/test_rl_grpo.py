@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout, grpo_token_loss
+from node.rl.metrics import StepMetrics
 from tests.rl_support import fake_groups, tiny_llama
 
 torch.set_num_threads(1)
@@ -127,3 +131,31 @@ def test_config_documents_intellect2_defaults():
     assert (c.lr, c.weight_decay, c.betas, c.warmup_steps, c.max_grad_norm) == (3e-7, 0.01, (0.9, 0.99), 25, 0.1)
     assert (c.clip_eps, c.delta, c.entropy_coef, c.kl_coef, c.temperature, c.max_async) == (0.2, 4.0, 0.001, 0.0, 0.6, 2)
     assert GRPOConfig.from_dict(c.to_dict()) == c
+
+
+def doc_table(section: str) -> dict[str, list[str]]:
+    """Rows of the first table under ``## section`` in docs/rl.md whose first cell is a `name`: name -> cells."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "rl.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and cells[0].startswith("`") and cells[0].endswith("`"):
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def test_every_knob_is_documented_with_its_default_and_intellect2_value():
+    rows = doc_table("GRPO")
+    fields = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    assert rows.keys() == fields.keys()
+    for name, default in fields.items():
+        doc_default, intellect2 = rows[name][0], rows[name][1]
+        assert ast.literal_eval(doc_default) == default, name
+        assert intellect2, name
+
+
+def test_every_step_metric_is_documented():
+    rows = doc_table("Metrics")
+    assert rows.keys() == {f.name for f in dataclasses.fields(StepMetrics)}
+    assert all(cells and cells[0] for cells in rows.values())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -61,31 +60,56 @@ def test_math_malformed_scores_zero(completion):
     assert math_reward(completion, "4") == 0.0
 
 
+def reward_in_worker_thread(completion: str, answer: str, guard_s: float = 300.0) -> float:
+    """math_reward computed the way roles compute it: in a worker thread, where math-verify's SIGALRM
+    timeout does not exist. The join bound only stops a hang from stalling the suite."""
+    out: list[float] = []
+    th = threading.Thread(target=lambda: out.append(math_reward(completion, answer)), daemon=True)
+    th.start()
+    th.join(guard_s)
+    assert not th.is_alive(), "math_reward hung"
+    return out[0]
+
+
 @pytest.mark.parametrize(
-    "completion",
+    "completion, expected",
     [
-        "\\boxed{9^{9^{9^{9}}}}",  # power tower: sympy would never finish
-        "\\boxed{2^{100000000}}",
-        "\\boxed{100000000!}",
-        "\\boxed{" + "1+" * 5000 + "1}",  # huge expression
-        "\\boxed{4" + " " * 10_000 + "}",
-        "\\boxed{\\boxed{\\boxed{" * 50 + "4" + "}}}" * 50,
-        "\\boxed{4}" * 20_000,  # long output: linear scan
+        ("\\boxed{9^{9^{9^{9}}}}", 0.0),  # power tower: sympy would never finish
+        ("\\boxed{9^9^9}", 0.0),  # the same unbraced
+        ("\\boxed{2^{100000000}}", 0.0),  # a 30-million-digit integer
+        ("\\boxed{100000000!}", 0.0),
+        ("\\boxed{(x+1)^{9999}}", 0.0),  # passes the cheap guards; sympy expands it for minutes
+        ("\\boxed{(x+y+z)^{9999}}", 0.0),
+        ("\\boxed{" + "1+" * 5000 + "1}", 0.0),  # huge expression (and not 4)
+        ("\\boxed{" + "2+" * 101 + "-198}", 1.0),  # 4 as a sum of 206 characters: checked
+        ("\\boxed{" + "1+" * 200 + "-196}", 0.0),  # 4 as a sum of 404 characters: over the 256 cap, not parsed
+        ("\\boxed{2^{2}}", 1.0),  # a small power is still checked symbolically
+        ("\\boxed{4" + " " * 10_000 + "}", 1.0),  # padding around the right answer
+        ("\\boxed{\\boxed{\\boxed{" * 50 + "4" + "}}}" * 50, 1.0),  # nested boxes: the innermost is last
+        ("\\boxed{4}" * 20_000, 1.0),  # long output
+        ("\\boxed{9^{9^{9}}} no, finally \\boxed{4}", 1.0),  # a dangerous earlier box is ignored
+        ("\\boxed{4} then \\boxed{9^{9^{9}}}", 0.0),  # the last box is the answer, even a dangerous one
+        ("\\boxed{" * 50_000 + "4", 0.0),  # nothing closes (was quadratic: minutes)
+        ("\\boxed{4}" + "\\boxed{" * 50_000, 1.0),  # the only closed box is the answer
+        ("<think>" + "\\boxed{" * 20_000 + "</think>\\boxed{4}", 1.0),
     ],
 )
-def test_math_adversarial_is_fast_and_safe(completion):
-    t = time.perf_counter()
-    r = math_reward(completion, "4")
-    assert r in (0.0, 1.0)
-    assert time.perf_counter() - t < 30  # generous: only guards against a hang
+def test_math_adversarial(completion, expected):
+    assert reward_in_worker_thread(completion, "4") == expected
 
 
-def test_math_reward_works_off_the_main_thread():
-    out = []
-    th = threading.Thread(target=lambda: out.extend([math_reward("\\boxed{x^2+2x+1}", "(x+1)^2"), math_reward("\\boxed{9^{9^{9}}}", "1")]))
-    th.start()
-    th.join(60)
-    assert out == [1.0, 0.0]
+def test_symbolic_check_overrun_kills_the_helper(monkeypatch):
+    """The helper's deadline is the backstop for whatever the guards and math-verify's timeout miss."""
+    import node.rl.rewards as rw
+
+    monkeypatch.setattr(rw, "MATH_TIMEOUT_S", 600)  # math-verify's own timeout would not fire
+    monkeypatch.setattr(rw, "SYMBOLIC_DEADLINE_S", 1.0)
+    assert math_reward("\\boxed{x^2+2x+1}", "(x+1)^2") == 1.0  # a helper is up
+    helper = rw._idle_helpers[-1]
+    assert reward_in_worker_thread("\\boxed{(x+1)^{9999}}", "4") == 0.0
+    assert not helper.alive() and helper not in rw._idle_helpers  # killed, not reused
+    monkeypatch.setattr(rw, "SYMBOLIC_DEADLINE_S", 60.0)
+    assert reward_in_worker_thread("\\boxed{x^2+2x+1}", "(x+1)^2") == 1.0  # a fresh helper answers
 
 
 def test_extraction():

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import socket
+from pathlib import Path
 
 import pytest
 
 from node.engines.base import Completion
 from node.rl.dataset_cli import filter_dataset
 from node.rl.tasks import (
-    CharTokenizer, Problem, arithmetic_problems, length_problems, load_dataset, problem_from_record, save_dataset,
+    CharTokenizer, Problem, _names_split, arithmetic_problems, cached_hf_files, cached_hf_snapshot, length_problems,
+    load_dataset, problem_from_record, save_dataset,
 )
 from node.rl.rewards import math_reward
 
@@ -33,14 +38,92 @@ def test_jsonl_and_parquet_round_trip(tmp_path):
     assert load_dataset(tmp_path / "d.parquet", limit=2) == probs[:2]
 
 
-def test_cached_hf_dataset(tmp_path, monkeypatch):
-    snap = tmp_path / "hub" / "datasets--org--mathset" / "snapshots" / "abc123" / "data"
-    snap.mkdir(parents=True)
-    save_dataset([Problem(id="x", prompt="2+2?", answer="4")], snap / "train-00000.parquet")
+MAIN = "0" * 39 + "a"  # refs/main: lexicographically the smaller snapshot
+NEWER = "f" * 40  # another revision, downloaded later, sorts last
+
+
+def fake_hub_dataset(hub, name: str, snapshots: dict[str, dict[str, list[Problem]]], refs: dict[str, str] | None):
+    """The hub cache layout huggingface_hub writes: blobs/<hash>, snapshots/<commit>/<file> -> ../../blobs/<hash>
+    (relative symlinks), refs/<revision> holding a commit hash (no newline)."""
+    repo = hub / ("datasets--" + name.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for commit, files in snapshots.items():
+        for rel, problems in files.items():
+            blob = repo / "blobs" / hashlib.sha256(f"{commit}/{rel}".encode()).hexdigest()
+            os.replace(save_dataset(problems, blob.with_name(blob.name + Path(rel).suffix)), blob)
+            link = repo / "snapshots" / commit / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    for rev, commit in (refs or {}).items():
+        (repo / "refs" / rev).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / rev).write_text(commit)
+    return repo
+
+
+def prob(answer: str) -> list[Problem]:
+    return [Problem(id=f"x{answer}", prompt="2+2?", answer=answer)]
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert load_dataset("hf:org/mathset")[0].answer == "4"
-    with pytest.raises(FileNotFoundError):
+
+    def no_network(*a, **k):
+        raise AssertionError("the cached-dataset loader touched the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    return tmp_path / "hub"
+
+
+def test_cached_hf_dataset_resolves_refs_main(hub):
+    fake_hub_dataset(hub, "org/mathset", {
+        MAIN: {"data/train-00000-of-00001.parquet": prob("4"), "data/test-00000-of-00001.parquet": prob("40")},
+        NEWER: {"data/train-00000-of-00001.parquet": prob("5"), "data/test-00000-of-00001.parquet": prob("50")},
+    }, {"main": MAIN, "v2": NEWER, "refs/pr/1": NEWER})
+    assert [p.answer for p in load_dataset("hf:org/mathset")] == ["4"]  # refs/main, not the last snapshot
+    assert [p.answer for p in load_dataset("hf:org/mathset@main")] == ["4"]
+    assert [p.answer for p in load_dataset("hf:org/mathset", split="test")] == ["40"]
+    assert [p.answer for p in load_dataset("hf:org/mathset@v2")] == ["5"]  # a branch or tag
+    assert [p.answer for p in load_dataset("hf:org/mathset@refs/pr/1", split="test")] == ["50"]
+    assert [p.answer for p in load_dataset(f"hf:org/mathset@{NEWER}")] == ["5"]  # a cached commit
+    assert cached_hf_snapshot("org/mathset") == hub / "datasets--org--mathset" / "snapshots" / MAIN
+    # the same files huggingface_hub's own offline lookup resolves (and the fake layout is one it reads)
+    from huggingface_hub import try_to_load_from_cache
+
+    for rev in ("main", "v2", "refs/pr/1", NEWER, MAIN):
+        theirs = try_to_load_from_cache("org/mathset", "data/train-00000-of-00001.parquet", cache_dir=hub,
+                                        revision=rev, repo_type="dataset")
+        assert cached_hf_files("org/mathset", revision=rev) == [Path(theirs)], rev
+    with pytest.raises(FileNotFoundError, match="names split 'validation'"):
+        load_dataset("hf:org/mathset", split="validation")
+    with pytest.raises(FileNotFoundError, match="revision 'v3'.*not in the local Hugging Face cache"):
+        load_dataset("hf:org/mathset@v3")
+    with pytest.raises(ValueError):
+        load_dataset("hf:org/mathset@../../etc")
+
+
+def test_cached_hf_dataset_missing_or_ambiguous_is_a_clear_error(hub):
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache.*nothing is downloaded"):
         load_dataset("hf:org/missing")
+    # refs/main names a commit whose snapshot is gone: an error, not another snapshot
+    fake_hub_dataset(hub, "org/partial", {NEWER: {"train.jsonl": prob("5")}}, {"main": MAIN})
+    with pytest.raises(FileNotFoundError, match="refs/main.*not cached"):
+        load_dataset("hf:org/partial")
+    # hand-copied: no refs folder, a single snapshot serves main; with two, nothing is guessed
+    fake_hub_dataset(hub, "org/copied", {NEWER: {"train.jsonl": prob("5")}}, None)
+    assert [p.answer for p in load_dataset("hf:org/copied")] == ["5"]
+    fake_hub_dataset(hub, "org/copied", {MAIN: {"train.jsonl": prob("4")}}, None)
+    with pytest.raises(FileNotFoundError, match="revision 'main'"):
+        load_dataset("hf:org/copied")
+    assert [p.answer for p in load_dataset(f"hf:org/copied@{MAIN}")] == ["4"]
+
+
+def test_hf_split_names():
+    assert _names_split("data/train-00000-of-00001.parquet", "train")
+    assert _names_split("train.jsonl", "train") and _names_split("default/train/0000.parquet", "train")
+    assert not _names_split("pretraining.jsonl", "train") and not _names_split("data/contest.parquet", "test")
 
 
 def test_bad_records_are_rejected():

@@ -3,18 +3,27 @@
 Math: the last ``\\boxed{...}`` after the thinking section (text after the last
 ``</think>``; an unclosed ``<think>`` scores 0) is compared with the reference,
 first exactly as numbers (int, decimal, fraction), then symbolically with
-math-verify (sympy underneath). Output is untrusted: the boxed text is capped in
-length, and expressions that make sympy compute enormous numbers (power towers,
-huge exponents or factorials) score 0 before sympy sees them, because
-math-verify's own timeout relies on SIGALRM and only works on the main thread.
+math-verify (sympy underneath). Output is untrusted: extraction is linear in the
+text, the boxed text is capped in length, and expressions that make sympy compute
+enormous numbers (power towers, huge exponents or factorials) score 0 before sympy
+sees them. What remains goes to math-verify in a helper process with a hard
+deadline (math-verify's own timeout is a SIGALRM, which only works on a main
+thread, and roles compute rewards in worker threads); an overrun scores 0.
 
 Code: see sandbox.py. Length: see length.py.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
+import os
 import re
+import select
+import signal
+import subprocess
+import sys
 import threading
 from fractions import Fraction
 from typing import Any
@@ -36,20 +45,30 @@ def answer_section(text: str) -> str | None:
     return text
 
 
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
-    best = None
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-            i += 1
-        if depth == 0:
-            best = text[m.end(): i - 1]
-    return best
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None.
+
+    One pass with a stack of open braces (linear in the text: output is untrusted, and scanning
+    from every ``\\boxed{`` to its closing brace was quadratic on ``\\boxed{\\boxed{...``).
+    A box's content ends at the first ``}`` that balances its ``{``; "last" means the box that
+    starts last among those that close.
+    """
+    opens = {m.end() - 1: m.end() for m in _BOX_OPEN.finditer(text)}  # index of its "{" -> content start
+    if not opens:
+        return None
+    stack: list[int] = []  # content start for a box's brace, -1 for any other "{"
+    best_start, best_end = -1, -1
+    for i, c in enumerate(text):
+        if c == "{":
+            stack.append(opens.get(i, -1))
+        elif c == "}" and stack:
+            start = stack.pop()
+            if start > best_start:
+                best_start, best_end = start, i
+    return text[best_start:best_end] if best_start >= 0 else None
 
 
 def extract_answer(completion: str) -> str | None:
@@ -144,19 +163,120 @@ def looks_dangerous(expr: str) -> bool:
     return False
 
 
-def _symbolic_equal(pred: str, gold: str) -> bool:
-    from math_verify import parse, verify
+# The symbolic check runs in a helper process: math-verify's own timeout is a SIGALRM, which only
+# exists on a main thread, and roles compute rewards in worker threads; a thread running sympy
+# cannot be stopped (``(x+1)^{9999}`` ran for minutes). In the helper, math-verify runs on its main
+# thread with its timeouts on, under an address-space limit; the caller also waits at most
+# SYMBOLIC_DEADLINE_S and SIGKILLs a helper that overruns (native code ignores SIGALRM). Helpers are
+# reused (one per concurrent caller, at most MAX_SYMBOLIC_HELPERS) and restarted after a kill.
+SYMBOLIC_DEADLINE_S = 3 * MATH_TIMEOUT_S + 2.0  # parse gold, parse pred, verify, then some slack
+SYMBOLIC_HELPER_MEMORY = 2 * 1024**3
+SYMBOLIC_HELPER_START_S = 120.0  # interpreter + sympy import, on a busy 2-core machine
+MAX_SYMBOLIC_HELPERS = 4
 
-    main = threading.current_thread() is threading.main_thread()
-    timeout = MATH_TIMEOUT_S if main else None
+_HELPER_SRC = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), int(sys.argv[1])))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+from math_verify import parse, verify
+
+def check(pred, gold, timeout):
+    g = parse("$" + gold + "$", parsing_timeout=timeout)
+    p = parse("$" + pred + "$", parsing_timeout=timeout)
+    return bool(g) and bool(p) and bool(verify(g, p, timeout_seconds=timeout))
+
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+for line in sys.stdin:
+    req = json.loads(line)
     try:
-        g = parse(f"${gold}$", parsing_timeout=timeout)
-        p = parse(f"${pred}$", parsing_timeout=timeout)
-        if not g or not p:
+        ok = check(req["pred"], req["gold"], req["timeout"])
+    except BaseException:  # a timeout, MemoryError, RecursionError, a parser bug: not equal
+        ok = False
+    sys.stdout.write(("1" if ok else "0") + "\n")
+    sys.stdout.flush()
+"""
+
+
+class SymbolicHelper:
+    """One helper process answering "is pred equal to gold?" a line at a time."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _HELPER_SRC, str(SYMBOLIC_HELPER_MEMORY)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        if self._read_line(SYMBOLIC_HELPER_START_S) != b"ready":
+            self.kill()
+            raise RuntimeError("the symbolic math checker (math-verify in a helper process) did not start")
+
+    def _read_line(self, timeout_s: float) -> bytes | None:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()  # the helper writes whole short lines, flushed
+        return line.strip() if line else None
+
+    def equal(self, pred: str, gold: str) -> bool | None:
+        """True/False, or None when the helper overran the deadline or died (it is then dead)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"pred": pred, "gold": gold, "timeout": MATH_TIMEOUT_S}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self.kill()
+            return None
+        reply = self._read_line(SYMBOLIC_DEADLINE_S)
+        if reply not in (b"0", b"1"):
+            self.kill()
+            return None
+        return reply == b"1"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for fh in (self.proc.stdin, self.proc.stdout):
+            if fh is not None:
+                try:
+                    fh.close()
+                except OSError:
+                    pass
+
+
+_idle_helpers: list[SymbolicHelper] = []
+_helpers_lock = threading.Lock()
+_helper_slots = threading.BoundedSemaphore(MAX_SYMBOLIC_HELPERS)
+
+
+def _close_helpers() -> None:
+    with _helpers_lock:
+        while _idle_helpers:
+            _idle_helpers.pop().kill()
+
+
+atexit.register(_close_helpers)
+
+
+def _symbolic_equal(pred: str, gold: str) -> bool:
+    """math-verify's verdict, computed in a helper process with a hard deadline (False on overrun)."""
+    with _helper_slots:
+        with _helpers_lock:
+            helper = _idle_helpers.pop() if _idle_helpers else None
+        if helper is None or not helper.alive():
+            helper = SymbolicHelper()
+        verdict = helper.equal(pred, gold)
+        if verdict is None:
             return False
-        return bool(verify(g, p, timeout_seconds=timeout))
-    except Exception:  # noqa: BLE001 - any failure to verify is a wrong answer
-        return False
+        with _helpers_lock:
+            _idle_helpers.append(helper)
+        return verdict
 
 
 def math_reward(completion: str, answer: str) -> float:

@@ -24,9 +24,12 @@ directory and executed, followed by the task's tests, in a child process:
 
 * an in-process guard in every mode (defence in depth, a ``sys.addaudithook``
   installed before the untrusted code runs): sockets, ``os.exec*``, ``os.system``,
-  subprocesses, ``ctypes`` loading and writes outside the scratch directory
-  raise ``PermissionError``. Audit hooks alone do not stop native code; in
-  ``"audit"`` mode the guard is all there is.
+  subprocesses, ``ctypes`` loading, writes outside the scratch directory and
+  ``os.kill``/``os.killpg`` aimed at anything but the sandbox's own process or
+  process group raise ``PermissionError``. Audit hooks alone do not stop native
+  code, and some calls raise no audit event (``signal.pidfd_send_signal`` on an
+  ``os.pidfd_open`` descriptor); in ``"audit"`` mode, where the sandbox runs as
+  the node's own user, the guard is all there is.
 
 A pass needs exit status 0 *and* a per-run nonce written by the runner after the
 tests finished, so ``os._exit(0)`` or ``sys.exit(0)`` at the top of a solution
@@ -87,6 +90,9 @@ def _inside(p):
 def _guard(event, args):
     if event.startswith("socket.") or event in _BLOCKED:
         raise PermissionError("sandbox: " + event + " is not allowed")
+    if event == "os.kill" and args[0] not in (os.getpid(), 0, -os.getpgrp()) or (
+            event == "os.killpg" and args[0] not in (0, os.getpgrp())):
+        raise PermissionError("sandbox: signals only to its own processes")
     if event == "open":
         path, mode, flags = args
         writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (

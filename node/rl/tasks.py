@@ -1,7 +1,7 @@
 """Problems, datasets and the built-in tasks.
 
 Dataset schema (one record per problem; JSONL line, Parquet row, or a row of a
-locally cached Hugging Face dataset):
+locally cached Hugging Face dataset, ``hf:owner/name[@revision]``):
 
 ==================  ========  ====================================================
 field               required  meaning
@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -125,29 +126,85 @@ def _hf_cache_dir() -> Path:
     return home / "hub"
 
 
-def cached_hf_files(name: str, split: str = "train") -> list[Path]:
-    """Data files of a Hugging Face dataset already in the local hub cache (no network).
+def cached_hf_snapshot(name: str, revision: str = "main") -> Path:
+    """The snapshot folder of dataset ``name`` at ``revision`` in the local hub cache; never downloads.
 
-    Reads the snapshot folders directly, so the ``datasets`` library is not needed.
-    Files whose path names the split are preferred; otherwise every data file is used.
+    Resolved as huggingface_hub does offline: ``refs/<revision>`` (a branch or tag: ``main``,
+    ``v1.0``, ``refs/pr/1``) names the commit whose ``snapshots/<commit>`` folder is used; a
+    revision that is itself a cached commit hash is used directly. The one fallback: a cache with
+    no ``refs`` folder at all (a hand-copied snapshot) and exactly one snapshot serves ``main``.
+    Several snapshots are never guessed between (the newest download is not necessarily ``main``).
     """
-    folder = _hf_cache_dir() / ("datasets--" + name.replace("/", "--")) / "snapshots"
-    if not folder.is_dir():
-        raise FileNotFoundError(f"dataset {name!r} is not in the local Hugging Face cache ({folder})")
-    files = sorted(p for p in folder.rglob("*") if p.suffix in (".parquet", ".jsonl") and p.is_file())
+    if not revision or revision.startswith("/") or ".." in Path(revision).parts:
+        raise ValueError(f"bad revision {revision!r}")
+    repo = _hf_cache_dir() / ("datasets--" + name.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        raise FileNotFoundError(
+            f"dataset {name!r} is not in the local Hugging Face cache ({repo}); nothing is downloaded: "
+            f"fetch it first, e.g. `huggingface-cli download --repo-type dataset {name}`"
+        )
+    cached = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    refs = repo / "refs"
+    ref = refs / revision
+    if ref.is_file():
+        commit = ref.read_text().strip()
+        if not (snapshots / commit).is_dir():
+            raise FileNotFoundError(
+                f"refs/{revision} of dataset {name!r} names commit {commit}, which is not cached (cached: {cached})"
+            )
+        return snapshots / commit
+    if revision in cached:
+        return snapshots / revision
+    if revision == "main" and not refs.exists() and len(cached) == 1:
+        return snapshots / cached[0]
+    known = sorted(str(p.relative_to(refs)) for p in refs.rglob("*") if p.is_file()) if refs.is_dir() else []
+    raise FileNotFoundError(
+        f"revision {revision!r} of dataset {name!r} is not in the local Hugging Face cache "
+        f"(refs: {known or 'none'}; snapshots: {cached or 'none'}); name a cached ref or commit as hf:{name}@REVISION"
+    )
+
+
+def _names_split(relpath: str, split: str) -> bool:
+    """``train`` in ``data/train-00000-of-00001.parquet``, ``train.jsonl``, ``default/train/0000.parquet``;
+    not in ``pretraining.jsonl`` (``test`` not in ``contest``)."""
+    return re.search(r"(?:^|[/_.-])" + re.escape(split) + r"(?:[/_.-]|$)", relpath) is not None
+
+
+def cached_hf_files(name: str, split: str = "train", revision: str = "main") -> list[Path]:
+    """Data files (Parquet, JSONL) of split ``split`` of a Hugging Face dataset in the local hub cache.
+
+    Reads the snapshot folder (see :func:`cached_hf_snapshot`) directly, so neither the ``datasets``
+    library nor the network is involved. Files whose path names the split are used; when no file
+    names any split, every data file is the ``train`` split (the Hub's convention).
+    """
+    snap = cached_hf_snapshot(name, revision)
+    files = sorted(p for p in snap.rglob("*") if p.suffix in (".parquet", ".jsonl") and p.is_file())
     if not files:
-        raise FileNotFoundError(f"no parquet/jsonl files for {name!r} under {folder}")
-    snapshots = sorted({p.relative_to(folder).parts[0] for p in files})
-    files = [p for p in files if p.relative_to(folder).parts[0] == snapshots[-1]]
-    in_split = [p for p in files if split in str(p.relative_to(folder))]
-    return in_split or files
+        raise FileNotFoundError(f"no parquet/jsonl files in {snap} (dataset {name!r}, revision {revision!r})")
+    rel = {p: p.relative_to(snap).as_posix() for p in files}
+    in_split = [p for p in files if _names_split(rel[p], split)]
+    if in_split:
+        return in_split
+    if split == "train" and not any(_names_split(r, s) for r in rel.values() for s in ("test", "validation", "valid", "dev")):
+        return files
+    raise FileNotFoundError(f"no file of dataset {name!r} (revision {revision!r}) names split {split!r}: {sorted(rel.values())}")
+
+
+def parse_hf_source(spec: str) -> tuple[str, str]:
+    """``hf:owner/name`` or ``hf:owner/name@revision`` -> (name, revision); revision defaults to main."""
+    body = spec[3:] if spec.startswith("hf:") else spec
+    name, _, revision = body.partition("@")
+    return name, revision or "main"
 
 
 def load_dataset(source: str | os.PathLike[str], split: str = "train", limit: int | None = None) -> list[Problem]:
-    """Load problems from a JSONL/JSON/Parquet file, a folder of them, or ``hf:owner/name`` (local cache only)."""
+    """Load problems from a JSONL/JSON/Parquet file, a folder of them, or ``hf:owner/name[@revision]``
+    (local Hugging Face cache only; revision: a branch, tag or commit, default ``main``)."""
     src = str(source)
     if src.startswith("hf:"):
-        paths = cached_hf_files(src[3:], split)
+        name, revision = parse_hf_source(src)
+        paths = cached_hf_files(name, split, revision)
     else:
         p = Path(src)
         if p.is_dir():
