@@ -63,7 +63,10 @@ def main() -> None:
     ap.add_argument("--bf16-verify", action="store_true", help="also time a bf16 verifier (information)")
     ap.add_argument("--gen-max-batch", type=int, default=64, help="rows per generation forward (64: one batch)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="one numerics stack for worker and validator (bf16: both generate and verify in bf16)")
     args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
     if args.model == "smollm2":
         model, tok = load_smollm2(args.cache)
@@ -73,9 +76,9 @@ def main() -> None:
                 [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], tokenize=True, add_generation_prompt=True
             )
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        engine = TransformersEngine(model, device=args.device, max_batch=args.gen_max_batch)
+        engine = TransformersEngine(model.to(dtype), device=args.device, max_batch=args.gen_max_batch)
     else:
-        engine = TransformersEngine(tiny_llama(vocab_size=512, eos_token_id=None), device=args.device,
+        engine = TransformersEngine(tiny_llama(vocab_size=512, eos_token_id=None).to(dtype), device=args.device,
                                     max_batch=args.gen_max_batch)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(4, 512, (24,), generator=g).tolist() for _ in range(args.prompts)]
@@ -128,6 +131,7 @@ def main() -> None:
     report = {
         "model": args.model,
         "device": args.device,
+        "dtype": args.dtype,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
