@@ -1,7 +1,8 @@
 """Daemons as a user runs them: real OS processes started through the CLI.
 
-bootstrap + join see each other in ``primenode status --json``; SIGTERM stops
-both with exit 0 and removes ``runtime.json``; an unreachable bootstrap, a
+bootstrap + join see each other in ``primenode status --json`` (with a measured
+latency); SIGTERM stops both with exit 0, removes ``runtime.json`` and frees the
+bootstrap's port at once; an unreachable bootstrap, a
 missing genesis and a home with no running node are one clear line each.
 Time limits here are hang guards, not performance thresholds.
 """
@@ -133,6 +134,13 @@ def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup)
         for st in (st_boot, st_join):
             assert {"peer_id", "role", "peers", "swarm", "gossip", "run_id"} <= set(st)
         assert st_boot["run_id"] == st_join["run_id"]  # the joiner got the genesis from the bootstrap
+        # every connected peer gets a round-trip latency, without any request of ours
+        def measured(home: Path, other: str):
+            st = sees(home, other)
+            return st if st and all(p["latency_ms"] is not None for p in st["peers"]) else None
+
+        wait_for(lambda: measured(join_home, boot_id), HANG_GUARD_S, "a latency for the bootstrap", logs, procs)
+        wait_for(lambda: measured(boot_home, join_id), HANG_GUARD_S, "a latency for the joiner", logs, procs)
         # the swarm view fills from heartbeats
         wait_for(lambda: (status_json(join_home) or {}).get("swarm", {}).get("by_role", {}).get("bootstrap"),
                  HANG_GUARD_S, "a bootstrap heartbeat in the joiner's swarm view", logs, procs)
@@ -154,6 +162,13 @@ def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup)
         # SIGTERM: both exit 0 and clean up
         assert stop(joiner) == 0, join_log.read_text()[-3000:]
         assert stop(boot) == 0, boot_log.read_text()[-3000:]
+        # nothing holds the bootstrap's port any more: a new listener binds it at once
+        # (SO_REUSEADDR, as every server sets: only TIME_WAIT leftovers are tolerated)
+        boot_port = int(first.split("/tcp/")[1].split("/")[0])
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", boot_port))
+            s.listen()
         assert not (join_home / "runtime.json").exists()
         assert not (boot_home / "runtime.json").exists()
         for log in logs:

@@ -4,7 +4,10 @@ Keeps ``target_peers`` connections to distinct peers: dials peers from an
 address book (fed by bootstrap addresses, heartbeats and our peer-exchange
 protocol), replaces lost ones, backs off on failures (exponential, capped),
 never dials or keeps a banned peer, and asks connected peers for more
-addresses every ``px_interval`` seconds (which also measures latency).
+addresses: every new connection at once, then the least recently asked peers
+every ``px_interval`` seconds. Each exchange's round trip is the peer's
+latency (``latency_ms``), so every connected peer has one within a loop
+interval or two of connecting.
 """
 
 from __future__ import annotations
@@ -28,8 +31,18 @@ from .reqresp import ReqResp, RequestError
 from .swarm import PeerState, SwarmView
 
 PX_PEERS_PER_ROUND = 2
+PX_TIMEOUT_S = 5.0
+LATENCY_EWMA = 0.3  # weight of a new round trip in latency_ms
 
 log = logging.getLogger("primenode.p2p.conn")
+
+
+def backoff_delay(fails: int, base: float, cap: float) -> float:
+    """Seconds to wait before the next dial of a peer after ``fails`` failures in a row
+    (before jitter): ``base``, ``2 base``, ``4 base``... capped at ``cap``."""
+    if fails <= 0:
+        return 0.0
+    return min(cap, base * 2 ** min(fails - 1, 62))
 
 
 @dataclasses.dataclass
@@ -64,6 +77,7 @@ class ConnectionManager:
         gossip_grace: float = 5.0,
         max_connections: int | None = None,
         probe_interval: float = 30.0,
+        learn_from_heartbeats: bool = True,
     ) -> None:
         self.host = host
         self.my_id = my_id
@@ -96,6 +110,12 @@ class ConnectionManager:
         # that are each at target would otherwise never reconnect (nobody is below target).
         self.probe_interval = probe_interval
         self.probes = 0
+        # False: the address book is fed only by bootstrap addresses and peer exchange
+        # (tests use it to show that peer exchange alone finds peers).
+        self.learn_from_heartbeats = learn_from_heartbeats
+        # Peer-exchange round trip per connected peer (ms, EWMA) and when we last asked it.
+        self.latency_ms: dict[str, float] = {}
+        self._px_asked: dict[str, float] = {}
         self.bootstrap_ids: list[str] = []
         for text in bootstrap:
             info = parse_peer_addr(text)
@@ -158,7 +178,8 @@ class ConnectionManager:
 
     def _on_peer_state(self, st: PeerState) -> None:
         e = self.book.get(st.peer_id)
-        self._learn(st.peer_id, list(st.heartbeat.addrs))
+        if self.learn_from_heartbeats:
+            self._learn(st.peer_id, list(st.heartbeat.addrs))
         if e is not None and e.fails:
             # a fresh heartbeat means it is alive: allow a sooner retry
             e.next_try = min(e.next_try, time.monotonic() + self.backoff_base)
@@ -219,7 +240,7 @@ class ConnectionManager:
             return
         e.fails += 1
         e.last_error = why
-        delay = min(self.backoff_max, self.backoff_base * 2 ** (e.fails - 1))
+        delay = backoff_delay(e.fails, self.backoff_base, self.backoff_max)
         e.next_try = time.monotonic() + delay * random.uniform(0.8, 1.2)
 
     def _trim_connections(self, live: set[str], nursery: trio.Nursery, now: float) -> set[str]:
@@ -265,8 +286,16 @@ class ConnectionManager:
         )
 
     async def exchange(self, peer_id: str, max_peers: int = 32) -> int:
-        """Ask ``peer_id`` for peer addresses; returns how many were new."""
-        env = await self.reqresp.request(peer_id, PeerExchangeRequest(max_peers=max_peers), PeerExchangeResponse, timeout=5)
+        """Ask ``peer_id`` for peer addresses; returns how many were new. The round trip
+        (a small signed request and answer) updates ``latency_ms[peer_id]``."""
+        self._px_asked[peer_id] = time.monotonic()
+        t0 = time.monotonic()
+        env = await self.reqresp.request(
+            peer_id, PeerExchangeRequest(max_peers=max_peers), PeerExchangeResponse, timeout=PX_TIMEOUT_S
+        )
+        rtt = (time.monotonic() - t0) * 1000
+        prev = self.latency_ms.get(peer_id)
+        self.latency_ms[peer_id] = rtt if prev is None else (1 - LATENCY_EWMA) * prev + LATENCY_EWMA * rtt
         new = 0
         for pa in env.body.peers:
             if pa.peer_id not in self.book and pa.peer_id != self.my_id:
@@ -322,14 +351,28 @@ class ConnectionManager:
                         self.probes += 1
                         self.metrics.dials.labels("probe").inc()
                         nursery.start_soon(self._try_dial, random.choice(unheard))
+                # A new connection (either direction) is asked at once: its addresses, and a
+                # first latency measurement for status.
+                for pid in live:
+                    if pid not in self._px_asked:
+                        self._px_asked[pid] = now
+                        nursery.start_soon(self._px_one, pid)
                 if live and (now - last_px >= self.px_interval or (need > 0 and now - last_px >= self.interval * 2)):
                     last_px = now
-                    # Below target: ask everyone (we need addresses now). Otherwise two random
-                    # peers per round: heartbeats already carry addresses, and an exchange with
-                    # every peer every round cost 20 nodes ~0.4 CPU-s/s (bench/gossip.py).
-                    ask = live if need > 0 else random.sample(sorted(live), min(PX_PEERS_PER_ROUND, len(live)))
+                    # Below target: ask everyone (we need addresses now). Otherwise the two
+                    # peers asked longest ago: heartbeats already carry addresses, an exchange
+                    # with every peer every round cost 20 nodes ~0.4 CPU-s/s (bench/gossip.py),
+                    # and taking turns keeps every peer's latency fresh.
+                    if need > 0:
+                        ask = sorted(live)
+                    else:
+                        order = sorted(live, key=lambda p: (self._px_asked.get(p, 0.0), random.random()))
+                        ask = order[:PX_PEERS_PER_ROUND]
                     for pid in ask:
                         nursery.start_soon(self._px_one, pid)
+                for gone in (set(self._px_asked) | set(self.latency_ms)) - live:
+                    self._px_asked.pop(gone, None)
+                    self.latency_ms.pop(gone, None)
                 # Watchdog: a connection without a pubsub stream after a grace period
                 # (py-libp2p sometimes loses it when a duplicate connection is trimmed)
                 # carries no gossip: drop it so a fresh one is made.

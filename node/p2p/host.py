@@ -14,6 +14,9 @@
 * :func:`install_libp2p_fixes` makes yamux return receive credit in
   half-window batches: the library sends a WINDOW_UPDATE frame after
   practically *every* read, which doubled the frames a gossip flood costs.
+* :func:`install_libp2p_fixes` makes a connection's close run to the end even
+  when the task closing it is cancelled: stopping a node by cancellation (SIGTERM,
+  a killed in-process node) otherwise left every connection's socket open.
 * The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
 """
 
@@ -73,7 +76,40 @@ def install_libp2p_fixes() -> None:
     AutoConnector.maybe_connect = _no_auto_connect
     _batch_yamux_window_updates()
     _limit_inbound_connection_rate()
+    _shield_connection_close()
     _fixes_installed = True
+
+
+CONNECTION_CLOSE_TIMEOUT_S = 3.0
+
+
+def _shield_connection_close() -> None:
+    """Let ``SwarmConn.close`` finish under cancellation (no leaked sockets).
+
+    When a node is stopped by cancelling its scope, the library's own service task
+    closes every connection from inside the cancelled scope: ``SwarmConn.close`` marks
+    the connection closed, then its first await (the yamux GO_AWAY) is cancelled, so
+    the socket is never closed, and the later ``host.close()`` skips it as already
+    closed. The remote peer then sees a silent, open connection. Shielded here, with a
+    deadline; if the polite close hangs, the secured transport is closed directly.
+    """
+    from libp2p.network.connection.swarm_connection import SwarmConn
+
+    original = SwarmConn.close
+
+    async def _close(self) -> None:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(CONNECTION_CLOSE_TIMEOUT_S):
+                await original(self)
+                return
+            if not getattr(self, "_shared_muxed_conn", False):
+                with trio.move_on_after(1):
+                    try:
+                        await self.muxed_conn.secured_conn.close()
+                    except Exception:  # noqa: BLE001 - already broken: nothing left to do
+                        pass
+
+    SwarmConn.close = _close
 
 
 # New inbound connections a node accepts per second (burst: at once). Joins are rare;

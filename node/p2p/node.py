@@ -64,11 +64,12 @@ class P2PConfig:
     # At target, dial one address-book peer we hear no heartbeat from this often (heals
     # partitions whose halves are each at target; 0: never).
     probe_interval_s: float = 30.0
-    # Mesh degree >= connections: GossipSub then forwards to every connected
-    # subscriber and the fan-out is bounded by target_peers (see docs/operating.md).
-    gossip_degree: int = 64
-    gossip_degree_low: int = 64
-    gossip_degree_high: int = 64
+    # Dial back-off after failures in a row: base, 2 base, 4 base... capped (+-20% jitter).
+    dial_backoff_base_s: float = 1.0
+    dial_backoff_max_s: float = 60.0
+    # False: the connection manager ignores the addresses in heartbeats and learns peers
+    # only from the bootstrap list and peer exchange (tests).
+    learn_addrs_from_heartbeats: bool = True
     budget: float = 20.0
     ban_seconds: float = 600.0
     rate_per_s: float = 1000.0
@@ -175,12 +176,15 @@ class Node:
                     bootstrap=cfg.bootstrap, target_peers=cfg.target_peers, interval=cfg.conn_interval_s,
                     px_interval=cfg.px_interval_s, dial_timeout=cfg.dial_timeout_s, my_addrs=self.addrs,
                     has_gossip_stream=self.gossip.has_stream, probe_interval=cfg.probe_interval_s,
+                    backoff_base=cfg.dial_backoff_base_s, backoff_max=cfg.dial_backoff_max_s,
+                    learn_from_heartbeats=cfg.learn_addrs_from_heartbeats,
                 )
                 if self.genesis is not None:
                     self.conns.protected = {self.genesis.trainer, *self.genesis.validators}
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
                 self.gossip.on("heartbeat", self.swarm.on_heartbeat)
-                self.swarm.listeners.append(self._remember_addrs)
+                if cfg.learn_addrs_from_heartbeats:
+                    self.swarm.listeners.append(self._remember_addrs)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.gossip.run)
                     if connect_bootstrap:
@@ -251,7 +255,8 @@ class Node:
         if conns is not None:
             for pid in conns.connected():
                 st = self.swarm.get(pid)
-                rtt = self.reqresp.rtt_ms.get(pid) if self.reqresp else None
+                # peer-exchange round trip: every connection is asked on arrival, then in turns
+                rtt = conns.latency_ms.get(pid)
                 peers.append({
                     "peer_id": pid,
                     "role": st.heartbeat.role if st else None,
