@@ -408,7 +408,12 @@ def run_join(home: Path, role: str, bootstrap: list[str] | None = None, listen: 
         if engine not in ENGINES:
             raise NodeError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
         if engine != "transformers":
-            raise NodeError(f"--engine {engine}: the roles run the transformers engine only for now")
+            # VLLMEngine (node/engines/vllm_engine.py) is tested as a library engine, but the roles
+            # build their engine from an in-memory model, a run's genesis names one numerics stack
+            # ("transformers-fp32-cpu" in the devnet) and vLLM re-threads the whole process: see
+            # docs/proofs.md, "vLLM".
+            raise NodeError(f"--engine {engine}: the roles run the transformers engine only for now "
+                            "(VLLMEngine is usable from Python; docs/proofs.md, section vLLM)")
         s = _settings(home, listen=listen, bootstrap=bootstrap, target_peers=target_peers,
                       max_upload_mbps=max_upload_mbps, data_port=data_port, status_port=status_port)
         expected = None

