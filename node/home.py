@@ -6,7 +6,7 @@ Layout::
     HOME/config.toml  NodeConfig
     HOME/chunks/      content-addressed chunk store
     HOME/node.db      SQLite: admitted rollouts, votes, trainer state
-    HOME/status.json  written while running: where the status server listens
+    HOME/runtime.json  written while running: where the status server listens
 """
 
 from __future__ import annotations
