@@ -1,13 +1,24 @@
 """Shared pieces of the fuzz tests: example budgets and structure-aware mutations.
 
 Budgets: each fuzz test runs ``examples(n)`` hypothesis examples, ``n`` by
-default (sized so every test file stays well under 20 s on a loaded 2-core
-machine). ``FUZZ_EXAMPLES=N`` overrides every budget for a long run on demand::
+default (sized so each test takes a few seconds on a loaded 2-core machine:
+the CI budget). ``FUZZ_EXAMPLES=N`` overrides every budget for a long run on
+demand, and also switches from the fixed (derandomized) CI inputs to fresh
+random ones::
 
     FUZZ_EXAMPLES=200000 python -m pytest -q tests/test_fuzz_protocol.py
+    FUZZ_EXAMPLES=5000 python -m pytest -q tests/test_fuzz_network.py tests/test_fuzz_clients.py
 
-Coverage-guided fuzzing with atheris (optional, not a CI dependency):
-``bench/fuzz_atheris.py`` drives the same targets.
+Coverage-guided fuzzing with atheris (optional, not a CI dependency:
+``pip install atheris``): ``bench/fuzz_atheris.py`` drives the same decoders
+and handlers for as long as asked::
+
+    python bench/fuzz_atheris.py --list
+    python bench/fuzz_atheris.py --target envelope --seconds 600
+
+Network fuzz tests (real sockets, live nodes in one trio loop) run hypothesis
+in a worker thread: the ``@given`` body is synchronous and reaches the trio
+loop through :func:`on_loop`; see :func:`run_given`.
 
 Mutations work on the decoded msgpack tree of a *valid* encoding, so they reach
 the deep checks (field ranges, cross-field rules, canonical form) that random
@@ -18,12 +29,15 @@ from __future__ import annotations
 
 import os
 import math
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
+import trio
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from protocol.schema import pack
+
+T = TypeVar("T")
 
 
 def examples(default: int) -> int:
@@ -37,6 +51,20 @@ def fuzz_settings(default: int) -> settings:
     return settings(max_examples=examples(default), deadline=None,
                     derandomize="FUZZ_EXAMPLES" not in os.environ,
                     suppress_health_check=list(HealthCheck))
+
+
+async def run_given(test: Callable[[], None]) -> None:
+    """Run a hypothesis test (a ``@given`` function taking no arguments) in a worker
+    thread of the running trio loop, so every example can talk to nodes, servers and
+    sockets that live in this loop (started once, not once per example). The test's
+    examples call :func:`on_loop` to run a coroutine here; its failure (the falsifying
+    example, shrunk) is raised here."""
+    await trio.to_thread.run_sync(test, abandon_on_cancel=True)
+
+
+def on_loop(afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """From inside :func:`run_given`'s thread: run ``afn(*args)`` on the trio loop and return its result."""
+    return trio.from_thread.run(afn, *args)
 
 
 # Values that sit on or just past boundaries, or have an unexpected type.
@@ -146,4 +174,39 @@ def mutate_bytes(draw, data: bytes) -> bytes:
             b += draw(st.binary(min_size=1, max_size=16))
         elif op == "set":
             b[i] = draw(st.sampled_from([0x00, 0x7F, 0x80, 0xC0, 0xC1, 0xC4, 0xCC, 0xCF, 0xD9, 0xDC, 0xDD, 0xFF]))
+    return bytes(b)
+
+
+_SPECIAL_BYTES = [0x00, 0x7F, 0x80, 0xC0, 0xC1, 0xC4, 0xCC, 0xCF, 0xD9, 0xDC, 0xDD, 0xFF]
+
+
+def byte_mutations(max_ops: int = 4) -> st.SearchStrategy:
+    """Byte-level mutations drawn independently of the bytes they will apply to (positions
+    wrap around the length): for inputs only known when the example runs (envelopes sealed
+    with the current time), so the drawn choices, and hence the examples, stay reproducible.
+    Apply with :func:`apply_mutations`."""
+    op = st.tuples(st.sampled_from(["flip", "insert", "delete", "truncate", "extend", "set"]),
+                   st.integers(0, 2**16), st.integers(0, 255), st.binary(min_size=1, max_size=16))
+    return st.lists(op, min_size=1, max_size=max_ops)
+
+
+def apply_mutations(data: bytes, ops) -> bytes:
+    b = bytearray(data)
+    for op, pos, val, blob in ops:
+        if not b:
+            b += blob
+            continue
+        i = pos % len(b)
+        if op == "flip":
+            b[i] ^= 1 << (val % 8)
+        elif op == "insert":
+            b[i:i] = blob[:8]
+        elif op == "delete":
+            del b[i : i + 1 + val % 8]
+        elif op == "truncate":
+            del b[i:]
+        elif op == "extend":
+            b += blob
+        else:
+            b[i] = _SPECIAL_BYTES[val % len(_SPECIAL_BYTES)]
     return bytes(b)

@@ -31,7 +31,13 @@ class DataConnection:
     async def open(cls, host: str, port: int, ticket: bytes, *, connect_timeout: float = 10.0, stall_timeout: float = 10.0,
                    flags: int = 0) -> "DataConnection":
         with trio.fail_after(connect_timeout):
-            stream = await trio.open_tcp_stream(host, port)
+            try:
+                stream = await trio.open_tcp_stream(host, port)
+            except ValueError as exc:
+                # the host comes from a peer's ticket: a name the resolver cannot even encode (a
+                # UnicodeError from the idna codec, found by tests/test_fuzz_clients.py) is the
+                # peer's bad ticket, not an exception of ours
+                raise DataPlaneError(F.BAD_TICKET, f"unusable address in the ticket: {exc}") from None
         try:
             tune(stream.socket)
             await send_all(stream.socket, F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, flags, ticket.ljust(32, b"\0")), stall_timeout)
