@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+import trio
+
 from node.roles.ledger import Ledger
 
 V = ["val-a", "val-b", "val-c"]
@@ -88,3 +92,209 @@ def test_crash_recovery_loses_nothing_admitted(tmp_path):
     assert again.recover() == 2
     assert {b.batch_id for b in again.untrained()} == {b"\x02", b"\x03"}
     assert again.policy_version == 1
+
+
+# ------------------------------------------------------------------ retention (issue 8)
+
+
+def stored_bytes(lg) -> int:
+    return lg.db.execute("SELECT COALESCE(SUM(length(envelope)), 0) FROM batches").fetchone()[0]
+
+
+def test_rejected_batches_lose_their_bytes_but_keep_their_record(tmp_path):
+    lg = ledger(tmp_path)
+    lg.record_batch(b"bad", "w", 0, 0, 1, b"x" * 1000)
+    for v in V[:2]:
+        lg.record_vote(b"bad", v, False, "toploc: exponent mismatches", [])
+    assert lg.try_admit(b"bad") == "rejected"
+    worker, status, reason, env = lg.db.execute(
+        "SELECT worker, status, reason, envelope FROM batches WHERE batch_id = ?", (b"bad",)).fetchone()
+    assert (worker, status, env) == ("w", "rejected", None) and "toploc" in reason
+    assert len(lg.db.execute("SELECT * FROM votes WHERE batch_id = ?", (b"bad",)).fetchall()) == 2
+    # fetched and recorded again (re-announced): a decided batch takes no bytes
+    lg.record_batch(b"bad", "w", 0, 0, 1, b"x" * 1000)
+    assert stored_bytes(lg) == 0 and not lg.needs_fetch(b"bad")
+    # a duplicate slot: the second batch's bytes go too; the admitted one keeps its bytes
+    for b in (b"x", b"y"):
+        lg.record_batch(b, "w", 1, 7, 1, b"env-" + b)
+        for v in V[:2]:
+            lg.record_vote(b, v, True, "", [1.0])
+    assert [lg.try_admit(b) for b in (b"x", b"y")] == ["admitted", "rejected"]
+    assert lg.db.execute("SELECT envelope FROM batches WHERE batch_id = ?", (b"y",)).fetchone()[0] is None
+    assert [b.envelope for b in lg.untrained()] == [b"env-x"]
+
+
+def test_pending_bytes_are_capped_unvouched_oldest_first_and_an_evicted_batch_is_wanted_again(tmp_path):
+    lg = Ledger(tmp_path / "node.db", V, 2, 2, max_pending=3, max_pending_bytes=10_000)
+    lg.record_batch(b"old", "honest", 0, 0, 1, b"o" * 100)
+    lg.record_batch(b"vouched", "honest", 0, 1, 1, b"v" * 100)
+    lg.record_vote(b"vouched", "val-a", True, "", [1.0])  # one accept: not yet a quorum
+    for i in range(20):  # fresh identities, batches nobody votes for
+        lg.record_batch(b"flood%d" % i, f"fresh-{i}", 0, 0, 1, b"f" * 100)
+        s = lg.storage()
+        assert s["pending_with_bytes"] <= 3 and s["pending_bytes"] <= 10_000
+    held = {r[0] for r in lg.db.execute("SELECT batch_id FROM batches WHERE envelope IS NOT NULL")}
+    assert held == {b"vouched", b"flood18", b"flood19"}  # the vouched one outlived every unvouched one
+    assert lg.evicted == 20 - 2 + 1
+    # the byte cap, too
+    small = Ledger(tmp_path / "small.db", V, 2, 2, max_pending=100, max_pending_bytes=250)
+    for i in range(10):
+        small.record_batch(b"b%d" % i, "w", 0, i, 1, b"z" * 100)
+        assert small.storage()["pending_bytes"] <= 250
+    # an evicted batch stays pending; once a quorum accepts it, its bytes are wanted again
+    assert lg.bytes_wanted(b"old") is None
+    assert lg.needs_fetch(b"old")
+    for v in V[:2]:
+        lg.record_vote(b"old", v, True, "", [0.5])
+    assert lg.try_admit(b"old") == "pending"
+    assert lg.bytes_wanted(b"old") == ("honest", 0, 0, 1)
+    lg.record_batch(b"old", "honest", 0, 0, 1, b"o" * 100)  # fetched again
+    assert lg.try_admit(b"old") == "admitted"
+    assert [b.envelope for b in lg.untrained()] == [b"o" * 100]
+
+
+def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tmp_path):
+    lg = Ledger(tmp_path / "node.db", V, 2, 1, max_unadmitted_rows=10, orphan_vote_ttl_s=60)
+    for i in range(6):  # admitted batches at versions 0..5: one trained, one aged out, the rest waiting
+        b = b"adm%d" % i
+        lg.record_batch(b, "w", i, 0, 1, b"A" * 50)
+        for v in V[:2]:
+            lg.record_vote(b, v, True, "", [1.0])
+        assert lg.try_admit(b) == "admitted"
+    lg.mark_trained([b"adm5"], step=1)
+    for i in range(30):  # rejected batches (their votes kept), then pending ones, old and new
+        b = b"rej%02d" % i
+        lg.record_batch(b, f"fresh-{i}", 5, 0, 1, b"R" * 50)
+        for v in V[:2]:
+            lg.record_vote(b, v, False, "assignment", [])
+        assert lg.try_admit(b) == "rejected"
+    lg.record_batch(b"pend-old", "w", 1, 1, 1, b"P" * 50)
+    lg.record_batch(b"pend-new", "w", 5, 1, 1, b"P" * 50)
+    lg.commit_checkpoint(step=5, policy_version=5)  # max_async 1: versions below 4 are stale
+    assert lg.drop_stale() == 4  # adm0..adm3 admitted but never trained: aged out (they keep their bytes)
+    now = int(time.time() * 1000)
+    lg.record_vote(b"never-recorded", "val-a", True, "", [1.0])
+    lg.db.execute("UPDATE votes SET received_ms = ? WHERE batch_id = ?", (now - 120_000, b"never-recorded"))
+    lg.record_vote(b"not-yet-fetched", "val-a", True, "", [1.0])  # recent: may still be fetched
+
+    out = lg.prune(now_ms=now)
+    assert out["stale"] == 1 and out["orphan_votes_deleted"] == 1
+    rows = {r[0]: r[1:] for r in lg.db.execute("SELECT batch_id, status, envelope FROM batches")}
+    assert rows[b"pend-old"][:2] == ("rejected", None)
+    assert rows[b"pend-new"] == ("pending", b"P" * 50)
+    # every batch ever admitted is still there with its bytes (aged-out ones included)
+    for i in range(6):
+        assert rows[b"adm%d" % i][1] == b"A" * 50
+    assert lg.admitted_ids() == {b"adm4", b"adm5"}
+    # at most 10 rows of batches never admitted, the newest kept; their votes went with them
+    unadmitted = sorted(b for b in rows if b.startswith((b"rej", b"pend-old")))
+    assert len(unadmitted) == 10 and b"rej29" in unadmitted and b"rej00" not in unadmitted
+    assert lg.db.execute("SELECT COUNT(*) FROM votes WHERE batch_id = ?", (b"rej00",)).fetchone()[0] == 0
+    assert lg.db.execute("SELECT COUNT(*) FROM votes WHERE batch_id = ?", (b"rej29",)).fetchone()[0] == 2
+    assert lg.db.execute("SELECT COUNT(*) FROM votes WHERE batch_id = ?", (b"not-yet-fetched",)).fetchone()[0] == 1
+    assert stored_bytes(lg) == 7 * 50  # six admitted batches and the one pending: nothing else
+    assert lg.prune(now_ms=now) == {"stale": 0, "bytes_dropped": 0, "rows_deleted": 0, "orphan_votes_deleted": 0}
+
+
+def test_a_flood_of_fresh_identities_cannot_fill_the_disk(tmp_path):
+    """Batches from free identities, fetched and stored, never voted for: the bytes the ledger
+    holds stay under its cap however many arrive, and they age out as versions advance."""
+    lg = Ledger(tmp_path / "node.db", V, 2, 1, max_pending=8, max_pending_bytes=64 * 1024, max_unadmitted_rows=50)
+    envelope = b"E" * 16 * 1024
+    for i in range(400):
+        lg.record_batch(i.to_bytes(32, "big"), f"fresh-{i}", i // 100, 0, 1, envelope)
+        assert stored_bytes(lg) <= 64 * 1024
+        if i % 100 == 99:
+            lg.commit_checkpoint(step=i // 100 + 1, policy_version=i // 100 + 1)
+            lg.prune()
+    assert lg.db.execute("SELECT COUNT(*) FROM batches").fetchone()[0] <= 50 + 8
+
+
+class _ServingNode:
+    """What the trainer's fetch path needs from a node: a policy and request/response that
+    serves the batches in ``batches`` (batch id -> signed RolloutBatch envelope)."""
+
+    def __init__(self) -> None:
+        import types
+
+        from node.p2p.policy import PeerPolicy
+
+        self.policy = PeerPolicy()
+        self.batches: dict[bytes, bytes] = {}
+        self.requests: list[bytes] = []
+        self.reqresp = types.SimpleNamespace(request=self._request)
+
+    async def _request(self, peer_id, msg, expect, timeout=10.0):
+        from protocol import BatchResponse, Envelope
+
+        await trio.lowlevel.checkpoint()
+        self.requests.append(msg.batch_id)
+        raw = self.batches.get(msg.batch_id)
+        body = BatchResponse(found=raw is not None, envelope=raw or b"")
+        return Envelope(b"", BatchResponse.TYPE_ID, peer_id, 0, 0, body, b"")
+
+
+def _signed_batch(key, run_id: bytes, counter: int, size: int = 1000):
+    from protocol import RolloutAnnounce, RolloutBatch, Sample, SamplingParams, seal, sha256
+
+    batch = RolloutBatch(run_id=run_id, worker=key.peer_id, policy_version=0, batch_counter=counter,
+                         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=24),
+                         samples=(Sample(prompt_index=0, completion=b"\x01\x00\x00\x00", seed=1, proof=b"p" * size,
+                                         claimed_reward=0.0),), created_ms=1)
+    raw = seal(key, run_id, batch, int(time.time() * 1000), counter + 1)
+    ann = RolloutAnnounce(batch_id=sha256(raw), policy_version=0, batch_counter=counter, num_samples=1,
+                          size_bytes=len(raw))
+    return raw, ann
+
+
+async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_batch_again(tmp_path):
+    """Fresh identities serve batches nobody votes for; an honest batch fetched before them
+    loses its bytes to the cap, and once a quorum of validators accepts it the trainer fetches
+    it again and admits it: the cap costs an honest batch a second fetch, not its admission."""
+    from node.home import NodeHome
+    from node.p2p.testing import wait_until
+    from node.roles.trainer import TrainerRole
+    from protocol import Envelope, NodeKey, RolloutAnnounce, Vote
+
+    from .roles_support import VALIDATORS, tiny_context
+
+    ctx = tiny_context(tmp_path / "ctx", ledger_max_pending=4, ledger_max_pending_bytes=1 << 20)
+    home = NodeHome(tmp_path / "home")
+    home.path.mkdir(parents=True)
+    role = TrainerRole(home, ctx)
+    node = role.node = _ServingNode()
+    run_id = ctx.genesis.run_id
+    honest = NodeKey(b"\x71" * 32)
+
+    def announce(key, ann) -> Envelope:
+        return Envelope(run_id, RolloutAnnounce.TYPE_ID, key.peer_id, int(time.time() * 1000), 0, ann, b"")
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(role._fetch_loop)
+            raw, ann = _signed_batch(honest, run_id, 0)
+            node.batches[ann.batch_id] = raw
+            role._on_announce(announce(honest, ann))
+            await wait_until(lambda: not role.ledger.needs_fetch(ann.batch_id), 10, what="the honest batch stored")
+            for i in range(30):  # the flood: each from a fresh identity, each served
+                key = NodeKey.generate()
+                fraw, fann = _signed_batch(key, run_id, 0)
+                node.batches[fann.batch_id] = fraw
+                role._on_announce(announce(key, fann))
+                await trio.sleep(0)
+            await wait_until(lambda: role.ledger.db.execute("SELECT COUNT(*) FROM batches").fetchone()[0] == 31, 20,
+                             what="every flood batch fetched")
+            s = role.ledger.storage()
+            assert s["pending_with_bytes"] <= 4 and s["pending_bytes"] <= 1 << 20
+            assert role.ledger.needs_fetch(ann.batch_id), "the honest batch's bytes were not evicted"
+            fetched = node.requests.count(ann.batch_id)
+            for v in VALIDATORS:  # the genesis's two validators (quorum 2) accept the honest batch
+                role._on_vote(Envelope(run_id, Vote.TYPE_ID, v.peer_id, 0, 0, Vote(
+                    batch_id=ann.batch_id, worker=honest.peer_id, policy_version=0, accept=True, reason="",
+                    rewards=(0.5,)), b""))
+            await wait_until(lambda: ann.batch_id in role.ledger.admitted_ids(), 10, what="the honest batch admitted")
+            assert node.requests.count(ann.batch_id) == fetched + 1 and role.refetches == 1
+            assert [b.envelope for b in role.ledger.untrained()] == [raw]
+            assert role.status()["ledger"]["refetches"] == 1
+            nursery.cancel_scope.cancel()

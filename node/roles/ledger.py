@@ -10,6 +10,26 @@ the trainer's current version, and the signed batch itself is held. Each
 (worker, policy version, batch counter) slot is admitted at most once, so a
 worker cannot get the same owed prompts counted twice. Rewards come from the
 accepting validators (median per sample), never from the worker.
+
+Retention (issue 8: identities are free, so batches from announcers nobody
+vouches for must not fill the disk). Nothing admitted is ever deleted, and an
+admitted batch keeps its bytes. For everything else:
+
+* a batch that is rejected (by votes, as stale, as a duplicate slot) loses its
+  stored envelope at once; its row (worker, version, counter, reason) and its
+  votes stay as the record of the decision;
+* pending batches that fall out of the ``max_async`` window can never be
+  admitted: :meth:`prune` rejects them as stale (and drops their bytes);
+* the bytes of pending batches are capped (``max_pending`` batches,
+  ``max_pending_bytes``): a new batch evicts the envelopes of the oldest pending
+  ones, those with no accept vote first. An evicted batch stays pending; once a
+  quorum of validators accepts it, :meth:`bytes_wanted` tells the trainer to
+  fetch it again from its worker, so eviction costs an honest batch a second
+  fetch, never its admission (unless its worker has forgotten it too);
+* the metadata of batches never admitted (rejected or evicted rows) is capped at
+  ``max_unadmitted_rows``, oldest first, with their votes; votes for batches the
+  ledger never recorded are kept ``orphan_vote_ttl_s`` (a vote may arrive before
+  the trainer has fetched the batch), then deleted.
 """
 
 from __future__ import annotations
@@ -39,6 +59,7 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS admitted_slot
     ON batches(worker, policy_version, batch_counter) WHERE status = 'admitted';
+CREATE INDEX IF NOT EXISTS batches_by_status ON batches(status);
 CREATE TABLE IF NOT EXISTS votes (
     batch_id BLOB NOT NULL,
     validator TEXT NOT NULL,
@@ -48,6 +69,7 @@ CREATE TABLE IF NOT EXISTS votes (
     received_ms INTEGER NOT NULL,
     PRIMARY KEY (batch_id, validator)
 );
+CREATE INDEX IF NOT EXISTS votes_by_time ON votes(received_ms);
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
@@ -62,11 +84,29 @@ class AdmittedBatch:
     rewards: list[float]
 
 
+# Retention defaults (see the module docstring; the trainer reads overrides from the run config).
+MAX_PENDING = 256
+MAX_PENDING_BYTES = 1 << 30
+MAX_UNADMITTED_ROWS = 100_000
+ORPHAN_VOTE_TTL_S = 3600.0
+
+# A row was admitted at some point (admitted, or aged out of the window before training):
+# such rows and their bytes are never deleted.
+_EVER_ADMITTED = "admitted_ms IS NOT NULL"
+
+
 class Ledger:
-    def __init__(self, path: Path | str, validators: Sequence[str], quorum: int, max_async: int) -> None:
+    def __init__(self, path: Path | str, validators: Sequence[str], quorum: int, max_async: int, *,
+                 max_pending: int = MAX_PENDING, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 max_unadmitted_rows: int = MAX_UNADMITTED_ROWS, orphan_vote_ttl_s: float = ORPHAN_VOTE_TTL_S) -> None:
         self.validators = frozenset(validators)
         self.quorum = quorum
         self.max_async = max_async
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.max_unadmitted_rows = max_unadmitted_rows
+        self.orphan_vote_ttl_s = orphan_vote_ttl_s
+        self.evicted = 0  # pending envelopes dropped to stay under the caps (since start)
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
@@ -91,12 +131,61 @@ class Ledger:
     # --------------------------------------------------------------- inputs
     def record_batch(self, batch_id: bytes, worker: str, policy_version: int, batch_counter: int,
                      num_samples: int, envelope: bytes | None) -> None:
-        """Remember an announced batch (and its bytes once fetched)."""
-        self.db.execute(
-            "INSERT INTO batches(batch_id, worker, policy_version, batch_counter, num_samples, envelope) "
-            "VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(batch_id) DO UPDATE SET envelope = COALESCE(envelope, excluded.envelope)",
-            (batch_id, worker, policy_version, batch_counter, num_samples, envelope),
-        )
+        """Remember an announced batch (and its bytes once fetched). Only a pending batch takes
+        bytes: a decided one keeps what it has (a rejected batch fetched again stores nothing).
+        Storing bytes may evict the envelopes of older pending batches (see the module docstring)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute(
+                "INSERT INTO batches(batch_id, worker, policy_version, batch_counter, num_samples, envelope) "
+                "VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(batch_id) DO UPDATE SET envelope = CASE "
+                "WHEN batches.status = 'pending' THEN COALESCE(batches.envelope, excluded.envelope) "
+                "ELSE batches.envelope END",
+                (batch_id, worker, policy_version, batch_counter, num_samples, envelope),
+            )
+            if envelope is not None:
+                self._evict_pending(keep=batch_id)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
+    def _evict_pending(self, keep: bytes) -> None:
+        """Drop envelopes of pending batches (not ``keep``) until the caps hold: batches no
+        validator has accepted yet go first, oldest first."""
+        n, size = self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(length(envelope)), 0) FROM batches "
+            "WHERE status = 'pending' AND envelope IS NOT NULL").fetchone()
+        if n <= self.max_pending and size <= self.max_pending_bytes:
+            return
+        victims = self.db.execute(
+            "SELECT b.batch_id, length(b.envelope), "
+            "EXISTS(SELECT 1 FROM votes v WHERE v.batch_id = b.batch_id AND v.accept = 1) AS vouched "
+            "FROM batches b WHERE b.status = 'pending' AND b.envelope IS NOT NULL AND b.batch_id != ? "
+            "ORDER BY vouched, b.rowid", (keep,)).fetchall()
+        for batch_id, length, _vouched in victims:
+            if n <= self.max_pending and size <= self.max_pending_bytes:
+                break
+            self.db.execute("UPDATE batches SET envelope = NULL WHERE batch_id = ?", (batch_id,))
+            n, size = n - 1, size - length
+            self.evicted += 1
+
+    def bytes_wanted(self, batch_id: bytes) -> tuple[str, int, int, int] | None:
+        """(worker, policy version, batch counter, samples) of a pending batch that a quorum of
+        validators accepts but whose bytes are not held (evicted): fetch it again. Else None."""
+        row = self.db.execute(
+            "SELECT worker, policy_version, batch_counter, num_samples FROM batches "
+            "WHERE batch_id = ? AND status = 'pending' AND envelope IS NULL", (batch_id,)).fetchone()
+        if row is None or len(self.accept_voters(batch_id) & self.validators) < self.quorum:
+            return None
+        if row[1] < self.policy_version - self.max_async:
+            return None
+        return row
+
+    def needs_fetch(self, batch_id: bytes) -> bool:
+        """Whether fetching this batch could still matter: unknown, or pending without bytes."""
+        row = self.db.execute("SELECT status, envelope IS NULL FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        return row is None or (row[0] == "pending" and bool(row[1]))
 
     def record_vote(self, batch_id: bytes, validator: str, accept: bool, reason: str,
                     rewards: Sequence[float]) -> bool:
@@ -146,7 +235,7 @@ class Ledger:
                 (worker, version, counter),
             ).fetchone()
             if dup:
-                self.db.execute("UPDATE batches SET status = 'rejected', reason = ? WHERE batch_id = ?",
+                self.db.execute("UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
                                 ("duplicate slot: this worker's batch for that version and counter is already admitted",
                                  batch_id))
                 self.db.execute("COMMIT")
@@ -162,8 +251,64 @@ class Ledger:
         return "admitted"
 
     def _reject(self, batch_id: bytes, reason: str) -> str:
-        self.db.execute("UPDATE batches SET status = 'rejected', reason = ? WHERE batch_id = ?", (reason, batch_id))
+        # only ever called on pending rows: never admitted, so the bytes go (the row stays)
+        self.db.execute("UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
+                        (reason, batch_id))
         return "rejected"
+
+    # ------------------------------------------------------------ retention
+    def prune(self, now_ms: int | None = None) -> dict[str, int]:
+        """Apply the retention rules (module docstring). Never touches a batch that was ever
+        admitted. Its queries use the status index and a moving window over the votes, so its
+        cost follows the rows not admitted, not the ledger's size. Returns what it did."""
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        unadmitted = f"status IN ('pending', 'rejected') AND envelope IS NULL AND NOT ({_EVER_ADMITTED})"
+        out = {}
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            out["stale"] = self.db.execute(
+                "UPDATE batches SET status = 'rejected', envelope = NULL, reason = ? "
+                "WHERE status = 'pending' AND policy_version < ?",
+                (f"stale: fell out of the max_async window ({self.max_async}) while pending",
+                 self.policy_version - self.max_async)).rowcount
+            # rows rejected before this policy existed (older ledgers) lose their bytes too
+            out["bytes_dropped"] = self.db.execute(
+                f"UPDATE batches SET envelope = NULL WHERE status = 'rejected' AND envelope IS NOT NULL "
+                f"AND NOT ({_EVER_ADMITTED})").rowcount
+            excess = self.db.execute(f"SELECT COUNT(*) FROM batches WHERE {unadmitted}").fetchone()[0] \
+                - self.max_unadmitted_rows
+            out["rows_deleted"] = 0
+            if excess > 0:
+                gone = [(r[0],) for r in self.db.execute(
+                    f"SELECT batch_id FROM batches WHERE {unadmitted} ORDER BY rowid LIMIT ?", (excess,))]
+                self.db.executemany("DELETE FROM votes WHERE batch_id = ?", gone)
+                self.db.executemany("DELETE FROM batches WHERE batch_id = ?", gone)
+                out["rows_deleted"] = len(gone)
+            # votes for batches never recorded, older than the TTL; each vote is looked at once
+            cutoff = now_ms - int(self.orphan_vote_ttl_s * 1000)
+            since = self.get_state("orphan_votes_checked_ms", 0)
+            out["orphan_votes_deleted"] = self.db.execute(
+                "DELETE FROM votes WHERE received_ms >= ? AND received_ms < ? "
+                "AND NOT EXISTS (SELECT 1 FROM batches b WHERE b.batch_id = votes.batch_id)", (since, cutoff)).rowcount
+            if cutoff > since:
+                self.set_state("orphan_votes_checked_ms", cutoff)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return out
+
+    def storage(self) -> dict[str, int]:
+        """Rows and stored envelope bytes, by kind (for status and tests)."""
+        def one(where: str) -> tuple[int, int]:
+            return self.db.execute(f"SELECT COUNT(*), COALESCE(SUM(length(envelope)), 0) FROM batches WHERE {where}"
+                                   ).fetchone()
+        pending, pending_bytes = one("status = 'pending' AND envelope IS NOT NULL")
+        unadmitted, unadmitted_bytes = one(f"status = 'rejected' AND NOT ({_EVER_ADMITTED})")
+        return {"pending_with_bytes": pending, "pending_bytes": pending_bytes,
+                "pending_without_bytes": one("status = 'pending' AND envelope IS NULL")[0],
+                "rejected_rows": unadmitted, "rejected_bytes": unadmitted_bytes,
+                "votes": self.db.execute("SELECT COUNT(*) FROM votes").fetchone()[0], "evicted": self.evicted}
 
     # ------------------------------------------------------------- training
     def untrained(self, limit: int | None = None) -> list[AdmittedBatch]:

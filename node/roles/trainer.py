@@ -15,14 +15,17 @@ from typing import Any
 
 import trio
 
-from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutBatch, open_envelope
+from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
 
 from ..memory import release_free_memory
 from ..p2p.reqresp import RequestError
 from .common import LearningRole, export_weights
-from .ledger import AdmittedBatch, Ledger
+from .ledger import MAX_PENDING, MAX_PENDING_BYTES, MAX_UNADMITTED_ROWS, ORPHAN_VOTE_TTL_S, AdmittedBatch, Ledger
 
 log = logging.getLogger("primenode.trainer")
+
+LEDGER_LIMITS = {"max_pending": MAX_PENDING, "max_pending_bytes": MAX_PENDING_BYTES,
+                 "max_unadmitted_rows": MAX_UNADMITTED_ROWS, "orphan_vote_ttl_s": ORPHAN_VOTE_TTL_S}
 
 
 class TrainerRole(LearningRole):
@@ -34,7 +37,13 @@ class TrainerRole(LearningRole):
         self.device = device
         self.steps = int(self.ctx.config.get("steps", 0)) or None  # None: train forever
         self.batches_per_step = int(self.ctx.config.get("batches_per_step", 1))
-        self.ledger = Ledger(self.home.path / "node.db", g.validators, g.quorum, g.max_async)
+        cfg = self.ctx.config
+        # retention caps of the ledger (docs/security.md); the run config may override them
+        self.ledger = Ledger(self.home.path / "node.db", g.validators, g.quorum, g.max_async,
+                             **{k: type(v)(cfg[f"ledger_{k}"]) for k, v in LEDGER_LIMITS.items() if f"ledger_{k}" in cfg})
+        self.prune_interval_s = float(cfg.get("ledger_prune_interval_s", 30.0))
+        self.refetches = 0
+        self._refetching: set[bytes] = set()  # queued second fetches (bounded like the queue)
         self.ckpt_dir = self.home.path / "trainer" / "checkpoint"
         self.export_root = self.home.path / "trainer" / "export"
         self.metrics_path = self.home.path / "metrics.jsonl"
@@ -60,6 +69,7 @@ class TrainerRole(LearningRole):
             for _ in range(4):
                 nursery.start_soon(self._fetch_loop)
             nursery.start_soon(self._reannounce_loop)
+            nursery.start_soon(self._retention_loop)
             await self._train_loop()
 
     def _load_or_init(self) -> None:
@@ -99,13 +109,23 @@ class TrainerRole(LearningRole):
             if st is not None and st.complete:
                 await self.node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
 
+    async def _retention_loop(self) -> None:
+        """The ledger's retention rules (stale pending rows, capped metadata, orphan votes)."""
+        while True:
+            pruned = self.ledger.prune()
+            if any(pruned.values()):
+                log.info("ledger retention: %s", pruned)
+            await trio.sleep(self.prune_interval_s)
+
     # ------------------------------------------------------------ admission
     def _on_announce(self, env: Envelope) -> None:
         if self.node.policy.is_banned(env.sender):
             return
         # Nothing is written to the ledger before the batch is fetched: announces from free
         # identities must not grow the database (the row is written with the bytes below).
-        if env.body.batch_id in self._queued_ids or not self.admit_announce(self._pending, env.sender):
+        # A batch already decided or held is not fetched again (a rejected batch stores nothing).
+        if (env.body.batch_id in self._queued_ids or not self.ledger.needs_fetch(env.body.batch_id)
+                or not self.admit_announce(self._pending, env.sender)):
             self.dropped_announces += 1
             return
         try:
@@ -122,6 +142,7 @@ class TrainerRole(LearningRole):
             finally:
                 self.release_announce(self._pending, env.sender)
                 self._queued_ids.discard(env.body.batch_id)
+                self._refetching.discard(env.body.batch_id)
 
     async def _fetch_one(self, env: Envelope) -> None:
         last: Exception | None = None
@@ -146,7 +167,8 @@ class TrainerRole(LearningRole):
             self._decide(ann.batch_id)
             return
         self.fetch_failures += 1
-        if last is not None:
+        if last is not None and env.body.batch_id not in self._refetching:
+            # (a worker that no longer holds a batch the ledger evicted is not charged for it)
             self.charge_unserved(env.sender, last)
 
     def _on_vote(self, env: Envelope) -> None:
@@ -157,9 +179,33 @@ class TrainerRole(LearningRole):
             self._decide(vote.batch_id)
 
     def _decide(self, batch_id: bytes) -> None:
-        if self.ledger.try_admit(batch_id) == "admitted":
+        status = self.ledger.try_admit(batch_id)
+        if status == "admitted":
             log.info("admitted batch %s", batch_id.hex()[:12])
             self._admitted.set()
+        elif status == "pending":
+            want = self.ledger.bytes_wanted(batch_id)
+            if want is not None:
+                self._refetch(batch_id, *want)
+
+    def _refetch(self, batch_id: bytes, worker: str, version: int, counter: int, num_samples: int) -> None:
+        """A quorum accepts a batch whose bytes the ledger evicted (retention caps): fetch it
+        again from its worker, through the same queue and per-announcer limits as announces."""
+        if batch_id in self._queued_ids or self.node.policy.is_banned(worker):
+            return
+        ann = RolloutAnnounce(batch_id=batch_id, policy_version=version, batch_counter=counter,
+                              num_samples=num_samples, size_bytes=1)
+        env = Envelope(self.ctx.genesis.run_id, RolloutAnnounce.TYPE_ID, worker, 0, 0, ann, b"")
+        if not self.admit_announce(self._pending, worker):
+            return
+        try:
+            self._announces_in.send_nowait(env)
+            self._queued_ids.add(batch_id)
+            self._refetching.add(batch_id)
+            self.refetches += 1
+            log.info("fetching evicted batch %s again: a quorum accepts it", batch_id.hex()[:12])
+        except trio.WouldBlock:
+            self.release_announce(self._pending, worker)
 
     # ------------------------------------------------------------ training
     def _groups(self, batches: list[AdmittedBatch]):
@@ -235,6 +281,7 @@ class TrainerRole(LearningRole):
             "trained_batches": counts["trained"],
             "restored_after_crash": self.restored,
             "dropped_announces": self.dropped_announces,
+            "ledger": {**self.ledger.storage(), "refetches": self.refetches},
             "last_step": {k: m[k] for k in ("loss", "grad_norm", "clip_fraction", "entropy", "filtered_groups",
                                            "stale_groups", "tokens_per_s", "length_mean") if k in m},
             "distribution": self.distribution_status(),
