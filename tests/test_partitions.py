@@ -15,7 +15,7 @@ from node.roles.context import RunContext
 from node.roles.trainer import TrainerRole
 from node.roles.validator import ValidatorRole
 from node.roles.worker import WorkerRole
-from protocol import NodeKey, PeerExchangeRequest, PeerExchangeResponse
+from protocol import NodeKey, PeerExchangeRequest, PeerExchangeResponse, RolloutBatch, open_envelope, sha256
 
 from .roles_support import OWNER, TRAINER
 from .test_roles_network import homes
@@ -140,14 +140,29 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
                              what="every worker on the final version")
             assert trainer.version == final
 
+            # No duplicate admission. The ledger's unique index covers only its own columns of the
+            # rows admitted now, so judge from the bytes instead: open every batch ever admitted
+            # (aged-out ones too; the ledger keeps their bytes) and read the slot its worker signed.
             db = trainer.ledger.db
-            dups = db.execute("SELECT worker, policy_version, batch_counter, COUNT(*) FROM batches "
-                              "WHERE status = 'admitted' GROUP BY 1, 2, 3 HAVING COUNT(*) > 1").fetchall()
-            assert dups == [], "a (worker, version, counter) slot was admitted twice"
-            admitted = trainer.ledger.admitted_ids()
+            admitted = db.execute("SELECT batch_id, worker, policy_version, batch_counter, envelope FROM batches "
+                                  "WHERE admitted_ms IS NOT NULL").fetchall()
             assert admitted
-            for b in admitted:
-                assert len(trainer.ledger.accept_voters(b)) >= genesis.genesis.quorum
+            signed_slots = []
+            for batch_id, worker, version, counter, raw in admitted:
+                assert raw is not None and sha256(raw) == batch_id, "an admitted batch lost its bytes"
+                env = open_envelope(raw, run_id=genesis.genesis.run_id, now_ms=0, guard=None,
+                                    allowed_types={RolloutBatch.TYPE_ID})
+                batch = env.body
+                slot = (env.sender, batch.policy_version, batch.batch_counter)
+                assert slot == (worker, version, counter), "the ledger's slot is not the one the worker signed"
+                signed_slots.append(slot)
+                assert len(trainer.ledger.accept_voters(batch_id)) >= genesis.genesis.quorum
+            assert len(signed_slots) == len(set(signed_slots)), "the same owed prompts were admitted twice"
+            # every refusal as a duplicate names a slot that is admitted exactly once
+            for worker, version, counter in db.execute(
+                    "SELECT worker, policy_version, batch_counter FROM batches "
+                    "WHERE status = 'rejected' AND reason LIKE 'duplicate slot%'").fetchall():
+                assert signed_slots.count((worker, version, counter)) == 1
             # every step trained once, in order
             rows = [json.loads(line) for line in (trainer.home.path / "metrics.jsonl").read_text().splitlines()]
             steps = [r["step"] for r in rows if not r.get("skipped")]
