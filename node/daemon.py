@@ -256,11 +256,18 @@ class _FetchReporter:
         self.last_log: dict[int, float] = {}
         self.done: set[int] = set()
 
+    # Versions remembered (done / last log line): enough to recognise a repeated report,
+    # bounded for a run of any length.
+    KEEP_VERSIONS = 64
+
     def update(self, p) -> None:
         if p.version in self.done:
             return  # the fetcher may report completion more than once
         if p.done:
             self.done.add(p.version)
+            floor = p.version - self.KEEP_VERSIONS
+            self.done = {v for v in self.done if v > floor}
+            self.last_log = {v: t for v, t in self.last_log.items() if v > floor}
         try:
             if self.tty:
                 self._bar(p)

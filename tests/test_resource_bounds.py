@@ -46,3 +46,52 @@ def test_banned_peers_are_bounded_and_the_set_stays_shared(tmp_path):
     assert dist.banned is shared
     assert len(dist.banned) <= MAX_BANNED
     assert live <= dist.banned  # still banned by the policy: kept
+
+
+def test_a_fetch_tracks_a_bounded_number_of_peers(tmp_path):
+    """Heartbeats from ever new identities during a fetch add peers to it: bounded, and the
+    peers that showed a bitmap (the useful ones) are never pushed out by newcomers."""
+    from node.dataplane.swarm import MAX_KNOWN_PEERS, SwarmFetcher
+
+    from .dist_helpers import make_checkpoint
+
+    trainer = keys(1)[0]
+    store = ChunkStore(tmp_path / "seed", RUN_ID, trainer.peer_id)
+    _, raw = store.import_directory_blocking(trainer, 1, make_checkpoint(tmp_path / "ckpt", 1), 1 << 18)
+    store.add_announce(raw)
+    fetcher_store = ChunkStore(tmp_path / "fetcher", RUN_ID, trainer.peer_id)
+    fetcher_store.add_announce(raw)
+    f = SwarmFetcher(fetcher_store, 1, _NoOverlay())
+    full = b"\xff" * ((f.n + 7) // 8)
+    if f.n % 8:
+        full = full[:-1] + bytes([(1 << (f.n % 8)) - 1])
+    f.update_have("holder", full)
+    for i in range(3 * MAX_KNOWN_PEERS):
+        f.add_peer(f"stranger-{i}")
+    assert len(f.peers) <= MAX_KNOWN_PEERS
+    assert "holder" in f.peers and f.peers["holder"].seed
+    assert f.nseeds == 1
+
+
+def test_progress_display_state_is_bounded_over_many_versions():
+    """The daemon's fetch reporter and the progress bar keep a bounded number of versions."""
+    import io
+
+    from rich.console import Console
+
+    from node.daemon import _FetchReporter
+    from node.dataplane.progress import CheckpointProgress
+    from node.dataplane.swarm import FetchProgress
+
+    rep = _FetchReporter(tty=False, every_s=0.0)
+    bar = CheckpointProgress(console=Console(file=io.StringIO(), force_terminal=True))
+    with bar:
+        for v in range(1000):
+            for held, done in ((1, False), (4, True)):
+                p = FetchProgress(version=v, held=held, total=4, bytes_fetched=held, mib_per_s=1.0, elapsed_s=0.1,
+                                  done=done)
+                rep.update(p)
+                bar.update(p)
+    assert len(rep.done) <= _FetchReporter.KEEP_VERSIONS and 999 in rep.done
+    assert len(rep.last_log) <= _FetchReporter.KEEP_VERSIONS
+    assert len(bar.tasks) <= CheckpointProgress.MAX_ROWS and 999 in bar.tasks

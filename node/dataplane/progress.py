@@ -25,6 +25,10 @@ class CheckpointProgress:
         )
         self.tasks: dict[int, TaskID] = {}
 
+    # Rows (versions) shown at once: a node that is always fetching keeps one bar open for
+    # the whole run, and a row per version ever fetched would grow without bound.
+    MAX_ROWS = 4
+
     def __enter__(self) -> "CheckpointProgress":
         self.progress.__enter__()
         return self
@@ -36,4 +40,6 @@ class CheckpointProgress:
         task = self.tasks.get(p.version)
         if task is None:
             task = self.tasks[p.version] = self.progress.add_task("", total=p.total, version=p.version, rate=0.0)
+            while len(self.tasks) > self.MAX_ROWS:
+                self.progress.remove_task(self.tasks.pop(min(self.tasks)))
         self.progress.update(task, completed=p.held, total=p.total, rate=p.mib_per_s)

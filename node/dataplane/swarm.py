@@ -55,6 +55,10 @@ class TicketError(Exception):
     """No ticket from a peer (timeout, unreachable over the overlay, refused)."""
 
 
+# Peers one fetch keeps track of: heartbeats from any identity add peers while a fetch runs.
+MAX_KNOWN_PEERS = 1024
+
+
 @dataclasses.dataclass
 class FetchPeer:
     peer_id: str
@@ -172,17 +176,28 @@ class SwarmFetcher:
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
 
     # ------------------------------------------------------------ inputs
-    def add_peer(self, peer_id: str) -> FetchPeer:
+    def add_peer(self, peer_id: str) -> FetchPeer | None:
+        """A peer to try. Bounded (``MAX_KNOWN_PEERS``): at the cap an idle peer that never
+        showed a bitmap makes room, else the newcomer is ignored (None)."""
         p = self.peers.get(peer_id)
         if p is None:
+            if len(self.peers) >= MAX_KNOWN_PEERS and not self._evict_idle_peer():
+                return None
             p = self.peers[peer_id] = FetchPeer(peer_id, banned=peer_id in self.banned)
             self._poke()
         return p
 
+    def _evict_idle_peer(self) -> bool:
+        for pid, q in self.peers.items():
+            if q.bitmap is None and not q.running and not q.inflight:
+                del self.peers[pid]
+                return True
+        return False
+
     def update_have(self, peer_id: str, bitmap: bytes) -> None:
         """A peer's have-bitmap for this version (heartbeat or HAVE reply)."""
         p = self.add_peer(peer_id)
-        if p.banned:
+        if p is None or p.banned:
             return
         try:
             new = Bitmap(self.n, bitmap)
