@@ -210,22 +210,57 @@ class Devnet:
 
 
 def render_table(devnet: Devnet, snap: dict[str, Any], started: float):
-    from rich.table import Table
-
     metrics = devnet.trainer_metrics()
     last = metrics[-1] if metrics else {}
     title = (f"devnet  step {last.get('step', 0)}/{devnet.opts.steps}  reward {last.get('reward_mean', float('nan')):.3f}"
              f"  elapsed {time.monotonic() - started:.0f}s")
+    nodes = [(n.name, n.role, bool(n.proc and n.proc.poll() is None)) for n in devnet.nodes]
+    return status_table(nodes, snap, title)
+
+
+TABLE_COLUMNS = ("node", "alive", "peers", "version", "step", "reward", "produced", "accepted", "rejected", "reasons")
+
+
+def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet"):
+    """One row per node (``nodes``: name, role, whether its process lives; devnet names
+    say the role, so it gets no column), from its status object (``snap[name]``; None
+    while it does not answer). Columns: the policy version each learning node holds; the
+    trainer's step and reward; batches accepted / rejected as each role sees them: the
+    trainer's ledger (admitted / rejected), a worker's own batches (a quorum of accept
+    votes / a quorum no longer possible) next to how many it produced, a validator's
+    verdicts, with its rejection rules under "reasons". "-" where a column does not apply."""
+    from rich.table import Table
+
     t = Table(title=title)
-    for col in ("node", "role", "alive", "peers", "version", "state"):
-        t.add_column(col)
-    for n in devnet.nodes:
-        s = snap.get(n.name) or {}
-        alive = "yes" if n.proc and n.proc.poll() is None else "no"
-        rs = s.get("role_state", {}) or {}
-        state = ", ".join(f"{k}={v}" for k, v in rs.items() if not isinstance(v, (dict, list)))
-        t.add_row(n.name, n.role, alive, str(len(s.get("peers", []))) if s else "-",
-                  str(rs.get("policy_version", s.get("policy_version", "-"))), state[:80])
+    for col in TABLE_COLUMNS:
+        t.add_column(col, overflow="fold")
+    for name, role, alive in nodes:
+        s = snap.get(name) or {}
+        rs = s.get("role_state") or {}
+        cells = dict.fromkeys(TABLE_COLUMNS, "-")
+        cells.update(node=name, alive="yes" if alive else "no")
+        if s:
+            cells["peers"] = str(len(s.get("peers") or []))
+        if "policy_version" in rs:
+            cells["version"] = str(rs["policy_version"])
+        if role == "trainer" and rs:
+            target = rs.get("target_steps")
+            cells["step"] = f"{rs.get('step', '-')}/{target}" if target else str(rs.get("step", "-"))
+            reward = rs.get("reward_mean")
+            cells["reward"] = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
+            cells["accepted"], cells["rejected"] = str(rs.get("admitted", "-")), str(rs.get("rejected", "-"))
+        elif role == "worker" and rs:
+            cells["produced"] = str(rs.get("batches_produced", "-"))
+            cells["accepted"] = str(rs.get("batches_accepted", "-"))
+            cells["rejected"] = str(rs.get("batches_rejected", "-"))
+        elif role == "validator" and rs:
+            verdicts, reasons = rs.get("verdicts") or {}, rs.get("reasons") or {}
+            cells["accepted"], cells["rejected"] = str(verdicts.get("accept", 0)), str(verdicts.get("reject", 0))
+            parts = [f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]
+            if verdicts.get("unverifiable"):
+                parts.append(f"unverifiable {verdicts['unverifiable']} (no vote)")
+            cells["reasons"] = ", ".join(parts) or "-"
+        t.add_row(*(cells[c] for c in TABLE_COLUMNS))
     return t
 
 

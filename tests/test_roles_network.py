@@ -23,8 +23,9 @@ def homes(tmp_path, name):
 async def start_network(nursery, tmp_path, genesis, worker_tamper=(None, None), steps=3):
     ctx = RunContext.from_genesis(genesis.genesis, tmp_path / "cache")
     # Production heartbeat interval: every node of this in-process network shares two cores,
-    # and flooding 0.5 s heartbeats from ten nodes starves the model threads of the GIL.
-    net = NodeFactory(nursery, genesis=genesis, heartbeat_interval_s=2.0, forget_after_s=15.0)
+    # and flooding 0.5 s heartbeats from ten nodes starves the model threads of the GIL. For
+    # the same reason a dial may wait on a busy process longer than fast_config's 3 s.
+    net = NodeFactory(nursery, genesis=genesis, heartbeat_interval_s=2.0, forget_after_s=15.0, dial_timeout_s=10.0)
     await net.start()  # bootstrap
     trainer = TrainerRole(homes(tmp_path, "trainer"), ctx)
     await net.start(hook=trainer, key=TRAINER)
@@ -54,41 +55,137 @@ async def test_network_advances_versions_with_quorum_admission(tmp_path):
             # workers hot-reload new versions; every validator voted
             await wait_until(lambda: all(w.loaded_version >= 1 for w in workers), 60, what="workers on a new version")
             assert all(v.verdicts["accept"] >= 1 for v in validators)
+            # a worker's status counts batches (a quorum of accepts), not votes
+            await wait_until(lambda: sum(w.stats["batches_accepted"] for w in workers) >= 1, 30,
+                             what="a worker to see a quorum of accepts on a batch")
+            for w in workers:
+                assert w.stats["batches_accepted"] + w.stats["batches_rejected"] <= w.stats["batches_produced"]
+                assert w.stats["accept_votes"] >= genesis.genesis.quorum * w.stats["batches_accepted"]
             metrics = trainer.home.path / "metrics.jsonl"
             await wait_until(lambda: len(metrics.read_text().splitlines()) >= 3, 30, what="three metrics lines")
             nursery.cancel_scope.cancel()
+
+
+# Each cheat, the rule (rollouts.verify_batch / the validator) its batches must be refused by.
+CHEAT_RULES = {
+    "weights": {"toploc"},            # generated with other weights: the proofs do not match the prefill
+    "tokens": {"tokens", "toploc"},   # claims tokens it did not generate
+    "prompts": {"prompts"},           # answers prompts it was not assigned
+    "rewards": {"reward"},            # claims rewards the rules do not give
+    "version": {"version"},           # signs batches as a policy version nobody announced
+}
+
+
+def votes_on(trainer, batch_ids):
+    """(batch, validator, accept, rule) of every vote the trainer's ledger holds on ``batch_ids``."""
+    out = []
+    for b in batch_ids:
+        for validator, accept, reason in trainer.ledger.db.execute(
+                "SELECT validator, accept, reason FROM votes WHERE batch_id = ?", (b,)):
+            out.append((b, validator, bool(accept), reason.split(":", 1)[0] if reason else ""))
+    return out
 
 
 async def test_cheating_workers_are_refused_and_banned_while_training_continues(tmp_path):
     from protocol import NodeKey
 
     genesis = tiny_genesis(steps=3, batches_per_step=1)
-    tampers = ["weights", "tokens", "prompts", "rewards"]
-    with trio.fail_after(300):
+    with trio.fail_after(540):
         async with trio.open_nursery() as nursery:
             net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis,
                                                                     worker_tamper=(None,))
             ctx = trainer.ctx
             cheats = {}
-            for i, mode in enumerate(tampers):
+            for i, mode in enumerate(CHEAT_RULES):
                 key = NodeKey(bytes([0x40 + i]) * 32)
                 w = WorkerRole(homes(tmp_path, f"cheat-{mode}"), ctx, tamper=mode)
                 cheats[mode] = (key.peer_id, w)
                 await net.start(hook=w, key=key)
-            await wait_until(lambda: trainer.version >= 3, 240, poll=0.2, what="three honest trainer steps")
-            banned_modes = ["weights", "tokens", "prompts"]
+            banned_modes = ["weights", "tokens", "prompts", "version"]
             await wait_until(
                 lambda: all(all(v.node.policy.is_banned(cheats[m][0]) for v in validators) for m in banned_modes),
-                60, poll=0.2, what="the cheating workers banned by every validator")
+                180, poll=0.5, what="the cheating workers banned by every validator")
+
+            # Why: every vote on a cheat's batches is a rejection naming the rule that cheat
+            # breaks ("stale" aside: a batch can also age out while it waits). The votes reach
+            # the trainer by gossip, so wait until each cheat has one.
+            def explained(mode: str) -> bool:
+                return any(rule in CHEAT_RULES[mode] for *_, rule in votes_on(trainer, list(cheats[mode][1].batches)))
+
+            await wait_until(lambda: all(explained(m) for m in cheats), 120, poll=0.5,
+                             what="a vote naming each cheat's rule at the trainer")
+            # the ban notices reach the trainer too (network-wide; gossip takes a moment,
+            # longer when a ban just cut a tree link and GRAFT has to repair it)
+            await wait_until(lambda: all(trainer.node.policy.is_banned(cheats[m][0]) for m in banned_modes),
+                             30, poll=0.2, what="the ban notices at the trainer")
+            # Banned cheats would keep generating for nobody, on the two cores the honest
+            # nodes share: stop them, then training must go on.
+            for mode, (pid, w) in cheats.items():
+                assert w.stats["batches_produced"] >= 1, mode
+                net.kill(w.node)
+            await wait_until(lambda: trainer.version >= 3, 240, poll=0.5, what="three honest trainer steps")
+
             admitted_workers = {
                 row[0] for row in trainer.ledger.db.execute("SELECT worker FROM batches WHERE status = 'admitted'")
             }
             assert admitted_workers == {workers[0].node.peer_id}
             for mode, (pid, w) in cheats.items():
-                assert w.stats["batches_produced"] >= 1, mode
-                assert pid not in admitted_workers
-            # the ban notice reaches the trainer too (network-wide; gossip takes a moment,
-            # longer when a ban just cut a tree link and GRAFT has to repair it)
-            await wait_until(lambda: all(trainer.node.policy.is_banned(cheats[m][0]) for m in banned_modes),
-                             30, poll=0.2, what="the ban notices at the trainer")
+                votes = votes_on(trainer, list(w.batches))
+                assert not any(accept for _, _, accept, _ in votes), (mode, votes)
+                rules = {rule for *_, rule in votes}
+                assert rules <= CHEAT_RULES[mode] | {"stale"}, (mode, rules)
+            # the validators' own books say the same
+            for rule in ("toploc", "prompts", "reward", "version"):
+                assert sum(v.reasons[rule] for v in validators) >= 1, (rule, [dict(v.reasons) for v in validators])
+            assert all(v.verdicts["accept"] >= 1 for v in validators)  # honest batches still pass
+            nursery.cancel_scope.cancel()
+
+
+async def test_rollouts_older_than_max_async_are_refused_as_stale(tmp_path):
+    """A worker stuck on the first version it loaded keeps producing for it: once the
+    trainer is more than max_async versions ahead, every validator votes 'stale', the
+    trainer never admits those batches, and nobody bans the worker (slow is not cheating)."""
+    genesis = tiny_genesis(steps=5, batches_per_step=1)
+    max_async = genesis.genesis.max_async
+    with trio.fail_after(300):
+        async with trio.open_nursery() as nursery:
+            net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis,
+                                                                    worker_tamper=(None, "stale"))
+            honest, stuck = workers
+            validator_ids = {v.node.peer_id for v in validators}
+
+            def refused_by_all() -> list[bytes]:
+                """The stuck worker's batches with a 'stale' vote from every validator."""
+                by_batch: dict[bytes, set[str]] = {}
+                for b, validator, accept, rule in votes_on(trainer, list(stuck.batches)):
+                    if not accept and rule == "stale":
+                        by_batch.setdefault(b, set()).add(validator)
+                return [b for b, vs in by_batch.items() if vs == validator_ids]
+
+            await wait_until(lambda: trainer.version > max_async and refused_by_all(), 270, poll=0.5,
+                             what="a stale batch refused by every validator")
+            assert stuck.loaded_version == 0 and honest.loaded_version > max_async
+
+            def ledger_row(b: bytes):
+                return trainer.ledger.db.execute("SELECT status, reason, policy_version FROM batches WHERE batch_id = ?",
+                                                 (b,)).fetchone()
+
+            refused = refused_by_all()
+            await wait_until(lambda: all(ledger_row(b) is not None and ledger_row(b)[0] == "rejected" for b in refused),
+                             30, poll=0.2, what="the trainer's ledger to reject the stale batches")
+            for b in refused:
+                status, reason, version = ledger_row(b)
+                assert version == 0 and "stale" in reason, (status, reason, version)
+            for b, validator, accept, rule in votes_on(trainer, list(stuck.batches)):
+                if rule == "stale":
+                    assert (ledger_row(b) or ("pending",))[0] != "admitted"
+            vote_reasons = [r for (r,) in trainer.ledger.db.execute(
+                "SELECT reason FROM votes WHERE batch_id = ?", (refused[0],))]
+            assert all(r.startswith("stale: policy version 0,") and f"max_async {max_async}" in r for r in vote_reasons)
+            # what the trainer did admit had its quorum
+            for b in trainer.ledger.admitted_ids():
+                assert len(trainer.ledger.accept_voters(b)) >= genesis.genesis.quorum
+            assert all(v.reasons["stale"] >= 1 for v in validators)
+            assert not any(v.node.policy.is_banned(stuck.node.peer_id) for v in validators)
+            assert stuck.stats["batches_rejected"] >= len(refused)
             nursery.cancel_scope.cancel()

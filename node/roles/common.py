@@ -142,17 +142,25 @@ class WeightCache:
         self.role = role
         self.capacity = capacity
         self._cache: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self._loading: dict[int, trio.Event] = {}  # versions being read right now
 
     def held(self, version: int) -> bool:
         st = self.role.store.get(version)
         return version in self._cache or (st is not None and st.assembled)
 
     async def get(self, version: int) -> dict:
+        while version in self._loading:  # another task is reading it (a worker's read-ahead): share
+            await self._loading[version].wait()
         if version in self._cache:
             self._cache.move_to_end(version)
             return self._cache[version]
-        with self.role.dist.open_version(version) as files:
-            state = await trio.to_thread.run_sync(load_state_dict, files)
+        done = self._loading[version] = trio.Event()
+        try:
+            with self.role.dist.open_version(version) as files:
+                state = await trio.to_thread.run_sync(load_state_dict, files)
+        finally:
+            del self._loading[version]
+            done.set()
         self._cache[version] = state
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)

@@ -4,6 +4,7 @@ announce, serve. Permissionless: it trusts only the trainer-signed manifest."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -18,7 +19,23 @@ from .rollouts import produce_batch
 
 log = logging.getLogger("primenode.worker")
 
-TAMPER_MODES = ("weights", "tokens", "prompts", "rewards")
+# Adversarial test modes. "weights": generate with perturbed weights; "tokens", "prompts",
+# "rewards": lie in the batch (rollouts.produce_batch); "version": sign batches as a policy
+# version VERSION_LIE ahead of the one it holds; "stale": stay on the first version it loads
+# and keep producing for it (one more batch per newer version it ignores) -- not cheating,
+# just too slow, so its batches fall out of the max_async window.
+TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "version", "stale")
+BATCH_TAMPERS = ("tokens", "prompts", "rewards")  # applied by produce_batch
+VERSION_LIE = 50
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The genesis validators' votes on one of our batches."""
+
+    accepts: set[str] = dataclasses.field(default_factory=set)
+    rejects: set[str] = dataclasses.field(default_factory=set)
+    decided: bool = False
 
 
 class WorkerRole(LearningRole):
@@ -40,10 +57,16 @@ class WorkerRole(LearningRole):
         self.produced: collections.Counter[int] = collections.Counter()
         self.loaded_version = -1
         self.engine: Any = None
+        # batches_accepted: our batches with accept votes from a quorum of genesis validators;
+        # batches_rejected: ours with so many reject votes that no quorum of accepts is possible
+        # (with quorum == validators, one reject). accept_votes / reject_votes count single votes.
         self.stats = {"batches_produced": 0, "batches_accepted": 0, "batches_rejected": 0, "batches_served": 0,
-                      "generate_s": 0.0}
+                      "accept_votes": 0, "reject_votes": 0, "generate_s": 0.0, "load_s": 0.0}
         self._my_batches: set[bytes] = set()
-        self._voted: dict[bytes, set[str]] = {}
+        self._tally: dict[bytes, _Tally] = {}
+        # The worker only ever needs the version it runs and the next one (read ahead while
+        # the current batch generates); older state dicts are dead weight in its memory.
+        self.weights.capacity = 2
 
     async def run(self, node) -> None:
         async with trio.open_nursery() as nursery:
@@ -51,6 +74,7 @@ class WorkerRole(LearningRole):
             node.reqresp.register(BatchRequest, self._serve_batch)
             node.gossip.on("vote", self._on_vote)
             nursery.start_soon(self._loop)
+            nursery.start_soon(self._read_ahead_loop)
 
     def _serve_batch(self, env: Envelope, peer: str) -> BatchResponse:
         raw = self.batches.get(env.body.batch_id)
@@ -60,15 +84,44 @@ class WorkerRole(LearningRole):
 
     def _on_vote(self, env: Envelope) -> None:
         vote = env.body
-        if vote.batch_id not in self._my_batches or env.sender not in self.ctx.genesis.validators:
+        g = self.ctx.genesis
+        if vote.batch_id not in self._my_batches or env.sender not in g.validators:
             return
-        seen = self._voted.setdefault(vote.batch_id, set())
-        if env.sender in seen:
+        tally = self._tally.setdefault(vote.batch_id, _Tally())
+        if env.sender in tally.accepts or env.sender in tally.rejects:
+            return  # one vote per validator and batch
+        (tally.accepts if vote.accept else tally.rejects).add(env.sender)
+        self.stats["accept_votes" if vote.accept else "reject_votes"] += 1
+        if tally.decided:
             return
-        seen.add(env.sender)
-        self.stats["batches_accepted" if vote.accept else "batches_rejected"] += 1
+        # the trainer's rule (ledger.try_admit), seen from the votes alone
+        if len(tally.accepts) >= g.quorum:
+            tally.decided = True
+            self.stats["batches_accepted"] += 1
+        elif len(tally.rejects) > len(set(g.validators)) - g.quorum:
+            tally.decided = True
+            self.stats["batches_rejected"] += 1
+
+    def _pinned(self) -> bool:
+        """The "stale" test mode never leaves the first version it loaded."""
+        return self.tamper == "stale" and self.loaded_version >= 0
+
+    async def _read_ahead_loop(self) -> None:
+        """Read (and deserialise) each new version's weights while the current batch still
+        generates, so the swap between batches is only the copy into the engine."""
+        ahead = -1
+        while True:
+            newest = await self.dist.wait_version(max(self.loaded_version, ahead) + 1)
+            if self._pinned():
+                return
+            try:
+                await self.weights.get(newest)
+            except Exception as exc:  # noqa: BLE001 - the loop's own load reports it properly
+                log.info("reading ahead policy version %d failed: %s", newest, exc)
+            ahead = newest
 
     async def _load(self, version: int) -> None:
+        t0 = time.perf_counter()
         state = await self.weights.get(version)
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self._make_engine)
@@ -77,7 +130,16 @@ class WorkerRole(LearningRole):
         if self.tamper == "weights":
             await trio.to_thread.run_sync(_perturb, self.engine.model, 0.1)
         self.loaded_version = version
+        self._trim_counters()
+        self.stats["load_s"] = round(time.perf_counter() - t0, 2)
         log.info("worker loaded policy version %d", version)
+
+    def _trim_counters(self) -> None:
+        """Versions more than max_async behind the loaded one are never produced for again."""
+        floor = self.loaded_version - self.ctx.genesis.max_async
+        for counter in (self.produced, self.allowance):
+            for v in [v for v in counter if v < floor]:
+                del counter[v]
 
     def _make_engine(self):
         from ..engines.transformers_engine import TransformersEngine
@@ -92,21 +154,27 @@ class WorkerRole(LearningRole):
         g = self.ctx.genesis
         while True:
             newest = await self.dist.wait_version(0)
-            if newest != self.loaded_version:
-                await self._load(newest)  # hot reload between batches; the next version keeps fetching meanwhile
+            if newest != self.loaded_version and not self._pinned():
+                # hot reload between batches; the weights were read ahead meanwhile, and the
+                # next version keeps fetching
+                await self._load(newest)
             version = self.loaded_version
-            if self.produced[version] >= self.per_version + self.allowance[version]:
+            budget = self.per_version + self.allowance[version]
+            if self.tamper == "stale":
+                budget += newest - version
+            if self.produced[version] >= budget:
                 with trio.move_on_after(self.idle_s) as idle:
-                    await self.dist.wait_version(version + 1)
+                    await self.dist.wait_version(newest + 1)
                 if idle.cancelled_caught:
                     self.allowance[version] += 1
                 continue
             counter = self.produced[version]
             self.produced[version] += 1
+            claimed = version + VERSION_LIE if self.tamper == "version" else version
             t0 = time.perf_counter()
             batch = await trio.to_thread.run_sync(
-                lambda: produce_batch(self.ctx, self.engine, node.peer_id, version, counter,
-                                      tamper=self.tamper if self.tamper != "weights" else None))
+                lambda: produce_batch(self.ctx, self.engine, node.peer_id, claimed, counter,
+                                      tamper=self.tamper if self.tamper in BATCH_TAMPERS else None))
             await trio.to_thread.run_sync(release_free_memory)  # generation's transient tensors
             self.stats["generate_s"] = round(time.perf_counter() - t0, 2)
             raw = seal(node.key, g.run_id, batch, int(time.time() * 1000), node.seq.next())
@@ -116,11 +184,11 @@ class WorkerRole(LearningRole):
             while len(self.batches) > self.keep_batches:
                 old, _ = self.batches.popitem(last=False)
                 self._my_batches.discard(old)
-                self._voted.pop(old, None)
+                self._tally.pop(old, None)
             self.stats["batches_produced"] += 1
-            await node.gossip.publish(RolloutAnnounce(batch_id=batch_id, policy_version=version, batch_counter=counter,
+            await node.gossip.publish(RolloutAnnounce(batch_id=batch_id, policy_version=claimed, batch_counter=counter,
                                                       num_samples=len(batch.samples), size_bytes=len(raw)))
-            log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], version, counter)
+            log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], claimed, counter)
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {**super().heartbeat_fields(), "batches": self.stats["batches_produced"]}

@@ -1,0 +1,62 @@
+"""The devnet's live table, rendered from canned status objects (no processes)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from node.devnet import TABLE_COLUMNS, status_table
+
+DIST = {"versions": [{"version": 3, "chunks_held": 2, "chunks_total": 2, "complete": True}]}
+SNAP = {
+    "bootstrap": {"peer_id": "12D3KooWboot", "role": "bootstrap", "peers": [{}, {}, {}], "role_state": {}},
+    "trainer": {"peers": [{}] * 4, "role_state": {
+        "step": 3, "policy_version": 3, "target_steps": 40, "reward_mean": 0.45678, "admitted": 17, "rejected": 5,
+        "pending": 1, "buffer": 2, "trained_batches": 3, "restored_after_crash": 0, "dropped_announces": 0,
+        "last_step": {"loss": 0.1}, "distribution": DIST}},
+    "worker-0": {"peers": [{}] * 4, "role_state": {
+        "policy_version": 2, "batches_produced": 9, "batches_accepted": 6, "batches_rejected": 1,
+        "batches_served": 12, "accept_votes": 12, "reject_votes": 2, "tamper": None, "distribution": DIST}},
+    "validator-0": {"peers": [{}] * 4, "role_state": {
+        "policy_version": 3, "verdicts": {"accept": 11, "reject": 4, "unverifiable": 1},
+        "reasons": {"toploc": 3, "stale": 1}, "recent_rejections": ["12D3KooWxxxx: toploc: sample 0"],
+        "distribution": DIST}},
+    "validator-1": None,  # not answering (starting, or killed)
+}
+NODES = [("bootstrap", "bootstrap", True), ("trainer", "trainer", True), ("worker-0", "worker", True),
+         ("validator-0", "validator", True), ("validator-1", "validator", False)]
+
+
+def rendered(width: int) -> tuple[str, dict[str, list[str]]]:
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(status_table(NODES, SNAP, "devnet step 3/40"))
+    rows = {}
+    for line in out.getvalue().splitlines():
+        cells = [c.strip() for c in line.strip().strip("│┃").split("│" if "│" in line else "┃")]
+        if cells and cells[0] in {name for name, _, _ in NODES} | {"node"}:
+            rows[cells[0]] = cells
+    return out.getvalue(), rows
+
+
+def test_each_role_fills_its_own_columns():
+    _, rows = rendered(160)
+    assert rows["node"] == list(TABLE_COLUMNS)
+    col = {name: i for i, name in enumerate(TABLE_COLUMNS)}
+    tr, wk, va, dead, boot = (rows[n] for n in ("trainer", "worker-0", "validator-0", "validator-1", "bootstrap"))
+    assert (tr[col["version"]], tr[col["step"]], tr[col["reward"]]) == ("3", "3/40", "0.457")
+    assert (tr[col["accepted"]], tr[col["rejected"]]) == ("17", "5")  # the trainer's ledger: admitted, rejected
+    assert (wk[col["version"]], wk[col["produced"]], wk[col["accepted"]], wk[col["rejected"]]) == ("2", "9", "6", "1")
+    assert (va[col["version"]], va[col["accepted"]], va[col["rejected"]]) == ("3", "11", "4")  # its verdicts
+    assert va[col["reasons"]] == "toploc 3, stale 1, unverifiable 1 (no vote)"
+    assert (dead[col["alive"]], dead[col["peers"]], dead[col["version"]], dead[col["reasons"]]) == ("no", "-", "-", "-")
+    assert (boot[col["peers"]], boot[col["version"]], boot[col["step"]]) == ("3", "-", "-")
+
+
+def test_a_narrow_terminal_folds_cells_instead_of_cutting_them():
+    text, rows = rendered(100)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert rows["trainer"][TABLE_COLUMNS.index("rejected")] == "5"
+    squeezed = "".join(ch for ch in text if ch.isalnum())
+    for word in ("toploc3", "stale1", "unverifiable1"):
+        assert word in squeezed, squeezed

@@ -1,0 +1,156 @@
+"""Worker bookkeeping without a network: what its status counts, bounded per-version
+counters, and reading the next version's weights ahead of the swap."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import trio
+
+from node.genesis_file import make_genesis
+from node.home import NodeHome
+from node.roles import common
+from node.roles.context import RunContext
+from node.roles.worker import WorkerRole
+from protocol import NodeKey, Vote
+
+from .roles_support import OWNER, TRAINER, VALIDATORS, WORKERS, tiny_genesis
+
+W = WORKERS[0].peer_id
+
+
+def make_worker(tmp_path, signed, **kw) -> WorkerRole:
+    home = NodeHome(tmp_path / "worker")
+    home.path.mkdir(parents=True, exist_ok=True)
+    return WorkerRole(home, RunContext.from_genesis(signed.genesis, tmp_path / "cache"), **kw)
+
+
+def vote(batch_id: bytes, sender: NodeKey | str, accept: bool):
+    body = Vote(batch_id=batch_id, worker=W, policy_version=0, accept=accept, reason="" if accept else "toploc: x",
+                rewards=(0.5,) * 8 if accept else ())
+    return types.SimpleNamespace(body=body, sender=sender if isinstance(sender, str) else sender.peer_id)
+
+
+def test_batches_accepted_counts_batches_with_a_quorum_not_votes(tmp_path):
+    w = make_worker(tmp_path, tiny_genesis())  # 2 validators, quorum 2
+    v1, v2 = VALIDATORS
+    a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
+    w._my_batches |= {a, b}
+    w._on_vote(vote(a, v1, True))
+    assert (w.stats["batches_accepted"], w.stats["accept_votes"]) == (0, 1)  # one of two: not yet
+    w._on_vote(vote(a, v1, True))  # the same validator again (gossip duplicate)
+    w._on_vote(vote(a, NodeKey(b"\x77" * 32), True))  # not a genesis validator
+    assert (w.stats["batches_accepted"], w.stats["accept_votes"]) == (0, 1)
+    w._on_vote(vote(a, v2, True))
+    assert (w.stats["batches_accepted"], w.stats["accept_votes"]) == (1, 2)  # one batch, two votes
+    w._on_vote(vote(b, v1, False))  # with quorum == validators one reject decides
+    assert (w.stats["batches_rejected"], w.stats["reject_votes"]) == (1, 1)
+    w._on_vote(vote(b, v2, True))
+    assert (w.stats["batches_accepted"], w.stats["batches_rejected"], w.stats["accept_votes"]) == (1, 1, 3)
+    w._on_vote(vote(c, v1, True))  # not our batch
+    assert w.stats["accept_votes"] == 3
+    assert w.status()["batches_accepted"] == 1
+
+
+def test_with_quorum_below_the_validators_one_reject_does_not_decide(tmp_path):
+    validators = [*VALIDATORS, NodeKey(b"\x27" * 32)]
+    signed = make_genesis(OWNER, {"task": "target-length", "tiny_hidden_size": 64, "tiny_layers": 2}, name="q",
+                          model="tiny", dataset="builtin:target-length", dataset_size=64, trainer=TRAINER.peer_id,
+                          validators=[v.peer_id for v in validators], quorum=2, max_async=2, prompts_per_batch=2,
+                          group_size=4, chunk_size=1 << 20)
+    w = make_worker(tmp_path, signed)
+    a, b = bytes([1]) * 32, bytes([2]) * 32
+    w._my_batches |= {a, b}
+    w._on_vote(vote(a, validators[0], False))
+    assert w.stats["batches_rejected"] == 0  # two accepts can still admit it
+    w._on_vote(vote(a, validators[1], True))
+    w._on_vote(vote(a, validators[2], True))
+    assert (w.stats["batches_accepted"], w.stats["batches_rejected"]) == (1, 0)
+    w._on_vote(vote(b, validators[0], False))
+    w._on_vote(vote(b, validators[1], False))  # no quorum of accepts possible any more
+    assert (w.stats["batches_accepted"], w.stats["batches_rejected"]) == (1, 1)
+    assert (w.stats["accept_votes"], w.stats["reject_votes"]) == (2, 3)
+
+
+class _FakeWeights:
+    def __init__(self):
+        self.got: list[int] = []
+
+    async def get(self, version):
+        self.got.append(version)
+        return {}
+
+
+async def test_per_version_counters_stay_within_the_max_async_window(tmp_path):
+    w = make_worker(tmp_path, tiny_genesis())
+    w.weights = _FakeWeights()
+    w.engine = types.SimpleNamespace(load_weights=lambda state: None)
+    window = w.ctx.genesis.max_async
+    for v in range(200):
+        await w._load(v)
+        w.produced[v] += 2
+        w.allowance[v] += 1
+        for counter in (w.produced, w.allowance):
+            assert set(counter) <= set(range(v - window, v + 1)), (v, sorted(counter))
+    assert len(w.produced) == window + 1 and w.produced[199] == 2
+
+
+async def test_the_next_version_is_read_while_the_current_one_generates(tmp_path):
+    """The read-ahead task loads each newly assembled version into the weight cache without
+    waiting for the generation loop; the "stale" test mode, pinned to its version, reads nothing."""
+    for tamper, expect in ((None, [1, 2]), ("stale", [])):
+        w = make_worker(tmp_path / str(tamper), tiny_genesis(), tamper=tamper)
+        w.weights = _FakeWeights()
+        w.loaded_version = 0  # generating with version 0
+        newest = {"v": 0}
+        changed = trio.Event()
+
+        async def wait_version(n, timeout=None):
+            while newest["v"] < n:
+                await changed.wait()
+            return newest["v"]
+
+        w.dist = types.SimpleNamespace(wait_version=wait_version)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(w._read_ahead_loop)
+                for v in (1, 2):
+                    newest["v"] = v
+                    changed.set()
+                    changed = trio.Event()
+                    await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+        assert w.weights.got == expect, tamper
+
+
+async def test_weight_cache_shares_one_read_between_concurrent_gets(monkeypatch):
+    reads = []
+
+    def slow_load(files):
+        import time
+
+        reads.append(files["v"])
+        time.sleep(0.2)
+        return {"v": files["v"]}
+
+    @contextlib.contextmanager
+    def open_version(version):
+        yield {"v": version}
+
+    monkeypatch.setattr(common, "load_state_dict", slow_load)
+    role = types.SimpleNamespace(dist=types.SimpleNamespace(open_version=open_version), store=None)
+    cache = common.WeightCache(role, capacity=2)
+    results = []
+
+    async def get(v):
+        results.append(await cache.get(v))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(get, 5)
+    assert reads == [5] and results == [{"v": 5}] * 3
+    for v in (6, 7):
+        await cache.get(v)
+    assert reads == [5, 6, 7] and list(cache._cache) == [6, 7]  # capacity bounds what it keeps
