@@ -232,7 +232,9 @@ def main() -> None:
     """Console-script entry: one clear line per error, traceback only with --debug."""
     debug = "--debug" in sys.argv[1:]
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # click returns a typer.Exit's code instead of raising it here
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except NodeError as exc:
         if debug:
             raise

@@ -334,5 +334,7 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
         "interrupted": interrupted,
         "out": str(devnet.out),
     }
-    console.print(json.dumps(summary))
+    if not console.is_terminal:
+        console.line()  # the live table leaves no newline behind when stdout is not a terminal
+    console.print(json.dumps(summary), soft_wrap=True, markup=False, highlight=False)  # one line, machine-readable
     return summary
