@@ -39,7 +39,7 @@ class P2POverlay:
         self.node = node
 
     async def request_ticket(self, peer_id: str, req: ChunkTicketRequest, timeout: float) -> ChunkTicket:
-        env = await self.node.reqresp.request(peer_id, req, expect=ChunkTicket, timeout=timeout)
+        env = await self.node.reqresp.request(peer_id, req, expect=ChunkTicket, timeout=timeout, redial=True)
         return env.body
 
     def penalise(self, peer_id: str, reason: str) -> None:

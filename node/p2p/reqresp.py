@@ -126,6 +126,31 @@ class ReqResp:
         self._handlers[request_type.TYPE_ID] = (request_type, handler)
 
     # ---------------------------------------------------------------- client
+    async def _open_stream(self, peer_id: str, redial: bool = True):
+        """A new request stream to ``peer_id``. With ``redial``, if opening it on the existing
+        connection fails (a connection gone dead under load: "handshake write failed"), that
+        connection is closed and one fresh dial is tried, so a live peer is not reported
+        unreachable (and, by the roles, charged for not serving a batch) because of a stale
+        connection of ours. A peer that answers but does not speak the protocol is not redialled."""
+        pid = ID.from_base58(peer_id)
+        for attempt in (0, 1) if redial else (1,):
+            had_connection = bool(self.host.get_network().get_connections(pid))
+            try:
+                return await self.host.new_stream(pid, [RR_PROTOCOL])
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                if attempt == 1 or not had_connection or "not supported" in str(exc):
+                    raise RequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
+                self.metrics.on_request("stream", "client", "redial")
+                with trio.move_on_after(2) as cs:
+                    cs.shield = True
+                    try:
+                        await self.host.disconnect(pid)
+                    except Exception:  # noqa: BLE001 - already broken: the redial decides
+                        log.debug("closing a dead connection to %s failed", peer_id, exc_info=True)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def request(
         self,
         peer_id: str,
@@ -134,6 +159,7 @@ class ReqResp:
         *,
         timeout: float = 10.0,
         max_bytes: int | None = None,
+        redial: bool = False,
     ) -> Envelope:
         expected = (expect,) if isinstance(expect, type) else tuple(expect)
         allowed = {c.TYPE_ID for c in expected} | {ErrorResponse.TYPE_ID}
@@ -151,12 +177,7 @@ class ReqResp:
         stream = None
         try:
             with trio.fail_after(timeout):
-                try:
-                    stream = await self.host.new_stream(ID.from_base58(peer_id), [RR_PROTOCOL])
-                except trio.Cancelled:
-                    raise
-                except Exception as exc:
-                    raise RequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
+                stream = await self._open_stream(peer_id, redial)
                 try:
                     await write_frame(stream, data)
                     raw = await read_frame(stream, cap)

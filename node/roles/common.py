@@ -114,7 +114,7 @@ class LearningRole(RoleHook):
         Raises RequestError (network) or ProtocolError (bad bytes; the peer is charged)."""
         ann: RolloutAnnounce = announce.body
         env = await self.node.reqresp.request(announce.sender, BatchRequest(batch_id=ann.batch_id), BatchResponse,
-                                              timeout=timeout)
+                                              timeout=timeout, redial=True)
         resp: BatchResponse = env.body
         if not resp.found:
             raise RequestError("not_found", "the announcer no longer holds the batch")
