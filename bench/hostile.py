@@ -748,7 +748,8 @@ def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, 
             add("connections_without_gossip_closed", a["dropped_no_gossip"] - b["dropped_no_gossip"])
             if "fetcher" in a:
                 add("announces_shed", a["fetcher"]["dropped_announces"] - b["fetcher"]["dropped_announces"])
-                add("fetches_failed", a["fetcher"]["fetch_failures"] - b["fetcher"]["fetch_failures"])
+                for code, v in a["fetcher"].get("failures_by_code", {}).items():
+                    add(f"fetches_failed:{code}", v - b["fetcher"].get("failures_by_code", {}).get(code, 0))
             if "dataplane" in a:
                 add("dataplane_refused_full", a["dataplane"]["refused_full"] - b["dataplane"]["refused_full"])
             internal += a["internal"]

@@ -173,6 +173,11 @@ def make_validator_fetcher(node, on_fetched):
             self.weights = types.SimpleNamespace(held=lambda version: True)
             self.fetched = 0
             self.bad_batches = 0
+            self.failures_by_code = collections.Counter()
+
+        def charge_unserved(self, sender: str, exc: Exception) -> None:
+            self.failures_by_code[getattr(exc, "code", type(exc).__name__)] += 1
+            super().charge_unserved(sender, exc)
 
         async def _vote(self, env, verdict) -> None:  # only reached for bytes that fail the checks
             self.bad_batches += 1
@@ -190,7 +195,8 @@ def make_validator_fetcher(node, on_fetched):
 
         def stats(self) -> dict:
             return {"fetched": self.fetched, "dropped_announces": self.dropped_announces,
-                    "fetch_failures": self.fetch_failures, "bad_batches": self.bad_batches,
+                    "fetch_failures": self.fetch_failures, "failures_by_code": dict(self.failures_by_code),
+                    "bad_batches": self.bad_batches,
                     "queued": self._announces_in.statistics().current_buffer_used,
                     "pending_announcers": len(self._pending)}
 

@@ -82,13 +82,14 @@ def test_unserved_counts_batches_a_fetcher_never_fetched():
     results = [_shard(0, [0], {}, {"0": _snap()}, {"0": _snap()}, sent=sent),
                _shard(1, [1, 2], {"1": dict.fromkeys(sent, 22.0), "2": dict.fromkeys(sent, 22.0)},
                       {"1": _snap(fetcher=f), "2": _snap(fetcher=f)},
-                      {"1": _snap(fetcher={**f, "fetch_failures": 4}), "2": _snap(fetcher={**f, "dropped_announces": 2})},
+                      {"1": _snap(fetcher={**f, "fetch_failures": 4, "failures_by_code": {"timeout": 4}}),
+                       "2": _snap(fetcher={**f, "dropped_announces": 2})},
                       fetched={"1": {"q1": 10.1, "a1": 20.5, "a2": 21.5}, "2": {"q1": 10.2}})]
     out = hostile.summarise(_args(), "unserved", results, None, {0: 1.0, 1: 1.0, 2: 1.0}, 0, [], [])
     assert out["data_lost"] == 2 and out["data_lost_detail"]["batches_never_fetched"] == 2
     assert out["batches"]["per_fetcher"] == {1: {"fetched_attack": 1.0, "missing": 0},
                                              2: {"fetched_attack": 0.0, "missing": 2}}
-    assert out["dropped_by"] == {"fetches_failed": 4, "announces_shed": 2}
+    assert out["dropped_by"] == {"fetches_failed:timeout": 4, "announces_shed": 2}
 
 
 def test_only_the_projects_tracebacks_count_as_escaped_exceptions():
