@@ -1,37 +1,67 @@
-"""Hostile-network benchmark: honest gossip delivery and latency while attackers flood.
+"""Hostile-network benchmark (issue 8): honest gossip, batches and checkpoints while attackers flood.
 
-    python bench/hostile.py [--honest 6] [--attackers 5] [--rate 2000] [--phase-s 15]
-                            [--scenarios quiet,invalid,replay,useless,connections]
+    python bench/hostile.py [--seconds 12] [--attackers 5] [--rate 2000]
+                            [--scenarios invalid,invalid_noban,replay,useless,connections,chunks,unserved]
+                            [--honest 6] [--honest-procs 0] [--quiet-seconds 6] [--drain-s 10]
 
-Honest side (this process): ``--honest`` real primenode nodes (libp2p hosts, our
-validated flood gossip, peer policy) in one trio process; one of them publishes
-``--honest-rate`` small signed announcements per second, every other honest node
-records when each arrives. Per scenario: delivery ratio (received / expected
-(message, receiver) pairs after a grace period) and p50/p99 latency, bad inputs
-the honest nodes dropped, bans, the process's RSS (all honest nodes share ONE
-process: the number is process RSS, not per node), internal failures.
+Per scenario, a **fresh honest network** (nothing carries over from the previous
+scenario): ``--honest`` real primenode nodes (libp2p hosts, our validated Plumtree
+gossip, peer policy), by default **one OS process per node** (``--honest-procs 0``;
+``--honest-procs 1`` puts them all in one process as before, then memory is the
+process's for all of them). Node 0 is the bootstrap, the run's trainer and the
+publisher: it publishes ``--honest-rate`` announcements per second, each of a real,
+signed rollout batch it serves on request; every other node records when each
+arrives (bench/hostile_nodes.py has the protocol between the processes).
 
-Attackers (a separate OS process, ``--attacker-child``, so their CPU is their own
-process's): ``--attackers`` concurrent attackers, each on its own fresh identity
-(a new ed25519 key and libp2p host), connected to one honest node, writing
-``--rate`` frames per second on the gossip protocol. A banned identity is
-replaced by a fresh one, and the attacker keeps going. Scenarios:
+Timeline of a scenario: network up; 2 s warm-up (not counted); a **quiet** window of
+``--quiet-seconds`` (the baseline: same network, no attacker); the attacker process
+starts; ``--ramp-s`` later an **attack** window of ``--seconds``; then a drain window
+of up to ``--drain-s`` (it ends as soon as everything honest has arrived).
 
-* ``invalid``: envelopes with bad signatures, wrong run ids, garbage msgpack,
-  wrong topics (each costs the receiver a validation, and is charged);
-* ``invalid_noban``: the same, with the honest nodes' misbehaviour budget set
-  to infinity for the phase: nobody is banned, every attacker keeps its one
-  connection and pushes the full rate (the validation cost at full rate, i.e.
-  the worst case for latency; bans are what normally cut it short);
-* ``replay``: one valid message re-sent (duplicates, free to drop) and reused
-  sequence numbers with new content (charged as replays);
-* ``useless``: valid, correctly signed announcements of batches that do not
-  exist, from the attackers' identities (the rate limit and the announce
-  fairness caps are what stop them);
-* ``connections``: each attacker opens ``--conn-identities`` fresh-identity
-  connections to the same honest node and holds them.
+Attackers (one separate OS process, ``--attacker-child``): ``--attackers`` concurrent
+attackers against the honest nodes other than the publisher (``chunks``: every node,
+the trainer included), each on fresh identities (new ed25519 key, new libp2p host),
+replacing an identity that is banned or cut off. Scenarios:
 
-The last line of output is one JSON object.
+* ``invalid``: gossip frames with bad signatures, wrong run ids, garbage msgpack,
+  wrong topics, ``--rate`` frames/s per attacker;
+* ``invalid_noban``: the same with the honest nodes' misbehaviour budget set to
+  infinity: nobody is banned, every attacker keeps its one connection and pushes the
+  full rate (the validation cost at full rate, the worst case for latency);
+* ``replay``: one valid message re-sent and sequence numbers reused with new content;
+* ``useless``: valid, signed announcements of batches that do not exist;
+* ``connections``: each attacker holds ``--conn-identities`` fresh-identity
+  connections to its node (a connection that is closed is re-opened with a new key);
+* ``chunks``: every node runs the checkpoint distribution and holds v0 (512 KiB,
+  32 chunks); each attacker makes ``--hoard-rate`` fresh identities a second, each gets a chunk
+  ticket from a seed and opens 10 data-plane connections that ask for 4 chunks and
+  never read them, held to the end; at the start of the attack window the trainer
+  publishes v1, which every honest node must fetch from the honest seeds;
+* ``unserved``: ``--fetchers`` nodes run the validator's real announce intake and fetch
+  loops (per-announcer cap, bounded queue, 30 s fetch deadline, ``charge_unserved``);
+  attackers heartbeat (so they are dialable) and announce ``--unserved-rate`` batches/s
+  each, 4 per identity (the per-announcer cap), and hold every batch request open
+  without answering; the fetchers must still fetch every honest batch;
+* ``quiet``: no attacker at all (a control: how much the attack window differs from
+  the quiet window by chance).
+
+Reported per scenario: attack rate (offered and written per second; the unit per
+scenario is ``attack_unit``: gossip frames, connections, data-plane connections or
+announcements), identities used, honest delivery ratio ((message, receiver) pairs
+that arrived by the end of the drain, over those published in the attack window) and
+p50/p99 latency (publish to arrival, wall clock shared by the processes) in the attack
+window and in the quiet window, the p99 ratio, peak RSS per node (per process, with its node count, when
+``--honest-procs`` puts several nodes in one), bad inputs tried (by the attackers)
+and dropped (counted by honest nodes: gossip drops by reason, connections refused at
+accept or trimmed, announces shed, fetches failed, data-plane connections refused),
+crashes (an honest process that died, an exception that escaped a handler: the
+``internal`` drop and request counters and every ``log.exception`` of the project's
+loggers, a node that did not answer a request/response round trip after the drain)
+and data lost (honest messages some honest node never got by the end of the drain;
+``unserved``: honest batches a fetcher never fetched; ``chunks``: nodes without v1).
+A table goes to stderr; the last line of stdout is one JSON object with ``goal_met``
+(the issue's goal under ``invalid``: delivery 100 % and p99 <= 2 x quiet; and 0
+crashes and 0 data lost in every scenario run).
 """
 
 from __future__ import annotations
@@ -40,9 +70,11 @@ import argparse
 import json
 import os
 import random
-import resource
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,350 +83,869 @@ sys.path.insert(0, str(REPO))
 
 import trio  # noqa: E402
 
-from protocol import NodeKey, RolloutAnnounce, Vote, seal  # noqa: E402
+from protocol import Heartbeat, NodeKey, RolloutAnnounce, seal  # noqa: E402
 from protocol.schema import pack, unpack  # noqa: E402
 
-SCENARIOS = ("quiet", "invalid", "invalid_noban", "replay", "useless", "connections")
+SCENARIOS = ("invalid", "invalid_noban", "replay", "useless", "connections", "chunks", "unserved")
+ALL_SCENARIOS = ("quiet",) + SCENARIOS
+LISTEN = ["/ip4/127.0.0.1/tcp/0"]
+TICK = 0.02  # attackers write every 20 ms
+HOARD_CONNS = 10  # chunks: data connections per identity (the server allows 8 per identity)
+HOARD_GETS = 4  # chunks: GETs per connection, never read
+# what "offered" and "written" count, per scenario
+ATTACK_UNITS = {"invalid": "gossip frames", "invalid_noban": "gossip frames", "replay": "gossip frames",
+                "useless": "gossip frames", "connections": "libp2p connections (attempted / established)",
+                "chunks": "data-plane connections (attempted / accepted with 4 GETs each)",
+                "unserved": "batch announcements"}
+UNSERVED_PER_IDENTITY = 4  # node.roles.common.MAX_PENDING_PER_ANNOUNCER: what one identity can queue
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 # ===================================================================== attacker process
 
 
-def _frames(mode: str, key: NodeKey, run_id: bytes, topics: dict[str, str], rnd: random.Random) -> list[bytes]:
-    """Length-prefixed gossip frames for one identity."""
+class Attack:
+    def __init__(self, args) -> None:
+        from protocol.topics import topic
+
+        self.args = args
+        self.run_id = bytes.fromhex(args.run_id)
+        self.topics = {k: topic(self.run_id, k) for k in ("rollout", "vote", "heartbeat")}
+        self.targets = args.targets.split(",")
+        self.stats = {"written": 0, "identities": 0, "resets": 0, "last_error": ""}
+        self.first = trio.Event()
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    def failed(self, exc: BaseException) -> None:
+        self.count("resets")
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        self.stats["last_error"] = f"{type(exc).__name__}: {exc}"[:160]
+
+
+def _frame(x: bytes) -> bytes:
+    return len(x).to_bytes(4, "big") + x
+
+
+def _announce(rnd: random.Random, i: int) -> RolloutAnnounce:
+    return RolloutAnnounce(batch_id=rnd.randbytes(32), policy_version=0, batch_counter=i % 2**31, num_samples=1,
+                           size_bytes=1000)
+
+
+def _gossip_pool(mode: str, key: NodeKey, run_id: bytes, topics: dict[str, str], rnd: random.Random) -> list[bytes]:
+    """Length-prefixed gossip frames for one identity (``invalid``, ``replay``)."""
     out = []
-    ann = lambda i: RolloutAnnounce(batch_id=rnd.randbytes(32), policy_version=0, batch_counter=i, num_samples=1,
-                                    size_bytes=1)
     if mode == "invalid":
         for i in range(64):
-            env = unpack(seal(key, run_id, ann(i), now_ms(), time.time_ns()))
+            env = unpack(seal(key, run_id, _announce(rnd, i), now_ms(), time.time_ns()))
             k = i % 4
             if k == 0:
                 env[7] = rnd.randbytes(64)  # bad signature
                 frame = pack([topics["rollout"], pack(env)])
             elif k == 1:
-                frame = pack([topics["rollout"], seal(key, b"X" * 32, ann(i), now_ms(), time.time_ns())])  # other run
+                frame = pack([topics["rollout"], seal(key, b"X" * 32, _announce(rnd, i), now_ms(), time.time_ns())])
             elif k == 2:
                 frame = rnd.randbytes(rnd.randint(1, 200))  # garbage
             else:
                 frame = pack([topics["vote"], pack(env)])  # wrong topic for the type
-            out.append(len(frame).to_bytes(4, "big") + frame)
+            out.append(_frame(frame))
     elif mode == "replay":
-        same = pack([topics["rollout"], seal(key, run_id, ann(0), now_ms(), 1)])
+        same = pack([topics["rollout"], seal(key, run_id, _announce(rnd, 0), now_ms(), 1)])
         for i in range(64):
             if i % 2:
                 frame = same  # exact duplicate
             else:
-                frame = pack([topics["rollout"], seal(key, run_id, ann(i), now_ms(), 1)])  # seq 1 reused
-            out.append(len(frame).to_bytes(4, "big") + frame)
+                frame = pack([topics["rollout"], seal(key, run_id, _announce(rnd, i), now_ms(), 1)])  # seq 1 reused
+            out.append(_frame(frame))
     return out
 
 
-async def _one_attacker(idx: int, args, run_id: bytes, topics, target: str, stats: dict, stop: float) -> None:
-    from libp2p.peer.id import ID
-
+async def attack_gossip(a: Attack, idx: int) -> None:
+    """``invalid``, ``replay``, ``useless``: one gossip stream per identity at ``--rate`` frames/s."""
     from node.p2p.gossip import GOSSIP_PROTOCOL
     from node.p2p.host import closing_host, make_host, parse_peer_addr
 
     rnd = random.Random(idx)
-    info = parse_peer_addr(target)
-    per_tick = max(1, int(args.rate * 0.02))  # frames per 20 ms tick
-    while time.monotonic() < stop:
+    info = parse_peer_addr(a.targets[idx % len(a.targets)])
+    per_tick = max(1, round(a.args.rate * TICK))
+    i = 0
+    while True:
         key = NodeKey.generate()
-        stats["identities"] += 1
+        a.count("identities")
         host = make_host(key)
         try:
-            async with closing_host(host, ["/ip4/127.0.0.1/tcp/0"]):
+            async with closing_host(host, LISTEN):
                 with trio.fail_after(10):
                     await host.connect(info)
-                if args.mode == "connections":
-                    extra = []
-                    async with trio.open_nursery() as nursery:
-                        for _ in range(args.conn_identities):
-                            nursery.start_soon(_hold_connection, info, stats, stop, extra)
-                    return
-                stream = await host.new_stream(ID.from_base58(info.peer_id.to_base58()), [GOSSIP_PROTOCOL])
-                pool = _frames(args.mode, key, run_id, topics, rnd) if args.mode != "useless" else None
-                i = 0
+                    stream = await host.new_stream(info.peer_id, [GOSSIP_PROTOCOL])
+                pool = _gossip_pool(a.args.mode, key, a.run_id, a.topics, rnd)
                 next_t = time.monotonic()
-                while time.monotonic() < stop:
-                    if pool is None:  # valid, signed, useless: fresh each time (not duplicates)
-                        batch = []
-                        for _ in range(per_tick):
-                            f = pack([topics["rollout"], seal(key, run_id, RolloutAnnounce(
-                                batch_id=rnd.randbytes(32), policy_version=0, batch_counter=i, num_samples=1,
-                                size_bytes=1), now_ms(), time.time_ns())])
-                            batch.append(len(f).to_bytes(4, "big") + f)
-                            i += 1
+                while True:
+                    if a.args.mode == "useless":  # valid, signed, fresh each time (not duplicates)
+                        batch = [_frame(pack([a.topics["rollout"], seal(key, a.run_id, _announce(rnd, i + j), now_ms(),
+                                                                        time.time_ns())])) for j in range(per_tick)]
                     else:
                         batch = [pool[(i + j) % len(pool)] for j in range(per_tick)]
-                        i += per_tick
+                    i += per_tick
                     with trio.fail_after(5):
                         await stream.write(b"".join(batch))
-                    stats["sent"] += len(batch)
-                    next_t += 0.02
+                    a.count("written", len(batch))
+                    a.first.set()
+                    next_t = max(next_t + TICK, time.monotonic() - 0.1)
                     await trio.sleep(max(0.0, next_t - time.monotonic()))
+        except trio.Cancelled:
+            raise
         except Exception as exc:  # banned / reset: a fresh identity takes over
-            stats["resets"] += 1
-            stats["last_error"] = f"{type(exc).__name__}: {exc}"[:120]
+            a.failed(exc)
             await trio.sleep(0.05)
 
 
-async def _hold_connection(info, stats, stop, keep) -> None:
-    from node.p2p.host import closing_host, make_host
+async def attack_connections(a: Attack, idx: int) -> None:
+    """``connections``: ``--conn-identities`` fresh-identity connections held open, re-opened when cut."""
+    from node.p2p.host import closing_host, make_host, parse_peer_addr
 
-    host = make_host(NodeKey.generate())
-    stats["identities"] += 1
+    info = parse_peer_addr(a.targets[idx % len(a.targets)])
+
+    async def hold() -> None:
+        while True:
+            host = make_host(NodeKey.generate())
+            a.count("identities")
+            a.count("offered")
+            try:
+                async with closing_host(host, LISTEN):
+                    with trio.fail_after(10):
+                        await host.connect(info)
+                    a.count("written")
+                    a.first.set()
+                    while host.get_connected_peers():
+                        await trio.sleep(0.5)
+                    a.count("cut")
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                a.failed(exc)
+            await trio.sleep(1.0)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(a.args.conn_identities):
+            nursery.start_soon(hold)
+
+
+async def attack_chunks(a: Attack, idx: int) -> None:
+    """``chunks``: fresh identities get chunk tickets and hoard data-plane connections."""
+    async with trio.open_nursery() as nursery:
+        k = 0
+        while True:
+            nursery.start_soon(_hoard_identity, a, a.targets[(idx + k) % len(a.targets)])
+            k += 1
+            await trio.sleep(1.0 / a.args.hoard_rate)
+
+
+async def _hoard_identity(a: Attack, target: str) -> None:
+    from node.dataplane import frames as F
+    from node.p2p.host import closing_host, make_host, parse_peer_addr
+    from node.p2p.metrics import NodeMetrics
+    from node.p2p.policy import PeerPolicy
+    from node.p2p.reqresp import ReqResp
+    from protocol import ChunkTicket, ChunkTicketRequest, SequenceCounter
+
+    version, root = a.args.ckpt.split(":")
+    info = parse_peer_addr(target)
+    key = NodeKey.generate()
+    a.count("identities")
+    host = make_host(key)
     try:
-        async with closing_host(host, ["/ip4/127.0.0.1/tcp/0"]):
+        async with closing_host(host, LISTEN):
+            rr = ReqResp(host, key, a.run_id, policy=PeerPolicy(), metrics=NodeMetrics(),
+                         seq=SequenceCounter(time.time_ns() // 1000))
             with trio.fail_after(10):
                 await host.connect(info)
-            stats["sent"] += 1  # one connection opened
-            await trio.sleep(max(0.0, stop - time.monotonic()))
+            env = await rr.request(info.peer_id.to_base58(), ChunkTicketRequest(
+                version=int(version), root=bytes.fromhex(root), chunk_indices=(0,)), ChunkTicket, timeout=10)
+            t = env.body
+            if not t.ok:
+                a.count("tickets_refused")
+                return
+            a.count("tickets")
+            hello = F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, 0, t.ticket)
+            gets = b"".join(F.REQUEST.pack(F.OP_GET, i, 0) for i in range(HOARD_GETS))
+
+            async def hoard() -> None:
+                a.count("offered")
+                try:
+                    s = await trio.open_tcp_stream(t.host, t.port)
+                except OSError:
+                    a.count("dp_refused")
+                    return
+                try:
+                    s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                    await s.send_all(hello + gets)
+                    welcome = b""
+                    with trio.move_on_after(10):
+                        while len(welcome) < F.WELCOME.size:
+                            part = await s.receive_some(F.WELCOME.size - len(welcome))
+                            if not part:
+                                break
+                            welcome += part
+                    if len(welcome) < F.WELCOME.size:
+                        a.count("dp_refused")  # closed at the server's connection cap
+                        return
+                    status = F.WELCOME.unpack(welcome)[1]
+                    if status != F.OK:
+                        a.count(f"dp_{F.STATUS_NAMES.get(status, status)}".replace(" ", "_"))
+                        return
+                    a.count("written")
+                    a.count("gets_written", HOARD_GETS)
+                    a.first.set()
+                    await trio.sleep_forever()  # never read the chunks
+                except (OSError, trio.BrokenResourceError) as exc:
+                    a.failed(exc)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await s.aclose()
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(HOARD_CONNS):
+                    nursery.start_soon(hoard)
+    except trio.Cancelled:
+        raise
     except Exception as exc:
-        stats["resets"] += 1
-        stats["last_error"] = f"{type(exc).__name__}: {exc}"[:120]
+        a.failed(exc)
+
+
+async def attack_unserved(a: Attack, idx: int) -> None:
+    """``unserved``: dialable identities that announce batches and hold every request for them."""
+    async with trio.open_nursery() as nursery:
+        k = 0
+        while True:
+            nursery.start_soon(_unserved_identity, a, a.targets[(idx + k) % len(a.targets)])
+            k += 1
+            await trio.sleep(UNSERVED_PER_IDENTITY / a.args.unserved_rate)
+
+
+async def _unserved_identity(a: Attack, target: str) -> None:
+    from node.p2p.gossip import GOSSIP_PROTOCOL
+    from node.p2p.host import closing_host, listen_addrs, make_host, parse_peer_addr
+    from node.p2p.reqresp import RR_PROTOCOL
+
+    rnd = random.Random()
+    info = parse_peer_addr(target)
+    key = NodeKey.generate()
+    a.count("identities")
+    host = make_host(key)
+
+    async def hold(stream) -> None:  # a batch request: read nothing, answer nothing, keep it open
+        a.count("requests_held")
+        await trio.sleep_forever()
+
+    host.set_stream_handler(RR_PROTOCOL, hold)
+    try:
+        async with closing_host(host, LISTEN):
+            with trio.fail_after(10):
+                await host.connect(info)
+                stream = await host.new_stream(info.peer_id, [GOSSIP_PROTOCOL])
+
+            def heartbeat() -> bytes:
+                hb = Heartbeat(role="worker", policy_version=0, addrs=tuple(listen_addrs(host, "127.0.0.1")[:8]),
+                               data_port=0, have=(), uptime_s=1.0, step=-1, batches=0)
+                return _frame(pack([a.topics["heartbeat"], seal(key, a.run_id, hb, now_ms(), time.time_ns())]))
+
+            await stream.write(heartbeat())
+            for j in range(UNSERVED_PER_IDENTITY):
+                a.count("offered")
+                await trio.sleep(1.0 / a.args.unserved_rate)
+                await stream.write(_frame(pack([a.topics["rollout"], seal(key, a.run_id, _announce(rnd, j), now_ms(),
+                                                                          time.time_ns())])))
+                a.count("written")
+                a.first.set()
+            while True:  # stay known (heartbeats) and dialable, holding every request
+                await trio.sleep(1.0)
+                with trio.fail_after(5):
+                    await stream.write(heartbeat())
+    except trio.Cancelled:
+        raise
+    except Exception as exc:
+        a.failed(exc)
+        await trio.sleep_forever()  # requests already held stay held until the end
+
+
+ATTACKS = {"invalid": attack_gossip, "replay": attack_gossip, "useless": attack_gossip,
+           "connections": attack_connections, "chunks": attack_chunks, "unserved": attack_unserved}
 
 
 async def attacker_main(args) -> None:
-    run_id = bytes.fromhex(args.run_id)
-    from protocol.topics import topic
+    a = Attack(args)
+    stop = Path(args.stop_file)
+    t0 = time.time()
+    started: list[float] = []
 
-    topics = {k: topic(run_id, k) for k in ("rollout", "vote", "heartbeat")}
-    targets = args.targets.split(",")
-    stop = time.monotonic() + args.duration
-    stats = {"sent": 0, "identities": 0, "resets": 0, "last_error": ""}
-    t0 = time.monotonic()
+    async def report_started() -> None:
+        with trio.move_on_after(60):
+            await a.first.wait()
+        started.append(time.time())
+        print(json.dumps({"started": started[0]}), flush=True)
+
     async with trio.open_nursery() as nursery:
+        async def watch_stop() -> None:
+            while not stop.exists() and time.time() - t0 < args.max_s:
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(report_started)
+        nursery.start_soon(watch_stop)
         for i in range(args.attackers):
-            nursery.start_soon(_one_attacker, i, args, run_id, topics, targets[i % len(targets)], stats, stop)
-    stats["seconds"] = time.monotonic() - t0
-    print(json.dumps(stats), flush=True)
+            nursery.start_soon(ATTACKS[args.mode], a, i)
+    end = time.time()
+    begin = started[0] if started else t0
+    a.stats["seconds"] = round(end - begin, 2)
+    if args.mode in ("invalid", "replay", "useless"):
+        a.stats["offered"] = round(args.rate * args.attackers * (end - begin))
+    print(json.dumps(a.stats), flush=True)
 
 
-# ===================================================================== honest process
+# ===================================================================== liveness probe (coordinator)
 
 
-class Probe:
-    """Publishes tagged announcements from one node and records arrivals at the others."""
+class Prober:
+    """A neutral libp2p peer that asks every honest node for a request/response round trip
+    (``PeerExchangeRequest``): connected once before the attack, so the accept-rate cap the
+    attackers exhaust does not hide a live node."""
 
-    def __init__(self, nodes) -> None:
+    def __init__(self, run_id: bytes, nodes: dict[int, dict]) -> None:
+        self.run_id = run_id
         self.nodes = nodes
-        self.src = nodes[0]
-        self.sent: dict[int, float] = {}
-        self.arrivals: dict[int, dict[str, float]] = {}
-        for n in nodes[1:]:
-            n.gossip.on("rollout", lambda env, pid=n.peer_id: self._arrive(env, pid))
-        self.tag = 1 << 200  # honest tags live far from anything an attacker sends
 
-    def _arrive(self, env, pid: str) -> None:
-        if env.sender != self.src.peer_id:
-            return
-        tag = int.from_bytes(env.body.batch_id, "big")
-        if tag in self.sent:
-            self.arrivals.setdefault(tag, {}).setdefault(pid, time.monotonic())
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from node.p2p.gossip import GOSSIP_PROTOCOL
+        from node.p2p.host import closing_host, make_host
+        from node.p2p.metrics import NodeMetrics
+        from node.p2p.policy import PeerPolicy
+        from node.p2p.reqresp import ReqResp
+        from protocol import SequenceCounter
 
-    async def publish_for(self, seconds: float, rate: float) -> list[int]:
-        tags = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            self.tag += 1
-            tags.append(self.tag)
-            self.sent[self.tag] = time.monotonic()
-            await self.src.gossip.publish(RolloutAnnounce(batch_id=self.tag.to_bytes(32, "big"), policy_version=0,
-                                                          batch_counter=0, num_samples=1, size_bytes=1))
-            await trio.sleep(1.0 / rate)
-        return tags
+        key = NodeKey.generate()
+        self.host = make_host(key)
+        self.host.set_stream_handler(GOSSIP_PROTOCOL, self._gossip)
+        async with closing_host(self.host, LISTEN):
+            self.rr = ReqResp(self.host, key, self.run_id, policy=PeerPolicy(), metrics=NodeMetrics(),
+                              seq=SequenceCounter(time.time_ns() // 1000))
+            async with trio.open_nursery() as nursery:
+                for i in self.nodes:
+                    nursery.start_soon(self._connect, i)
+            task_status.started()
+            await trio.sleep_forever()
 
-    def summary(self, tags: list[int]) -> dict:
-        receivers = [n.peer_id for n in self.nodes[1:]]
-        lat = []
-        got = 0
-        for t in tags:
-            arr = self.arrivals.get(t, {})
-            for pid in receivers:
-                if pid in arr:
-                    got += 1
-                    lat.append((arr[pid] - self.sent[t]) * 1000)
-        lat.sort()
-        pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 1) if lat else None
-        expected = len(tags) * len(receivers)
-        return {"honest_sent": len(tags), "expected": expected, "delivered": got,
-                "delivery": round(got / expected, 4) if expected else None, "lost": expected - got,
-                "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": round(lat[-1], 1) if lat else None}
+    async def _gossip(self, stream) -> None:
+        from node.p2p.gossip import GOSSIP_PROTOCOL
+
+        """The honest nodes link to every connected peer: tell each PRUNE (we relay nothing, so
+        they send us ids once a second rather than every message), then discard what comes."""
+        peer = stream.muxed_conn.peer_id
+        out = None
+        try:
+            with trio.fail_after(5):
+                out = await self.host.new_stream(peer, [GOSSIP_PROTOCOL])
+                await out.write(_frame(pack([3, []])))  # PRUNE (node/p2p/gossip.py)
+            while await stream.read(65536):
+                pass
+        except Exception:
+            pass
+        finally:
+            for s in (out, stream):
+                if s is not None:
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        try:
+                            await s.close()
+                        except Exception:
+                            pass
+
+    async def _connect(self, i: int) -> None:
+        from node.p2p.host import parse_peer_addr
+
+        try:
+            with trio.fail_after(5):
+                await self.host.connect(parse_peer_addr(self.nodes[i]["addrs"][0]))
+        except Exception:
+            pass
+
+    async def ping(self, i: int, timeout: float = 5.0) -> float | None:
+        from protocol import PeerExchangeRequest, PeerExchangeResponse
+
+        t0 = time.monotonic()
+        try:
+            await self.rr.request(self.nodes[i]["peer_id"], PeerExchangeRequest(max_peers=1), PeerExchangeResponse,
+                                  timeout=timeout)
+        except Exception:
+            return None
+        return (time.monotonic() - t0) * 1000
+
+    async def ping_all(self, timeout: float = 5.0) -> dict[int, float | None]:
+        out: dict[int, float | None] = {}
+
+        async def one(i):
+            out[i] = await self.ping(i, timeout)
+
+        async with trio.open_nursery() as nursery:
+            for i in self.nodes:
+                nursery.start_soon(one, i)
+        return out
 
 
-def _counters(nodes) -> dict:
-    dropped = sum(sum(n.metrics.dropped.values()) for n in nodes)
-    internal = sum(n.metrics.dropped["internal"] + sum(c["internal"] for c in n.metrics.req.values()) for n in nodes)
-    bans = sum(len(n.policy.banned()) for n in nodes)
-    tables = {k: max(n.policy.sizes()[k] for n in nodes) for k in ("scores", "bans", "buckets")}
-    tables["swarm_view"] = max(len(n.swarm._peers) for n in nodes)
-    tables["book"] = max(len(n.conns.book) for n in nodes)
-    tables["seen_cache"] = max(len(n.gossip._seen) for n in nodes)
-    tables["connections"] = max(len(n.conns.connected()) for n in nodes)
-    return {"dropped": dropped, "internal": internal, "bans": bans, "tables": tables,
-            "trimmed": sum(n.conns.trimmed for n in nodes)}
+# ===================================================================== coordinator
 
 
-async def honest_main(args) -> dict:
-    from node.p2p.testing import NodeFactory
+def pct(xs: list[float], q: float):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1)
 
-    results = []
-    async with trio.open_nursery() as nursery:
-        net = NodeFactory(nursery, target_peers=args.target_peers, heartbeat_interval_s=1.0)
-        nodes = [await net.start() for _ in range(args.honest)]
-        await net.wait_connected(min_peers=2, timeout=120)
-        probe = Probe(nodes)
-        await probe.publish_for(2.0, args.honest_rate)  # warm-up, not counted
-        await trio.sleep(2.0)
-        run_id = nodes[0].run_id
-        # attackers target every honest node except the publisher
-        targets = ",".join(n.full_addrs()[0] for n in nodes[1:])
-        for scen in args.scenarios:
-            before = _counters(nodes)
-            rss_before = rss_mib()
-            child_stats = None
-            proc = None
-            budgets = [n.policy.budget for n in nodes]
-            if scen == "invalid_noban":
-                for n in nodes:
-                    n.policy.budget = float("inf")
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.rename(path)
+
+
+async def _wait_all(paths: list[Path], procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait until every shard wrote its file; returns the shards that exited (or hung past
+    ``timeout``) without writing it."""
+    with trio.move_on_after(timeout):
+        while not all(p.exists() or procs[i].poll() is not None for i, p in enumerate(paths)):
+            await trio.sleep(0.1)
+    return [i for i, p in enumerate(paths) if not p.exists()]
+
+
+async def run_scenario(args, scen: str, seed: str) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"hostile-{scen}-"))
+    procs_n = min(args.honest_procs or args.honest, args.honest)
+    cfg = {"scenario": scen, "honest": args.honest, "procs": procs_n, "seed": seed, "created_ms": now_ms(),
+           "target_peers": args.target_peers, "honest_rate": args.honest_rate, "drain_s": args.drain_s,
+           "connect_timeout": args.connect_timeout, "fetchers": args.fetchers}
+    (work / "config.json").write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    logs = [open(work / f"shard-{i}.log", "wb") for i in range(procs_n)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--honest-child", "--workdir", str(work), "--shard", str(i)],
+                              stdout=logs[i], stderr=subprocess.STDOUT, env=env) for i in range(procs_n)]
+    attacker = None
+    res: dict = {"scenario": scen, "honest_nodes": args.honest, "honest_processes": procs_n}
+    t_scen = time.monotonic()
+    try:
+        missing = await _wait_all([work / f"ready-{i}.json" for i in range(procs_n)], procs, args.connect_timeout + 60)
+        if missing:
+            raise RuntimeError(f"honest shard(s) {missing} died or hung before the overlay formed")
+        ready = [json.loads((work / f"ready-{i}.json").read_text()) for i in range(procs_n)]
+        nodes = {int(i): v for r in ready for i, v in r["nodes"].items()}
+        res["overlay_formed"] = all(r["formed"] for r in ready)
+        res["setup_s"] = round(time.monotonic() - t_scen, 1)
+        run_id = bytes.fromhex(ready[0]["run_id"])
+        prober = Prober(run_id, nodes)
+        probe_fail_attack, probe_rtts = 0, []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(prober.run)
+            t = time.time() + 0.5
+            plan = {"warm": [t, t + args.warm_s], "quiet": [t + args.warm_s, t + args.warm_s + args.quiet_seconds]}
+            write_json(work / "plan.json", plan)  # atomically: the shards poll for it
+            await trio.sleep(max(0.0, plan["quiet"][1] + 1.0 - time.time()))
+            stats = None
             if scen != "quiet":
                 mode = "invalid" if scen == "invalid_noban" else scen
-                proc = await trio.lowlevel.open_process(
-                    [sys.executable, __file__, "--attacker-child", "--mode", mode, "--run-id", run_id.hex(),
-                     "--targets", targets, "--attackers", str(args.attackers), "--rate", str(args.rate),
-                     "--duration", str(args.phase_s + 3), "--conn-identities", str(args.conn_identities)],
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-                await trio.sleep(3.0)  # attackers connect and ramp up first
-            peak = rss_mib()
-            tags: list[int] = []
+                targets = [nodes[i]["addrs"][0] for i in sorted(nodes) if i != 0 or scen == "chunks"]
+                ckpt = ready[0].get("ckpt")
+                cmd = [sys.executable, __file__, "--attacker-child", "--mode", mode, "--run-id", run_id.hex(),
+                       "--targets", ",".join(targets), "--attackers", str(args.attackers), "--rate", str(args.rate),
+                       "--conn-identities", str(args.conn_identities), "--unserved-rate", str(args.unserved_rate),
+                       "--hoard-rate", str(args.hoard_rate),
+                       "--stop-file", str(work / "attack-stop"),
+                       "--max-s", str(args.ramp_s + args.seconds + 120)]
+                if ckpt:
+                    cmd += ["--ckpt", f"{ckpt['version']}:{ckpt['root']}"]
+                attacker_log = open(work / "attacker.log", "wb")
+                logs.append(attacker_log)
+                attacker = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=attacker_log, env=env)
+                reader = _Lines(attacker.stdout)
+                with trio.move_on_after(90):
+                    await reader.next()  # {"started": ...}: the first bad input is out
+            ta = time.time() + args.ramp_s
+            tb = ta + args.seconds
+            write_json(work / "attack.json", {"start": ta, "end": tb})
+            while time.time() < tb:  # round trips during the attack (an overloaded node may miss some)
+                await trio.sleep(min(2.0, max(0.0, tb - time.time())))
+                if time.time() < tb - 0.5:
+                    rtts = await prober.ping_all(timeout=5.0)
+                    probe_fail_attack += sum(1 for v in rtts.values() if v is None)
+                    probe_rtts += [v for v in rtts.values() if v is not None]
+            (work / "attack-stop").write_text("")
+            if attacker is not None:
+                with trio.move_on_after(60):
+                    line = await reader.next()
+                    stats = json.loads(line) if line else None
+                    await attacker.wait()
+            lost_shards = await _wait_all([work / f"result-{i}.json" for i in range(procs_n)], procs,
+                                          args.drain_s + 90)
+            if 0 in lost_shards:
+                raise RuntimeError("shard 0 (the publisher) died or hung before reporting")
+            res["t_results_s"] = round(time.time() - tb, 1)
+            final = {}
+            for _ in range(3):  # after the drain every node must answer (a few tries)
+                final = {i: v for i, v in (await prober.ping_all(timeout=5.0)).items()}
+                if all(v is not None for v in final.values()):
+                    break
+                await trio.sleep(2.0)
+            nursery.cancel_scope.cancel()
+        results = [json.loads((work / f"result-{i}.json").read_text()) for i in range(procs_n) if i not in lost_shards]
+        dead = sorted(i for i in range(args.honest) if i % procs_n in lost_shards)
+        res.update(summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, dead))
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["crashed_nodes"] = [i for i in range(args.honest) if procs[i % procs_n].poll() is not None]
+        res["crashes"] = len(res["crashed_nodes"])
+        res.setdefault("data_lost", None)
+    finally:
+        t_stop = time.monotonic()
+        (work / "attack-stop").write_text("")
+        (work / "stop").write_text("")
+        if attacker is not None and attacker.returncode is None:
+            with trio.move_on_after(10):
+                await attacker.wait()
+            if attacker.returncode is None:
+                attacker.kill()
+        for p in procs:
+            for _ in range(100):
+                if p.poll() is not None:
+                    break
+                await trio.sleep(0.1)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+        res["teardown_s"] = round(time.monotonic() - t_stop, 1)
+        bad = range(procs_n) if "error" in res else sorted({i % procs_n for i in res.get("crashed_nodes", [])})
+        if bad:  # what a dead or failing shard printed last
+            res["shard_log_tail"] = {i: (work / f"shard-{i}.log").read_text(errors="replace")[-3000:] for i in bad}
+        res["shard_exit_codes"] = [p.returncode for p in procs]
+        if attacker is not None and (attacker.returncode or not res.get("attack")):
+            res["attacker_log_tail"] = (work / "attacker.log").read_text(errors="replace")[-2000:]
+        if args.keep:
+            res["workdir"] = str(work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    res["seconds"] = round(time.monotonic() - t_scen, 1)
+    return res
 
-            async def sample_rss():
-                nonlocal peak
-                while True:
-                    peak = max(peak, rss_mib())
-                    await trio.sleep(0.5)
 
-            async with trio.open_nursery() as inner:
-                inner.start_soon(sample_rss)
-                tags = await probe.publish_for(args.phase_s, args.honest_rate)
-                await trio.sleep(args.grace_s)
-                inner.cancel_scope.cancel()
-            if proc is not None:
-                with trio.move_on_after(30):
-                    out = b""
-                    while True:
-                        chunk = await proc.stdout.receive_some(65536)
-                        if not chunk:
-                            break
-                        out += chunk
-                    await proc.wait()
-                if proc.returncode is None:
-                    proc.kill()
-                try:
-                    child_stats = json.loads(out.decode().strip().splitlines()[-1])
-                except Exception:
-                    child_stats = {"error": out.decode()[-300:]}
-            for n, b in zip(nodes, budgets):
-                n.policy.budget = b
-            after = _counters(nodes)
-            res = {"scenario": scen, **probe.summary(tags), "rss_mib": round(rss_before, 1), "peak_rss_mib": round(peak, 1),
-                   "bad_inputs_dropped": after["dropped"] - before["dropped"], "bans": after["bans"],
-                   "internal_failures": after["internal"], "crashes": 0, "tables": after["tables"],
-                   "connections_trimmed": after["trimmed"] - before["trimmed"]}
-            if child_stats is not None:
-                secs = child_stats.get("seconds") or 1
-                res.update({"attack_sent": child_stats.get("sent"),
-                            "attack_rate_per_s": round(child_stats.get("sent", 0) / secs, 1),
-                            "attack_identities": child_stats.get("identities"),
-                            "attacker_resets": child_stats.get("resets")})
-            results.append(res)
-            print(json.dumps(res), flush=True)
-            await trio.sleep(2.0)
-        alive = all(n.ready.is_set() for n in nodes)
-        nursery.cancel_scope.cancel()
-    return {"results": results, "alive": alive}
+class _Lines:
+    """Line reader over a trio receive stream."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    async def next(self) -> str | None:
+        while b"\n" not in self.buf:
+            part = await self.stream.receive_some(65536)
+            if not part:
+                line, self.buf = self.buf, b""
+                return line.decode().strip() or None
+            self.buf += part
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode().strip()
+
+
+def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, dead) -> dict:
+    sent = next(r["sent"] for r in results if r["shard"] == 0)
+    arrivals = {int(i): rec for r in results for i, rec in r["arrivals"].items()}
+    fetched = {int(i): rec for r in results for i, rec in r["fetched"].items()}
+    receivers = [i for i in range(args.honest) if i != 0]
+    out: dict = {}
+    # ---- honest gossip: delivery and latency per window; data lost
+    lost_msgs, lost_pairs = 0, 0
+    for phase, key in (("quiet", "quiet"), ("attack", "attack_window")):
+        ids = [b for b, (_t, ph) in sent.items() if ph == phase]
+        lat, got = [], 0
+        for b in ids:
+            t0 = sent[b][0]
+            missing = 0
+            for i in receivers:
+                t = arrivals.get(i, {}).get(b)
+                if t is None:
+                    missing += 1
+                else:
+                    got += 1
+                    lat.append((t - t0) * 1000)
+            lost_msgs += missing > 0
+            lost_pairs += missing
+        expected = len(ids) * len(receivers)
+        out[key] = {"sent": len(ids), "delivery": round(got / expected, 4) if expected else None,
+                    "p50_ms": pct(lat, 0.50), "p99_ms": pct(lat, 0.99), "max_ms": pct(lat, 1.0)}
+    q99, a99 = out["quiet"]["p99_ms"], out["attack_window"]["p99_ms"]
+    out["delivery"] = out["attack_window"]["delivery"]
+    out["p99_over_quiet"] = round(a99 / q99, 2) if q99 and a99 is not None else None
+    lost = {"messages": lost_msgs, "message_receiver_pairs": lost_pairs}
+    notes = []
+    # ---- unserved: honest batches each fetcher fetched
+    if scen == "unserved":
+        per, lat, unfetched = {}, [], 0
+        for i in range(1, min(args.fetchers, args.honest - 1) + 1):
+            rec = fetched.get(i, {})  # a fetcher whose process died fetched nothing we know of
+            ids = [b for b, (_t, ph) in sent.items() if ph in ("quiet", "attack")]
+            miss = [b for b in ids if b not in rec]
+            unfetched += len(miss)
+            att = [b for b, (_t, ph) in sent.items() if ph == "attack"]
+            lat += [(rec[b] - sent[b][0]) * 1000 for b in att if b in rec]
+            per[i] = {"fetched_attack": round(sum(1 for b in att if b in rec) / len(att), 4) if att else None,
+                      "missing": len(miss)}
+        qlat = [(rec[b] - t0) * 1000 for rec in fetched.values() for b, (t0, ph) in sent.items()
+                if ph == "quiet" and b in rec]
+        out["batches"] = {"per_fetcher": per, "fetch_p50_ms": pct(lat, 0.5), "fetch_p99_ms": pct(lat, 0.99),
+                          "quiet_fetch_p99_ms": pct(qlat, 0.99)}
+        lost["batches_never_fetched"] = unfetched
+        out["memory_note"] = (f"nodes 1-{args.fetchers} (fetchers) import node.roles.validator, hence torch "
+                              "(~190 MiB more RSS from the start); compare growth, not level")
+        ratios = [v["fetched_attack"] for v in per.values() if v["fetched_attack"] is not None]
+        notes.append(f"batches fetched {min(ratios):.0%}" if ratios else "no fetcher")
+        if lat:
+            notes.append(f"fetch p99 {pct(lat, 0.99):.0f} ms (quiet {pct(qlat, 0.99) or 0:.0f})")
+    # ---- chunks: v1 at every node
+    if scen == "chunks":
+        ck = {int(i): v for r in results for i, v in r["ckpt"].items()}
+        pub = next((r["v1_published"] for r in results if r["shard"] == 0), None)
+        times = [v["done_at"] - pub for v in ck.values() if v["done_at"] and pub]
+        incomplete = [i for i in range(args.honest) if not ck.get(i, {}).get("holds_v1")]
+        out["checkpoint"] = {"nodes_with_v1": args.honest - len(incomplete), "incomplete": incomplete,
+                             "chunks_missing": sum(max(0, ck[i]["missing_chunks"]) for i in incomplete if i in ck),
+                             "seconds_to_v1_max": round(max(times), 2) if times else None,
+                             "seconds_to_v1_median": round(sorted(times)[len(times) // 2], 2) if times else None,
+                             "per_node": ck}
+        lost["nodes_without_v1"] = len(incomplete)
+        lost["v1_chunks_missing"] = out["checkpoint"]["chunks_missing"]
+        notes.append(f"v1 on {args.honest - len(incomplete)}/{args.honest} nodes"
+                     + (f", slowest {max(times):.1f} s" if times else ""))
+    out["data_lost"] = lost_msgs + lost.get("batches_never_fetched", 0) + lost.get("nodes_without_v1", 0)
+    out["data_lost_detail"] = lost
+    # ---- counters: bad inputs dropped by the honest side, internal failures, tables
+    dropped_by: dict[str, int] = {}
+    internal, bans = 0, 0
+    tables: dict[str, int] = {}
+
+    def add(k, v):
+        if v:
+            dropped_by[k] = dropped_by.get(k, 0) + v
+
+    for r in results:
+        for i in r["nodes"]:
+            b, a = r["before"][str(i)], r["after"][str(i)]
+            for reason, v in a["dropped"].items():
+                add(f"gossip:{reason}", v - b["dropped"].get(reason, 0))
+            add("accept_refused", a["inbound_refused"] - b["inbound_refused"])
+            add("connections_trimmed", a["trimmed"] - b["trimmed"])
+            add("connections_without_gossip_closed", a["dropped_no_gossip"] - b["dropped_no_gossip"])
+            if "fetcher" in a:
+                add("announces_shed", a["fetcher"]["dropped_announces"] - b["fetcher"]["dropped_announces"])
+                for code, v in a["fetcher"].get("failures_by_code", {}).items():
+                    add(f"fetches_failed:{code}", v - b["fetcher"].get("failures_by_code", {}).get(code, 0))
+            if "dataplane" in a:
+                add("dataplane_refused_full", a["dataplane"]["refused_full"] - b["dataplane"]["refused_full"])
+            internal += a["internal"]
+            bans += a["bans"]
+            for k, v in a["tables"].items():
+                tables[k] = max(tables.get(k, 0), v)
+    out["bad_inputs_dropped"] = sum(dropped_by.values())
+    out["dropped_by"] = dict(sorted(dropped_by.items(), key=lambda kv: -kv[1]))
+    out["bans"] = bans
+    out["tables_max"] = tables
+    # ---- memory: per process (= per node with one node per process)
+    mem = {}
+    for r in results:
+        mem[f"proc{r['shard']}"] = {"nodes": r["nodes"], "rss_before_mib": r["rss_before_mib"],
+                                    "peak_mib": r["rss_peak_mib"], "hwm_mib": r["hwm_mib"]}
+    out["memory"] = mem
+    out["peak_rss_mib_max"] = max(v["peak_mib"] for v in mem.values())
+    out["rss_growth_mib_max"] = round(max(v["peak_mib"] - v["rss_before_mib"] for v in mem.values()), 1)
+    out["nodes_per_process"] = max(len(v["nodes"]) for v in mem.values())
+    # ---- crashes
+    unresponsive = sorted(i for i, v in final.items() if v is None)
+    exceptions = sum(r["exceptions"] for r in results)
+    out["crashed_nodes"] = sorted(set(unresponsive) | set(dead))
+    out["internal_failures"] = internal
+    out["exceptions_logged"] = exceptions
+    out["exception_samples"] = [s for r in results for s in r["exception_samples"]][:5]
+    out["crashes"] = len(out["crashed_nodes"]) + internal + exceptions
+    out["probe"] = {"failed_during_attack": probe_fail_attack, "rtt_p99_ms_during_attack": pct(probe_rtts, 0.99),
+                    "final_ms": {i: (round(v, 1) if v is not None else None) for i, v in sorted(final.items())}}
+    # ---- the attack
+    if stats is not None:
+        secs = stats.get("seconds") or 1
+        offered = stats.get("offered", stats.get("written", 0))
+        out["attack"] = {**stats, "offered_per_s": round(offered / secs, 1),
+                         "written_per_s": round(stats.get("written", 0) / secs, 1)}
+        out["bad_inputs_tried"] = stats.get("written", 0)
+        out["identities"] = stats.get("identities")
+    else:
+        out["attack"] = None
+        out["bad_inputs_tried"] = 0
+        out["identities"] = 0
+    out["attack_unit"] = ATTACK_UNITS.get(scen)
+    out["notes"] = "; ".join(notes)
+    return out
 
 
 def render(out: dict, args) -> None:
+    rows = [r for r in out["scenarios"].values()]
+    cols = ["scenario", "offered/s", "written/s", "ids", "delivery", "p50 quiet>attack ms", "p99 quiet>attack ms",
+            "p99 x", "peak RSS MiB/node", "bad tried", "dropped", "crashes", "data lost", "notes"]
+
+    def f(v, fmt="{}"):
+        return "-" if v is None else fmt.format(v)
+
+    table = []
+    for r in rows:
+        if "error" in r and "quiet" not in r:
+            table.append([r["scenario"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f(r.get("crashes")), "-",
+                          r["error"][:60]])
+            continue
+        at = r.get("attack") or {}
+        table.append([
+            r["scenario"], f(at.get("offered_per_s"), "{:,.0f}"), f(at.get("written_per_s"), "{:,.0f}"),
+            f(r.get("identities")), f(r["delivery"], "{:.2%}"),
+            f"{f(r['quiet']['p50_ms'])} > {f(r['attack_window']['p50_ms'])}",
+            f"{f(r['quiet']['p99_ms'])} > {f(r['attack_window']['p99_ms'])}", f(r["p99_over_quiet"], "{:.2f}"),
+            f"{r['peak_rss_mib_max']:.0f} (+{r['rss_growth_mib_max']:.0f})", f"{r['bad_inputs_tried']:,}",
+            f"{r['bad_inputs_dropped']:,}", str(r["crashes"]), str(r["data_lost"]), r.get("notes", ""),
+        ])
+    per = "one process per node" if out["nodes_per_process"] == 1 else \
+        f"up to {out['nodes_per_process']} nodes per process, RSS per process"
+    title = (f"hostile.py: {args.honest} honest nodes ({per}), {args.attackers} attackers x {args.rate:g}/s, "
+             f"quiet {args.quiet_seconds:g} s, attack {args.seconds:g} s")
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
+        print(title, file=sys.stderr)
+        print(" | ".join(cols), file=sys.stderr)
+        for row in table:
+            print(" | ".join(row), file=sys.stderr)
         return
-    t = Table(title=f"hostile.py: {args.honest} honest nodes (one process), {args.attackers} attackers x {args.rate}/s")
-    for col in ("scenario", "attack/s sent", "identities", "delivery", "lost", "p50 ms", "p99 ms", "p99 / quiet",
-                "bad inputs", "bans", "peak RSS MiB", "internal"):
-        t.add_column(col)
-    quiet = next((r["p99_ms"] for r in out["results"] if r["scenario"] == "quiet"), None)
-    for r in out["results"]:
-        ratio = f"{r['p99_ms'] / quiet:.2f}" if quiet and r["p99_ms"] else "-"
-        t.add_row(r["scenario"], str(r.get("attack_rate_per_s", "-")), str(r.get("attack_identities", "-")),
-                  f"{r['delivery']:.2%}" if r["delivery"] is not None else "-", str(r["lost"]), str(r["p50_ms"]),
-                  str(r["p99_ms"]), ratio, str(r["bad_inputs_dropped"]), str(r["bans"]), str(r["peak_rss_mib"]),
-                  str(r["internal_failures"]))
-    Console(stderr=True).print(t)
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c)
+    for row in table:
+        t.add_row(*row)
+    Console(stderr=True, width=220).print(t)
+
+
+async def coordinator(args) -> dict:
+    out = {}
+    seed = f"{args.seed}"
+    for k, scen in enumerate(args.scenarios):
+        res = await run_scenario(args, scen, f"{seed}/{k}/{scen}")
+        out[scen] = res
+        print(json.dumps(res), flush=True)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--honest", type=int, default=6)
-    ap.add_argument("--target-peers", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=12.0, help="attack window per scenario")
+    ap.add_argument("--quiet-seconds", type=float, default=6.0, help="quiet (baseline) window per scenario")
     ap.add_argument("--attackers", type=int, default=5)
-    ap.add_argument("--rate", type=float, default=2000.0, help="frames per second per attacker")
-    ap.add_argument("--honest-rate", type=float, default=20.0)
-    ap.add_argument("--phase-s", type=float, default=15.0)
-    ap.add_argument("--grace-s", type=float, default=5.0)
-    ap.add_argument("--conn-identities", type=int, default=20)
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    # attacker child
+    ap.add_argument("--rate", type=float, default=2000.0, help="gossip frames per second per attacker")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(ALL_SCENARIOS)}")
+    ap.add_argument("--honest", type=int, default=6)
+    ap.add_argument("--honest-procs", type=int, default=0,
+                    help="OS processes for the honest nodes (0: one per node; 1: all in one)")
+    ap.add_argument("--honest-rate", type=float, default=20.0, help="honest announcements per second (node 0)")
+    ap.add_argument("--target-peers", type=int, default=4)
+    ap.add_argument("--conn-identities", type=int, default=20, help="connections: held per attacker")
+    ap.add_argument("--hoard-rate", type=float, default=4.0, help="chunks: fresh identities per second per attacker")
+    ap.add_argument("--unserved-rate", type=float, default=8.0, help="unserved: announces per second per attacker")
+    ap.add_argument("--fetchers", type=int, default=2, help="unserved: nodes running the validator's fetch path")
+    ap.add_argument("--warm-s", type=float, default=2.0)
+    ap.add_argument("--ramp-s", type=float, default=2.0, help="attackers run this long before the attack window")
+    ap.add_argument("--drain-s", type=float, default=10.0, help="at most this long after the attack for stragglers")
+    ap.add_argument("--connect-timeout", type=float, default=60.0)
+    ap.add_argument("--seed", default="hostile")
+    ap.add_argument("--keep", action="store_true", help="keep each scenario's work directory (logs)")
+    # children
     ap.add_argument("--attacker-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="invalid")
-    ap.add_argument("--run-id", default="")
-    ap.add_argument("--targets", default="")
-    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--honest-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="invalid", help=argparse.SUPPRESS)
+    ap.add_argument("--run-id", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--targets", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--stop-file", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--max-s", type=float, default=120.0, help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.ERROR)
     for name in ("libp2p", "primenode", "multiaddr", "trio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    if args.honest_child:
+        from bench.hostile_nodes import shard_main
+
+        shard_main(args.workdir, args.shard)
+        return
     if args.attacker_child:
         trio.run(attacker_main, args)
         return
     args.scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = set(args.scenarios) - set(ALL_SCENARIOS)
+    if unknown:
+        ap.error(f"unknown scenario(s) {sorted(unknown)}; choose from {','.join(ALL_SCENARIOS)}")
     t0 = time.monotonic()
-    out = trio.run(honest_main, args)
-    render(out, args)
-    quiet = next((r for r in out["results"] if r["scenario"] == "quiet"), None)
-    final = {"honest_nodes": args.honest, "attackers": args.attackers, "rate_per_attacker": args.rate,
-             "phase_s": args.phase_s, "rss_note": "process RSS of the one process running every honest node",
-             "alive": out["alive"], "crashes": 0 if out["alive"] else 1, "seconds": round(time.monotonic() - t0, 1),
-             "scenarios": {r["scenario"]: r for r in out["results"]}}
-    if quiet and quiet["p99_ms"]:
-        final["p99_over_quiet"] = {r["scenario"]: round(r["p99_ms"] / quiet["p99_ms"], 2)
-                                   for r in out["results"] if r["p99_ms"]}
-    goal = final["scenarios"].get("invalid")
-    if goal and quiet:
-        final["goal_met"] = bool(goal["delivery"] == 1.0 and goal["p99_ms"] <= 2 * quiet["p99_ms"])
+    results = trio.run(coordinator, args)
+    ok = [r for r in results.values() if "error" not in r or "quiet" in r]
+    final = {
+        "honest_nodes": args.honest, "honest_processes": min(args.honest_procs or args.honest, args.honest),
+        "nodes_per_process": max((r.get("nodes_per_process", 1) for r in ok), default=None),
+        "attackers": args.attackers, "rate_per_attacker": args.rate, "attack_s": args.seconds,
+        "quiet_s": args.quiet_seconds, "seconds": round(time.monotonic() - t0, 1),
+        "crashes": sum(r.get("crashes") or 0 for r in results.values()),
+        "data_lost": sum(r.get("data_lost") or 0 for r in results.values()),
+        "errors": {s: r["error"] for s, r in results.items() if "error" in r},
+        "scenarios": {s: _brief(r) for s, r in results.items()},
+    }
+    goal = {}
+    inv = results.get("invalid")
+    if inv and "quiet" in inv:
+        goal["invalid_delivery_100"] = inv["delivery"] == 1.0
+        goal["invalid_p99_within_2x_quiet"] = inv["p99_over_quiet"] is not None and inv["p99_over_quiet"] <= 2.0
+    goal["no_crashes"] = final["crashes"] == 0 and not final["errors"]
+    goal["no_data_lost"] = final["data_lost"] == 0 and all(r.get("data_lost") is not None for r in results.values())
+    final["goal"] = goal
+    final["goal_met"] = bool(inv and "quiet" in inv and all(goal.values()))
+    render({"scenarios": results, "nodes_per_process": final["nodes_per_process"] or 1}, args)
     print(json.dumps(final))
+
+
+def _brief(r: dict) -> dict:
+    """The per-scenario fields of the final JSON line (the full record is the scenario's own line)."""
+    if "quiet" not in r:
+        return {k: r.get(k) for k in ("error", "crashes", "crashed_nodes", "data_lost", "seconds")}
+    at = r.get("attack") or {}
+    mem = r["memory"]
+    if r["nodes_per_process"] == 1:
+        peak = {f"node{v['nodes'][0]}": v["peak_mib"] for v in mem.values()}
+    else:
+        peak = {f"proc{k[4:]}(nodes {','.join(map(str, v['nodes']))})": v["peak_mib"] for k, v in mem.items()}
+    return {
+        "offered_per_s": at.get("offered_per_s"), "written_per_s": at.get("written_per_s"),
+        "attack_unit": r.get("attack_unit"), "identities": r.get("identities"), "delivery": r["delivery"], "quiet_delivery": r["quiet"]["delivery"],
+        "p50_ms": r["attack_window"]["p50_ms"], "p99_ms": r["attack_window"]["p99_ms"],
+        "quiet_p50_ms": r["quiet"]["p50_ms"], "quiet_p99_ms": r["quiet"]["p99_ms"],
+        "p99_over_quiet": r["p99_over_quiet"], "peak_rss_mib": peak, "rss_growth_mib_max": r["rss_growth_mib_max"],
+        "bad_inputs_tried": r["bad_inputs_tried"], "bad_inputs_dropped": r["bad_inputs_dropped"],
+        "bans": r["bans"], "crashes": r["crashes"], "data_lost": r["data_lost"], "notes": r.get("notes", ""),
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,517 @@
+"""Honest side of bench/hostile.py: one OS process (a *shard*) running some of the honest nodes.
+
+``python bench/hostile.py`` (the coordinator) starts, per scenario, a fresh honest
+network: ``--honest-procs`` shard processes (default one per honest node), each
+``python bench/hostile.py --honest-child --workdir W --shard i``. Node ``i`` lives
+in shard ``i % procs``. They agree on everything through the seed and files in the
+scenario's work directory ``W`` (the pattern of bench/gossip_procs.py):
+
+1. ``config.json`` (coordinator): scenario, node count, timings, seed, genesis time;
+2. shard 0 starts node 0 (bootstrap, the run's trainer, the probe publisher) and
+   writes ``bootstrap.json``; every shard starts its nodes, waits until each of them
+   hears every other node's heartbeat and has gossip links (scenario ``chunks``:
+   until each also holds checkpoint v0), and writes ``ready-i.json``;
+3. the coordinator writes ``plan.json`` (warm-up and quiet windows, wall clock) and,
+   once the attackers run, ``attack.json`` (the attack window); node 0 publishes
+   ``--honest-rate`` announcements per second in each window, each of a real, signed
+   one-sample rollout batch that node 0 serves on request (``batch_id`` = sha256 of
+   the batch envelope, so validators can fetch it); at the end it writes ``sent.json``
+   (batch id -> send time, phase);
+4. every other node records the first arrival of each; scenario ``unserved``: the
+   ``--fetchers`` nodes run the validator's real announce intake and fetch loops
+   (``ValidatorRole._on_announce`` / ``_fetch_loop``: per-announcer cap, bounded
+   queue, 30 s fetch deadline, ``charge_unserved``) and record each batch fetched;
+   scenario ``chunks``: every node runs the checkpoint distribution and node 0
+   publishes v1 at the start of the attack window;
+5. after the attack window each shard drains (until its nodes hold every honest
+   message, every fetcher fetched every honest batch and every node holds v1, or the
+   drain deadline), writes ``result-i.json`` (arrivals, counters before the attack and
+   at the end, RSS samples, exceptions logged) and serves until ``stop`` appears.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import random
+import time
+import types
+from pathlib import Path
+
+import trio
+
+from protocol import (
+    BatchRequest,
+    BatchResponse,
+    CheckpointAnnounce,
+    NodeKey,
+    RolloutAnnounce,
+    RolloutBatch,
+    Sample,
+    SamplingParams,
+    seal,
+    sha256,
+)
+
+POLL = 0.05
+CKPT_BYTES = 512 * 1024  # a small checkpoint: 32 chunks of 16 KiB
+CKPT_CHUNK = 16 * 1024
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def seeded_keys(seed: str, n: int) -> list[NodeKey]:
+    rng = random.Random(f"hostile-bench-keys/{seed}")
+    return [NodeKey(rng.randbytes(32)) for _ in range(n)]
+
+
+def bench_genesis(keys: list[NodeKey], created_ms: int):
+    from node.p2p.testing import make_genesis
+
+    # node 0 is owner, trainer (signs checkpoints) and the one genesis validator
+    return make_genesis(owner=keys[0], trainer=keys[0], validators=[keys[0]], name="hostile-bench",
+                        created_ms=created_ms)
+
+
+def proc_mem_mib() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MiB."""
+    rss = hwm = 0.0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) / 1024
+    return rss, hwm
+
+
+async def wait_file(path: Path, timeout: float) -> str:
+    with trio.fail_after(timeout):
+        while not path.exists():
+            await trio.sleep(POLL)
+    return path.read_text()
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.rename(path)
+
+
+async def sleep_until_wall(t: float) -> None:
+    await trio.sleep(max(0.0, t - time.time()))
+
+
+class ExceptionLog(logging.Handler):
+    """Counts what escaped a handler: records of the project's loggers at ERROR or above that
+    carry a traceback (``log.exception`` in gossip dispatch and validation, request handlers,
+    the heartbeat loop, ...). libp2p's own ERROR records are counted apart (not ours)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.exceptions = 0
+        self.errors = 0
+        self.libp2p_errors = 0
+        self.samples: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("primenode"):
+            if record.exc_info:
+                self.exceptions += 1
+                if len(self.samples) < 5:
+                    exc = record.exc_info[1]
+                    self.samples.append(f"{record.name}: {record.getMessage()[:120]}: {type(exc).__name__}: {exc}"[:300])
+            else:
+                self.errors += 1
+        else:
+            self.libp2p_errors += 1
+
+
+# ===================================================================== roles of the honest nodes
+
+
+def make_batch(node, counter: int) -> tuple[bytes, RolloutAnnounce]:
+    """A real, signed one-sample rollout batch of ``node`` and its announcement."""
+    batch = RolloutBatch(run_id=node.run_id, worker=node.peer_id, policy_version=0, batch_counter=counter,
+                         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4),
+                         samples=(Sample(prompt_index=0, completion=counter.to_bytes(4, "little"), seed=counter,
+                                         proof=b"", claimed_reward=0.0),),
+                         created_ms=now_ms())
+    raw = seal(node.key, node.run_id, batch, now_ms(), node.seq.next())
+    return raw, RolloutAnnounce(batch_id=sha256(raw), policy_version=0, batch_counter=counter, num_samples=1,
+                                size_bytes=len(raw))
+
+
+def make_validator_fetcher(node, on_fetched):
+    """The validator's real announce intake and fetch loops, on ``node``; a fetched batch goes to
+    ``on_fetched(announce envelope)`` instead of TOPLOC verification (no model in this bench)."""
+    import inspect
+
+    from node.roles.validator import ValidatorRole
+
+    defaults = inspect.signature(ValidatorRole.__init__).parameters
+
+    class BenchValidator(ValidatorRole):
+        # No LearningRole.__init__: no chunk store, run context or model. What
+        # ValidatorRole._on_announce and _fetch_loop use is set here, with the validator's
+        # own defaults (fetch tasks, queue bound); every batch's version (0) counts as held,
+        # so a fetched batch goes straight to the verify queue, which we drain.
+        def __init__(self) -> None:
+            self.node = node
+            self.ctx = types.SimpleNamespace(genesis=node.genesis)
+            self.n_fetchers = defaults["fetchers"].default
+            self._announces_in, self._announces_out = trio.open_memory_channel(defaults["queue"].default)
+            self._verify_in, self._verify_out = trio.open_memory_channel(16)
+            self.dropped_announces = 0
+            self.fetch_failures = 0
+            self._pending = collections.Counter()
+            self._seen = collections.OrderedDict()
+            self.store = types.SimpleNamespace(versions={})
+            self.weights = types.SimpleNamespace(held=lambda version: True)
+            self.fetched = 0
+            self.bad_batches = 0
+            self.failures_by_code = collections.Counter()
+
+        def charge_unserved(self, sender: str, exc: Exception) -> None:
+            self.failures_by_code[getattr(exc, "code", type(exc).__name__)] += 1
+            super().charge_unserved(sender, exc)
+
+        async def _vote(self, env, verdict) -> None:  # only reached for bytes that fail the checks
+            self.bad_batches += 1
+
+        async def run_fetchers(self, nursery: trio.Nursery) -> None:
+            node.gossip.on("rollout", self._on_announce)
+            for _ in range(self.n_fetchers):
+                nursery.start_soon(self._fetch_loop)
+            nursery.start_soon(self._record)
+
+        async def _record(self) -> None:
+            async for env, _batch in self._verify_out:
+                self.fetched += 1
+                on_fetched(env)
+
+        def stats(self) -> dict:
+            return {"fetched": self.fetched, "dropped_announces": self.dropped_announces,
+                    "fetch_failures": self.fetch_failures, "failures_by_code": dict(self.failures_by_code),
+                    "bad_batches": self.bad_batches,
+                    "queued": self._announces_in.statistics().current_buffer_used,
+                    "pending_announcers": len(self._pending)}
+
+    return BenchValidator()
+
+
+class BenchRole:
+    """The hook of one honest node (a ``RoleHook``): node 0 serves its probe batches; in
+    ``unserved`` the fetcher nodes run the validator's fetch path; in ``chunks`` every node
+    runs the checkpoint distribution (node 0 is the trainer and publishes)."""
+
+    def __init__(self, shard: "Shard", idx: int) -> None:
+        self.shard = shard
+        self.idx = idx
+        scen = shard.cfg["scenario"]
+        self.fetcher = scen == "unserved" and 1 <= idx <= shard.cfg["fetchers"]
+        self.role = "trainer" if idx == 0 else ("validator" if self.fetcher else "worker")
+        self.dist = None
+        self.validator = None
+        self.batches: dict[bytes, bytes] = {}
+        self.served = 0
+        self.dp_refused_full = 0
+        self.dp_peak_connections = 0
+        self.ready = trio.Event()
+
+    # RoleHook interface
+    def heartbeat_fields(self) -> dict:
+        if self.dist is None:
+            return {}
+        from node.dataplane.p2p_overlay import distribution_heartbeat_fields
+
+        return distribution_heartbeat_fields(self.dist)
+
+    def status(self) -> dict:
+        return {}
+
+    async def run(self, node) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.idx == 0:
+                node.reqresp.register(BatchRequest, self._serve_batch)
+            if self.shard.cfg["scenario"] == "chunks":
+                await self._start_distribution(node, nursery)
+            if self.fetcher:
+                self.validator = make_validator_fetcher(node, self.shard.on_fetched(self.idx))
+                await self.validator.run_fetchers(nursery)
+            self.ready.set()
+            await trio.sleep_forever()
+
+    def _serve_batch(self, env, peer: str) -> BatchResponse:
+        raw = self.batches.get(env.body.batch_id)
+        if raw is not None:
+            self.served += 1
+        return BatchResponse(found=raw is not None, envelope=raw or b"")
+
+    async def _start_distribution(self, node, nursery: trio.Nursery) -> None:
+        from node.dataplane import Distribution
+        from node.dataplane.p2p_overlay import P2POverlay, serve_distribution
+        from node.store import ChunkStore
+
+        root = self.shard.work / f"node-{self.idx}"
+        store = ChunkStore(root / "chunks", node.run_id, node.genesis.trainer)
+        self.dist = Distribution(store, P2POverlay(node), max_async=node.genesis.max_async)
+        server = self.dist.server
+        original = server._handle
+
+        async def counting_handle(stream) -> None:  # data-plane connections refused at the global cap
+            if server.connections >= server.max_connections:
+                self.dp_refused_full += 1
+            self.dp_peak_connections = max(self.dp_peak_connections, server.connections + 1)
+            await original(stream)
+
+        server._handle = counting_handle  # looked up when the listener starts
+        await nursery.start(serve_distribution, node, self.dist)
+        if self.idx == 0:
+            await self.publish_checkpoint(node, 0)
+            nursery.start_soon(self._reannounce, node)
+
+    async def _reannounce(self, node) -> None:
+        """As the trainer does (every 5 s): nodes that joined after an announce learn the newest version."""
+        while True:
+            await trio.sleep(2.0)
+            st = self.dist.store.newest()
+            if st is not None and st.complete:
+                await node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
+
+    async def publish_checkpoint(self, node, version: int) -> None:
+        src = self.shard.work / f"ckpt-v{version}"
+        src.mkdir(parents=True, exist_ok=True)
+        (src / "model.safetensors").write_bytes(random.Random(version).randbytes(CKPT_BYTES))
+        await self.dist.publish(node.key, version, src, chunk_size=CKPT_CHUNK)
+        await node.gossip.publish(CheckpointAnnounce(manifest=self.dist.store.get(version).manifest))
+
+    def holds(self, version: int) -> bool:
+        st = self.dist.store.get(version) if self.dist is not None else None
+        return st is not None and st.assembled
+
+    def missing_chunks(self, version: int) -> int:
+        st = self.dist.store.get(version) if self.dist is not None else None
+        if st is None:
+            return -1  # never heard of the version
+        return st.bitmap.n - st.bitmap.count
+
+
+# ===================================================================== the shard process
+
+
+def node_snapshot(node, role: BenchRole) -> dict:
+    m = node.metrics
+    pol = node.policy.sizes()
+    d = {
+        "dropped": dict(m.dropped),
+        "internal": m.dropped["internal"] + sum(c["internal"] for c in m.req.values()),
+        "duplicates": node.gossip.duplicates,
+        "bans": len(node.policy.banned()),
+        "inbound_refused": getattr(node.host.get_network(), "primenode_inbound_refused", 0),
+        "trimmed": node.conns.trimmed,
+        # the connection watchdog closes connections that never carry a gossip stream
+        "dropped_no_gossip": int(m.registry.get_sample_value("primenode_dials_total",
+                                                             {"outcome": "dropped_no_gossip"}) or 0),
+        "connections": len(node.conns.connected()),
+        "tables": {"scores": pol["scores"], "bans": pol["bans"], "buckets": pol["buckets"],
+                   "swarm_view": len(node.swarm._peers), "book": len(node.conns.book),
+                   "seen_cache": len(node.gossip._seen), "message_cache": len(node.gossip._cache)},
+    }
+    if role.validator is not None:
+        d["fetcher"] = role.validator.stats()
+    if role.dist is not None:
+        srv = role.dist.server
+        d["dataplane"] = {"connections": srv.connections, "peak_connections": role.dp_peak_connections,
+                          "refused_full": role.dp_refused_full, "tickets_granted": srv.tickets_granted,
+                          "tickets_held": len(srv.tickets), "chunks_served": srv.chunks_served}
+    if role.idx == 0:
+        d["batches_served"] = role.served
+    return d
+
+
+class Shard:
+    def __init__(self, workdir: str, shard: int) -> None:
+        self.work = Path(workdir)
+        self.cfg = json.loads((self.work / "config.json").read_text())
+        self.shard = shard
+        self.n = self.cfg["honest"]
+        self.mine = [i for i in range(self.n) if i % self.cfg["procs"] == shard]
+        self.arrivals: dict[int, dict[str, float]] = {i: {} for i in self.mine if i != 0}
+        self.fetched: dict[int, dict[str, float]] = {}
+        self.sent: dict[str, list] = {}
+        self.rss: list[tuple[float, float]] = []
+        self.v1_done: dict[int, float] = {}
+        self.exc = ExceptionLog()
+
+    def on_arrival(self, idx: int, src: str):
+        rec = self.arrivals[idx]
+
+        def handler(env) -> None:
+            if env.sender == src:
+                rec.setdefault(env.body.batch_id.hex(), time.time())
+
+        return handler
+
+    def on_fetched(self, idx: int):
+        rec = self.fetched.setdefault(idx, {})
+        src = self.keys[0].peer_id
+
+        def handler(env) -> None:
+            if env.sender == src:
+                rec.setdefault(env.body.batch_id.hex(), time.time())
+
+        return handler
+
+    async def _watch_v1(self) -> None:
+        while True:
+            for i, r in self.roles.items():
+                if i not in self.v1_done and r.holds(1):
+                    self.v1_done[i] = time.time()
+            await trio.sleep(0.05)
+
+    async def _sample_rss(self) -> None:
+        while True:
+            self.rss.append((time.time(), proc_mem_mib()[0]))
+            await trio.sleep(0.5)
+
+    async def _publish(self, node, role: BenchRole, start: float, end: float, phase: str) -> None:
+        rate = self.cfg["honest_rate"]
+        await sleep_until_wall(start)
+        k = 0
+        while True:
+            due = start + k / rate
+            if due >= end:
+                break
+            await sleep_until_wall(due)
+            raw, ann = make_batch(node, self._counter)
+            self._counter += 1
+            role.batches[ann.batch_id] = raw
+            self.sent[ann.batch_id.hex()] = [time.time(), phase]
+            await node.gossip.publish(ann)
+            k += 1
+
+    def _drained(self, ids: set[str]) -> bool:
+        if any(not ids <= rec.keys() for rec in self.arrivals.values()):
+            return False
+        if any(not ids <= rec.keys() for rec in self.fetched.values()):
+            return False
+        if self.cfg["scenario"] == "chunks" and not all(r.holds(1) for r in self.roles.values()):
+            return False
+        return True
+
+    async def run(self) -> None:
+        from node.p2p.testing import NodeFactory
+
+        cfg = self.cfg
+        self.keys = seeded_keys(cfg["seed"], self.n)
+        genesis = bench_genesis(self.keys, cfg["created_ms"])
+        self._counter = 0
+        overrides = {"budget": math.inf} if cfg["scenario"] == "invalid_noban" else {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._sample_rss)
+            net = NodeFactory(nursery, genesis=genesis, target_peers=cfg["target_peers"], heartbeat_interval_s=1.0,
+                              **overrides)
+            self.nodes, self.roles = {}, {}
+            if self.shard == 0:
+                self.roles[0] = BenchRole(self, 0)
+                self.nodes[0] = await net.start(hook=self.roles[0], key=self.keys[0], bootstrap=[])
+                write_json(self.work / "bootstrap.json", self.nodes[0].full_addrs())
+            boot = json.loads(await wait_file(self.work / "bootstrap.json", 120))
+            for i in self.mine:
+                if i not in self.nodes:
+                    self.roles[i] = BenchRole(self, i)
+                    self.nodes[i] = await net.start(hook=self.roles[i], key=self.keys[i], bootstrap=boot)
+            src = self.keys[0].peer_id
+            for i in self.arrivals:
+                self.nodes[i].gossip.on("rollout", self.on_arrival(i, src))
+            all_ids = {k.peer_id for k in self.keys}
+
+            def formed() -> bool:
+                for n in self.nodes.values():
+                    if len(n.conns.connected()) < min(2, self.n - 1) or not (all_ids - {n.peer_id}) <= set(n.swarm.peers()):
+                        return False
+                    if self.n > 1 and not n.gossip.mesh_peers("rollout"):
+                        return False
+                return all(r.ready.is_set() for r in self.roles.values())
+
+            ok = True
+            with trio.move_on_after(cfg["connect_timeout"]) as cs:
+                while not formed():
+                    await trio.sleep(0.1)
+                if cfg["scenario"] == "chunks":  # every node holds v0 (the version the hoarders ask for)
+                    while not all(r.holds(0) for r in self.roles.values()):
+                        await trio.sleep(0.1)
+            ok = not cs.cancelled_caught
+            ready = {"shard": self.shard, "formed": ok, "run_id": self.nodes[self.mine[0]].run_id.hex(),
+                     "nodes": {i: {"peer_id": n.peer_id, "addrs": n.full_addrs()} for i, n in self.nodes.items()},
+                     "rss_mib": proc_mem_mib()[0]}
+            if self.shard == 0 and cfg["scenario"] == "chunks":
+                st = self.roles[0].dist.store.get(0)
+                ready["ckpt"] = {"version": 0, "root": st.root.hex(), "chunks": st.bitmap.n}
+            write_json(self.work / f"ready-{self.shard}.json", ready)
+
+            plan = json.loads(await wait_file(self.work / "plan.json", 600))
+            if self.shard == 0:
+                node, role = self.nodes[0], self.roles[0]
+                nursery.start_soon(self._publish, node, role, *plan["warm"], "warm")
+                nursery.start_soon(self._publish, node, role, *plan["quiet"], "quiet")
+            await sleep_until_wall(plan["quiet"][1])
+            before = {i: node_snapshot(n, self.roles[i]) for i, n in self.nodes.items()}
+            rss_before = proc_mem_mib()[0]
+            attack = json.loads(await wait_file(self.work / "attack.json", 600))
+            v1_published = None
+            if cfg["scenario"] == "chunks":
+                nursery.start_soon(self._watch_v1)
+            if self.shard == 0:
+                node, role = self.nodes[0], self.roles[0]
+                if cfg["scenario"] == "chunks":
+                    await sleep_until_wall(attack["start"])
+                    v1_published = time.time()
+                    nursery.start_soon(role.publish_checkpoint, node, 1)
+                await self._publish(node, role, attack["start"], attack["end"], "attack")
+                write_json(self.work / "sent.json", self.sent)
+            await sleep_until_wall(attack["end"])
+            sent = json.loads(await wait_file(self.work / "sent.json", cfg["drain_s"] + 60))
+            ids = {b for b, (_t, phase) in sent.items() if phase != "warm"}
+            deadline = attack["end"] + cfg["drain_s"]
+            while time.time() < deadline and not self._drained(ids):
+                await trio.sleep(0.1)
+            drained_at = time.time()
+            after = {i: node_snapshot(n, self.roles[i]) for i, n in self.nodes.items()}
+            ckpt = {}
+            if cfg["scenario"] == "chunks":
+                for i, r in self.roles.items():
+                    f = r.dist.fetchers.get(1)
+                    fs = f.status() if f is not None else r.dist.fetch_history.get(1, {})
+                    ckpt[i] = {"holds_v1": r.holds(1), "done_at": self.v1_done.get(i),
+                               "missing_chunks": r.missing_chunks(1),
+                               "fetch": {k: fs.get(k) for k in ("seconds", "chunks_fetched", "chunks_elsewhere",
+                                                                "chunks_rejected")},
+                               "peer_failures": sum(p.get("failures", 0) for p in (fs.get("peers") or {}).values())}
+            rss, hwm = proc_mem_mib()
+            result = {
+                "shard": self.shard, "nodes": list(self.nodes), "arrivals": self.arrivals, "fetched": self.fetched,
+                "sent": self.sent if self.shard == 0 else {}, "before": before, "after": after,
+                "rss_before_mib": round(rss_before, 1),
+                "rss_peak_mib": round(max([r for t, r in self.rss if t >= plan["quiet"][1]] + [rss]), 1),
+                "rss_end_mib": round(rss, 1), "hwm_mib": round(hwm, 1),
+                "exceptions": self.exc.exceptions, "errors": self.exc.errors, "libp2p_errors": self.exc.libp2p_errors,
+                "exception_samples": self.exc.samples, "drained_at": drained_at, "v1_published": v1_published,
+                "ckpt": ckpt,
+            }
+            write_json(self.work / f"result-{self.shard}.json", result)
+            await wait_file(self.work / "stop", 600)
+            nursery.cancel_scope.cancel()
+
+
+def shard_main(workdir: str, shard: int) -> None:
+    s = Shard(workdir, shard)
+    for name in ("libp2p", "multiaddr", "trio", "primenode"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).addHandler(s.exc)
+        logging.getLogger(name).propagate = False
+    trio.run(s.run)
