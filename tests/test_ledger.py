@@ -224,7 +224,7 @@ class _ServingNode:
         self.requests: list[bytes] = []
         self.reqresp = types.SimpleNamespace(request=self._request)
 
-    async def _request(self, peer_id, msg, expect, timeout=10.0):
+    async def _request(self, peer_id, msg, expect, timeout=10.0, redial=False):
         from protocol import BatchResponse, Envelope
 
         await trio.lowlevel.checkpoint()

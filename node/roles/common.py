@@ -36,6 +36,9 @@ log = logging.getLogger("primenode.roles")
 BAN_SECONDS_DEFAULT = 3600.0
 MAX_PENDING_PER_ANNOUNCER = 4  # announcements of one sender waiting in a fetch queue
 UNSERVED_POINTS = 5.0  # per announced batch its announcer failed to serve (budget ~20)
+ANNOUNCE_QUEUE = 256  # announced batches waiting to be fetched
+FETCH_TASKS = 4  # concurrent batch fetches
+UNPROVEN_FETCH_SLOTS = 2  # of those, at most this many for announcers with no batch served yet
 
 
 class LearningRole(RoleHook):
@@ -55,6 +58,8 @@ class LearningRole(RoleHook):
                                listen_host=listen_host, max_upload_mbps=max_upload_mbps)
         self.node: Any = None
         self.weights = WeightCache(self, capacity=g.max_async + 2)
+        # fetch queue of announced batches (validator, trainer); see AnnounceLanes
+        self.lanes = AnnounceLanes(size=ANNOUNCE_QUEUE, unproven_slots=UNPROVEN_FETCH_SLOTS)
         self.bans_honoured = 0
 
     async def start_common(self, node, nursery: trio.Nursery) -> None:
@@ -107,6 +112,7 @@ class LearningRole(RoleHook):
         charged: a few failures ban it, so announcing batches one never serves stops costing
         fetchers time (see docs/security.md)."""
         self.node.policy.penalise(sender, "batch_unserved", UNSERVED_POINTS)
+        self.lanes.mark_unserved(sender)
 
     async def fetch_batch(self, announce: Envelope, timeout: float = 30.0) -> tuple[bytes, RolloutBatch]:
         """Fetch an announced batch from its announcer and check it against the announced hash.
@@ -132,7 +138,70 @@ class LearningRole(RoleHook):
                 ann.policy_version, ann.batch_counter, ann.num_samples):
             self.node.policy.penalise(announce.sender, "batch_mismatch")
             raise ProtocolError("batch_mismatch", "batch does not match its announcement")
+        self.lanes.mark_served(announce.sender)
         return raw, batch
+
+
+class AnnounceLanes:
+    """The fetch queue of announced batches, in two lanes: announcers with a track record
+    (a batch of theirs was fetched and matched its announcement) and everyone else.
+
+    Fetch tasks take from the proven lane first, and at most ``unproven_slots`` of them
+    work on unproven announcers at once, so identities that announce batches and never
+    serve them (each holding a fetch for its whole timeout) cannot occupy every fetch
+    task: workers that served before keep being fetched (bench/hostile.py "unserved").
+    A proven announcer that later fails to serve loses its standing. Bounded: ``size``
+    queued announces in all, ``remember`` proven peers (least recently useful forgotten).
+    """
+
+    def __init__(self, size: int, unproven_slots: int, remember: int = 4096) -> None:
+        self.size = size
+        self.unproven_slots = unproven_slots
+        self.remember = remember
+        self._proven_peers: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._queues: dict[bool, collections.deque[Envelope]] = {True: collections.deque(), False: collections.deque()}
+        self._unproven_busy = 0
+        self._changed = trio.Event()
+
+    def __len__(self) -> int:
+        return len(self._queues[True]) + len(self._queues[False])
+
+    def proven(self, peer_id: str) -> bool:
+        return peer_id in self._proven_peers
+
+    def mark_served(self, peer_id: str) -> None:
+        self._proven_peers[peer_id] = None
+        self._proven_peers.move_to_end(peer_id)
+        while len(self._proven_peers) > self.remember:
+            self._proven_peers.popitem(last=False)
+
+    def mark_unserved(self, peer_id: str) -> None:
+        self._proven_peers.pop(peer_id, None)
+
+    def send_nowait(self, env: Envelope) -> None:
+        """Queue an announce; raises trio.WouldBlock when the queue is full."""
+        if len(self) >= self.size:
+            raise trio.WouldBlock
+        self._queues[self.proven(env.sender)].append(env)
+        self._changed.set()
+
+    async def receive(self) -> tuple[Envelope, bool]:
+        """The next announce to fetch and whether it came from the unproven lane; pass the
+        flag to :meth:`done` when the fetch is over."""
+        while True:
+            if self._queues[True]:
+                return self._queues[True].popleft(), False
+            if self._queues[False] and self._unproven_busy < self.unproven_slots:
+                self._unproven_busy += 1
+                return self._queues[False].popleft(), True
+            if self._changed.is_set():  # every waiter shares one event until it fires
+                self._changed = trio.Event()
+            await self._changed.wait()
+
+    def done(self, unproven: bool) -> None:
+        if unproven:
+            self._unproven_busy -= 1
+            self._changed.set()
 
 
 class WeightCache:

@@ -19,7 +19,7 @@ from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounc
 
 from ..memory import release_free_memory
 from ..p2p.reqresp import RequestError
-from .common import LearningRole, export_weights
+from .common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceLanes, LearningRole, export_weights
 from .ledger import MAX_PENDING, MAX_PENDING_BYTES, MAX_UNADMITTED_ROWS, ORPHAN_VOTE_TTL_S, AdmittedBatch, Ledger
 
 log = logging.getLogger("primenode.trainer")
@@ -52,7 +52,7 @@ class TrainerRole(LearningRole):
         self.last_metrics: dict[str, Any] = {}
         self.restored = 0
         self._admitted = trio.Event()
-        self._announces_in, self._announces_out = trio.open_memory_channel[Envelope](1024)
+        self.lanes = AnnounceLanes(1024, unproven_slots=UNPROVEN_FETCH_SLOTS)
         self.dropped_announces = 0
         self.fetch_failures = 0
         self._pending: collections.Counter[str] = collections.Counter()  # queued announces per sender
@@ -66,7 +66,7 @@ class TrainerRole(LearningRole):
             await self._publish_current()
             node.gossip.on("rollout", self._on_announce)
             node.gossip.on("vote", self._on_vote)
-            for _ in range(4):
+            for _ in range(FETCH_TASKS):
                 nursery.start_soon(self._fetch_loop)
             nursery.start_soon(self._reannounce_loop)
             nursery.start_soon(self._retention_loop)
@@ -129,17 +129,19 @@ class TrainerRole(LearningRole):
             self.dropped_announces += 1
             return
         try:
-            self._announces_in.send_nowait(env)
+            self.lanes.send_nowait(env)
             self._queued_ids.add(env.body.batch_id)
         except trio.WouldBlock:
             self.release_announce(self._pending, env.sender)
             self.dropped_announces += 1
 
     async def _fetch_loop(self) -> None:
-        async for env in self._announces_out:
+        while True:
+            env, unproven = await self.lanes.receive()
             try:
                 await self._fetch_one(env)
             finally:
+                self.lanes.done(unproven)
                 self.release_announce(self._pending, env.sender)
                 self._queued_ids.discard(env.body.batch_id)
                 self._refetching.discard(env.body.batch_id)
@@ -199,7 +201,7 @@ class TrainerRole(LearningRole):
         if not self.admit_announce(self._pending, worker):
             return
         try:
-            self._announces_in.send_nowait(env)
+            self.lanes.send_nowait(env)
             self._queued_ids.add(batch_id)
             self._refetching.add(batch_id)
             self.refetches += 1

@@ -15,7 +15,7 @@ from protocol import Envelope, ProtocolError, RolloutBatch, Vote
 
 from ..p2p.reqresp import RequestError
 from ..memory import release_free_memory
-from .common import LearningRole
+from .common import AnnounceLanes, LearningRole
 from .rollouts import BatchVerdict, verify_batch
 
 log = logging.getLogger("primenode.validator")
@@ -41,7 +41,7 @@ class ValidatorRole(LearningRole):
         self.device = device
         self.n_fetchers = fetchers
         self.ban_after = int(self.ctx.config.get("ban_after_rejections", 2))
-        self._announces_in, self._announces_out = trio.open_memory_channel[Envelope](queue)
+        self.lanes = AnnounceLanes(queue, unproven_slots=max(1, fetchers // 2))
         self._verify_in, self._verify_out = trio.open_memory_channel[tuple[Envelope, RolloutBatch]](16)
         self.engine: Any = None
         self.loaded_version = -1
@@ -76,34 +76,41 @@ class ValidatorRole(LearningRole):
         while len(self._seen) > 10_000:
             self._seen.popitem(last=False)
         try:
-            self._announces_in.send_nowait(env)
+            self.lanes.send_nowait(env)
         except trio.WouldBlock:
             self.release_announce(self._pending, env.sender)
             self.dropped_announces += 1  # bounded queue: shed load rather than grow without limit
 
     async def _fetch_loop(self) -> None:
-        async for env in self._announces_out:
-            self.release_announce(self._pending, env.sender)
-            if self.node.policy.is_banned(env.sender):
-                continue
+        while True:
+            env, unproven = await self.lanes.receive()
             try:
-                _, batch = await self.fetch_batch(env, timeout=30.0)
-            except (RequestError, ProtocolError) as exc:
-                log.info("could not fetch batch %s from %s: %s", env.body.batch_id.hex()[:12], env.sender[:12], exc)
-                if isinstance(exc, ProtocolError):
-                    await self._vote(env, BatchVerdict(False, f"batch: {exc}"[:250], []))
-                else:
-                    self.fetch_failures += 1
-                    self.charge_unserved(env.sender, exc)
-                continue
-            stale = self._stale_reason(batch.policy_version)
-            if stale:
-                await self._vote(env, BatchVerdict(False, stale, []))
-            elif self.weights.held(batch.policy_version):
-                await self._verify_in.send((env, batch))
+                await self._fetch_one(env)
+            finally:
+                self.lanes.done(unproven)
+
+    async def _fetch_one(self, env: Envelope) -> None:
+        self.release_announce(self._pending, env.sender)
+        if self.node.policy.is_banned(env.sender):
+            return
+        try:
+            _, batch = await self.fetch_batch(env, timeout=30.0)
+        except (RequestError, ProtocolError) as exc:
+            log.info("could not fetch batch %s from %s: %s", env.body.batch_id.hex()[:12], env.sender[:12], exc)
+            if isinstance(exc, ProtocolError):
+                await self._vote(env, BatchVerdict(False, f"batch: {exc}"[:250], []))
             else:
-                await self._parking.acquire()
-                self._nursery.start_soon(self._park, env, batch)
+                self.fetch_failures += 1
+                self.charge_unserved(env.sender, exc)
+            return
+        stale = self._stale_reason(batch.policy_version)
+        if stale:
+            await self._vote(env, BatchVerdict(False, stale, []))
+        elif self.weights.held(batch.policy_version):
+            await self._verify_in.send((env, batch))
+        else:
+            await self._parking.acquire()
+            self._nursery.start_soon(self._park, env, batch)
 
     def _newest_known(self) -> int:
         """Newest version whose signed manifest we hold (complete or not)."""
@@ -204,7 +211,7 @@ class ValidatorRole(LearningRole):
             "reasons": dict(self.reasons),
             "recent_rejections": list(self.last_reasons),
             "strikes": dict(self.strikes),
-            "queued": self._announces_in.statistics().current_buffer_used,
+            "queued": len(self.lanes),
             "dropped_announces": self.dropped_announces,
             "last_verify_s": self.verify_s,
             "distribution": self.distribution_status(),

@@ -1,0 +1,61 @@
+"""AnnounceLanes: announcers that served a batch before are fetched first, and unproven
+announcers (fresh identities that may never serve) can occupy only some fetch tasks."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from node.roles.common import AnnounceLanes
+from protocol import Envelope, RolloutAnnounce
+
+
+def _env(sender: str, n: int) -> Envelope:
+    ann = RolloutAnnounce(batch_id=bytes([n]) * 32, policy_version=0, batch_counter=n, num_samples=1, size_bytes=1)
+    return Envelope(b"\0" * 32, RolloutAnnounce.TYPE_ID, sender, 0, n, ann, b"")
+
+
+async def test_unproven_announcers_hold_at_most_their_slots_and_proven_ones_go_first():
+    lanes = AnnounceLanes(size=100, unproven_slots=2)
+    lanes.mark_served("honest")
+    for i in range(10):
+        lanes.send_nowait(_env(f"stranger-{i}", i))
+    lanes.send_nowait(_env("honest", 50))
+    taken = []
+    async with trio.open_nursery() as nursery:
+
+        async def fetcher() -> None:  # each "fetch" from a stranger hangs (never served)
+            env, unproven = await lanes.receive()
+            taken.append(env.sender)
+            if unproven:
+                await trio.sleep_forever()
+            lanes.done(unproven)
+
+        for _ in range(4):
+            nursery.start_soon(fetcher)
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken[0] == "honest"  # the proven lane first
+        assert sum(s.startswith("stranger") for s in taken) == 2  # two slots held, two tasks free
+        lanes.send_nowait(_env("honest", 51))  # a free task takes it at once
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken.count("honest") == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_announcer_that_stops_serving_loses_its_standing_and_the_queue_is_bounded():
+    lanes = AnnounceLanes(size=3, unproven_slots=1, remember=2)
+    lanes.mark_served("a")
+    lanes.mark_unserved("a")
+    assert not lanes.proven("a")
+    for p in ("a", "b", "c"):
+        lanes.mark_served(p)
+    assert not lanes.proven("a") and lanes.proven("b") and lanes.proven("c")  # remembered: 2
+    for i in range(3):
+        lanes.send_nowait(_env("x", i))
+    try:
+        lanes.send_nowait(_env("x", 9))
+    except trio.WouldBlock:
+        pass
+    else:
+        raise AssertionError("a full queue took one more announce")
+    assert len(lanes) == 3
