@@ -150,6 +150,7 @@ def make_validator_fetcher(node, on_fetched):
     ``on_fetched(announce envelope)`` instead of TOPLOC verification (no model in this bench)."""
     import inspect
 
+    from node.roles.common import AnnounceLanes
     from node.roles.validator import ValidatorRole
 
     defaults = inspect.signature(ValidatorRole.__init__).parameters
@@ -163,7 +164,7 @@ def make_validator_fetcher(node, on_fetched):
             self.node = node
             self.ctx = types.SimpleNamespace(genesis=node.genesis)
             self.n_fetchers = defaults["fetchers"].default
-            self._announces_in, self._announces_out = trio.open_memory_channel(defaults["queue"].default)
+            self.lanes = AnnounceLanes(defaults["queue"].default, unproven_slots=max(1, self.n_fetchers // 2))
             self._verify_in, self._verify_out = trio.open_memory_channel(16)
             self.dropped_announces = 0
             self.fetch_failures = 0
@@ -197,7 +198,7 @@ def make_validator_fetcher(node, on_fetched):
             return {"fetched": self.fetched, "dropped_announces": self.dropped_announces,
                     "fetch_failures": self.fetch_failures, "failures_by_code": dict(self.failures_by_code),
                     "bad_batches": self.bad_batches,
-                    "queued": self._announces_in.statistics().current_buffer_used,
+                    "queued": len(self.lanes),
                     "pending_announcers": len(self._pending)}
 
     return BenchValidator()

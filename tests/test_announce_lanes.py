@@ -43,7 +43,7 @@ async def test_unproven_announcers_hold_at_most_their_slots_and_proven_ones_go_f
 
 
 async def test_an_announcer_that_stops_serving_loses_its_standing_and_the_queue_is_bounded():
-    lanes = AnnounceLanes(size=3, unproven_slots=1, remember=2)
+    lanes = AnnounceLanes(size=6, unproven_slots=1, remember=2)
     lanes.mark_served("a")
     lanes.mark_unserved("a")
     assert not lanes.proven("a")
@@ -58,4 +58,16 @@ async def test_an_announcer_that_stops_serving_loses_its_standing_and_the_queue_
         pass
     else:
         raise AssertionError("a full queue took one more announce")
-    assert len(lanes) == 3
+    assert len(lanes) == 3  # the unproven lane holds half the queue ...
+    for i in range(3):
+        lanes.send_nowait(_env("b", 10 + i))  # ... and a proven announcer still gets in
+    assert len(lanes) == 6
+
+
+async def test_announces_queued_before_their_sender_proved_itself_are_promoted():
+    lanes = AnnounceLanes(size=10, unproven_slots=1)
+    lanes.send_nowait(_env("stranger", 1))
+    lanes.send_nowait(_env("newcomer", 2))
+    lanes.mark_served("newcomer")  # its first batch (fetched elsewhere) checked out
+    env, unproven = await lanes.receive()
+    assert env.sender == "newcomer" and not unproven

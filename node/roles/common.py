@@ -151,7 +151,9 @@ class AnnounceLanes:
     serve them (each holding a fetch for its whole timeout) cannot occupy every fetch
     task: workers that served before keep being fetched (bench/hostile.py "unserved").
     A proven announcer that later fails to serve loses its standing. Bounded: ``size``
-    queued announces in all, ``remember`` proven peers (least recently useful forgotten).
+    queued announces in all (half per lane, so unproven floods cannot crowd proven
+    announcers out of the queue either), ``remember`` proven peers (least recently
+    useful forgotten).
     """
 
     def __init__(self, size: int, unproven_slots: int, remember: int = 4096) -> None:
@@ -179,16 +181,28 @@ class AnnounceLanes:
         self._proven_peers.pop(peer_id, None)
 
     def send_nowait(self, env: Envelope) -> None:
-        """Queue an announce; raises trio.WouldBlock when the queue is full."""
-        if len(self) >= self.size:
+        """Queue an announce; raises trio.WouldBlock when its lane is full. Each lane holds
+        half of ``size``, so a flood of unproven announces never crowds out proven ones."""
+        lane = self.proven(env.sender)
+        if len(self._queues[lane]) >= (self.size - self.size // 2 if lane else self.size // 2):
             raise trio.WouldBlock
-        self._queues[self.proven(env.sender)].append(env)
+        self._queues[lane].append(env)
         self._changed.set()
+
+    def _promote(self) -> None:
+        """Announces queued before their sender proved itself move to the proven lane."""
+        unproven = self._queues[False]
+        if any(self.proven(e.sender) for e in unproven):
+            keep = collections.deque()
+            for e in unproven:
+                (self._queues[True] if self.proven(e.sender) else keep).append(e)
+            self._queues[False] = keep
 
     async def receive(self) -> tuple[Envelope, bool]:
         """The next announce to fetch and whether it came from the unproven lane; pass the
         flag to :meth:`done` when the fetch is over."""
         while True:
+            self._promote()
             if self._queues[True]:
                 return self._queues[True].popleft(), False
             if self._queues[False] and self._unproven_busy < self.unproven_slots:
