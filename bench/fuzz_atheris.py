@@ -81,7 +81,8 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
     from node.dataplane import frames as F
     from node.dataplane.client import DataPlaneError
     from node.dataplane.server import ChunkServer, Ticket
-    from node.dataplane.swarm import FetchPeer, SwarmFetcher
+    from node.dataplane.swarm import SwarmFetcher
+    from node.dataplane.testing import RecordingPeer
     from node.errors import NodeError
     from node.genesis_file import make_genesis, read_genesis, write_genesis
     from node.p2p import reqresp as rr_mod
@@ -402,18 +403,6 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
         return [welcome + have + gets, welcome + have, welcome]
 
     fetch_errors = {"DataPlaneError", "TooSlowError", "BrokenResourceError", "ClosedResourceError", "TicketError"}
-
-    class RecordingPeer(FetchPeer):
-        """Keeps every error the fetcher records for the peer (a later strike overwrites the field)."""
-
-        def __setattr__(self, name, value):
-            if name == "last_error" and value:
-                self.__dict__.setdefault("errors", []).append(value)
-            super().__setattr__(name, value)
-
-        @property
-        def errors(self) -> list[str]:
-            return self.__dict__.get("errors", [])
 
     @target("dataplane_client", seeds=dataplane_client_seeds)
     def _dataplane_client(data: bytes) -> None:

@@ -34,7 +34,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from node.dataplane import frames as F
-from node.dataplane.swarm import FetchPeer, SwarmFetcher
+from node.dataplane.swarm import SwarmFetcher
+from node.dataplane.testing import RecordingPeer
 from node.dataplane.wire import recv_exactly, send_all
 from node.p2p.host import parse_peer_addr
 from node.p2p.reqresp import RR_PROTOCOL, RequestError, read_frame
@@ -368,19 +369,6 @@ def allowed_session_error(last_error: str) -> bool:
     name = last_error.split(":")[0]
     cls = getattr(builtins, name, None) or getattr(socket, name, None)
     return name in FETCHER_ERRORS or (isinstance(cls, type) and issubclass(cls, OSError))
-
-
-class RecordingPeer(FetchPeer):
-    """Keeps every error the fetcher records for the peer (a later strike overwrites the field)."""
-
-    def __setattr__(self, name, value):
-        if name == "last_error" and value:
-            self.__dict__.setdefault("errors", []).append(value)
-        super().__setattr__(name, value)
-
-    @property
-    def errors(self) -> list[str]:
-        return self.__dict__.get("errors", [])
 
 
 class FakeOverlay:

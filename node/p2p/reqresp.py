@@ -134,7 +134,7 @@ class ReqResp:
         connection of ours. A peer that answers but does not speak the protocol is not redialled."""
         pid = ID.from_base58(peer_id)
         for attempt in (0, 1) if redial else (1,):
-            had_connection = bool(self.host.get_network().get_connections(pid))
+            had_connection = attempt == 0 and bool(self.host.get_network().get_connections(pid))
             try:
                 return await self.host.new_stream(pid, [RR_PROTOCOL])
             except trio.Cancelled:
