@@ -30,9 +30,11 @@ def _node_processes(out: Path) -> list[str]:
 
 def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
     out = tmp_path / "devnet-out"
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "devnet", "--out", str(out), "--steps", "1000",
-                             "--workers", "1", "--validators", "1", "--timeout", "600"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+    log = tmp_path / "devnet.log"  # a file, not a pipe: the live table would fill a pipe nobody reads
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "node.cli", "devnet", "--out", str(out), "--steps", "1000",
+                                 "--workers", "1", "--validators", "1", "--timeout", "600"],
+                                stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
     trainer_metrics = out / "nodes" / "trainer" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 400
@@ -40,7 +42,7 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
             if trainer_metrics.exists() and len(trainer_metrics.read_text().splitlines()) >= 2:
                 break
             time.sleep(1.0)
-        assert proc.poll() is None, proc.stdout.read().decode(errors="replace")[-3000:]
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
         assert trainer_metrics.exists() and len(trainer_metrics.read_text().splitlines()) >= 2, "no two steps"
         assert _node_processes(out), "the devnet's node processes were not found"
         proc.send_signal(signal.SIGINT)  # what Ctrl+C sends
@@ -48,7 +50,7 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    output = proc.stdout.read().decode(errors="replace")
+    output = log.read_text(errors="replace")
     assert rc == 130, output[-3000:]
     assert "Traceback" not in output
     assert not _node_processes(out), "node processes outlived the devnet"
