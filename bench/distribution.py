@@ -112,7 +112,7 @@ def run_node(a) -> None:
         def ban(self, peer_id, reason):
             pass
 
-    store = ChunkStore(Path(a.home), RUN_ID, trainer, durable=not a.no_fsync)
+    store = ChunkStore(Path(a.home), RUN_ID, trainer, durable=not a.no_fsync, direct_io=not a.buffered_io)
     dist = Distribution(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
     guard = ReplayGuard()
     result = {"index": a.index}
@@ -191,7 +191,7 @@ def bench_ours(args, src: Path, work: Path, total: int) -> dict:
     (work / "peers.json").write_text(json.dumps(peers))
     procs = []
     common = ["--work", str(work), "--peers", str(work / "peers.json"), "--max-upload-mbps", str(args.max_upload_mbps),
-              "--chunk-mib", str(args.chunk_mib), "--src", str(src)] + (["--no-fsync"] if args.no_fsync else [])
+              "--chunk-mib", str(args.chunk_mib), "--src", str(src)] + (["--no-fsync"] if args.no_fsync else []) + (["--buffered-io"] if args.buffered_io else [])
     for i in range(n):
         procs.append(subprocess.Popen([sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common))
     try:
@@ -384,6 +384,7 @@ def main() -> None:
             p.add_argument("--max-upload-mbps", type=float)
             p.add_argument("--chunk-mib", type=int)
             p.add_argument("--no-fsync", action="store_true")
+            p.add_argument("--buffered-io", action="store_true")
             return run_node(p.parse_args(sys.argv[2:]))
         if cmd == "_rawclient":
             p.add_argument("--port", type=int)
@@ -414,6 +415,8 @@ def main() -> None:
     p.add_argument("--no-ours", action="store_true", help="baselines only")
     p.add_argument("--no-fsync", action="store_true",
                    help="diagnostic only: our stores skip fsync (not crash-safe), to measure what durability costs")
+    p.add_argument("--buffered-io", action="store_true",
+                   help="diagnostic: our stores write through the page cache instead of O_DIRECT (the pre-2026-11-23 path)")
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
 
@@ -427,6 +430,8 @@ def main() -> None:
         out: dict = {"size_mib": round(total / 2**20, 1), "fetchers": args.fetchers, "max_upload_mbps": args.max_upload_mbps}
         if args.no_fsync:
             out["no_fsync"] = True
+        if args.buffered_io:
+            out["buffered_io"] = True
         out["raw_copy_seconds"] = None if args.no_raw else bench_raw(files, work, total)
         print(f"raw copy: {out['raw_copy_seconds']} s", file=sys.stderr)
         out["bound_seconds"] = round(total * 8 / (args.max_upload_mbps * 1e6), 3) if args.max_upload_mbps else None

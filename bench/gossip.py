@@ -288,6 +288,13 @@ def print_table(r: dict) -> None:
                 f"{r['connections_at_start']}, peers heard from (of {r['nodes'] - 1}) {r['peers_heard_at_start']}")
     c.print(t)
     c.print(f"p90 {r['p90_ms']} ms, max {r['max_ms']} ms, duplicate deliveries {r['duplicates']}")
+    if r.get("timeline"):
+        tl = Table(title="per second of load (all nodes): when GRAFTs and PRUNEs happen")
+        for col in ("second", "p99 ms", "GRAFTs", "PRUNEs", "duplicate frames", "eager links"):
+            tl.add_column(col, justify="right")
+        for row in r["timeline"]:
+            tl.add_row(*(str(row[k]) for k in ("second", "p99_ms", "graft_sent", "prune_sent", "duplicates", "eager_links")))
+        c.print(tl)
 
 
 def main() -> None:

@@ -104,9 +104,20 @@ async def run_shard(args, encode_id, decode_id) -> None:
         for i, n in nodes.items():
             record_votes(n, received[i], time.time)
 
+        counter_series: list[tuple[float, dict[str, int]]] = []
+
+        def counter_sum() -> dict[str, int]:
+            c: collections.Counter = collections.Counter()
+            for n in nodes.values():
+                st = n.gossip.status()
+                for k in ("graft_sent", "prune_sent", "duplicates", "relayed_frames", "eager", "lazy"):
+                    c[k] += int(st.get(k, 0))
+            return dict(c)
+
         async def sampler() -> None:
             while True:
                 snapshots.append((time.time(), {n.peer_id: sorted(n.conns.connected()) for n in nodes.values()}))
+                counter_series.append((time.time(), counter_sum()))
                 await trio.sleep(0.5)
 
         nursery.start_soon(sampler)
@@ -144,7 +155,7 @@ async def run_shard(args, encode_id, decode_id) -> None:
             "sent": sent, "snapshots": snapshots, "publish_lag_max_ms": round(lag_max * 1000, 1),
             "load_cpu_s": time.process_time() - cpu0, "load_wall_s": time.time() - start,
             "connections": [len(n.conns.connected()) for n in nodes.values()],
-            "gossip_totals": dict(totals),
+            "gossip_totals": dict(totals), "counter_series": counter_series,
         }
         tmp = work / f"result-{args.shard}.json.tmp"
         tmp.write_text(json.dumps(result))
@@ -223,7 +234,41 @@ def merge(args, shards: list[dict], formed: bool, connect_s: float) -> dict:
         "connections_per_node": round(sum(conns) / len(conns), 1),
         "load_cpu_per_s": round(sum(s["load_cpu_s"] / max(s["load_wall_s"], 1e-9) for s in shards), 3),
         "gossip_totals": dict(sorted(totals.items())),
+        "timeline": timeline(args, shards, sent, received),
     }
+
+
+def timeline(args, shards: list[dict], sent: dict, received: dict) -> list[dict]:
+    """Per second of the load: p99 latency of the messages sent in it, and the GRAFTs, PRUNEs,
+    duplicate frames and eager links of all nodes (to see when a GRAFT storm happens)."""
+    if not sent:
+        return []
+    t0 = min(t for t, _ in sent.values())
+    lat: dict[int, list[float]] = collections.defaultdict(list)
+    for seq, (t_sent, _p) in sent.items():
+        for i, rec in received.items():
+            r = rec.get(seq)
+            if r is not None:
+                lat[int(t_sent - t0)].append((r[0] - t_sent) * 1000)
+
+    def counters_at(t: float) -> collections.Counter:
+        c: collections.Counter = collections.Counter()
+        for s in shards:
+            series = s.get("counter_series") or []
+            if series:
+                c.update(min(series, key=lambda x: abs(x[0] - t))[1])
+        return c
+
+    rows = []
+    for sec in range(int(args.seconds) + 1):
+        if sec not in lat:
+            continue
+        v = sorted(lat[sec])
+        a, b = counters_at(t0 + sec), counters_at(t0 + sec + 1)
+        rows.append({"second": sec, "p99_ms": round(v[min(len(v) - 1, int(0.99 * len(v)))], 1),
+                     "graft_sent": b["graft_sent"] - a["graft_sent"], "prune_sent": b["prune_sent"] - a["prune_sent"],
+                     "duplicates": b["duplicates"] - a["duplicates"], "eager_links": b["eager"]})
+    return rows
 
 
 def shard_main(args, encode_id, decode_id) -> None:
