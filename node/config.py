@@ -28,6 +28,10 @@ class NodeConfig:
     # Upload cap for checkpoint chunks, in Mbit/s; 0 = unlimited.
     max_upload_mbps: float = 0.0
     heartbeat_interval_s: float = 2.0
+    # Write checkpoint chunks and assembled files with O_DIRECT (bypassing the page
+    # cache; docs/distribution.md says why). Falls back by itself where the filesystem
+    # refuses it; set false to always write through the page cache.
+    direct_io: bool = True
 
     @classmethod
     def load(cls, path: Path) -> "NodeConfig":

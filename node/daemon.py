@@ -202,6 +202,7 @@ class _Settings:
     status_port: int
     advertise_host: str
     heartbeat_interval_s: float
+    direct_io: bool = True
 
 
 def _settings(home: Path, *, listen=None, bootstrap=None, target_peers=None, max_upload_mbps=None, data_port=None,
@@ -219,6 +220,7 @@ def _settings(home: Path, *, listen=None, bootstrap=None, target_peers=None, max
         status_port=cfg.status_port if status_port is None else status_port,
         advertise_host=cfg.advertise_host,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
+        direct_io=cfg.direct_io,
     )
     if s.target_peers < 1:
         raise NodeError("--target-peers must be at least 1")
@@ -447,7 +449,8 @@ def run_join(home: Path, role: str, bootstrap: list[str] | None = None, listen: 
         g = signed.genesis
         log.info("run %s (%s): joining as %s with peer id %s", g.run_id.hex(), g.name, role, s.key.peer_id)
         hook = make_role(role, s.home, signed, key_peer_id=s.key.peer_id, max_upload_mbps=s.max_upload_mbps,
-                         data_port=s.data_port, advertise_host=s.advertise_host, device=device, tamper=tamper)
+                         data_port=s.data_port, advertise_host=s.advertise_host, device=device, tamper=tamper,
+                         direct_io=s.direct_io)
         node = Node(s.key, genesis=signed, config=_p2p_config(s), hook=hook)
         _run_node(s, node)
 

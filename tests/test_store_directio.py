@@ -94,3 +94,23 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path, monke
     files = store.assemble_blocking(store.versions[1])
     assert (files / "part-0.safetensors").read_bytes() == (tmp_path / "src" / "part-0.safetensors").read_bytes()
     assert not list((tmp_path / "store" / "tmp").iterdir())  # no leftovers of the refused attempt
+
+
+def test_config_direct_io_false_reaches_the_roles_store(tmp_path):
+    from node.config import NodeConfig
+    from node.errors import NodeError
+    from node.home import NodeHome
+    from node.roles.factory import make_role
+    from tests.roles_support import TRAINER, tiny_genesis
+
+    (tmp_path / "config.toml").write_text("direct_io = false\n")
+    assert NodeConfig.load(tmp_path / "config.toml").direct_io is False
+    (tmp_path / "config.toml").write_text('direct_io = "no"\n')
+    with pytest.raises(NodeError, match="direct_io must be bool"):
+        NodeConfig.load(tmp_path / "config.toml")
+
+    home = NodeHome(tmp_path / "home")
+    home.path.mkdir(parents=True)
+    for flag in (False, True):
+        role = make_role("trainer", home, tiny_genesis(), key_peer_id=TRAINER.peer_id, direct_io=flag)
+        assert role.store.direct_io is flag

@@ -45,11 +45,11 @@ class LearningRole(RoleHook):
     """Base of trainer, worker and validator: owns the node's checkpoint distribution."""
 
     def __init__(self, home: NodeHome, ctx: RunContext, *, max_upload_mbps: float = 0.0, data_port: int = 0,
-                 advertise_host: str = "127.0.0.1") -> None:
+                 advertise_host: str = "127.0.0.1", direct_io: bool = True) -> None:
         self.home = home
         self.ctx = ctx
         g = ctx.genesis
-        self.store = ChunkStore(home.path / "chunks", g.run_id, g.trainer)
+        self.store = ChunkStore(home.path / "chunks", g.run_id, g.trainer, direct_io=direct_io)
         self.dist: Distribution | None = None
         # The data plane listens where peers can reach it: loopback for a one-machine
         # network, every interface when the node advertises a routable address.

@@ -14,7 +14,7 @@ from .context import RunContext
 
 def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id: str, max_upload_mbps: float = 0.0,
               data_port: int = 0, advertise_host: str = "127.0.0.1", device: str = "cpu",
-              tamper: str | None = None) -> RoleHook:
+              tamper: str | None = None, direct_io: bool = True) -> RoleHook:
     """The hook for ``role``; refuses a trainer/validator whose key the genesis does not name."""
     g = genesis.genesis
     if role == "trainer" and key_peer_id != g.trainer:
@@ -22,7 +22,8 @@ def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id:
     if role == "validator" and key_peer_id not in g.validators:
         raise NodeError(f"this node ({key_peer_id}) is not one of the run's validators")
     ctx = RunContext.from_genesis(g, home.path / "cache")
-    common: dict[str, Any] = dict(max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host)
+    common: dict[str, Any] = dict(max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host,
+                                  direct_io=direct_io)
     if role == "trainer":
         from .trainer import TrainerRole
 
