@@ -296,64 +296,53 @@ class ChunkStore:
         shutil.rmtree(tmp, ignore_errors=True)
         if self.direct_io:
             try:
-                self._assemble_files_direct(st, tmp)
+                self._write_files(st, tmp, direct=True)
             except DirectIOUnsupported as exc:
                 self._direct_refused(exc)
                 shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-                if self.durable:
-                    fsync_dir(d)
-                return final
-        idx = 0
-        for f in st.manifest.files:
-            out = tmp / f.path
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                pos = 0
-                for h in f.chunk_hashes:
-                    length = st.chunks[idx][2]
-                    src = os.open(self.object_path(h), os.O_RDONLY)
-                    try:
-                        copied = 0
-                        while copied < length:
-                            n = os.copy_file_range(src, fd, length - copied, copied, pos + copied)
-                            if n == 0:
-                                raise IOError(f"chunk object {h.hex()} is short")
-                            copied += n
-                    finally:
-                        os.close(src)
-                    pos += length
-                    idx += 1
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+        if not self.direct_io:
+            self._write_files(st, tmp, direct=False)
         os.replace(tmp, final)
         if self.durable:
             fsync_dir(d)
         return final
 
-    def _assemble_files_direct(self, st: VersionState, tmp: Path) -> None:
-        """The version's files under ``tmp``, chunk by chunk with O_DIRECT reads and writes."""
+    def _write_files(self, st: VersionState, tmp: Path, *, direct: bool) -> None:
+        """The version's files under ``tmp``, chunk by chunk: O_DIRECT reads and writes, or
+        ``copy_file_range`` through the page cache."""
         idx = 0
         for f in st.manifest.files:
             out = tmp / f.path
             out.parent.mkdir(parents=True, exist_ok=True)
-            fd = directio.open_direct(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            fd = directio.open_direct(out, flags) if direct else os.open(out, flags, 0o644)
             try:
                 pos = 0
                 for h in f.chunk_hashes:
                     length = st.chunks[idx][2]
-                    with directio.read_file_into(self.object_path(h), length) as data:
-                        directio.pwrite_direct(fd, data, pos)
+                    if direct:
+                        with directio.read_file_into(self.object_path(h), length) as data:
+                            directio.pwrite_direct(fd, data, pos)
+                    else:
+                        self._copy_object(h, fd, pos, length)
                     pos += length
                     idx += 1
                 if self.durable:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+
+    def _copy_object(self, h: bytes, fd: int, pos: int, length: int) -> None:
+        src = os.open(self.object_path(h), os.O_RDONLY)
+        try:
+            copied = 0
+            while copied < length:
+                n = os.copy_file_range(src, fd, length - copied, copied, pos + copied)
+                if n == 0:
+                    raise IOError(f"chunk object {h.hex()} is short")
+                copied += n
+        finally:
+            os.close(src)
 
     async def assemble(self, version: int) -> Path:
         import trio
