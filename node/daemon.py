@@ -416,13 +416,8 @@ def run_join(home: Path, role: str, bootstrap: list[str] | None = None, listen: 
 
         if engine not in ENGINES:
             raise NodeError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
-        if engine != "transformers":
-            # VLLMEngine (node/engines/vllm_engine.py) is tested as a library engine, but the roles
-            # build their engine from an in-memory model, a run's genesis names one numerics stack
-            # ("transformers-fp32-cpu" in the devnet) and vLLM re-threads the whole process: see
-            # docs/proofs.md, "vLLM".
-            raise NodeError(f"--engine {engine}: the roles run the transformers engine only for now "
-                            "(VLLMEngine is usable from Python; docs/proofs.md, section vLLM)")
+        if engine != "transformers" and role not in ("worker", "validator"):
+            raise NodeError(f"--engine {engine} is for workers and validators; the {role} runs transformers")
         s = _settings(home, listen=listen, bootstrap=bootstrap, target_peers=target_peers,
                       max_upload_mbps=max_upload_mbps, data_port=data_port, status_port=status_port)
         expected = None
@@ -450,7 +445,7 @@ def run_join(home: Path, role: str, bootstrap: list[str] | None = None, listen: 
         log.info("run %s (%s): joining as %s with peer id %s", g.run_id.hex(), g.name, role, s.key.peer_id)
         hook = make_role(role, s.home, signed, key_peer_id=s.key.peer_id, max_upload_mbps=s.max_upload_mbps,
                          data_port=s.data_port, advertise_host=s.advertise_host, device=device, tamper=tamper,
-                         direct_io=s.direct_io)
+                         direct_io=s.direct_io, engine=engine)
         node = Node(s.key, genesis=signed, config=_p2p_config(s), hook=hook)
         _run_node(s, node)
 

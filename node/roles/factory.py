@@ -14,8 +14,16 @@ from .context import RunContext
 
 def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id: str, max_upload_mbps: float = 0.0,
               data_port: int = 0, advertise_host: str = "127.0.0.1", device: str = "cpu",
-              tamper: str | None = None, direct_io: bool = True) -> RoleHook:
+              tamper: str | None = None, direct_io: bool = True, engine: str = "transformers") -> RoleHook:
     """The hook for ``role``; refuses a trainer/validator whose key the genesis does not name."""
+    from .engines import ENGINES
+
+    if engine not in ENGINES:
+        raise NodeError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine != "transformers" and role not in ("worker", "validator"):
+        raise NodeError(f"--engine {engine} is for workers and validators; the {role} runs transformers")
+    if engine != "transformers" and tamper:
+        raise NodeError("--tamper modes exist for the transformers engine only")
     g = genesis.genesis
     if role == "trainer" and key_peer_id != g.trainer:
         raise NodeError(f"this node ({key_peer_id}) is not the run's trainer ({g.trainer})")
@@ -31,9 +39,9 @@ def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id:
     if role == "validator":
         from .validator import ValidatorRole
 
-        return ValidatorRole(home, ctx, device=device, **common)
+        return ValidatorRole(home, ctx, device=device, engine=engine, **common)
     if role == "worker":
         from .worker import WorkerRole
 
-        return WorkerRole(home, ctx, device=device, tamper=tamper, **common)
+        return WorkerRole(home, ctx, device=device, tamper=tamper, engine=engine, **common)
     raise NodeError(f"unknown role {role!r}")

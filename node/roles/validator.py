@@ -36,8 +36,10 @@ CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "s
 class ValidatorRole(LearningRole):
     role = "validator"
 
-    def __init__(self, *args: Any, device: str = "cpu", fetchers: int = 4, queue: int = 256, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device: str = "cpu", fetchers: int = 4, queue: int = 256,
+                 engine: str = "transformers", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.engine_kind = engine
         self.device = device
         self.n_fetchers = fetchers
         self.ban_after = int(self.ctx.config.get("ban_after_rejections", 2))
@@ -175,12 +177,9 @@ class ValidatorRole(LearningRole):
         self.loaded_version = version
 
     def _make_engine(self):
-        from ..engines.transformers_engine import TransformersEngine
+        from .engines import build_engine
 
-        engine = TransformersEngine(self.ctx.initial_model(), device=self.device,
-                                    eos_token_id=self.ctx.eos_token_id, pad_token_id=self.ctx.pad_token_id)
-        self.ctx.check_engine(engine)
-        return engine
+        return build_engine(self.ctx, self.engine_kind, self.device)
 
     async def _vote(self, env: Envelope, verdict: BatchVerdict) -> None:
         ann = env.body

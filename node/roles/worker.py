@@ -41,8 +41,10 @@ class _Tally:
 class WorkerRole(LearningRole):
     role = "worker"
 
-    def __init__(self, *args: Any, tamper: str | None = None, device: str = "cpu", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tamper: str | None = None, device: str = "cpu", engine: str = "transformers",
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.engine_kind = engine
         if tamper is not None and tamper not in TAMPER_MODES:
             raise ValueError(f"unknown tamper mode {tamper!r}")
         self.tamper = tamper
@@ -142,12 +144,9 @@ class WorkerRole(LearningRole):
                 del counter[v]
 
     def _make_engine(self):
-        from ..engines.transformers_engine import TransformersEngine
+        from .engines import build_engine
 
-        engine = TransformersEngine(self.ctx.initial_model(), device=self.device,
-                                    eos_token_id=self.ctx.eos_token_id, pad_token_id=self.ctx.pad_token_id)
-        self.ctx.check_engine(engine)
-        return engine
+        return build_engine(self.ctx, self.engine_kind, self.device)
 
     async def _loop(self) -> None:
         node = self.node

@@ -1,0 +1,65 @@
+"""Build the inference engine a worker or validator runs (``primenode join --engine``).
+
+``transformers`` (the default) runs the policy in-process from the model object;
+``vllm`` runs the optional vLLM engine (node/engines/vllm_engine.py), which loads
+a HF model folder: the run's own folder for a local model, the converted SmolLM2
+cache, or, for the built-in tiny model, version 0 saved once into the node's
+cache. Either way the engine's numerics stack must be the one the genesis
+declares (``RunContext.check_engine``): a vLLM worker in a run declared
+``transformers-fp32-cpu`` is refused before it produces anything, because tight
+TOPLOC thresholds assume both sides compute alike.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import NodeError
+from .context import RunContext
+
+ENGINES = ("transformers", "vllm")
+
+
+def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
+    """The engine of ``kind`` on version 0 of the policy (blocking: run it in a thread)."""
+    if kind == "transformers":
+        from ..engines.transformers_engine import TransformersEngine
+
+        engine = TransformersEngine(ctx.initial_model(), device=device, eos_token_id=ctx.eos_token_id,
+                                    pad_token_id=ctx.pad_token_id)
+    elif kind == "vllm":
+        from ..engines.vllm_engine import VLLMEngine, vllm_available
+
+        if not vllm_available():
+            raise NodeError("--engine vllm needs vLLM in this Python environment "
+                            "(`pip install -e '.[vllm]'` on a GPU box; docs/proofs.md, section vLLM)")
+        engine = VLLMEngine(model_folder(ctx), eos_token_id=ctx.eos_token_id)
+    else:
+        raise NodeError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
+    ctx.check_engine(engine)
+    return engine
+
+
+def model_folder(ctx: RunContext) -> Path:
+    """A HF folder holding version 0 of the run's policy (written once for the tiny model)."""
+    g = ctx.genesis
+    if g.model == "smollm2":
+        from ..models import SMOLLM2_DIRNAME, load_smollm2
+
+        folder = Path(ctx.cache_dir) / SMOLLM2_DIRNAME
+        if not (folder / "config.json").exists():
+            load_smollm2(ctx.cache_dir)  # converts the packaged GGUF into that folder
+        return folder
+    if Path(g.model).is_dir():
+        return Path(g.model)
+    folder = Path(ctx.cache_dir) / "initial-models" / g.run_id.hex()[:16]
+    if not (folder / "config.json").exists():
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        ctx.initial_model().save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)  # atomic: a crash mid-save leaves no half folder behind
+    return folder
