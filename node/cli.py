@@ -218,12 +218,13 @@ def devnet(
     task: Annotated[str, typer.Option("--task", help="Built-in task: target-length or arithmetic.")] = "target-length",
     max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch may lag behind the trainer.")] = 2,
     timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds.")] = 900.0,
+    engine: Annotated[str, typer.Option("--engine", help="Engine of workers and validators: transformers or vllm.")] = "transformers",
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from .devnet import DevnetOptions, run_devnet
 
     summary = run_devnet(DevnetOptions(out=out, workers=workers, validators=validators, steps=steps, model=model,
-                                       task=task, max_async=max_async, timeout_s=timeout))
+                                       task=task, max_async=max_async, timeout_s=timeout, engine=engine))
     if summary["interrupted"]:
         raise typer.Exit(130)
 

@@ -43,6 +43,8 @@ class DevnetOptions:
     temperature: float = 1.0
     seed: int = 0
     timeout_s: float = 900.0
+    # inference engine of workers and validators: transformers, or vllm (needs vLLM installed)
+    engine: str = "transformers"
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Node flavours for adversarial tests: name -> list of extra CLI args.
     node_args: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -93,6 +95,8 @@ class Devnet:
         o = self.opts
         if o.workers < 1 or o.validators < 1:
             raise NodeError("a devnet needs at least one worker and one validator")
+        if o.engine not in ("transformers", "vllm"):
+            raise NodeError(f"unknown engine {o.engine!r}: use transformers or vllm")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
 
@@ -114,9 +118,9 @@ class Devnet:
             # one batch per worker per version: with two workers the trainer always has a fresh
             # batch and one a step old (two-step async), and little work goes stale
             "worker_batches_per_version": 1,
-            # every devnet node runs the transformers engine in fp32 on this CPU: one numerics
+            # every devnet worker and validator runs one engine in fp32 on this CPU: one numerics
             # stack, so validators use the tight TOPLOC thresholds (docs/proofs.md)
-            "numerics": "transformers-fp32-cpu", **o.extra_config,
+            "numerics": f"{o.engine}-fp32-cpu", **o.extra_config,
         }
         signed = make_genesis(
             owner, config, name=f"devnet-{o.task}", model=o.model, dataset=f"builtin:{o.task}",
@@ -134,14 +138,15 @@ class Devnet:
         self.nodes.append(NodeProc("bootstrap", "bootstrap", boot, [
             "bootstrap", "--home", str(boot.path), "--listen", f"/ip4/127.0.0.1/tcp/{port}", *common]))
         join = ["--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0", *common]
+        engine = ["--engine", o.engine]
         self.nodes.append(NodeProc("trainer", "trainer", trainer,
                                    ["join", "--role", "trainer", "--home", str(trainer.path), *join]))
         for i, v in enumerate(validators):
             self.nodes.append(NodeProc(f"validator-{i}", "validator", v,
-                                       ["join", "--role", "validator", "--home", str(v.path), *join]))
+                                       ["join", "--role", "validator", "--home", str(v.path), *join, *engine]))
         for i, w in enumerate(workers):
             self.nodes.append(NodeProc(f"worker-{i}", "worker", w,
-                                       ["join", "--role", "worker", "--home", str(w.path), *join]))
+                                       ["join", "--role", "worker", "--home", str(w.path), *join, *engine]))
         for n in self.nodes:
             n.args += self.opts.node_args.get(n.name, [])
 

@@ -100,3 +100,17 @@ def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path
     # a run declared for the transformers stack refuses the vLLM engine
     with pytest.raises(NodeError, match="numerics"):
         tiny_context(tmp_path / "tf", **{**cfg, "numerics": "transformers-fp32-cpu"}).check_engine(engine)
+
+
+def test_devnet_engine_option_sets_the_stack_and_the_node_flags(tmp_path):
+    from node.devnet import Devnet, DevnetOptions
+    from node.genesis_file import read_genesis
+    from node.roles.context import genesis_config
+
+    with pytest.raises(NodeError, match="unknown engine"):
+        Devnet(DevnetOptions(out=tmp_path / "bad", engine="onnx")).prepare()
+    net = Devnet(DevnetOptions(out=tmp_path / "v", engine="vllm", workers=1, validators=1))
+    net.prepare()
+    assert genesis_config(read_genesis(net.genesis_path).genesis)["numerics"] == "vllm-fp32-cpu"
+    for n in net.nodes:
+        assert ("--engine" in n.args) == (n.role in ("worker", "validator")), n.name
