@@ -3,12 +3,12 @@
     python bench/churn.py [--minutes 10] [--period 10,30] [--down 1,8] [--victims all]
                           [--workers 2] [--validators 3] [--quorum 2] [--out DIR] [--seed 0]
 
-Starts the network ``primenode devnet`` starts (node/devnet.py: separate OS
+Starts the network ``primenode devnet`` starts (node/ops/devnet.py: separate OS
 processes on 127.0.0.1, tiny model; here 3 validators with a quorum of 2 by
 default, so one validator down does not stop admission), lets it reach its
 second step, then for ``--minutes`` kills a random node with SIGKILL every
 ``--period`` seconds (uniform in the range), keeps it down ``--down`` seconds
-and restarts it with the same home (node/churn.py; one node down at a time;
+and restarts it with the same home (node/ops/churn.py; one node down at a time;
 ``--victims`` is a comma list of node names or ``all``, bootstrap included).
 Afterwards the network runs until the trainer has made two more steps.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from node.churn import LedgerAudit, churn, trained_steps, trainer_step  # noqa: E402
-from node.devnet import Devnet, DevnetOptions  # noqa: E402
+from node.ops.churn import LedgerAudit, churn, trained_steps, trainer_step  # noqa: E402
+from node.ops.devnet import Devnet, DevnetOptions  # noqa: E402
 
 
 def wait_for(pred, timeout: float, what: str, audit: LedgerAudit) -> float:

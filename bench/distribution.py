@@ -81,9 +81,9 @@ def make_checkpoint(d: Path, size_mib: int) -> list[Path]:
 def run_node(a) -> None:
     import trio
 
-    from node.dataplane import Distribution
+    from node.checkpoints import Checkpoints
     from protocol import ChunkTicket, ChunkTicketRequest, ReplayGuard, SequenceCounter, open_envelope, seal
-    from node.store import ChunkStore
+    from node.checkpoints import ChunkStore
 
     key = node_key(a.index)
     trainer = node_key(0).peer_id
@@ -113,7 +113,7 @@ def run_node(a) -> None:
             pass
 
     store = ChunkStore(Path(a.home), RUN_ID, trainer, durable=not a.no_fsync, direct_io=not a.buffered_io)
-    dist = Distribution(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
+    dist = Checkpoints(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
     guard = ReplayGuard()
     result = {"index": a.index}
 

@@ -58,13 +58,13 @@ def load(instrument: bool) -> None:
 
         ctx = atheris.instrument_imports(include=["protocol", "proofs", "node"])
     with ctx:
-        import node.dataplane.client  # noqa: F401
-        import node.dataplane.server  # noqa: F401
-        import node.dataplane.swarm  # noqa: F401
+        import node.checkpoints.client  # noqa: F401
+        import node.checkpoints.server  # noqa: F401
+        import node.checkpoints.fetcher  # noqa: F401
         import node.genesis_file  # noqa: F401
         import node.p2p.gossip  # noqa: F401
         import node.p2p.reqresp  # noqa: F401
-        import node.store  # noqa: F401
+        import node.checkpoints  # noqa: F401
         import proofs  # noqa: F401
         import protocol  # noqa: F401
     _define_targets()
@@ -78,11 +78,11 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
     import torch
     import trio
 
-    from node.dataplane import frames as F
-    from node.dataplane.client import DataPlaneError
-    from node.dataplane.server import ChunkServer, Ticket
-    from node.dataplane.swarm import SwarmFetcher
-    from node.dataplane.testing import RecordingPeer
+    from protocol import chunk_frames as F
+    from node.checkpoints.client import DataPlaneError
+    from node.checkpoints.server import ChunkServer, Ticket
+    from node.checkpoints.fetcher import VersionFetcher
+    from node.checkpoints.testing import RecordingPeer
     from node.errors import NodeError
     from node.genesis_file import make_genesis, read_genesis, write_genesis
     from node.p2p import reqresp as rr_mod
@@ -90,8 +90,8 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
     from node.p2p.metrics import NodeMetrics
     from node.p2p.policy import PeerPolicy
     from node.p2p.reqresp import ReqResp, RequestError
-    from node.store import ChunkStore
-    from node.store.manifest import verify_announce
+    from node.checkpoints import ChunkStore
+    from node.checkpoints.manifest import verify_announce
     from proofs import ProofConfig, ProofError, decode_proof, verify_sequence
     from protocol import (
         CheckpointAnnounce,
@@ -429,7 +429,7 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
             async with trio.open_nursery() as nursery:
                 listeners = await nursery.start(functools.partial(trio.serve_tcp, seed, 0, host="127.0.0.1"))
                 overlay = Overlay(listeners[0].socket.getsockname()[1])
-                f = SwarmFetcher(store, 1, overlay, stall_timeout=0.05, have_poll_s=0.01, rng=random.Random(0))
+                f = VersionFetcher(store, 1, overlay, stall_timeout=0.05, have_poll_s=0.01, rng=random.Random(0))
                 p = f.peers["seed"] = RecordingPeer("seed")
                 with trio.fail_after(20):
                     async with trio.open_nursery() as inner:

@@ -100,12 +100,12 @@ def record_votes(node, into: dict[int, list], clock: Callable[[], float]) -> Non
 
 async def run_bench(args) -> dict:
     from node.p2p.node import P2PConfig
-    from node.p2p.testing import NodeFactory, make_genesis
+    from node.p2p.testing import NodeFactory, overlay_genesis
 
     rng = random.Random(args.seed)
     keys = [NodeKey.generate() for _ in range(args.nodes)]
     publishers = keys[:64]  # a genesis names at most 64 validators
-    genesis = make_genesis(owner=keys[0], trainer=keys[0], validators=publishers, name="gossip-bench")
+    genesis = overlay_genesis(owner=keys[0], trainer=keys[0], validators=publishers, name="gossip-bench")
     # received[node index][seq] = (receive time, count)
     received: list[dict[int, list]] = [dict() for _ in keys]
     sent: dict[int, tuple[float, int]] = {}  # seq -> (send time, publisher index)

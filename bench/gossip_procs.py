@@ -64,12 +64,12 @@ async def _wait_file(path: Path, timeout: float) -> str:
 
 async def run_shard(args, encode_id, decode_id) -> None:
     from node.p2p.node import P2PConfig
-    from node.p2p.testing import NodeFactory, make_genesis
+    from node.p2p.testing import NodeFactory, overlay_genesis
 
     work = Path(args.workdir)
     keys = seeded_keys(args.seed, args.nodes)
     publishers = keys[:64]
-    genesis = make_genesis(owner=keys[0], trainer=keys[0], validators=publishers, name="gossip-bench",
+    genesis = overlay_genesis(owner=keys[0], trainer=keys[0], validators=publishers, name="gossip-bench",
                            created_ms=1_700_000_000_000)
     mine = [i for i in range(args.nodes) if shard_of(i, args.procs) == args.shard]
     received: dict[int, dict[int, list]] = {i: {} for i in mine}

@@ -247,7 +247,7 @@ async def attack_chunks(a: Attack, idx: int) -> None:
 
 
 async def _hoard_identity(a: Attack, target: str) -> None:
-    from node.dataplane import frames as F
+    from protocol import chunk_frames as F
     from node.p2p.host import closing_host, make_host, parse_peer_addr
     from node.p2p.metrics import NodeMetrics
     from node.p2p.policy import PeerPolicy

@@ -70,10 +70,10 @@ def seeded_keys(seed: str, n: int) -> list[NodeKey]:
 
 
 def bench_genesis(keys: list[NodeKey], created_ms: int):
-    from node.p2p.testing import make_genesis
+    from node.p2p.testing import overlay_genesis
 
     # node 0 is owner, trainer (signs checkpoints) and the one genesis validator
-    return make_genesis(owner=keys[0], trainer=keys[0], validators=[keys[0]], name="hostile-bench",
+    return overlay_genesis(owner=keys[0], trainer=keys[0], validators=[keys[0]], name="hostile-bench",
                         created_ms=created_ms)
 
 
@@ -227,7 +227,7 @@ class BenchRole:
     def heartbeat_fields(self) -> dict:
         if self.dist is None:
             return {}
-        from node.dataplane.p2p_overlay import distribution_heartbeat_fields
+        from node.checkpoints.p2p_overlay import distribution_heartbeat_fields
 
         return distribution_heartbeat_fields(self.dist)
 
@@ -253,13 +253,13 @@ class BenchRole:
         return BatchResponse(found=raw is not None, envelope=raw or b"")
 
     async def _start_distribution(self, node, nursery: trio.Nursery) -> None:
-        from node.dataplane import Distribution
-        from node.dataplane.p2p_overlay import P2POverlay, serve_distribution
-        from node.store import ChunkStore
+        from node.checkpoints import Checkpoints
+        from node.checkpoints.p2p_overlay import P2POverlay, serve_distribution
+        from node.checkpoints import ChunkStore
 
         root = self.shard.work / f"node-{self.idx}"
         store = ChunkStore(root / "chunks", node.run_id, node.genesis.trainer)
-        self.dist = Distribution(store, P2POverlay(node), max_async=node.genesis.max_async)
+        self.dist = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async)
         server = self.dist.server
         original = server._handle
 

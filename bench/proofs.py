@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.engines.base import SamplingConfig  # noqa: E402
+from protocol.messages import SamplingParams  # noqa: E402
 from node.engines.transformers_engine import TransformersEngine  # noqa: E402
 from node.models import load_smollm2, tiny_llama  # noqa: E402
 from proofs import ChunkResult, ProofConfig, build_many, chunk_activations, check_chunks  # noqa: E402
@@ -83,10 +83,10 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(4, 512, (24,), generator=g).tolist() for _ in range(args.prompts)]
 
-    params = SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     seeds = list(range(len(prompts)))
     cfg = ProofConfig()
-    engine.generate(prompts[:2], 1, SamplingConfig(max_tokens=4), [0, 1], capture_hidden=True)  # warm-up
+    engine.generate(prompts[:2], 1, SamplingParams(max_tokens=4), [0, 1], capture_hidden=True)  # warm-up
     engine.prefill_hidden_batch([(prompts[0], prompts[1])])
 
     def check(hidden: list[torch.Tensor], config: ProofConfig) -> tuple[float, list[ChunkResult]]:

@@ -3,7 +3,7 @@
     python bench/soak.py [--minutes 30] [--interval-s 15] [--warmup-min 5]
                          [--workers 2] [--validators 2] [--out DIR]
 
-Starts the same network ``primenode devnet`` starts (node/devnet.py: bootstrap,
+Starts the same network ``primenode devnet`` starts (node/ops/devnet.py: bootstrap,
 trainer, workers, validators as separate OS processes on 127.0.0.1, tiny model,
 target-length task) with a step budget it never reaches, and samples every
 process's RSS and open file descriptors every ``--interval-s`` seconds (psutil
@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from node.devnet import Devnet, DevnetOptions  # noqa: E402
+from node.ops.devnet import Devnet, DevnetOptions  # noqa: E402
 
 MIB = 1024 * 1024
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import tomli_w
 
-from .errors import NodeError
+from node.errors import NodeError
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class NodeConfig:
     max_upload_mbps: float = 0.0
     heartbeat_interval_s: float = 2.0
     # Write checkpoint chunks and assembled files with O_DIRECT (bypassing the page
-    # cache; docs/distribution.md says why). Falls back by itself where the filesystem
+    # cache; docs/checkpoints.md says why). Falls back by itself where the filesystem
     # refuses it; set false to always write through the page cache.
     direct_io: bool = True
 

@@ -27,7 +27,7 @@ import tomli_w
 
 from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
 
-from .errors import NodeError
+from node.errors import NodeError
 
 _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
 

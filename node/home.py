@@ -17,8 +17,8 @@ from pathlib import Path
 
 from protocol import NodeKey
 
-from .config import NodeConfig
-from .errors import NodeError
+from node.config import NodeConfig
+from node.errors import NodeError
 
 KEY_FILE = "key"
 CONFIG_FILE = "config.toml"

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .errors import NodeError
+from node.errors import NodeError
 
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 

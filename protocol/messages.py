@@ -230,9 +230,12 @@ class CheckpointAnnounce(Message):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams(Message):
-    temperature: float = spec(lo=0.0, hi=10.0)
-    top_p: float = spec(lo=0.0, hi=1.0)
-    max_tokens: int = spec(lo=1, hi=1 << 20)
+    """How completions are sampled: the run's values travel in every batch, and the
+    engines take this same object. INTELLECT-2 sampled at temperature 0.6."""
+
+    temperature: float = spec(lo=0.0, hi=10.0, default=1.0)
+    top_p: float = spec(lo=0.0, hi=1.0, default=1.0)
+    max_tokens: int = spec(lo=1, hi=1 << 20, default=64)
 
 
 @dataclasses.dataclass(frozen=True)

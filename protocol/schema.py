@@ -43,9 +43,10 @@ class Spec:
     item: "Spec | None" = None
 
 
-def spec(**kwargs: Any) -> Any:
-    """Field helper: ``x: int = spec(lo=0, hi=10)`` (no default value)."""
-    return dataclasses.field(metadata={"spec": Spec(**kwargs)})
+def spec(*, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """Field helper: ``x: int = spec(lo=0, hi=10)``; ``default`` only serves
+    constructors in code (the wire always carries every field)."""
+    return dataclasses.field(default=default, metadata={"spec": Spec(**kwargs)})
 
 
 class Message:

@@ -10,8 +10,8 @@ import sys
 
 import trio
 
-from node.dataplane import SwarmFetcher
-from node.store import ChunkStore
+from node.checkpoints import VersionFetcher
+from node.checkpoints import ChunkStore
 from protocol import ChunkTicket
 
 RUN_ID = hashlib.sha256(b"distribution-test-run").digest()
@@ -36,7 +36,7 @@ async def main(argv: list[str]) -> None:
     store = ChunkStore(store_dir, RUN_ID, trainer)
     st, _ = store.add_announce(open(ann, "rb").read(), guard=None)
     ticket = ChunkTicket(ok=True, reason="", ticket=bytes.fromhex(tok), host=host, port=int(port), expires_ms=0)
-    f = SwarmFetcher(store, st.version, StaticTicketOverlay(ticket), depth=2)
+    f = VersionFetcher(store, st.version, StaticTicketOverlay(ticket), depth=2)
     f.add_peer(peer)
     await f.run()
 

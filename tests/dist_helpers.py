@@ -1,4 +1,4 @@
-"""Shared helpers for the checkpoint-distribution tests (tests/test_distribution_*.py)."""
+"""Shared helpers for the checkpoint-distribution tests (tests/test_checkpoints_*.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from node.rl.grpo import Rollout
 from node.rl.tasks import CharTokenizer
 
 
-def tiny_llama(seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int | None = None):
+def char_llama(seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4, vocab: int | None = None):
     """A random-init LlamaForCausalLM small enough for unit tests (fp32, eager attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

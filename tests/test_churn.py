@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from node.churn import LedgerAudit, churn, trained_steps, trainer_step
-from node.devnet import Devnet
+from node.ops.churn import LedgerAudit, churn, trained_steps, trainer_step
+from node.ops.devnet import Devnet
 
 from .test_devnet_processes import small_options, wait_for
 

@@ -13,7 +13,7 @@ PRIMENODE = shutil.which("primenode")
 
 
 def run(*args: str, check: bool = False) -> subprocess.CompletedProcess:
-    cmd = [PRIMENODE, *args] if PRIMENODE else [sys.executable, "-m", "node.cli", *args]
+    cmd = [PRIMENODE, *args] if PRIMENODE else [sys.executable, "-m", "node.ops.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=check)
 
 

@@ -22,7 +22,7 @@ def _node_processes(out: Path) -> list[str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "node.cli join" in cmd or "node.cli bootstrap" in cmd:
+        if "node.ops.cli join" in cmd or "node.ops.cli bootstrap" in cmd:
             if str(out) in cmd:
                 found.append(cmd)
     return found
@@ -32,7 +32,7 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
     out = tmp_path / "devnet-out"
     log = tmp_path / "devnet.log"  # a file, not a pipe: the live table would fill a pipe nobody reads
     with open(log, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "node.cli", "devnet", "--out", str(out), "--steps", "1000",
+        proc = subprocess.Popen([sys.executable, "-m", "node.ops.cli", "devnet", "--out", str(out), "--steps", "1000",
                                  "--workers", "1", "--validators", "1", "--timeout", "600"],
                                 stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
     trainer_metrics = out / "nodes" / "trainer" / "metrics.jsonl"

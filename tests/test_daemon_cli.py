@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 PRIMENODE = shutil.which("primenode")
-BASE = [PRIMENODE] if PRIMENODE else [sys.executable, "-m", "node.cli"]
+BASE = [PRIMENODE] if PRIMENODE else [sys.executable, "-m", "node.ops.cli"]
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
 HANG_GUARD_S = 120
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from node.churn import LedgerAudit
-from node.devnet import Devnet, DevnetOptions
+from node.ops.churn import LedgerAudit
+from node.ops.devnet import Devnet, DevnetOptions
 
 
 def wait_for(pred, timeout: float, what: str, devnet: Devnet | None = None):

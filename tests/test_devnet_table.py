@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from node.devnet import TABLE_COLUMNS, status_table
+from node.ops.devnet import TABLE_COLUMNS, status_table
 
 DIST = {"versions": [{"version": 3, "chunks_held": 2, "chunks_total": 2, "complete": True}]}
 SNAP = {

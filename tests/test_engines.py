@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.engines.base import SamplingConfig
+from protocol.messages import SamplingParams
 from node.engines.transformers_engine import TransformersEngine, completion_seed
 from node.models import tiny_llama
 from proofs import build_many, build_sequence_proofs, verify_sequence
@@ -21,7 +21,7 @@ def engine() -> TransformersEngine:
 
 
 def test_shapes_and_group_layout(engine: TransformersEngine) -> None:
-    out = engine.generate(PROMPTS, 3, SamplingConfig(temperature=1.0, max_tokens=20), [1, 2], capture_hidden=True)
+    out = engine.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_tokens=20), [1, 2], capture_hidden=True)
     assert [len(g) for g in out] == [3, 3]
     for prompt, group in zip(PROMPTS, out):
         for c in group:
@@ -33,7 +33,7 @@ def test_shapes_and_group_layout(engine: TransformersEngine) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine: TransformersEngine) -> None:
-    params = SamplingConfig(temperature=1.0, top_p=0.9, max_tokens=24)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24)
     a = engine.generate(PROMPTS, 2, params, [7, 8])
     b = engine.generate(PROMPTS, 2, params, [7, 8])
     alone = engine.generate(PROMPTS[1:], 2, params, [8])
@@ -47,7 +47,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine: Transform
 
 def test_logprobs_match_a_full_forward_with_temperature(engine: TransformersEngine) -> None:
     temp = 0.7
-    out = engine.generate(PROMPTS, 1, SamplingConfig(temperature=temp, max_tokens=16), [3, 4])
+    out = engine.generate(PROMPTS, 1, SamplingParams(temperature=temp, max_tokens=16), [3, 4])
     for g in out:
         c = g[0]
         with torch.no_grad():
@@ -59,7 +59,7 @@ def test_logprobs_match_a_full_forward_with_temperature(engine: TransformersEngi
 
 
 def test_greedy_is_argmax(engine: TransformersEngine) -> None:
-    out = engine.generate([PROMPTS[0]], 2, SamplingConfig(temperature=0.0, max_tokens=8), [0])
+    out = engine.generate([PROMPTS[0]], 2, SamplingParams(temperature=0.0, max_tokens=8), [0])
     c = out[0][0]
     assert c.tokens == out[0][1].tokens
     seq = list(c.prompt_tokens)
@@ -70,7 +70,7 @@ def test_greedy_is_argmax(engine: TransformersEngine) -> None:
 
 
 def test_captured_hidden_equals_validator_prefill_and_proofs_verify(engine: TransformersEngine) -> None:
-    out = engine.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_tokens=40), [5, 6], capture_hidden=True)
+    out = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=40), [5, 6], capture_hidden=True)
     completions = [c for g in out for c in g]
     proofs = build_many([(c.hidden, len(c.prompt_tokens)) for c in completions])
     prefills = engine.prefill_hidden_batch([(c.prompt_tokens, c.tokens) for c in completions])
@@ -101,7 +101,7 @@ def test_batched_prefill_paths_equal_one_plain_forward_each(engine: Transformers
 
 
 def test_single_token_generation_is_provable(engine: TransformersEngine) -> None:
-    out = engine.generate([PROMPTS[1]], 1, SamplingConfig(temperature=1.0, max_tokens=1), [9], capture_hidden=True)
+    out = engine.generate([PROMPTS[1]], 1, SamplingParams(temperature=1.0, max_tokens=1), [9], capture_hidden=True)
     c = out[0][0]
     assert len(c.tokens) == 1 and c.hidden.shape[0] == len(PROMPTS[1]) + 1
     proofs = build_sequence_proofs(c.hidden, len(c.prompt_tokens))
@@ -111,17 +111,17 @@ def test_single_token_generation_is_provable(engine: TransformersEngine) -> None
 
 def test_empty_prompt_and_bad_arguments_are_rejected(engine: TransformersEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
-        engine.generate([[]], 1, SamplingConfig(), [0])
+        engine.generate([[]], 1, SamplingParams(), [0])
     with pytest.raises(ValueError):
-        engine.generate(PROMPTS, 1, SamplingConfig(), [0])
+        engine.generate(PROMPTS, 1, SamplingParams(), [0])
     with pytest.raises(ValueError):
-        engine.generate(PROMPTS, 1, SamplingConfig(top_p=0.0), [0, 1])
+        engine.generate(PROMPTS, 1, SamplingParams(top_p=0.0), [0, 1])
 
 
 def test_load_weights_hot_reload() -> None:
     eng = TransformersEngine(tiny_llama(eos_token_id=EOS, seed=0))
     other = tiny_llama(eos_token_id=EOS, seed=1)
-    params = SamplingConfig(temperature=0.0, max_tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
     before = eng.generate(PROMPTS, 1, params, [0, 1], capture_hidden=True)
     eng.load_weights(other.state_dict())
     after = eng.generate(PROMPTS, 1, params, [0, 1], capture_hidden=True)  # the hook survives reload
@@ -141,7 +141,7 @@ def test_load_weights_hot_reload() -> None:
 def test_weights_from_another_model_fail_verification() -> None:
     worker = TransformersEngine(tiny_llama(eos_token_id=EOS, seed=2))
     validator = TransformersEngine(tiny_llama(eos_token_id=EOS, seed=0))
-    out = worker.generate(PROMPTS, 1, SamplingConfig(temperature=1.0, max_tokens=40), [1, 2], capture_hidden=True)
+    out = worker.generate(PROMPTS, 1, SamplingParams(temperature=1.0, max_tokens=40), [1, 2], capture_hidden=True)
     for g in out:
         c = g[0]
         proofs = build_sequence_proofs(c.hidden, len(c.prompt_tokens))

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from node.engines.base import Completion, SamplingConfig
+from node.engines.base import Completion
+from protocol.messages import SamplingParams
 from node.engines.transformers_engine import TransformersEngine
 from node.models import load_smollm2, smollm2_available
 from node.roles.context import proof_config_for
@@ -24,7 +25,7 @@ pytestmark = [
 ]
 
 MAX_TOKENS = 48  # one full decode chunk and a partial one
-SAMPLED = SamplingConfig(temperature=0.6, max_tokens=MAX_TOKENS)
+SAMPLED = SamplingParams(temperature=0.6, max_tokens=MAX_TOKENS)
 QUESTION = "Explain why the sky is blue in two sentences."
 OTHER_QUESTIONS = ["Why do cats purr?", "Name three prime numbers and say why each is prime.",
                    "Write a haiku about the sea, then explain its imagery line by line in plain words."]
@@ -71,7 +72,7 @@ def _perturbed(model: Any, rel: float, seed: int = 0) -> Any:
 
 def test_honest_rollouts_pass_sampled_and_greedy(honest: TransformersEngine, prompt: list[int]) -> None:
     sampled = honest.generate([prompt], 1, SAMPLED, [11], capture_hidden=True)[0][0]
-    greedy = honest.generate([prompt], 1, SamplingConfig(temperature=0.0, max_tokens=MAX_TOKENS), [0],
+    greedy = honest.generate([prompt], 1, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), [0],
                              capture_hidden=True)[0][0]
     for c in (sampled, greedy):
         for config in (ProofConfig(), ProofConfig.tight()):
@@ -131,10 +132,10 @@ def test_changed_prompt_token_fails(honest: TransformersEngine, prompt: list[int
         assert not v.ok, v.chunks
 
 
-@pytest.mark.parametrize("params", [SAMPLED, SamplingConfig(temperature=0.0, max_tokens=MAX_TOKENS)],
+@pytest.mark.parametrize("params", [SAMPLED, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)],
                          ids=["t0.6", "greedy"])
 def test_honest_batches_pass_tight_whatever_the_batch_composition(
-    smol: tuple[Any, Any], honest: TransformersEngine, prompt: list[int], params: SamplingConfig
+    smol: tuple[Any, Any], honest: TransformersEngine, prompt: list[int], params: SamplingParams
 ) -> None:
     """fp32 numerics depend on padding and batch shapes. Four prompts of different lengths
     are generated in one left-padded batch; the validator prefills each sample alone, and

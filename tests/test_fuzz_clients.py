@@ -33,14 +33,14 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from node.dataplane import frames as F
-from node.dataplane.swarm import SwarmFetcher
-from node.dataplane.testing import RecordingPeer
-from node.dataplane.wire import recv_exactly, send_all
+from protocol import chunk_frames as F
+from node.checkpoints.fetcher import VersionFetcher
+from node.checkpoints.testing import RecordingPeer
+from node.checkpoints.wire import recv_exactly, send_all
 from node.p2p.host import parse_peer_addr
 from node.p2p.reqresp import RR_PROTOCOL, RequestError, read_frame
-from node.p2p.testing import NodeFactory, make_genesis, wait_until
-from node.store import ChunkStore
+from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
+from node.checkpoints import ChunkStore
 from protocol import (
     ZERO_RUN_ID,
     BatchRequest,
@@ -140,7 +140,7 @@ def answer_plan(kind: str, payload: str, framing: str):
     answers = {"px": PeerExchangeResponse(peers=(PeerAddr(peer_id=PEER_IDS[1], addrs=("/ip4/127.0.0.1/tcp/1",)),)),
                "batch": BatchResponse(found=True, envelope=b"x" * 100),
                "ticket": ChunkTicket(ok=True, reason="", ticket=b"T" * 32, host="127.0.0.1", port=1, expires_ms=1),
-               "genesis": GenesisResponse(genesis=make_genesis())}
+               "genesis": GenesisResponse(genesis=overlay_genesis())}
     extras = {"error": ErrorResponse(code="no_such_thing", detail="pinned"), "wrong_type": BatchRequest.TYPE_ID,
               "oversize": 2**32 - 1, "short_by": 10, "split_at": 2, "trailing": b"\x00"}
     return kind, payload, framing, answers[kind], extras
@@ -151,7 +151,7 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
     silence_s = 0.2
     with trio.fail_after(90 + n * 2.0):
         async with trio.open_nursery() as nursery:
-            genesis = make_genesis()
+            genesis = overlay_genesis()
             # a huge budget: the hostile responder is never banned, so every answer reaches the client's
             # decoder; no periodic peer exchange, so only the test's requests reach the hostile handler
             net = NodeFactory(nursery, genesis=genesis, budget=1e12, px_interval_s=1e6)
@@ -528,11 +528,11 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
             box["sessions"] += 1
             await stream.aclose()
 
-    async def session(plan) -> tuple[SwarmFetcher, FakeOverlay]:
+    async def session(plan) -> tuple[VersionFetcher, FakeOverlay]:
         store = ChunkStore(tmp_path / f"fetcher{next(counter)}", RUN_ID, TRAINER.peer_id, durable=False)
         store.add_announce(announce)
         overlay = FakeOverlay(plan["ticket"], port, closed_port)
-        fetcher = SwarmFetcher(store, 1, overlay, stall_timeout=STALL_S, ticket_timeout=2.0, have_poll_s=0.02,
+        fetcher = VersionFetcher(store, 1, overlay, stall_timeout=STALL_S, ticket_timeout=2.0, have_poll_s=0.02,
                                elsewhere_retry_s=0.05, endgame_after_s=0.05, rng=random.Random(0))
         for k, bm in enumerate(plan["others"]):  # have-sets of other peers (as heartbeats bring them)
             fetcher.update_have(f"other-{k}", bm)
@@ -554,7 +554,7 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
         @fuzz_settings(n)
         @given(plan=seed_plans)
         # regression: a ticket naming a host the resolver cannot encode made DataConnection.open
-        # raise UnicodeError (idna), not the data plane's error (fixed in node/dataplane/client.py)
+        # raise UnicodeError (idna), not the data plane's error (fixed in node/checkpoints/client.py)
         @example(plan=seed_plan(ticket=("host", "a" * 64)))
         # pinned plans that reach each deep path on every run (the random ones add to them)
         @example(plan=seed_plan(honest=nchunks + 1))  # an honest seed: the version completes

@@ -35,16 +35,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from libp2p.peer.id import ID
 
-from node.dataplane import Distribution
-from node.dataplane import frames as F
-from node.dataplane.client import DataConnection
-from node.dataplane.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
+from node.checkpoints import Checkpoints
+from protocol import chunk_frames as F
+from node.checkpoints.client import DataConnection
+from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
 from node.p2p.gossip import GOSSIP_PROTOCOL, GRAFT, IHAVE, PRUNE
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RR_PROTOCOL, read_frame
-from node.p2p.testing import NodeFactory, make_genesis, tagged_announce, wait_until
+from node.p2p.testing import NodeFactory, overlay_genesis, tagged_announce, wait_until
 from node.roles.worker import WorkerRole
-from node.store import ChunkStore
+from node.checkpoints import ChunkStore
 from protocol import (
     ZERO_RUN_ID,
     BatchRequest,
@@ -111,20 +111,20 @@ u64 = st.integers(0, 2**64 - 1)
 
 
 class TargetRole(RoleHook):
-    """Serves tickets (a real Distribution with a published version), batches and the
+    """Serves tickets (a real Checkpoints with a published version), batches and the
     node's own genesis/peer-exchange handlers."""
 
     role = "trainer"
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.dist: Distribution | None = None
+        self.dist: Checkpoints | None = None
         self.ready = trio.Event()
         self.worker = types.SimpleNamespace(batches={}, stats={"batches_served": 0})
 
     async def run(self, node) -> None:
         store = ChunkStore(self.root / "chunks", node.run_id, node.genesis.trainer)
-        self.dist = Distribution(store, P2POverlay(node), max_async=2, auto_fetch=False)
+        self.dist = Checkpoints(store, P2POverlay(node), max_async=2, auto_fetch=False)
         src = self.root / "ckpt"
         src.mkdir(parents=True, exist_ok=True)
         (src / "model.safetensors").write_bytes(random.Random(1).randbytes(200_000))
@@ -140,7 +140,7 @@ class TargetRole(RoleHook):
 
 
 async def start_target(nursery, tmp_path, **overrides):
-    genesis = make_genesis(owner=TARGET_KEY)  # the target is the trainer
+    genesis = overlay_genesis(owner=TARGET_KEY)  # the target is the trainer
     net = NodeFactory(nursery, genesis=genesis, budget=1e12, rate_per_s=1e6, rate_burst=1e6, **overrides)
     role = TargetRole(tmp_path)
     target = await net.start(hook=role, key=TARGET_KEY)

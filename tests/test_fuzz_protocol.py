@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from node.errors import NodeError
 from node.genesis_file import make_genesis, read_genesis, write_genesis
-from node.store.manifest import verify_announce
+from node.checkpoints.manifest import verify_announce
 from protocol import (
     ZERO_RUN_ID,
     CheckpointAnnounce,

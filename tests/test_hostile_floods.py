@@ -14,8 +14,8 @@ import types
 import trio
 from libp2p.peer.id import ID
 
-from node.dataplane import frames as F
-from node.dataplane.server import ChunkServer
+from protocol import chunk_frames as F
+from node.checkpoints.server import ChunkServer
 from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.host import closing_host, make_host, parse_peer_addr
 from node.p2p.policy import PeerPolicy

@@ -3,8 +3,8 @@ checkpoint version or every peer stay bounded."""
 
 from __future__ import annotations
 
-from node.dataplane.service import FETCH_HISTORY_VERSIONS, MAX_BANNED, SERVED_TO_PEERS, Distribution
-from node.store import ChunkStore
+from node.checkpoints.service import FETCH_HISTORY_VERSIONS, MAX_BANNED, SERVED_TO_PEERS, Checkpoints
+from node.checkpoints import ChunkStore
 
 from .dist_helpers import RUN_ID, keys
 
@@ -13,8 +13,8 @@ class _NoOverlay:
     """Nothing here fetches or grants tickets."""
 
 
-def _dist(tmp_path) -> Distribution:
-    return Distribution(ChunkStore(tmp_path / "store", RUN_ID, keys(1)[0].peer_id), _NoOverlay())
+def _dist(tmp_path) -> Checkpoints:
+    return Checkpoints(ChunkStore(tmp_path / "store", RUN_ID, keys(1)[0].peer_id), _NoOverlay())
 
 
 def test_fetch_history_keeps_the_newest_versions_only(tmp_path):
@@ -51,7 +51,7 @@ def test_banned_peers_are_bounded_and_the_set_stays_shared(tmp_path):
 def test_a_fetch_tracks_a_bounded_number_of_peers(tmp_path):
     """Heartbeats from ever new identities during a fetch add peers to it: bounded, and the
     peers that showed a bitmap (the useful ones) are never pushed out by newcomers."""
-    from node.dataplane.swarm import MAX_KNOWN_PEERS, SwarmFetcher
+    from node.checkpoints.fetcher import MAX_KNOWN_PEERS, VersionFetcher
 
     from .dist_helpers import make_checkpoint
 
@@ -61,7 +61,7 @@ def test_a_fetch_tracks_a_bounded_number_of_peers(tmp_path):
     store.add_announce(raw)
     fetcher_store = ChunkStore(tmp_path / "fetcher", RUN_ID, trainer.peer_id)
     fetcher_store.add_announce(raw)
-    f = SwarmFetcher(fetcher_store, 1, _NoOverlay())
+    f = VersionFetcher(fetcher_store, 1, _NoOverlay())
     full = b"\xff" * ((f.n + 7) // 8)
     if f.n % 8:
         full = full[:-1] + bytes([(1 << (f.n % 8)) - 1])
@@ -79,9 +79,9 @@ def test_progress_display_state_is_bounded_over_many_versions():
 
     from rich.console import Console
 
-    from node.daemon import _FetchReporter
-    from node.dataplane.progress import CheckpointProgress
-    from node.dataplane.swarm import FetchProgress
+    from node.ops.daemon import _FetchReporter
+    from node.ops.progress import CheckpointProgress
+    from node.checkpoints.fetcher import FetchProgress
 
     rep = _FetchReporter(tty=False, every_s=0.0)
     bar = CheckpointProgress(console=Console(file=io.StringIO(), force_terminal=True))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from node.rl.grpo import GRPOConfig, GRPOTrainer
-from tests.rl_support import fake_groups, tiny_llama
+from tests.rl_support import fake_groups, char_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 # warm-up of 6 optimizer steps with 2 mini-batches per step: the checkpoint (after 2 steps = 4 optimizer
@@ -68,8 +68,8 @@ def test_save_kill_resume_equals_uninterrupted(tmp_path):
         import os, random, signal, torch
         torch.set_num_threads(1)
         from node.rl.grpo import GRPOConfig, GRPOTrainer
-        from tests.rl_support import fake_groups, tiny_llama
-        tr = GRPOTrainer(tiny_llama(seed=7), GRPOConfig(**{CFG!r}))
+        from tests.rl_support import fake_groups, char_llama
+        tr = GRPOTrainer(char_llama(seed=7), GRPOConfig(**{CFG!r}))
         random.seed({PY_SEED})
         for s in range({SAVED_AT}):
             tr.step(fake_groups(s))
@@ -91,7 +91,7 @@ def test_save_kill_resume_equals_uninterrupted(tmp_path):
         resumed.step(fake_groups(s))
     resumed_end = snapshot(resumed)
 
-    straight = GRPOTrainer(tiny_llama(seed=7), GRPOConfig(**CFG))
+    straight = GRPOTrainer(char_llama(seed=7), GRPOConfig(**CFG))
     random.seed(PY_SEED)
     for s in range(SAVED_AT):
         straight.step(fake_groups(s))
@@ -115,7 +115,7 @@ def test_save_kill_resume_equals_uninterrupted(tmp_path):
 def test_checkpoint_loads_with_transformers_and_overwrites_atomically(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    tr = GRPOTrainer(tiny_llama(seed=8), GRPOConfig(lr=1e-2, warmup_steps=0, max_tokens=8, kl_coef=0.1))
+    tr = GRPOTrainer(char_llama(seed=8), GRPOConfig(lr=1e-2, warmup_steps=0, max_tokens=8, kl_coef=0.1))
     tr.step(fake_groups(0))
     tr.save_checkpoint(tmp_path / "c")
     tr.step(fake_groups(1))

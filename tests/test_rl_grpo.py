@@ -13,7 +13,7 @@ import torch
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout, grpo_token_loss
 from node.rl.metrics import StepMetrics
-from tests.rl_support import fake_groups, tiny_llama
+from tests.rl_support import fake_groups, char_llama
 
 torch.set_num_threads(1)
 
@@ -59,7 +59,7 @@ def test_token_loss_hand_computed_and_two_sided_clipping():
 
 
 def test_step_loss_equals_hand_computed_value():
-    model = tiny_llama(seed=1)
+    model = char_llama(seed=1)
     cfg = GRPOConfig(lr=1e-3, warmup_steps=0, entropy_coef=0.0, max_tokens=10, temperature=1.0, micro_batch_size=1)
     tr = GRPOTrainer(model, cfg)
     group = [Rollout([1, 5, 6], [7, 8, 9], 1.0), Rollout([1, 5, 6], [7, 8, 9, 10, 11], 0.0)]
@@ -73,7 +73,7 @@ def test_step_loss_equals_hand_computed_value():
 
 
 def test_entropy_bonus_and_kl_terms_are_reported():
-    model = tiny_llama(seed=2)
+    model = char_llama(seed=2)
     cfg = GRPOConfig(lr=1e-3, warmup_steps=0, entropy_coef=0.01, kl_coef=0.1, max_tokens=8, temperature=1.0)
     tr = GRPOTrainer(model, cfg)
     m1 = tr.step(fake_groups(0, version=0))
@@ -85,7 +85,7 @@ def test_entropy_bonus_and_kl_terms_are_reported():
 def test_micro_batching_does_not_change_the_update():
     params = []
     for mbs in (1, 3, 64):
-        model = tiny_llama(seed=3)
+        model = char_llama(seed=3)
         cfg = GRPOConfig(lr=1.0, warmup_steps=0, max_grad_norm=1e9, max_tokens=8, temperature=0.7, micro_batch_size=mbs)
         tr = GRPOTrainer(model, cfg)
         # plain SGD makes the update proportional to the accumulated gradient (Adam's first
@@ -98,7 +98,7 @@ def test_micro_batching_does_not_change_the_update():
 
 
 def test_mini_batches_clip_and_metrics():
-    model = tiny_llama(seed=4)
+    model = char_llama(seed=4)
     cfg = GRPOConfig(lr=5e-2, warmup_steps=0, max_grad_norm=100.0, max_tokens=8, temperature=1.0, mini_batches=4)
     tr = GRPOTrainer(model, cfg)
     m = tr.step(fake_groups(0, n_groups=4, version=0))
@@ -108,13 +108,13 @@ def test_mini_batches_clip_and_metrics():
 
 
 def test_warmup_schedule():
-    tr = GRPOTrainer(tiny_llama(), GRPOConfig(lr=1.0, warmup_steps=4))
+    tr = GRPOTrainer(char_llama(), GRPOConfig(lr=1.0, warmup_steps=4))
     assert [tr.lr_at(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert tr.optimizer.param_groups[0]["lr"] == 0.25
 
 
 def test_staleness_bound_and_zero_advantage_filter_are_counted():
-    tr = GRPOTrainer(tiny_llama(), GRPOConfig(lr=1e-3, warmup_steps=0, max_async=2, max_tokens=8))
+    tr = GRPOTrainer(char_llama(), GRPOConfig(lr=1e-3, warmup_steps=0, max_async=2, max_tokens=8))
     tr.version = 5
     groups = fake_groups(0, n_groups=3, version=3)  # 2 behind: admitted
     groups += fake_groups(1, n_groups=2, version=2)  # 3 behind: stale

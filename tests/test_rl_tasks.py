@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from node.engines.base import Completion
-from node.rl.dataset_cli import filter_dataset
+from node.ops.dataset_cli import filter_dataset
 from node.rl.tasks import (
     CharTokenizer, Problem, _names_split, arithmetic_problems, cached_hf_files, cached_hf_snapshot, length_problems,
     load_dataset, problem_from_record, save_dataset,
@@ -187,7 +187,7 @@ def test_offline_filter_keeps_the_window_and_records_pass_rates(tmp_path):
 def test_dataset_filter_cli_with_a_real_tiny_model(tmp_path):
     from typer.testing import CliRunner
 
-    from node.cli import app
+    from node.ops.cli import app
 
     save_dataset(length_problems(3, seed=0), tmp_path / "in.jsonl")
     res = CliRunner().invoke(app, ["dataset", "filter", str(tmp_path / "in.jsonl"), "--model", "tiny", "--k", "2",

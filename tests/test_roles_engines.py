@@ -103,7 +103,7 @@ def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path
 
 
 def test_devnet_engine_option_sets_the_stack_and_the_node_flags(tmp_path):
-    from node.devnet import Devnet, DevnetOptions
+    from node.ops.devnet import Devnet, DevnetOptions
     from node.genesis_file import read_genesis
     from node.roles.context import genesis_config
 

@@ -10,8 +10,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.p2p.testing import NodeFactory
-from node.status_cli import render
-from node.status_server import MAX_REQUEST_BYTES, serve_status
+from node.ops.status_cli import render
+from node.ops.status_server import MAX_REQUEST_BYTES, serve_status
 
 
 
@@ -183,8 +183,8 @@ def test_render_every_role(role, state, expect):
 
 
 def test_fetch_progress_logs_without_a_terminal(caplog):
-    from node.daemon import _FetchReporter
-    from node.dataplane.swarm import FetchProgress
+    from node.ops.daemon import _FetchReporter
+    from node.checkpoints.fetcher import FetchProgress
 
     rep = _FetchReporter(tty=False, every_s=3600)
     with caplog.at_level("INFO", logger="primenode.daemon"):
@@ -200,7 +200,7 @@ def test_fetch_progress_logs_without_a_terminal(caplog):
 def test_libp2p_tracebacks_are_shortened():
     import logging
 
-    from node.daemon import _QuietTracebacks
+    from node.ops.daemon import _QuietTracebacks
 
     try:
         raise ConnectionResetError("peer hung up")

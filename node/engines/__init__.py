@@ -6,18 +6,18 @@ optional ``vllm`` extra and is imported lazily so the rest works without it.
 
 from typing import Any
 
-from .base import Completion, InferenceEngine, SamplingConfig
+from node.engines.base import Completion, InferenceEngine, SamplingParams
 
-__all__ = ["Completion", "InferenceEngine", "SamplingConfig", "TransformersEngine", "VLLMEngine"]
+__all__ = ["Completion", "InferenceEngine", "SamplingParams", "TransformersEngine", "VLLMEngine"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "TransformersEngine":
-        from .transformers_engine import TransformersEngine
+        from node.engines.transformers_engine import TransformersEngine
 
         return TransformersEngine
     if name == "VLLMEngine":
-        from .vllm_engine import VLLMEngine
+        from node.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine
     raise AttributeError(name)

@@ -11,14 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Protocol, Sequence
 
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling knobs. INTELLECT-2 sampled at temperature 0.6 (workers and trainer alike)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
+from protocol.messages import SamplingParams
 
 
 @dataclasses.dataclass
@@ -51,7 +44,7 @@ class InferenceEngine(Protocol):
         self,
         prompts: Sequence[Sequence[int]],
         n: int,
-        params: SamplingConfig,
+        params: SamplingParams,
         seeds: Sequence[int],
         capture_hidden: bool = False,
     ) -> list[list[Completion]]:

@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .base import Completion, SamplingConfig
+from node.engines.base import Completion
+from protocol.messages import SamplingParams
 
 
 def completion_seed(group_seed: int, index: int) -> int:
@@ -85,7 +86,7 @@ class TransformersEngine:
         self,
         prompts: Sequence[Sequence[int]],
         n: int,
-        params: SamplingConfig,
+        params: SamplingParams,
         seeds: Sequence[int],
         capture_hidden: bool = False,
     ) -> list[list[Completion]]:
@@ -245,7 +246,7 @@ class TransformersEngine:
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
     def _sample(
-        self, logits: torch.Tensor, gens: list[torch.Generator], params: SamplingConfig
+        self, logits: torch.Tensor, gens: list[torch.Generator], params: SamplingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token and its log-probability under the temperature-scaled distribution
         (top-p truncation changes what can be drawn, not the reported log-probability)."""
@@ -268,7 +269,7 @@ class TransformersEngine:
         prompts: list[list[int]],
         seeds: list[int],
         gens: list[torch.Generator],
-        params: SamplingConfig,
+        params: SamplingParams,
         capture: bool,
     ) -> list[Completion]:
         batch = len(prompts)

@@ -40,8 +40,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .base import Completion, SamplingConfig
-from .transformers_engine import completion_seed
+from node.engines.base import Completion
+from protocol.messages import SamplingParams
+from node.engines.transformers_engine import completion_seed
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -195,11 +196,11 @@ class VLLMEngine:
         self,
         prompts: Sequence[Sequence[int]],
         n: int,
-        params: SamplingConfig,
+        params: SamplingParams,
         seeds: Sequence[int],
         capture_hidden: bool = False,
     ) -> list[list[Completion]]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VllmSamplingParams
 
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -216,7 +217,7 @@ class VLLMEngine:
             for j in range(n):  # one request per completion: its own seed, its own hidden rows
                 requests.append({"prompt_token_ids": [int(t) for t in prompt]})
                 sampling.append(
-                    SamplingParams(
+                    VllmSamplingParams(
                         n=1,
                         temperature=params.temperature,
                         top_p=params.top_p,
@@ -284,9 +285,9 @@ class VLLMEngine:
     def _forward_rows(self, seqs: list[list[int]], firsts: list[int], reuse_cache: bool) -> list[torch.Tensor]:
         """Rows [first, len(seq)) of each sequence, from one forward of it (one greedy
         token is sampled and thrown away: vLLM runs nothing without sampling)."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams as VllmSamplingParams
 
-        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
+        sp = VllmSamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
                             skip_reading_prefix_cache=not reuse_cache)
         cap = self._capture = _Capture(True, None)
         try:

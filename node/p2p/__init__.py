@@ -4,14 +4,14 @@ exchange and connection management, heartbeats and the swarm view.
 Entry point: :class:`Node` (see node.py). Roles plug in via :class:`RoleHook`.
 """
 
-from .connmgr import ConnectionManager
-from .gossip import Gossip, GossipError
-from .host import full_addrs, install_libp2p_fixes, make_host, parse_peer_addr
-from .metrics import NodeMetrics
-from .node import BootstrapRole, Node, P2PConfig, RoleHook, fetch_genesis
-from .policy import PeerPolicy
-from .reqresp import ReqResp, RequestError
-from .swarm import PeerState, SwarmView
+from node.p2p.connmgr import ConnectionManager
+from node.p2p.gossip import Gossip, GossipError
+from node.p2p.host import full_addrs, install_libp2p_fixes, make_host, parse_peer_addr
+from node.p2p.metrics import NodeMetrics
+from node.p2p.node import BootstrapRole, Node, P2PConfig, RoleHook, fetch_genesis
+from node.p2p.policy import PeerPolicy
+from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.swarm import PeerState, SwarmView
 
 __all__ = [
     "Node", "P2PConfig", "RoleHook", "BootstrapRole", "fetch_genesis", "Gossip", "GossipError",

@@ -23,12 +23,12 @@ from libp2p.peer.id import ID
 
 from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
 
-from ..errors import NodeError
-from .host import parse_peer_addr, peer_info
-from .metrics import NodeMetrics
-from .policy import PeerPolicy
-from .reqresp import ReqResp, RequestError
-from .swarm import PeerState, SwarmView
+from node.errors import NodeError
+from node.p2p.host import parse_peer_addr, peer_info
+from node.p2p.metrics import NodeMetrics
+from node.p2p.policy import PeerPolicy
+from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.swarm import PeerState, SwarmView
 
 PX_PEERS_PER_ROUND = 2
 PX_TIMEOUT_S = 5.0

@@ -64,8 +64,8 @@ from protocol import Envelope, Message, NodeKey, ProtocolError, ReplayGuard, Seq
 from protocol.schema import pack, unpack
 from protocol.topics import TOPIC_TYPES, topic as topic_name
 
-from .metrics import NodeMetrics
-from .policy import PeerPolicy
+from node.p2p.metrics import NodeMetrics
+from node.p2p.policy import PeerPolicy
 
 log = logging.getLogger("primenode.p2p.gossip")
 

@@ -37,7 +37,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from protocol import NodeKey
 
-from ..errors import NodeError
+from node.errors import NodeError
 
 log = logging.getLogger("primenode.p2p")
 
@@ -123,14 +123,14 @@ def _limit_inbound_connection_rate() -> None:
     """Close inbound TCP connections beyond a per-swarm rate *before* the handshake."""
     from libp2p.network.swarm import Swarm
 
-    from .policy import TokenBucket
+    from node.p2p.policy import RateBucket
 
     original = Swarm._handle_inbound_connection
 
     async def _rate_limited(self, read_write_closer, maddr) -> None:
         bucket = getattr(self, "_primenode_accept_bucket", None)
         if bucket is None:
-            bucket = self._primenode_accept_bucket = TokenBucket(INBOUND_CONNECTIONS_PER_S, INBOUND_CONNECTIONS_BURST)
+            bucket = self._primenode_accept_bucket = RateBucket(INBOUND_CONNECTIONS_PER_S, INBOUND_CONNECTIONS_BURST)
         if not bucket.take():
             self.primenode_inbound_refused = getattr(self, "primenode_inbound_refused", 0) + 1
             try:

@@ -36,14 +36,14 @@ from protocol import (
     verify_genesis,
 )
 
-from ..errors import NodeError
-from .connmgr import ConnectionManager
-from .gossip import Gossip
-from .host import closing_host, full_addrs, listen_addrs, make_host
-from .metrics import NodeMetrics
-from .policy import PeerPolicy
-from .reqresp import ReqResp, RequestError
-from .swarm import SwarmView
+from node.errors import NodeError
+from node.p2p.connmgr import ConnectionManager
+from node.p2p.gossip import Gossip
+from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host
+from node.p2p.metrics import NodeMetrics
+from node.p2p.policy import PeerPolicy
+from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.swarm import SwarmView
 
 log = logging.getLogger("primenode.p2p.node")
 
@@ -289,7 +289,7 @@ class Node:
 
 async def fetch_genesis(key: NodeKey, bootstrap: list[str], *, timeout: float = 10.0, expected_run_id: bytes | None = None) -> SignedGenesis:
     """Ask the bootstrap node(s) for the run genesis and verify it (NodeError if none works)."""
-    from .host import parse_peer_addr
+    from node.p2p.host import parse_peer_addr
 
     errors = []
     host = make_host(key, dial_timeout=timeout)

@@ -48,7 +48,7 @@ class _Score:
     updated: float = 0.0
 
 
-class TokenBucket:
+class RateBucket:
     def __init__(self, rate: float, burst: float) -> None:
         self.rate, self.burst = rate, burst
         self.tokens, self.t = burst, time.monotonic()
@@ -96,7 +96,7 @@ class PeerPolicy:
         self.clock = clock
         self._scores: dict[str, _Score] = {}
         self._bans: dict[str, tuple[float, str]] = {}  # peer -> (until, reason)
-        self._buckets: dict[str, TokenBucket] = {}
+        self._buckets: dict[str, RateBucket] = {}
         # Per-origin (signer) gossip rate: a valid-but-useless flood from one identity is cut
         # at the first hop even when it arrives through honest relays.
         self.origin_rate_per_s = origin_rate_per_s
@@ -109,8 +109,8 @@ class PeerPolicy:
         # second: a fresh identity *per message* would otherwise dodge the per-origin limit.
         self.unknown_origins_per_forwarder_per_s = unknown_origins_per_forwarder_per_s
         self.unknown_origins_per_forwarder_burst = unknown_origins_per_forwarder_burst
-        self._unknown_origin_buckets: dict[str, TokenBucket] = {}
-        self._origin_buckets: dict[str, TokenBucket] = {}
+        self._unknown_origin_buckets: dict[str, RateBucket] = {}
+        self._origin_buckets: dict[str, RateBucket] = {}
         self.ban_listeners: list[Callable[[str, str], None]] = []
         self.metrics = None  # NodeMetrics, set by the node
         # Transport fault layer (node/p2p/faults.py, tests and benchmarks only): peer id ->
@@ -196,7 +196,7 @@ class PeerPolicy:
         if b is None:
             if len(self._buckets) >= self.max_peers:
                 self._prune_buckets()
-            b = self._buckets[peer_id] = TokenBucket(self.rate_per_s, self.rate_burst)
+            b = self._buckets[peer_id] = RateBucket(self.rate_per_s, self.rate_burst)
         return b.take(n)
 
     def allow_origin(self, sender: str, n: float = 1.0, known: bool = True) -> bool:
@@ -210,9 +210,9 @@ class PeerPolicy:
         if b is None:
             if len(self._origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._origin_buckets)
-            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
+            b = self._origin_buckets[sender] = RateBucket(self.origin_rate_per_s, burst)
         elif b.burst < burst:  # became known: the full headroom, as if it had been known all along
-            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
+            b = self._origin_buckets[sender] = RateBucket(self.origin_rate_per_s, burst)
         elif b.burst > burst:  # forgotten (silent too long): back to the small headroom
             b.burst = burst
         return b.take(n)
@@ -223,7 +223,7 @@ class PeerPolicy:
         if b is None:
             if len(self._unknown_origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._unknown_origin_buckets)
-            b = self._unknown_origin_buckets[forwarder] = TokenBucket(
+            b = self._unknown_origin_buckets[forwarder] = RateBucket(
                 self.unknown_origins_per_forwarder_per_s, self.unknown_origins_per_forwarder_burst)
         return b.take()
 
@@ -247,7 +247,7 @@ class PeerPolicy:
             for pid in sorted(self._bans, key=lambda p: self._bans[p][0])[: len(self._bans) // 10 + 1]:
                 del self._bans[pid]
 
-    def _prune_buckets(self, table: dict[str, TokenBucket] | None = None) -> None:
+    def _prune_buckets(self, table: dict[str, RateBucket] | None = None) -> None:
         """Drop buckets that are full again (idle peers: a new bucket is identical)."""
         table = self._buckets if table is None else table
         now = time.monotonic()

@@ -37,8 +37,8 @@ from protocol import (
 from protocol.envelope import ENVELOPE_OVERHEAD
 from protocol.messages import PRE_RUN_TYPES
 
-from .metrics import NodeMetrics
-from .policy import PeerPolicy
+from node.p2p.metrics import NodeMetrics
+from node.p2p.policy import PeerPolicy
 
 log = logging.getLogger("primenode.p2p.reqresp")
 

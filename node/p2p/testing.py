@@ -21,10 +21,10 @@ import trio
 
 from protocol import NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
 
-from .node import BootstrapRole, Node, P2PConfig, RoleHook
+from node.p2p.node import BootstrapRole, Node, P2PConfig, RoleHook
 
 
-def make_genesis(
+def overlay_genesis(
     owner: NodeKey | None = None,
     trainer: NodeKey | None = None,
     validators: list[NodeKey] | None = None,
@@ -75,7 +75,7 @@ class NodeFactory:
 
     def __init__(self, nursery: trio.Nursery, genesis: SignedGenesis | None = None, **config_overrides) -> None:
         self.nursery = nursery
-        self.genesis = genesis or make_genesis()
+        self.genesis = genesis or overlay_genesis()
         self.config_overrides = config_overrides
         self.nodes: list[Node] = []
         self.bootstrap_addrs: list[str] = []

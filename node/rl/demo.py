@@ -14,10 +14,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .grpo import GRPOConfig, GRPOTrainer, Rollout
-from .metrics import StepMetrics
-from .rewards import compute_reward
-from .tasks import CharTokenizer, Problem, length_problems
+from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
+from node.rl.metrics import StepMetrics
+from node.rl.rewards import compute_reward
+from node.rl.tasks import CharTokenizer, Problem, length_problems
 
 
 def demo_config(**overrides: Any) -> GRPOConfig:
@@ -38,10 +38,10 @@ def collect_groups(
     policy_version: int,
 ) -> list[list[Rollout]]:
     """Sample ``config.group_size`` completions per problem with ``engine`` and score them by the rules."""
-    from ..engines.base import SamplingConfig
+    from protocol.messages import SamplingParams
 
     prompts = [encode(p.prompt) for p in problems]
-    params = SamplingConfig(temperature=config.temperature, max_tokens=config.max_tokens)
+    params = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens)
     out = engine.generate(prompts, config.group_size, params, list(seeds))
     groups = []
     for prob, prompt, comps in zip(problems, prompts, out):
@@ -76,8 +76,8 @@ def run_target_length_demo(
 
     Seeded end to end: model init, prompts and sampling seeds derive from ``seed``.
     """
-    from ..engines.transformers_engine import TransformersEngine
-    from ..models import tiny_llama
+    from node.engines.transformers_engine import TransformersEngine
+    from node.models import tiny_llama
 
     cfg = config or demo_config()
     tok = CharTokenizer()

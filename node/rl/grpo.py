@@ -40,8 +40,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .filters import filter_zero_advantage, group_advantages
-from .metrics import StepMetrics, reward_stats
+from node.rl.filters import filter_zero_advantage, group_advantages
+from node.rl.metrics import StepMetrics, reward_stats
 
 
 @dataclasses.dataclass

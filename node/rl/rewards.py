@@ -28,8 +28,8 @@ import threading
 from fractions import Fraction
 from typing import Any
 
-from .length import INTELLECT2_LENGTH_COEF, completion_length, length_penalty, target_length_reward
-from .tasks import Problem
+from node.rl.length import INTELLECT2_LENGTH_COEF, completion_length, length_penalty, target_length_reward
+from node.rl.tasks import Problem
 
 MAX_BOXED_CHARS = 256
 MATH_TIMEOUT_S = 3
@@ -333,7 +333,7 @@ def compute_reward(
         task_r = math_reward(completion_text, problem.answer)
         details: dict[str, Any] = {"extracted": extract_answer(completion_text)}
     elif problem.task == "code":
-        from .sandbox import code_reward_detailed
+        from node.rl.sandbox import code_reward_detailed
 
         assert problem.tests is not None
         res = code_reward_detailed(completion_text, problem.tests, timeout_s=code_timeout_s)

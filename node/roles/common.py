@@ -23,13 +23,12 @@ from protocol import (
     sha256,
 )
 
-from ..dataplane import Distribution
-from ..dataplane.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
-from ..home import NodeHome
-from ..p2p.node import RoleHook
-from ..p2p.reqresp import RequestError
-from ..store import ChunkStore
-from .context import RunContext
+from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
+from node.home import NodeHome
+from node.p2p.node import RoleHook
+from node.p2p.reqresp import RequestError
+from node.checkpoints import Checkpoints, ChunkStore
+from node.roles.context import RunContext
 
 log = logging.getLogger("primenode.roles")
 
@@ -50,7 +49,7 @@ class LearningRole(RoleHook):
         self.ctx = ctx
         g = ctx.genesis
         self.store = ChunkStore(home.path / "chunks", g.run_id, g.trainer, direct_io=direct_io)
-        self.dist: Distribution | None = None
+        self.dist: Checkpoints | None = None
         # The data plane listens where peers can reach it: loopback for a one-machine
         # network, every interface when the node advertises a routable address.
         listen_host = "127.0.0.1" if advertise_host.startswith("127.") or advertise_host == "localhost" else "0.0.0.0"
@@ -64,7 +63,7 @@ class LearningRole(RoleHook):
 
     async def start_common(self, node, nursery: trio.Nursery) -> None:
         self.node = node
-        self.dist = Distribution(self.store, P2POverlay(node), **self._dist_args)
+        self.dist = Checkpoints(self.store, P2POverlay(node), **self._dist_args)
         await nursery.start(serve_distribution, node, self.dist)
         node.gossip.on("ban", self._on_ban)
 

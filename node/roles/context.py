@@ -15,8 +15,8 @@ from typing import Any
 from proofs import ProofConfig
 from protocol import RunGenesis, SamplingParams
 
-from ..errors import NodeError
-from ..genesis_file import genesis_config
+from node.errors import NodeError
+from node.genesis_file import genesis_config
 
 # The devnet's tiny model (genesis [config] tiny_hidden_size / tiny_layers / tiny_heads override): big enough to learn the target-length task in minutes on 2 cores.
 TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
@@ -106,7 +106,7 @@ class RunContext:
         return pad if pad is not None else (self.eos_token_id or 0)
 
     def grpo_config(self):
-        from ..rl.grpo import GRPOConfig
+        from node.rl.grpo import GRPOConfig
 
         # Tiny-model demo values (notes: "GRPO demo settings that worked here"), overridable
         # by the genesis [config]; GRPOConfig's own defaults are INTELLECT-2's.
@@ -135,7 +135,7 @@ class RunContext:
             return self.tokenizer.decode(tokens)
 
     def reward(self, index: int, tokens: list[int]) -> float:
-        from ..rl.rewards import compute_reward
+        from node.rl.rewards import compute_reward
 
         res = compute_reward(self.problems[index], self.decode(tokens), tokens, eos_token_id=self.eos_token_id)
         return float(res.reward)
@@ -145,14 +145,14 @@ class RunContext:
         """Version 0 of the policy: the same weights on every node that builds it."""
         seed = int(self.config.get("seed", 0))
         if self.genesis.model == "tiny":
-            from ..models import tiny_llama
+            from node.models import tiny_llama
 
             tok = self.tokenizer
             size = {k: int(self.config.get(f"tiny_{k}", v)) for k, v in TINY_MODEL.items()}
             return tiny_llama(vocab_size=tok.vocab_size, hidden_size=size["hidden_size"], layers=size["layers"],
                               heads=size["heads"], seed=seed, eos_token_id=tok.eos_token_id)
         if self.genesis.model == "smollm2":
-            from ..models import load_smollm2
+            from node.models import load_smollm2
 
             model, _ = load_smollm2(self.cache_dir)
             return model
@@ -167,11 +167,11 @@ class RunContext:
 
 def make_tokenizer(model: str, cache_dir: Path):
     if model == "tiny":
-        from ..rl.tasks import CharTokenizer
+        from node.rl.tasks import CharTokenizer
 
         return CharTokenizer()
     if model == "smollm2":
-        from ..models import load_smollm2
+        from node.models import load_smollm2
 
         _, tok = load_smollm2(cache_dir)
         return tok
@@ -184,7 +184,7 @@ def make_tokenizer(model: str, cache_dir: Path):
 
 
 def load_problems(spec: str, size: int, seed: int) -> list[Any]:
-    from ..rl import tasks
+    from node.rl import tasks
 
     if spec in ("builtin:target-length", "builtin:length"):
         problems = tasks.length_problems(size, seed)

@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..errors import NodeError
-from .context import RunContext
+from node.errors import NodeError
+from node.roles.context import RunContext
 
 ENGINES = ("transformers", "vllm")
 
@@ -25,12 +25,12 @@ ENGINES = ("transformers", "vllm")
 def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
     """The engine of ``kind`` on version 0 of the policy (blocking: run it in a thread)."""
     if kind == "transformers":
-        from ..engines.transformers_engine import TransformersEngine
+        from node.engines.transformers_engine import TransformersEngine
 
         engine = TransformersEngine(ctx.initial_model(), device=device, eos_token_id=ctx.eos_token_id,
                                     pad_token_id=ctx.pad_token_id)
     elif kind == "vllm":
-        from ..engines.vllm_engine import VLLMEngine, vllm_available
+        from node.engines.vllm_engine import VLLMEngine, vllm_available
 
         if not vllm_available():
             raise NodeError("--engine vllm needs vLLM in this Python environment "
@@ -46,7 +46,7 @@ def model_folder(ctx: RunContext) -> Path:
     """A HF folder holding version 0 of the run's policy (written once for the tiny model)."""
     g = ctx.genesis
     if g.model == "smollm2":
-        from ..models import SMOLLM2_DIRNAME, load_smollm2
+        from node.models import SMOLLM2_DIRNAME, load_smollm2
 
         folder = Path(ctx.cache_dir) / SMOLLM2_DIRNAME
         if not (folder / "config.json").exists():

@@ -6,17 +6,17 @@ from typing import Any
 
 from protocol import SignedGenesis
 
-from ..errors import NodeError
-from ..home import NodeHome
-from ..p2p.node import RoleHook
-from .context import RunContext
+from node.errors import NodeError
+from node.home import NodeHome
+from node.p2p.node import RoleHook
+from node.roles.context import RunContext
 
 
 def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id: str, max_upload_mbps: float = 0.0,
               data_port: int = 0, advertise_host: str = "127.0.0.1", device: str = "cpu",
               tamper: str | None = None, direct_io: bool = True, engine: str = "transformers") -> RoleHook:
     """The hook for ``role``; refuses a trainer/validator whose key the genesis does not name."""
-    from .engines import ENGINES
+    from node.roles.engines import ENGINES
 
     if engine not in ENGINES:
         raise NodeError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
@@ -33,15 +33,15 @@ def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id:
     common: dict[str, Any] = dict(max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host,
                                   direct_io=direct_io)
     if role == "trainer":
-        from .trainer import TrainerRole
+        from node.roles.trainer import TrainerRole
 
         return TrainerRole(home, ctx, device=device, **common)
     if role == "validator":
-        from .validator import ValidatorRole
+        from node.roles.validator import ValidatorRole
 
         return ValidatorRole(home, ctx, device=device, engine=engine, **common)
     if role == "worker":
-        from .worker import WorkerRole
+        from node.roles.worker import WorkerRole
 
         return WorkerRole(home, ctx, device=device, tamper=tamper, engine=engine, **common)
     raise NodeError(f"unknown role {role!r}")

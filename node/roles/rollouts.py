@@ -28,8 +28,7 @@ import torch
 from proofs import ProofConfig, ProofError, build_many, expected_chunks, proof_size, verify_sequence
 from protocol import RolloutBatch, Sample, assign_prompts
 
-from ..engines.base import SamplingConfig
-from .context import RunContext, sample_seed
+from node.roles.context import RunContext, sample_seed
 
 PROOF = ProofConfig()  # chunking (the wire format); the thresholds come from the run (ctx.proof_config)
 REWARD_TOLERANCE = 1e-6
@@ -82,7 +81,7 @@ def produce_batch(
     prompts = [ctx.prompt_tokens(i) for i in indices]
     seeds = [sample_seed(g.run_id, worker, version, counter, i) for i in indices]
     sp = ctx.sampling
-    groups = engine.generate(prompts, g.group_size, SamplingConfig(sp.temperature, sp.top_p, sp.max_tokens),
+    groups = engine.generate(prompts, g.group_size, sp,
                              seeds, capture_hidden=True)
     flat = [(i, seed, c) for i, seed, group in zip(indices, seeds, groups) for c in group]
     proofs = build_many([(c.hidden, len(c.prompt_tokens)) for _, _, c in flat], PROOF)

@@ -17,10 +17,10 @@ import trio
 
 from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
 
-from ..memory import release_free_memory
-from ..p2p.reqresp import RequestError
-from .common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceLanes, LearningRole, export_weights
-from .ledger import MAX_PENDING, MAX_PENDING_BYTES, MAX_UNADMITTED_ROWS, ORPHAN_VOTE_TTL_S, AdmittedBatch, Ledger
+from node.memory import release_free_memory
+from node.p2p.reqresp import RequestError
+from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceLanes, LearningRole, export_weights
+from node.roles.ledger import MAX_PENDING, MAX_PENDING_BYTES, MAX_UNADMITTED_ROWS, ORPHAN_VOTE_TTL_S, AdmittedBatch, Ledger
 
 log = logging.getLogger("primenode.trainer")
 
@@ -73,7 +73,7 @@ class TrainerRole(LearningRole):
             await self._train_loop()
 
     def _load_or_init(self) -> None:
-        from ..rl.grpo import GRPOTrainer
+        from node.rl.grpo import GRPOTrainer
 
         cfg = self.ctx.grpo_config()
         if (self.ckpt_dir / "trainer_state.pt").exists():
@@ -90,7 +90,7 @@ class TrainerRole(LearningRole):
 
     async def _publish_current(self) -> None:
         """Announce the current version; after a restart, re-announce the manifest already in the store."""
-        from ..dataplane.p2p_overlay import publish_checkpoint
+        from node.checkpoints.p2p_overlay import publish_checkpoint
 
         st = self.store.get(self.version)
         if st is not None and st.complete:
@@ -211,7 +211,7 @@ class TrainerRole(LearningRole):
 
     # ------------------------------------------------------------ training
     def _groups(self, batches: list[AdmittedBatch]):
-        from ..rl.grpo import Rollout
+        from node.rl.grpo import Rollout
 
         g = self.ctx.genesis
         groups = []

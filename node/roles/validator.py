@@ -13,10 +13,10 @@ import trio
 
 from protocol import Envelope, ProtocolError, RolloutBatch, Vote
 
-from ..p2p.reqresp import RequestError
-from ..memory import release_free_memory
-from .common import AnnounceLanes, LearningRole
-from .rollouts import BatchVerdict, verify_batch
+from node.p2p.reqresp import RequestError
+from node.memory import release_free_memory
+from node.roles.common import AnnounceLanes, LearningRole
+from node.roles.rollouts import BatchVerdict, verify_batch
 
 log = logging.getLogger("primenode.validator")
 
@@ -177,7 +177,7 @@ class ValidatorRole(LearningRole):
         self.loaded_version = version
 
     def _make_engine(self):
-        from .engines import build_engine
+        from node.roles.engines import build_engine
 
         return build_engine(self.ctx, self.engine_kind, self.device)
 

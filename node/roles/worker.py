@@ -13,9 +13,9 @@ import trio
 
 from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
 
-from ..memory import release_free_memory
-from .common import LearningRole
-from .rollouts import produce_batch
+from node.memory import release_free_memory
+from node.roles.common import LearningRole
+from node.roles.rollouts import produce_batch
 
 log = logging.getLogger("primenode.worker")
 
@@ -144,7 +144,7 @@ class WorkerRole(LearningRole):
                 del counter[v]
 
     def _make_engine(self):
-        from .engines import build_engine
+        from node.roles.engines import build_engine
 
         return build_engine(self.ctx, self.engine_kind, self.device)
 

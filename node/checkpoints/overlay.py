@@ -1,0 +1,52 @@
+"""What the fetcher needs from the P2P overlay, as a small interface.
+
+The real implementation (:mod:`node.checkpoints.p2p_overlay`) sends the ticket
+request over libp2p request/response and charges misbehaviour to the
+overlay's peer policy; :class:`LocalOverlay` connects chunk servers living in
+the same process (unit tests, benchmarks of the data plane alone).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Protocol
+
+import trio
+
+from protocol import ChunkTicket, ChunkTicketRequest
+
+
+class ChunkOverlay(Protocol):
+    async def request_ticket(self, peer_id: str, req: ChunkTicketRequest, timeout: float) -> ChunkTicket:
+        """Ask ``peer_id`` for a data-plane ticket; raise on timeout or refusal."""
+
+    def penalise(self, peer_id: str, reason: str) -> None:
+        """Misbehaviour points for ``peer_id`` (a bad chunk, a stall)."""
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        """Stop talking to ``peer_id`` (the fetcher saw too many bad chunks)."""
+
+
+class LocalOverlay:
+    """In-process overlay: ``servers`` maps peer id -> ChunkServer. For tests and benches."""
+
+    def __init__(self, my_id: str, servers: dict) -> None:
+        self.my_id = my_id
+        self.servers = servers
+        self.penalties: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.banned: dict[str, str] = {}
+
+    async def request_ticket(self, peer_id: str, req: ChunkTicketRequest, timeout: float) -> ChunkTicket:
+        await trio.lowlevel.checkpoint()
+        if peer_id in self.banned:
+            raise ConnectionRefusedError(f"{peer_id} is banned")
+        server = self.servers.get(peer_id)
+        if server is None:
+            raise ConnectionRefusedError(f"unknown peer {peer_id}")
+        return server.grant_ticket(self.my_id, req)
+
+    def penalise(self, peer_id: str, reason: str) -> None:
+        self.penalties[(peer_id, reason)] += 1
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        self.banned[peer_id] = reason

@@ -1,0 +1,313 @@
+"""The chunk server: grants tickets (called from the libp2p request handler) and serves
+chunk bytes over raw TCP with ``sendfile`` (no Python copy of the payload), under the
+node-wide upload cap.
+
+Super-seeding: for a version this node holds entirely, the server remembers which
+peer it last sent each chunk to. Another peer asking for that chunk within
+``reseed_after_s`` of the moment that send started (or, once it finished, of its
+end) is answered ``ELSEWHERE``: it should get the chunk from the peer that has it.
+The hold-off runs from the start of a send, not from its end, so a peer that asks
+for chunks and never reads them pins each one for at most ``reseed_after_s``. So the seeder's uplink carries each chunk
+about once and the fetchers multiply it among themselves. Once every chunk has been
+sent at least once the hold-off drops to ``reseed_after_all_s`` and the seed helps
+finish the tail. A hold-off always ends, so a recipient that disappears costs its
+chunks at most that long.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import secrets
+import time
+
+import trio
+
+from protocol import ChunkTicket, ChunkTicketRequest
+
+from node.checkpoints.store import ChunkStore
+from protocol import chunk_frames as F
+from node.checkpoints.ratelimit import UploadLimiter
+from node.checkpoints.wire import recv_exactly, send_all, tune
+
+log = logging.getLogger("primenode.dataplane")
+
+
+class SeedLog:
+    """Super-seeding memory for one version held entirely: who got each chunk, and when."""
+
+    __slots__ = ("sent", "ever", "unsent")
+
+    def __init__(self, n: int) -> None:
+        self.sent: dict[int, tuple[str, float]] = {}  # index -> (peer, send started at, or finished at)
+        self.ever = bytearray(n)
+        self.unsent = n
+
+    def held_off(self, idx: int, peer: str, now: float, hold_s: float, hold_all_s: float) -> bool:
+        rec = self.sent.get(idx)
+        if rec is None or rec[0] == peer:
+            return False
+        return now < rec[1] + (hold_s if self.unsent else hold_all_s)
+
+    def start(self, idx: int, peer: str, now: float) -> None:
+        self.sent[idx] = (peer, now)
+
+    def finish(self, idx: int, peer: str, ok: bool, now: float) -> None:
+        if not ok:
+            if self.sent.get(idx, ("",))[0] == peer:
+                del self.sent[idx]
+            return
+        self.sent[idx] = (peer, now)
+        if not self.ever[idx]:
+            self.ever[idx] = 1
+            self.unsent -= 1
+
+
+@dataclasses.dataclass
+class Ticket:
+    peer_id: str
+    version: int
+    root: bytes
+    expires: float  # trio clock
+    expires_ms: int
+
+
+class ChunkServer:
+    def __init__(
+        self,
+        store: ChunkStore,
+        listen_host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        max_upload_mbps: float = 0.0,
+        ticket_ttl_s: float = 120.0,
+        max_connections: int = 128,
+        idle_timeout_s: float = 60.0,
+        stall_timeout_s: float = 20.0,
+        send_slice: int = 256 * 1024,
+        superseed: bool = True,
+        reseed_after_s: float = 10.0,
+        reseed_after_all_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.listen_host = listen_host
+        self.port = port
+        self.advertise_host = advertise_host or listen_host
+        self.bucket = UploadLimiter.from_mbps(max_upload_mbps)
+        self.ticket_ttl_s = ticket_ttl_s
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.send_slice = send_slice
+        self.superseed = superseed
+        self.reseed_after_s = reseed_after_s
+        self.reseed_after_all_s = reseed_after_all_s
+        self._seeding: dict[tuple[int, bytes], SeedLog] = {}
+        self.tickets: dict[bytes, Ticket] = {}
+        self.max_tickets = 8192  # bounded: tickets that are never used expire, and a peer holds at most
+        self.max_tickets_per_peer = 32  # this many at once (its oldest is replaced)
+        self.connections = 0
+        self.max_connections_per_peer = 8
+        self._per_peer: collections.Counter[str] = collections.Counter()
+        # stats
+        self.bytes_served = 0
+        self.chunks_served = 0
+        self.bytes_served_by_version: collections.Counter[int] = collections.Counter()
+        self.bytes_served_to: collections.Counter[str] = collections.Counter()
+        self.tickets_granted = 0
+        self.chunks_elsewhere = 0  # GETs answered ELSEWHERE (super-seeding)
+        self.have_pushes = 0
+        self._started = trio.Event()
+
+    def set_max_upload_mbps(self, mbps: float) -> None:
+        self.bucket = UploadLimiter.from_mbps(mbps)
+
+    # ------------------------------------------------------------ tickets
+    def grant_ticket(self, peer_id: str, req: ChunkTicketRequest) -> ChunkTicket:
+        """Answer a ChunkTicketRequest from ``peer_id`` (authenticated by libp2p).
+
+        The ticket covers the whole (version, root) for ``ticket_ttl_s``: the
+        requested indices are a hint; chunks not held are answered NOT_HELD on
+        the data plane, and the fetcher can ask for the current bitmap there.
+        """
+        st = self.store.get(req.version, req.root)
+        if st is None:
+            return ChunkTicket(ok=False, reason="version not held", ticket=b"", host="", port=0, expires_ms=0)
+        if self.port == 0:
+            return ChunkTicket(ok=False, reason="data plane not running", ticket=b"", host="", port=0, expires_ms=0)
+        now = trio.current_time()
+        self._expire(now)
+        mine = [k for k, t in self.tickets.items() if t.peer_id == peer_id] if len(self.tickets) > 64 else []
+        if len(mine) >= self.max_tickets_per_peer:
+            # a peer asking for tickets it never uses replaces its own oldest, not others'
+            del self.tickets[mine[0]]
+        if len(self.tickets) >= self.max_tickets:
+            return ChunkTicket(ok=False, reason="busy: too many outstanding tickets", ticket=b"", host="", port=0,
+                               expires_ms=0)
+        tok = secrets.token_bytes(32)
+        expires_ms = int((time.time() + self.ticket_ttl_s) * 1000)
+        self.tickets[tok] = Ticket(peer_id, req.version, req.root, now + self.ticket_ttl_s, expires_ms)
+        self.tickets_granted += 1
+        return ChunkTicket(ok=True, reason="", ticket=tok, host=self.advertise_host, port=self.port, expires_ms=expires_ms)
+
+    def _expire(self, now: float) -> None:
+        if len(self.tickets) > 64:
+            for k in [k for k, t in self.tickets.items() if t.expires < now]:
+                del self.tickets[k]
+
+    # ------------------------------------------------------------ serving
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host, backlog=256)
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        self._started.set()
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        peer = "?"
+        try:
+            if self.connections >= self.max_connections:
+                return
+            self.connections += 1
+            try:
+                tune(sock)
+                hello = await recv_exactly(sock, F.HELLO.size, self.stall_timeout_s)
+                magic, ver, flags, tok = F.HELLO.unpack(hello)
+                t = self.tickets.get(tok)
+                if magic != F.MAGIC or ver != F.WIRE_VERSION:
+                    return
+                if t is None or t.expires < trio.current_time():
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.BAD_TICKET, 0, 0), self.stall_timeout_s)
+                    return
+                peer = t.peer_id
+                st = self.store.get(t.version, t.root)
+                if st is None:
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.GONE, 0, 0), self.stall_timeout_s)
+                    return
+                if self._per_peer[peer] >= self.max_connections_per_peer:
+                    # one identity may not take every slot (e.g. requesting chunks it never reads)
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.BUSY, 0, 0), self.stall_timeout_s)
+                    return
+                self._per_peer[peer] += 1
+                try:
+                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.OK, st.bitmap.n, 0), self.stall_timeout_s)
+                    await self._serve(sock, t, flags)
+                finally:
+                    self._per_peer[peer] -= 1
+                    if self._per_peer[peer] <= 0:
+                        del self._per_peer[peer]
+            finally:
+                self.connections -= 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
+            log.debug("data connection from %s ended: %r", peer, exc)
+        finally:
+            await stream.aclose()
+
+    def _seed_log(self, st) -> SeedLog | None:
+        if not self.superseed or not st.bitmap.complete:
+            return None
+        key = (st.version, st.root)
+        sl = self._seeding.get(key)
+        if sl is None:
+            for k in [k for k in self._seeding if self.store.get(*k) is None]:
+                del self._seeding[k]  # versions garbage-collected since
+            sl = self._seeding[key] = SeedLog(st.bitmap.n)
+        return sl
+
+    async def _serve(self, sock, t: Ticket, flags: int = 0) -> None:
+        push = bool(flags & F.FLAG_PUSH_HAVE)
+        pushed = b""
+        while True:
+            req = None
+            with trio.move_on_after(self.idle_timeout_s):
+                req = await recv_exactly(sock, F.REQUEST.size, self.idle_timeout_s + 1)
+            if req is None:
+                return  # idle: the fetcher will reconnect when it needs more
+            op, idx, _ = F.REQUEST.unpack(req)
+            if op == F.OP_BYE:
+                return
+            st = self.store.get(t.version, t.root)
+            if st is None:
+                await send_all(sock, F.REPLY.pack(op, F.GONE, idx, 0), self.stall_timeout_s)
+                return
+            if op == F.OP_HAVE:
+                bm = pushed = st.bitmap.to_bytes()
+                await send_all(sock, F.REPLY.pack(op, F.OK, 0, len(bm)) + bm, self.stall_timeout_s)
+            elif op == F.OP_GET:
+                if push:
+                    bm = st.bitmap.to_bytes()
+                    if bm != pushed:  # fresh chunks since the last bitmap this fetcher saw
+                        pushed = bm
+                        self.have_pushes += 1
+                        await send_all(sock, F.REPLY.pack(F.OP_HAVE, F.OK, F.PUSH_INDEX, len(bm)) + bm,
+                                       self.stall_timeout_s)
+                sl = self._seed_log(st) if idx < st.bitmap.n else None
+                if idx >= st.bitmap.n:
+                    await send_all(sock, F.REPLY.pack(op, F.BAD_INDEX, idx, 0), self.stall_timeout_s)
+                elif idx not in st.bitmap:
+                    await send_all(sock, F.REPLY.pack(op, F.NOT_HELD, idx, 0), self.stall_timeout_s)
+                elif sl is not None and sl.held_off(idx, t.peer_id, trio.current_time(), self.reseed_after_s,
+                                                    self.reseed_after_all_s):
+                    self.chunks_elsewhere += 1
+                    await send_all(sock, F.REPLY.pack(op, F.ELSEWHERE, idx, 0), self.stall_timeout_s)
+                else:
+                    ok = False
+                    if sl is not None:
+                        sl.start(idx, t.peer_id, trio.current_time())
+                    try:
+                        with self.store.pin(t.version):
+                            await self._send_chunk(sock, st, idx, t.peer_id)
+                        ok = True
+                    finally:
+                        if sl is not None:
+                            sl.finish(idx, t.peer_id, ok, trio.current_time())
+            else:
+                await send_all(sock, F.REPLY.pack(op, F.BAD_REQUEST, idx, 0), self.stall_timeout_s)
+                return
+
+    async def _send_chunk(self, sock, st, idx: int, peer: str) -> None:
+        length = st.chunks[idx][2]
+        path = self.store.object_path(st.chunks[idx][3])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            await send_all(sock, F.REPLY.pack(F.OP_GET, F.OK, idx, length), self.stall_timeout_s)
+            off = 0
+            out = sock.fileno()
+            while off < length:
+                n = min(self.send_slice, length - off)
+                await self.bucket.take(n)
+                end = off + n
+                while off < end:
+                    try:
+                        w = os.sendfile(out, fd, off, end - off)
+                    except BlockingIOError:
+                        with trio.fail_after(self.stall_timeout_s):
+                            await trio.lowlevel.wait_writable(sock)
+                        continue
+                    if w == 0:
+                        raise trio.BrokenResourceError("sendfile wrote nothing")
+                    off += w
+                    self.bytes_served += w
+                    self.bytes_served_by_version[st.version] += w
+                    self.bytes_served_to[peer] += w
+                await trio.lowlevel.checkpoint()
+            self.chunks_served += 1
+        finally:
+            os.close(fd)
+
+    def status(self) -> dict:
+        return {
+            "port": self.port,
+            "connections": self.connections,
+            "bytes_served": self.bytes_served,
+            "chunks_served": self.chunks_served,
+            "bytes_served_by_version": dict(self.bytes_served_by_version),
+            "bytes_served_to": dict(self.bytes_served_to),
+            "tickets_granted": self.tickets_granted,
+            "chunks_elsewhere": self.chunks_elsewhere,
+            "have_pushes": self.have_pushes,
+            "max_upload_bytes_per_s": self.bucket.rate,
+        }

@@ -1,0 +1,139 @@
+"""``primenode dataset filter``: the offline pass-rate filter.
+
+Samples ``k`` completions per problem with a given model, scores them by the
+rules (rewards.py), and writes the problems whose pass rate lies in
+``[lo, hi]`` (INTELLECT-2 kept [0.1, 0.8]) to a new dataset file, each with its
+``pass_rate``. Problems the base model always or never solves give all-equal
+rewards, hence zero advantages, hence no learning signal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from node.rl.filters import INTELLECT2_PASS_WINDOW, in_pass_window, pass_rate
+from node.rl.rewards import compute_reward
+from node.rl.tasks import CharTokenizer, Problem, load_dataset, save_dataset
+
+
+@dataclasses.dataclass
+class FilterSummary:
+    total: int
+    kept: int
+    output: Path
+    pass_rates: dict[str, float]
+
+
+def problem_seed(seed: int, problem_id: str) -> int:
+    """Sampling seed of one problem: fixed by (seed, id), so a rerun reproduces the rates."""
+    h = hashlib.sha256(f"{seed}|{problem_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big") >> 1
+
+
+def load_model_for_sampling(model: str, device: str = "cpu", cache_dir: str | Path | None = None):
+    """(engine, encode, decode) for ``tiny[:seed]``, ``smollm2`` or a local Hugging Face model folder."""
+    import torch
+
+    from node.engines.transformers_engine import TransformersEngine
+
+    if model == "tiny" or model.startswith("tiny:"):
+        from node.models import tiny_llama
+
+        tok = CharTokenizer()
+        seed = int(model.split(":", 1)[1]) if ":" in model else 0
+        m = tiny_llama(vocab_size=tok.vocab_size, seed=seed, eos_token_id=tok.EOS)
+        return TransformersEngine(m, device=device, eos_token_id=tok.EOS, pad_token_id=tok.PAD), tok.encode, tok.decode
+    if model == "smollm2":
+        from node.models import load_smollm2
+
+        m, hf_tok = load_smollm2(Path(cache_dir or Path.home() / ".cache" / "primenode"))
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(model)
+        if not path.is_dir():
+            from node.errors import NodeError
+
+            raise NodeError(f"model {model!r}: use tiny, smollm2 or a local model folder")
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf_tok = AutoTokenizer.from_pretrained(path)
+
+    def encode(text: str) -> list[int]:
+        if getattr(hf_tok, "chat_template", None):
+            ids = hf_tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return list(hf_tok.encode(text))
+
+    def decode(ids: list[int]) -> str:
+        return hf_tok.decode(ids, skip_special_tokens=True)
+
+    return TransformersEngine(m, device=device, eos_token_id=hf_tok.eos_token_id), encode, decode
+
+
+def pass_rates(
+    problems: Sequence[Problem],
+    engine: Any,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    k: int,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_prompts: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[float]:
+    """Fraction of ``k`` sampled completions that pass, per problem (``RewardResult.passed``)."""
+    from protocol.messages import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    rates: list[float] = []
+    for start in range(0, len(problems), batch_prompts):
+        chunk = list(problems[start : start + batch_prompts])
+        out = engine.generate([encode(p.prompt) for p in chunk], k, params, [problem_seed(seed, p.id) for p in chunk])
+        for prob, comps in zip(chunk, out):
+            passes = [compute_reward(prob, decode(c.tokens), c.tokens, eos_token_id=engine.eos_token_id).passed for c in comps]
+            rates.append(pass_rate(passes))
+        if progress:
+            progress(len(rates), len(problems))
+    return rates
+
+
+def filter_dataset(
+    input_path: str | Path,
+    model: str,
+    output: str | Path,
+    *,
+    k: int = 16,
+    lo: float = INTELLECT2_PASS_WINDOW[0],
+    hi: float = INTELLECT2_PASS_WINDOW[1],
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    seed: int = 0,
+    device: str = "cpu",
+    limit: int | None = None,
+    engine: Any = None,
+    encode: Callable[[str], list[int]] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> FilterSummary:
+    """The whole command: load, sample, score, keep ``lo <= pass_rate <= hi``, write ``output`` (JSONL or Parquet)."""
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"bad window [{lo}, {hi}]")
+    if k < 1:
+        raise ValueError("k must be >= 1")
+    problems = load_dataset(input_path, limit=limit)
+    if engine is None:
+        engine, encode, decode = load_model_for_sampling(model, device=device)
+    assert encode is not None and decode is not None
+    rates = pass_rates(problems, engine, encode, decode, k, max_tokens=max_tokens, temperature=temperature,
+                       seed=seed, progress=progress)
+    kept = [dataclasses.replace(p, pass_rate=r) for p, r in zip(problems, rates) if in_pass_window(r, lo, hi)]
+    out = save_dataset(kept, output)
+    return FilterSummary(len(problems), len(kept), out, {p.id: r for p, r in zip(problems, rates)})

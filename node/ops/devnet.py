@@ -1,0 +1,345 @@
+"""``primenode devnet``: a whole local network as separate processes on 127.0.0.1.
+
+One bootstrap, one trainer, N workers and M validators, each a real
+``primenode`` process with its own home under the output folder. The devnet
+signs a genesis naming them, starts everything, renders live progress from
+each node's local status endpoint, copies the trainer's per-step metrics into
+``OUT/metrics.jsonl``, draws ``OUT/reward_curve.png``, and stops every process
+cleanly after the requested steps or on Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from node.errors import NodeError
+from node.home import NodeHome
+
+
+@dataclasses.dataclass
+class DevnetOptions:
+    out: Path
+    workers: int = 2
+    validators: int = 2
+    quorum: int | None = None  # default: all validators... capped below
+    steps: int = 30
+    model: str = "tiny"
+    task: str = "target-length"
+    max_async: int = 2
+    prompts_per_batch: int = 8
+    group_size: int = 8
+    lr: float = 1e-4
+    max_tokens: int = 48
+    temperature: float = 1.0
+    seed: int = 0
+    timeout_s: float = 900.0
+    # inference engine of workers and validators: transformers, or vllm (needs vLLM installed)
+    engine: str = "transformers"
+    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Node flavours for adversarial tests: name -> list of extra CLI args.
+    node_args: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class NodeProc:
+    name: str
+    role: str
+    home: NodeHome
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    log: Any = None
+
+    def status(self, timeout: float = 1.0) -> dict[str, Any] | None:
+        try:
+            port = json.loads(self.home.runtime_path.read_text())["status_port"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout) as r:
+                return json.loads(r.read())
+        except Exception:
+            return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def primenode_cmd() -> list[str]:
+    return [sys.executable, "-m", "node.ops.cli"]
+
+
+class Devnet:
+    """Owns the processes of one local network. Use as a context manager."""
+
+    def __init__(self, opts: DevnetOptions) -> None:
+        self.opts = opts
+        self.out = Path(opts.out).resolve()
+        self.nodes: list[NodeProc] = []
+        self.genesis_path = self.out / "run.toml"
+        self.bootstrap_addr = ""
+
+    # ------------------------------------------------------------- set-up
+    def prepare(self) -> None:
+        from node.genesis_file import make_genesis, write_genesis
+
+        o = self.opts
+        if o.workers < 1 or o.validators < 1:
+            raise NodeError("a devnet needs at least one worker and one validator")
+        if o.engine not in ("transformers", "vllm"):
+            raise NodeError(f"unknown engine {o.engine!r}: use transformers or vllm")
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+
+        def home(name: str) -> NodeHome:
+            h = NodeHome(self.out / "nodes" / name)
+            if not h.exists():
+                h.init()
+            return h
+
+        owner = home("owner").load_key()
+        boot = home("bootstrap")
+        trainer = home("trainer")
+        workers = [home(f"worker-{i}") for i in range(o.workers)]
+        validators = [home(f"validator-{i}") for i in range(o.validators)]
+        quorum = o.quorum or max(1, (o.validators // 2) + 1 if o.validators > 2 else o.validators)
+        config = {
+            "task": o.task, "steps": o.steps, "lr": o.lr, "max_tokens": o.max_tokens,
+            "temperature": o.temperature, "seed": o.seed, "batches_per_step": 1,
+            # one batch per worker per version: with two workers the trainer always has a fresh
+            # batch and one a step old (two-step async), and little work goes stale
+            "worker_batches_per_version": 1,
+            # every devnet worker and validator runs one engine in fp32 on this CPU: one numerics
+            # stack, so validators use the tight TOPLOC thresholds (docs/proofs.md)
+            "numerics": f"{o.engine}-fp32-cpu", **o.extra_config,
+        }
+        signed = make_genesis(
+            owner, config, name=f"devnet-{o.task}", model=o.model, dataset=f"builtin:{o.task}",
+            dataset_size=1024, trainer=trainer.load_key().peer_id,
+            validators=[v.load_key().peer_id for v in validators], quorum=min(quorum, o.validators),
+            max_async=o.max_async, prompts_per_batch=o.prompts_per_batch, group_size=o.group_size,
+            chunk_size=1 << 20,
+        )
+        write_genesis(signed, self.genesis_path)
+
+        port = free_port()
+        boot_id = boot.load_key().peer_id
+        self.bootstrap_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"
+        common = ["--genesis", str(self.genesis_path)]
+        self.nodes.append(NodeProc("bootstrap", "bootstrap", boot, [
+            "bootstrap", "--home", str(boot.path), "--listen", f"/ip4/127.0.0.1/tcp/{port}", *common]))
+        join = ["--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0", *common]
+        engine = ["--engine", o.engine]
+        self.nodes.append(NodeProc("trainer", "trainer", trainer,
+                                   ["join", "--role", "trainer", "--home", str(trainer.path), *join]))
+        for i, v in enumerate(validators):
+            self.nodes.append(NodeProc(f"validator-{i}", "validator", v,
+                                       ["join", "--role", "validator", "--home", str(v.path), *join, *engine]))
+        for i, w in enumerate(workers):
+            self.nodes.append(NodeProc(f"worker-{i}", "worker", w,
+                                       ["join", "--role", "worker", "--home", str(w.path), *join, *engine]))
+        for n in self.nodes:
+            n.args += self.opts.node_args.get(n.name, [])
+
+    def start(self, node: NodeProc) -> None:
+        node.log = open(self.out / "logs" / f"{node.name}.log", "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        node.proc = subprocess.Popen(primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+
+    def start_all(self) -> None:
+        for n in self.nodes:
+            self.start(n)
+            if n.role == "bootstrap":
+                time.sleep(1.0)
+
+    def node(self, name: str) -> NodeProc:
+        return next(n for n in self.nodes if n.name == name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        n = self.node(name)
+        if n.proc and n.proc.poll() is None:
+            n.proc.send_signal(sig)
+            n.proc.wait(timeout=30)
+
+    def stop_all(self, grace_s: float = 20.0) -> dict[str, int | None]:
+        for n in self.nodes:
+            if n.proc and n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes = {}
+        for n in self.nodes:
+            if n.proc is None:
+                continue
+            try:
+                codes[n.name] = n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                n.proc.kill()
+                codes[n.name] = n.proc.wait()
+            if n.log:
+                n.log.close()
+        return codes
+
+    def __enter__(self) -> "Devnet":
+        self.prepare()
+        self.start_all()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop_all()
+
+    # ----------------------------------------------------------- progress
+    def trainer_metrics(self) -> list[dict[str, Any]]:
+        path = self.node("trainer").home.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written
+        return rows
+
+    def snapshot(self) -> dict[str, dict[str, Any] | None]:
+        return {n.name: n.status() for n in self.nodes}
+
+
+def render_table(devnet: Devnet, snap: dict[str, Any], started: float):
+    metrics = devnet.trainer_metrics()
+    last = metrics[-1] if metrics else {}
+    title = (f"devnet  step {last.get('step', 0)}/{devnet.opts.steps}  reward {last.get('reward_mean', float('nan')):.3f}"
+             f"  elapsed {time.monotonic() - started:.0f}s")
+    nodes = [(n.name, n.role, bool(n.proc and n.proc.poll() is None)) for n in devnet.nodes]
+    return status_table(nodes, snap, title)
+
+
+TABLE_COLUMNS = ("node", "alive", "peers", "version", "step", "reward", "produced", "accepted", "rejected", "reasons")
+
+
+def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet"):
+    """One row per node (``nodes``: name, role, whether its process lives; devnet names
+    say the role, so it gets no column), from its status object (``snap[name]``; None
+    while it does not answer). Columns: the policy version each learning node holds; the
+    trainer's step and reward; batches accepted / rejected as each role sees them: the
+    trainer's ledger (admitted / rejected), a worker's own batches (a quorum of accept
+    votes / a quorum no longer possible) next to how many it produced, a validator's
+    verdicts, with its rejection rules under "reasons". "-" where a column does not apply."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in TABLE_COLUMNS:
+        t.add_column(col, overflow="fold")
+    for name, role, alive in nodes:
+        s = snap.get(name) or {}
+        rs = s.get("role_state") or {}
+        cells = dict.fromkeys(TABLE_COLUMNS, "-")
+        cells.update(node=name, alive="yes" if alive else "no")
+        if s:
+            cells["peers"] = str(len(s.get("peers") or []))
+        if "policy_version" in rs:
+            cells["version"] = str(rs["policy_version"])
+        if role == "trainer" and rs:
+            target = rs.get("target_steps")
+            cells["step"] = f"{rs.get('step', '-')}/{target}" if target else str(rs.get("step", "-"))
+            reward = rs.get("reward_mean")
+            cells["reward"] = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
+            cells["accepted"], cells["rejected"] = str(rs.get("admitted", "-")), str(rs.get("rejected", "-"))
+        elif role == "worker" and rs:
+            cells["produced"] = str(rs.get("batches_produced", "-"))
+            cells["accepted"] = str(rs.get("batches_accepted", "-"))
+            cells["rejected"] = str(rs.get("batches_rejected", "-"))
+        elif role == "validator" and rs:
+            verdicts, reasons = rs.get("verdicts") or {}, rs.get("reasons") or {}
+            cells["accepted"], cells["rejected"] = str(verdicts.get("accept", 0)), str(verdicts.get("reject", 0))
+            parts = [f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]
+            if verdicts.get("unverifiable"):
+                parts.append(f"unverifiable {verdicts['unverifiable']} (no vote)")
+            cells["reasons"] = ", ".join(parts) or "-"
+        t.add_row(*(cells[c] for c in TABLE_COLUMNS))
+    return t
+
+
+def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, marker=".", label="mean reward (admitted rollouts)")
+    if len(rewards) >= 5:
+        k = 5
+        smooth = [sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, smooth, label=f"moving average ({k})")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.set_title("primenode devnet")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
+    """Run to completion (or Ctrl+C); returns a summary dict."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console(stderr=False)
+    devnet = Devnet(opts)
+    devnet.prepare()
+    console.print(f"devnet in {devnet.out}: bootstrap {devnet.bootstrap_addr}")
+    started = time.monotonic()
+    interrupted = False
+    devnet.start_all()
+    try:
+        with Live(console=console, refresh_per_second=1, transient=not live) as view:
+            while True:
+                snap = devnet.snapshot()
+                view.update(render_table(devnet, snap, started))
+                rows = devnet.trainer_metrics()
+                if rows and rows[-1].get("step", 0) >= opts.steps:
+                    break
+                trainer = devnet.node("trainer")
+                if trainer.proc and trainer.proc.poll() is not None:
+                    raise NodeError(f"the trainer exited with code {trainer.proc.returncode}; "
+                                    f"see {devnet.out / 'logs' / 'trainer.log'}")
+                if time.monotonic() - started > opts.timeout_s:
+                    raise NodeError(f"devnet did not reach {opts.steps} steps in {opts.timeout_s:.0f}s")
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        codes = devnet.stop_all()
+    rows = devnet.trainer_metrics()
+    with open(devnet.out / "metrics.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if rows:
+        plot_rewards(rows, devnet.out / "reward_curve.png")
+    summary = {
+        "steps": rows[-1]["step"] if rows else 0,
+        "first_reward": rows[0].get("reward_mean") if rows else None,
+        "last_reward": rows[-1].get("reward_mean") if rows else None,
+        "seconds": round(time.monotonic() - started, 1),
+        "exit_codes": codes,
+        "interrupted": interrupted,
+        "out": str(devnet.out),
+    }
+    if not console.is_terminal:
+        console.line()  # the live table leaves no newline behind when stdout is not a terminal
+    console.print(json.dumps(summary), soft_wrap=True, markup=False, highlight=False)  # one line, machine-readable
+    return summary

@@ -1,0 +1,80 @@
+"""GC never collects a version the chunk server is sending from, and collects it once
+the send is over (the server pins the version for the duration of each chunk send).
+
+The server is capped so a 2 MiB chunk takes a while to send, in trio's virtual time
+(``autojump_clock``), and the fetcher reads the reply only when the test says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+from safetensors.numpy import save_file
+
+from node.checkpoints import DataConnection
+from protocol import chunk_frames as F
+from node.checkpoints.server import ChunkServer
+from node.checkpoints import ChunkStore
+from protocol import ChunkTicketRequest
+
+from .dist_helpers import RUN_ID, keys
+
+CHUNK = 2 * 2**20
+
+
+def _publish(store: ChunkStore, key, version: int, tmp_path) -> None:
+    d = tmp_path / f"ckpt{version}"
+    d.mkdir()
+    rng = np.random.default_rng(100 + version)
+    save_file({"w": rng.standard_normal(3 * CHUNK // 4 // 2, dtype=np.float32)}, str(d / "model.safetensors"))
+    _, raw = store.import_directory_blocking(key, version, d, chunk_size=CHUNK)
+    st, _ = store.add_announce(raw)
+    store.assemble_blocking(st)
+    st.assembled = True
+
+
+async def test_gc_spares_a_version_being_served_and_collects_it_after(tmp_path, autojump_clock):
+    trainer, fetcher = keys(2)
+    store = ChunkStore(tmp_path / "store", RUN_ID, trainer.peer_id)
+    _publish(store, trainer, 1, tmp_path)
+    st1 = store.get(1)
+    assert st1.chunks[0][2] == CHUNK  # bigger than the bucket's burst: the send has to wait for tokens
+    v1_objects = [store.object_path(h) for h in st1.by_hash]
+    v1_files = store.files_dir(1)
+    chunk0 = store.read_chunk_blocking(st1, 0)
+    server = ChunkServer(store, max_upload_mbps=8.0)  # 1 MB/s: ~1.5 s (virtual) for chunk 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        t = server.grant_ticket(fetcher.peer_id, ChunkTicketRequest(version=1, root=st1.root, chunk_indices=(0,)))
+        conn = await DataConnection.open(t.host, t.port, t.ticket, stall_timeout=3600)
+        await conn.send(F.OP_GET, 0)
+        with trio.fail_after(60):
+            while server.bytes_served == 0:  # the send of chunk 0 has begun
+                await trio.sleep(0.001)
+        assert server.bytes_served < CHUNK and st1.pins == 1
+
+        # newer versions push v1 out of the window (max_async 2) while it is being sent
+        for v in (2, 3, 4):
+            _publish(store, trainer, v, tmp_path)
+        assert store.gc(2) == []
+        assert store.get(1) is st1 and all(p.exists() for p in v1_objects)
+        assert v1_files.is_dir() and any(v1_files.iterdir())
+
+        op, status, idx, length = await conn.read_header()
+        assert (op, status, idx, length) == (F.OP_GET, F.OK, 0, CHUNK)
+        buf = bytearray(length)
+        await conn.read_payload_into(memoryview(buf))
+        assert bytes(buf) == chunk0
+        with trio.fail_after(60):
+            while st1.pins:  # the server lets go once the send is over
+                await trio.sleep(0.001)
+
+        assert store.gc(2) == [1]
+        assert store.get(1) is None and not any(p.exists() for p in v1_objects)
+        assert not v1_files.exists()
+        assert sorted(store.versions) == [2, 3, 4]
+        # the open connection is told the version is gone
+        await conn.send(F.OP_GET, 0)
+        assert (await conn.read_header())[:2] == (F.OP_GET, F.GONE)
+        await conn.aclose()
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,73 @@
+"""A fetcher killed (SIGKILL) half-way and restarted completes without re-fetching verified chunks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+
+from node.checkpoints import LocalOverlay, VersionFetcher
+from node.checkpoints.server import ChunkServer
+from node.checkpoints import ChunkStore
+from protocol import ChunkTicketRequest
+
+from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def test_killed_fetcher_resumes_from_disk(tmp_path):
+    src = make_checkpoint(tmp_path / "ckpt", 16, seed=8)
+    trainer, fetcher_key = keys(2)
+    seeder = ChunkStore(tmp_path / "seeder", RUN_ID, trainer.peer_id)
+    _, raw = await trio.to_thread.run_sync(seeder.import_directory_blocking, trainer, 1, src, 512 * 1024)
+    st_seed, _ = seeder.add_announce(raw)
+    n = st_seed.bitmap.n
+    ann = tmp_path / "announce"
+    ann.write_bytes(raw)
+    server = ChunkServer(seeder, max_upload_mbps=40.0)  # ~5 MB/s: the fetch takes a few seconds
+    node_dir = tmp_path / "node"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        t = server.grant_ticket(fetcher_key.peer_id, ChunkTicketRequest(version=1, root=st_seed.root, chunk_indices=(0,)))
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "tests.dist_fetch_child", str(node_dir), trainer.peer_id, str(ann),
+             trainer.peer_id, t.host, str(t.port), t.ticket.hex()],
+            cwd=REPO,
+        )
+        objects = node_dir / "objects"
+
+        def held() -> int:
+            return sum(1 for _ in objects.rglob("*") if _.is_file()) if objects.exists() else 0
+
+        with trio.fail_after(60):
+            while held() < n // 3:
+                assert proc.poll() is None, "the child finished or died before the kill"
+                await trio.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+        served_before = server.chunks_served
+
+        # restart: the store knows what it holds without any network
+        store = ChunkStore(node_dir, RUN_ID, trainer.peer_id)
+        st = store.get(1)
+        before = st.bitmap.count
+        assert n // 3 <= before < n
+        assert not any((node_dir / "tmp").iterdir())  # crash leftovers cleared, never trusted
+        server.set_max_upload_mbps(0)
+        f = VersionFetcher(store, 1, LocalOverlay(fetcher_key.peer_id, {trainer.peer_id: server}))
+        f.add_peer(trainer.peer_id)
+        with trio.fail_after(60):
+            await f.run()
+        nursery.cancel_scope.cancel()
+
+    assert f.complete and f.held_at_start == before
+    assert f.chunks_fetched == n - before  # nothing verified was fetched again
+    assert server.chunks_served - served_before == n - before
+    await store.assemble(1)
+    assert same_files(src, store.files_dir(1))

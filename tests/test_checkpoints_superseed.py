@@ -1,0 +1,205 @@
+"""Super-seeding, pushed have-sets and the end game of the chunk data plane.
+
+* A server holding a whole version answers ELSEWHERE to a second peer asking
+  for a chunk it sent to someone else moments ago, serves it again once the
+  hold-off has passed, and never refuses the peer it sent it to; a server
+  holding only part of a version never refuses.
+* With ``FLAG_PUSH_HAVE`` a server pushes its bitmap ahead of a GET reply when
+  it changed; without the flag it never does.
+* End game: a fetcher whose remaining chunks are all stuck at a peer that
+  never sends them completes from the seed without waiting for the stall
+  timeout.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from node.checkpoints import DataConnection, LocalOverlay, VersionFetcher
+from protocol import chunk_frames as F
+from node.checkpoints.server import ChunkServer
+from node.checkpoints import ChunkStore
+from protocol.bitmap import Bitmap
+from protocol import ChunkTicketRequest
+
+from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+
+
+async def _seeded_store(tmp_path, name="seeder", size_mib=4, chunk=512 * 1024):
+    src = make_checkpoint(tmp_path / "ckpt", size_mib, seed=11)
+    trainer = keys(1)[0]
+    store = ChunkStore(tmp_path / name, RUN_ID, trainer.peer_id)
+    _, raw = await trio.to_thread.run_sync(store.import_directory_blocking, trainer, 1, src, chunk)
+    st, _ = store.add_announce(raw)
+    return src, trainer, store, st, raw
+
+
+async def _connect(server, peer_id, st, flags=0) -> DataConnection:
+    t = server.grant_ticket(peer_id, ChunkTicketRequest(version=1, root=st.root, chunk_indices=(0,)))
+    assert t.ok
+    return await DataConnection.open(t.host, t.port, t.ticket, flags=flags)
+
+
+async def _get(conn: DataConnection, idx: int) -> tuple[int, bytes]:
+    """GET ``idx``; returns (status, payload), skipping pushed bitmaps."""
+    await conn.send(F.OP_GET, idx)
+    while True:
+        op, status, ridx, length = await conn.read_header()
+        buf = bytearray(length)
+        await conn.read_payload_into(memoryview(buf))
+        if op == F.OP_HAVE and ridx == F.PUSH_INDEX:
+            continue
+        assert (op, ridx) == (F.OP_GET, idx)
+        return status, bytes(buf)
+
+
+async def test_seed_refuses_a_second_peer_then_serves_after_the_hold_off(tmp_path):
+    _, _, store, st, _ = await _seeded_store(tmp_path)
+    a, b = (k.peer_id for k in keys(3)[1:])
+    server = ChunkServer(store, reseed_after_s=0.3, reseed_after_all_s=0.3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        ca, cb = await _connect(server, a, st), await _connect(server, b, st)
+        status, data = await _get(ca, 0)
+        assert status == F.OK and data == store.read_chunk_blocking(st, 0)
+        assert (await _get(cb, 0))[0] == F.ELSEWHERE  # b should get chunk 0 from a
+        assert (await _get(cb, 1))[0] == F.OK  # an unsent chunk is served
+        assert (await _get(ca, 0))[0] == F.OK  # the recipient itself may ask again
+        await trio.sleep(0.5)  # past the hold-off: served again (a recipient may have vanished)
+        status, data = await _get(cb, 0)
+        assert status == F.OK and data == store.read_chunk_blocking(st, 0)
+        assert server.chunks_elsewhere == 1
+        for c in (ca, cb):
+            await c.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_shorter_hold_off_once_every_chunk_went_out(tmp_path):
+    _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=1, chunk=256 * 1024)
+    a, b = (k.peer_id for k in keys(3)[1:])
+    server = ChunkServer(store, reseed_after_s=3600.0, reseed_after_all_s=0.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        ca, cb = await _connect(server, a, st), await _connect(server, b, st)
+        n = st.bitmap.n
+        assert n >= 3
+        for i in range(n - 1):
+            assert (await _get(ca, i))[0] == F.OK
+        assert (await _get(cb, 0))[0] == F.ELSEWHERE  # one chunk never sent: the long hold-off holds
+        assert (await _get(ca, n - 1))[0] == F.OK  # now every chunk went out once
+        assert (await _get(cb, 0))[0] == F.OK  # end game: the seed helps again
+        for c in (ca, cb):
+            await c.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_partial_holder_never_refuses_and_pushes_its_bitmap(tmp_path):
+    _, _, seed_store, seed_st, raw = await _seeded_store(tmp_path)
+    a, b = (k.peer_id for k in keys(3)[1:])
+    store = ChunkStore(tmp_path / "partial", RUN_ID, keys(1)[0].peer_id)
+    st, _ = store.add_announce(raw)
+
+    def give(i):
+        h = seed_st.chunks[i][3]
+        store.write_object_blocking(h, seed_store.read_chunk_blocking(seed_st, i))
+        store.mark_held(h)
+
+    give(0)
+    give(1)
+    server = ChunkServer(store, reseed_after_s=3600.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        pushing = await _connect(server, a, st, flags=F.FLAG_PUSH_HAVE)
+        plain = await _connect(server, b, st)
+
+        async def get_with_pushes(conn, idx):
+            await conn.send(F.OP_GET, idx)
+            pushes = []
+            while True:
+                op, status, ridx, length = await conn.read_header()
+                buf = bytearray(length)
+                await conn.read_payload_into(memoryview(buf))
+                if op == F.OP_HAVE:
+                    assert ridx == F.PUSH_INDEX and status == F.OK
+                    pushes.append(Bitmap(st.bitmap.n, bytes(buf)))
+                    continue
+                return status, pushes
+
+        status, pushes = await get_with_pushes(pushing, 0)
+        assert status == F.OK and len(pushes) == 1 and pushes[0].indices() == [0, 1]
+        status, pushes = await get_with_pushes(pushing, 1)
+        assert status == F.OK and pushes == []  # unchanged: nothing pushed
+        give(2)
+        status, pushes = await get_with_pushes(pushing, 2)
+        assert status == F.OK and [p.indices() for p in pushes] == [[0, 1, 2]]
+        # not a seed: a second peer gets the same chunks at once, and no pushes without the flag
+        for i in (0, 1, 2):
+            status, pushes = await get_with_pushes(plain, i)
+            assert status == F.OK and pushes == []
+        status, pushes = await get_with_pushes(plain, 3)
+        assert status == F.NOT_HELD
+        assert server.chunks_elsewhere == 0
+        for c in (pushing, plain):
+            await c.aclose()
+        nursery.cancel_scope.cancel()
+
+
+class SilentServer(ChunkServer):
+    """Accepts GETs, answers HAVE, never sends a chunk (a peer stuck on its uplink)."""
+
+    async def _send_chunk(self, sock, st, idx, peer):
+        await trio.sleep_forever()
+
+
+async def test_end_game_takes_stuck_chunks_from_the_seed(tmp_path):
+    src, trainer, seed_store, seed_st, raw = await _seeded_store(tmp_path)
+    me, stuck = (k.peer_id for k in keys(3)[1:])
+    # the stuck peer holds every chunk but the last (so it is not a seed and fetchers prefer it)
+    stuck_store = ChunkStore(tmp_path / "stuck", RUN_ID, trainer.peer_id)
+    stuck_st, _ = stuck_store.add_announce(raw)
+    for i in range(seed_st.bitmap.n - 1):
+        h = seed_st.chunks[i][3]
+        stuck_store.write_object_blocking(h, seed_store.read_chunk_blocking(seed_st, i))
+        stuck_store.mark_held(h)
+    servers = {trainer.peer_id: ChunkServer(seed_store), stuck: SilentServer(stuck_store)}
+    store = ChunkStore(tmp_path / "me", RUN_ID, trainer.peer_id)
+    store.add_announce(raw)
+    # a stall timeout far beyond the test's limit: only the end game can finish this fetch
+    fetcher = VersionFetcher(store, 1, LocalOverlay(me, servers), stall_timeout=3600.0)
+    fetcher.add_peer(trainer.peer_id)
+    fetcher.add_peer(stuck)
+    async with trio.open_nursery() as nursery:
+        for s in servers.values():
+            await nursery.start(s.run)
+        with trio.fail_after(120):
+            await fetcher.run()
+        nursery.cancel_scope.cancel()
+    assert fetcher.complete and fetcher.chunks_endgame >= 1
+    assert fetcher.peers[stuck].chunks == 0
+    assert servers[trainer.peer_id].bytes_served == seed_st.manifest.total_bytes  # nothing twice
+    await store.assemble(1)
+    assert same_files(src, store.files_dir(1))
+
+
+async def test_a_peer_that_never_reads_pins_no_chunk_beyond_the_hold_off(tmp_path):
+    """A hoarder asks the seed for every chunk and reads none: the send that blocks on its
+    full socket must not keep the chunk refused (ELSEWHERE) to everyone else."""
+    _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=32, chunk=512 * 1024)
+    hoarder, honest = (k.peer_id for k in keys(3)[1:])
+    server = ChunkServer(store, reseed_after_s=0.5, stall_timeout_s=3600.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        ch, cb = await _connect(server, hoarder, st), await _connect(server, honest, st)
+        n = st.bitmap.n
+        for i in range(n):
+            await ch.send(F.OP_GET, i)  # never read
+        # the server is now stuck mid-send on the hoarder's full socket
+        await trio.sleep(1.0)
+        assert 0 < server.bytes_served < st.manifest.total_bytes
+        for i in range(n):  # past the hold-off: every chunk, the one stuck mid-send too
+            status, data = await _get(cb, i)
+            assert status == F.OK, f"chunk {i} still refused to others"
+            assert data == store.read_chunk_blocking(st, i)
+        for c in (ch, cb):
+            await c.aclose()
+        nursery.cancel_scope.cancel()
