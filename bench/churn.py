@@ -65,14 +65,21 @@ def main() -> None:
     args = ap.parse_args()
 
     out = args.out or Path(tempfile.mkdtemp(prefix="primenode-churn-"))
-    opts = DevnetOptions(out=out, workers=args.workers, validators=args.validators, quorum=args.quorum, steps=10**9,
-                         timeout_s=args.minutes * 60 + 900)
+    opts = DevnetOptions(
+        out=out,
+        workers=args.workers,
+        validators=args.validators,
+        quorum=args.quorum,
+        steps=10**9,
+        timeout_s=args.minutes * 60 + 900,
+    )
     devnet = Devnet(opts)
     devnet.prepare()
     audit = LedgerAudit(devnet.node("trainer").home.path / "node.db")
     victims = None if args.victims == "all" else args.victims.split(",")
-    print(f"churn: devnet in {out}, {args.minutes:g} min of kills every {args.period} s, down {args.down} s",
-          flush=True)
+    print(
+        f"churn: devnet in {out}, {args.minutes:g} min of kills every {args.period} s, down {args.down} s", flush=True
+    )
     devnet.start_all()
     t0 = time.monotonic()
     try:
@@ -81,17 +88,28 @@ def main() -> None:
         admitted_before = len(audit.seen_admitted)
 
         def show(ev) -> None:
-            print(f"[{(time.monotonic() - t0) / 60:5.1f} min] killed {ev.node:12s} down {ev.down_s:4.1f} s  "
-                  f"step {trainer_step(devnet)}  admitted {len(audit.seen_admitted)}  lost {len(audit.lost)}",
-                  flush=True)
+            print(
+                f"[{(time.monotonic() - t0) / 60:5.1f} min] killed {ev.node:12s} down {ev.down_s:4.1f} s  "
+                f"step {trainer_step(devnet)}  admitted {len(audit.seen_admitted)}  lost {len(audit.lost)}",
+                flush=True,
+            )
 
         t_churn = time.monotonic()
-        events = churn(devnet, audit, duration_s=args.minutes * 60, period_s=args.period, down_s=args.down,
-                       victims=victims, seed=args.seed, on_event=show)
+        events = churn(
+            devnet,
+            audit,
+            duration_s=args.minutes * 60,
+            period_s=args.period,
+            down_s=args.down,
+            victims=victims,
+            seed=args.seed,
+            on_event=show,
+        )
         churn_s = time.monotonic() - t_churn
         step_after_churn = trainer_step(devnet)
-        recover_s = wait_for(lambda: trainer_step(devnet) >= step_after_churn + 2, 600,
-                             "two more steps after the churn", audit)
+        recover_s = wait_for(
+            lambda: trainer_step(devnet) >= step_after_churn + 2, 600, "two more steps after the churn", audit
+        )
     finally:
         codes = devnet.stop_all()
     audit.sample()
@@ -101,17 +119,25 @@ def main() -> None:
         kills[ev.node] = kills.get(ev.node, 0) + 1
     result = {
         "minutes_of_churn": round(churn_s / 60, 1),
-        "kills": len(events), "kills_per_node": kills,
-        "admitted": len(audit.seen_admitted), "admitted_before_churn": admitted_before,
-        "trained": audit.trained(), "aged_out": len(audit.aged_out),
-        "lost": len(audit.lost), "lost_detail": {k.hex()[:16]: v for k, v in list(audit.lost.items())[:10]},
+        "kills": len(events),
+        "kills_per_node": kills,
+        "admitted": len(audit.seen_admitted),
+        "admitted_before_churn": admitted_before,
+        "trained": audit.trained(),
+        "aged_out": len(audit.aged_out),
+        "lost": len(audit.lost),
+        "lost_detail": {k.hex()[:16]: v for k, v in list(audit.lost.items())[:10]},
         "duplicate_slots": audit.duplicate_slots,
         "steps_trained_twice": len(steps) - len(set(steps)),
         "steps_in_order": steps == sorted(steps),
-        "version_before_churn": step_before, "version_after_churn": step_after_churn,
+        "version_before_churn": step_before,
+        "version_after_churn": step_after_churn,
         "version_final": trainer_step(devnet),
-        "startup_s": round(startup_s, 1), "recover_s": round(recover_s, 1),
-        "ledger_samples": audit.samples, "exit_codes": codes, "out": str(out),
+        "startup_s": round(startup_s, 1),
+        "recover_s": round(recover_s, 1),
+        "ledger_samples": audit.samples,
+        "exit_codes": codes,
+        "out": str(out),
         "ok": not audit.lost and audit.duplicate_slots == 0 and len(steps) == len(set(steps)),
     }
     print(json.dumps(result), flush=True)

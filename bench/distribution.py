@@ -81,9 +81,8 @@ def make_checkpoint(d: Path, size_mib: int) -> list[Path]:
 def run_node(a) -> None:
     import trio
 
-    from node.checkpoints import Checkpoints
+    from node.checkpoints import Checkpoints, ChunkStore
     from protocol import ChunkTicket, ChunkTicketRequest, ReplayGuard, SequenceCounter, open_envelope, seal
-    from node.checkpoints import ChunkStore
 
     key = node_key(a.index)
     trainer = node_key(0).peer_id
@@ -104,7 +103,7 @@ def run_node(a) -> None:
                         if not part:
                             break
                         buf += part
-            return ChunkTicket.decode(buf[4:4 + int.from_bytes(buf[:4], "big")])
+            return ChunkTicket.decode(buf[4 : 4 + int.from_bytes(buf[:4], "big")])
 
         def penalise(self, peer_id, reason):
             pass
@@ -127,8 +126,13 @@ def run_node(a) -> None:
                         if not part:
                             return
                         buf += part
-                env = open_envelope(buf[4:], run_id=RUN_ID, now_ms=int(time.time() * 1000), guard=guard,
-                                    allowed_types={ChunkTicketRequest.TYPE_ID})
+                env = open_envelope(
+                    buf[4:],
+                    run_id=RUN_ID,
+                    now_ms=int(time.time() * 1000),
+                    guard=guard,
+                    allowed_types={ChunkTicketRequest.TYPE_ID},
+                )
                 t = dist.grant_ticket(env.sender, env.body).encode()
                 await stream.send_all(len(t).to_bytes(4, "big") + t)
             except Exception:
@@ -190,10 +194,28 @@ def bench_ours(args, src: Path, work: Path, total: int) -> dict:
     peers = {node_key(i).peer_id: free_port() for i in range(n)}
     (work / "peers.json").write_text(json.dumps(peers))
     procs = []
-    common = ["--work", str(work), "--peers", str(work / "peers.json"), "--max-upload-mbps", str(args.max_upload_mbps),
-              "--chunk-mib", str(args.chunk_mib), "--src", str(src)] + (["--no-fsync"] if args.no_fsync else []) + (["--buffered-io"] if args.buffered_io else [])
+    common = (
+        [
+            "--work",
+            str(work),
+            "--peers",
+            str(work / "peers.json"),
+            "--max-upload-mbps",
+            str(args.max_upload_mbps),
+            "--chunk-mib",
+            str(args.chunk_mib),
+            "--src",
+            str(src),
+        ]
+        + (["--no-fsync"] if args.no_fsync else [])
+        + (["--buffered-io"] if args.buffered_io else [])
+    )
     for i in range(n):
-        procs.append(subprocess.Popen([sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common
+            )
+        )
     try:
         deadline = time.time() + 600
         while not all((work / f"ready-{i}").exists() for i in range(n)):
@@ -224,13 +246,28 @@ def bench_ours(args, src: Path, work: Path, total: int) -> dict:
         "seeder_copies": round(final[0]["bytes_served"] / total, 2),
         "fetcher_bytes_served": [final[i]["bytes_served"] for i in range(1, n)],
         "seeder_chunks_elsewhere": final[0]["chunks_elsewhere"],
-        "cpu_s": {"user": round(sum(f["cpu_user_s"] for f in final.values()), 1),
-                  "sys": round(sum(f["cpu_sys_s"] for f in final.values()), 1)},
+        "cpu_s": {
+            "user": round(sum(f["cpu_user_s"] for f in final.values()), 1),
+            "sys": round(sum(f["cpu_sys_s"] for f in final.values()), 1),
+        },
     }
     tl = final[0]["served_timeline"]
-    print("seeder copies uploaded by t (s): " + " ".join(f"{t:.0f}:{b / total:.2f}" for t, b in tl[1::4]), file=sys.stderr)
-    print("fetch stats: " + json.dumps([{k: d["fetch"].get(k) for k in ("seconds", "chunks_elsewhere", "chunks_endgame", "chunks_duplicate", "bytes_from_seeds")}
-                                         for d in done]), file=sys.stderr)
+    print(
+        "seeder copies uploaded by t (s): " + " ".join(f"{t:.0f}:{b / total:.2f}" for t, b in tl[1::4]), file=sys.stderr
+    )
+    print(
+        "fetch stats: "
+        + json.dumps(
+            [
+                {
+                    k: d["fetch"].get(k)
+                    for k in ("seconds", "chunks_elsewhere", "chunks_endgame", "chunks_duplicate", "bytes_from_seeds")
+                }
+                for d in done
+            ]
+        ),
+        file=sys.stderr,
+    )
     return out
 
 
@@ -268,7 +305,20 @@ def bench_raw(files: list[Path], work: Path, total: int) -> float:
     th = threading.Thread(target=serve, daemon=True)
     th.start()
     t0 = time.time()
-    subprocess.run([sys.executable, __file__, "_rawclient", "--port", str(port), "--out", str(work / "raw.bin"), "--size", str(total)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "_rawclient",
+            "--port",
+            str(port),
+            "--out",
+            str(work / "raw.bin"),
+            "--size",
+            str(total),
+        ],
+        check=True,
+    )
     dt = time.time() - t0
     th.join()
     srv.close()
@@ -331,7 +381,7 @@ def bench_shardcast(files: list[Path], work: Path, fetchers: int) -> float | Non
         print("shardcast baseline skipped: wget missing (apt-get install wget)", file=sys.stderr)
         return None
     try:
-        import shardcast  # noqa: F401
+        import shardcast
     except ImportError:
         print("shardcast baseline skipped: pip install shardcast", file=sys.stderr)
         return None
@@ -347,17 +397,45 @@ def bench_shardcast(files: list[Path], work: Path, fetchers: int) -> float | Non
     pkg_src = Path(shardcast.__file__).resolve().parent
     for i in range(fetchers):
         shutil.copytree(pkg_src, work / f"sc-pkg{i}" / "shardcast", ignore=shutil.ignore_patterns("__pycache__"))
-    origin = subprocess.Popen([sys.executable, __file__, "_sc_origin", "--data-dir", str(work / "sc-origin"), "--port", str(port),
-                               "--ready", str(ready), "--files"] + [str(f) for f in files])
+    origin = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "_sc_origin",
+            "--data-dir",
+            str(work / "sc-origin"),
+            "--port",
+            str(port),
+            "--ready",
+            str(ready),
+            "--files",
+        ]
+        + [str(f) for f in files]
+    )
     try:
         while not ready.exists():
             if origin.poll() is not None:
                 raise RuntimeError("shardcast origin died")
             time.sleep(0.05)
         t0 = time.time()
-        clients = [subprocess.Popen([sys.executable, __file__, "_sc_client", "--port", str(port), "--out", str(work / f"sc{i}"),
-                                     "--pkg", str(work / f"sc-pkg{i}"), "--names"] + [f.name for f in files])
-                   for i in range(fetchers)]
+        clients = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "_sc_client",
+                    "--port",
+                    str(port),
+                    "--out",
+                    str(work / f"sc{i}"),
+                    "--pkg",
+                    str(work / f"sc-pkg{i}"),
+                    "--names",
+                ]
+                + [f.name for f in files]
+            )
+            for i in range(fetchers)
+        ]
         rcs = [c.wait(timeout=3600) for c in clients]
         dt = time.time() - t0
         if any(rcs):
@@ -413,10 +491,16 @@ def main() -> None:
     p.add_argument("--no-shardcast", action="store_true")
     p.add_argument("--no-raw", action="store_true")
     p.add_argument("--no-ours", action="store_true", help="baselines only")
-    p.add_argument("--no-fsync", action="store_true",
-                   help="diagnostic only: our stores skip fsync (not crash-safe), to measure what durability costs")
-    p.add_argument("--buffered-io", action="store_true",
-                   help="diagnostic: our stores write through the page cache instead of O_DIRECT (the pre-2026-11-23 path)")
+    p.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="diagnostic only: our stores skip fsync (not crash-safe), to measure what durability costs",
+    )
+    p.add_argument(
+        "--buffered-io",
+        action="store_true",
+        help="diagnostic: our stores write through the page cache instead of O_DIRECT (the pre-2026-11-23 path)",
+    )
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
 
@@ -425,9 +509,16 @@ def main() -> None:
         src = work / "ckpt"
         files = make_checkpoint(src, args.size_mib)
         total = sum(f.stat().st_size for f in files)
-        print(f"checkpoint: {len(files)} files, {total / 2**20:.0f} MiB; {args.fetchers} fetchers; "
-              f"cap {args.max_upload_mbps or 'none'} Mbit/s", file=sys.stderr)
-        out: dict = {"size_mib": round(total / 2**20, 1), "fetchers": args.fetchers, "max_upload_mbps": args.max_upload_mbps}
+        print(
+            f"checkpoint: {len(files)} files, {total / 2**20:.0f} MiB; {args.fetchers} fetchers; "
+            f"cap {args.max_upload_mbps or 'none'} Mbit/s",
+            file=sys.stderr,
+        )
+        out: dict = {
+            "size_mib": round(total / 2**20, 1),
+            "fetchers": args.fetchers,
+            "max_upload_mbps": args.max_upload_mbps,
+        }
         if args.no_fsync:
             out["no_fsync"] = True
         if args.buffered_io:

@@ -32,8 +32,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -47,6 +47,7 @@ def target(name: str, seeds: Callable[[], list[bytes]]):
     def deco(fn):
         TARGETS[name] = (fn, seeds)
         return fn
+
     return deco
 
 
@@ -58,19 +59,19 @@ def load(instrument: bool) -> None:
 
         ctx = atheris.instrument_imports(include=["protocol", "proofs", "node"])
     with ctx:
-        import node.checkpoints.client  # noqa: F401
-        import node.checkpoints.server  # noqa: F401
-        import node.checkpoints.fetcher  # noqa: F401
-        import node.genesis_file  # noqa: F401
-        import node.p2p.gossip  # noqa: F401
+        import node.checkpoints
+        import node.checkpoints.client
+        import node.checkpoints.fetcher
+        import node.checkpoints.server
+        import node.genesis_file
+        import node.p2p.gossip
         import node.p2p.reqresp  # noqa: F401
-        import node.checkpoints  # noqa: F401
         import proofs  # noqa: F401
         import protocol  # noqa: F401
     _define_targets()
 
 
-def _define_targets() -> None:  # noqa: C901 - one small closure per target
+def _define_targets() -> None:
     import functools
     import random
     import types
@@ -78,10 +79,10 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
     import torch
     import trio
 
-    from protocol import chunk_frames as F
-    from node.checkpoints.client import DataPlaneError
-    from node.checkpoints.server import ChunkServer, Ticket
+    from node.checkpoints import ChunkStore
     from node.checkpoints.fetcher import VersionFetcher
+    from node.checkpoints.manifest import verify_announce
+    from node.checkpoints.server import ChunkServer, Ticket
     from node.checkpoints.testing import RecordingPeer
     from node.errors import NodeError
     from node.genesis_file import make_genesis, read_genesis, write_genesis
@@ -90,41 +91,57 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
     from node.p2p.metrics import NodeMetrics
     from node.p2p.policy import PeerPolicy
     from node.p2p.reqresp import ReqResp, RequestError
-    from node.checkpoints import ChunkStore
-    from node.checkpoints.manifest import verify_announce
     from proofs import ProofConfig, ProofError, decode_proof, verify_sequence
     from protocol import (
+        ZERO_RUN_ID,
         CheckpointAnnounce,
         NodeKey,
         ProtocolError,
         ReplayGuard,
-        ZERO_RUN_ID,
         SequenceCounter,
-        messages as m,
         open_envelope,
         seal,
+    )
+    from protocol import chunk_frames as F
+    from protocol import (
+        messages as m,
     )
     from protocol.envelope import _signed_part
     from protocol.schema import Message, pack
     from protocol.topics import TOPIC_TYPES, topic
 
     key, trainer, peer = NodeKey(b"\x07" * 32), NodeKey(b"\x08" * 32), NodeKey(b"\x09" * 32)
-    classes = sorted((v for v in vars(m).values() if isinstance(v, type) and issubclass(v, Message)
-                      and v is not Message), key=lambda c: c.__name__)
+    classes = sorted(
+        (v for v in vars(m).values() if isinstance(v, type) and issubclass(v, Message) and v is not Message),
+        key=lambda c: c.__name__,
+    )
     env_types = sorted(m.ENVELOPE_TYPES)
     rr_mod._now_ms = lambda: NOW  # request/response clocks fixed, so seeds never go stale
 
     def resign(k: NodeKey, run_id: bytes, type_id: int, body: bytes, seq: int = 9) -> bytes:
-        return pack([1, run_id, type_id, k.peer_id, NOW, seq, body, k.sign(_signed_part(run_id, type_id, k.peer_id,
-                                                                                        NOW, seq, body))])
+        return pack(
+            [
+                1,
+                run_id,
+                type_id,
+                k.peer_id,
+                NOW,
+                seq,
+                body,
+                k.sign(_signed_part(run_id, type_id, k.peer_id, NOW, seq, body)),
+            ]
+        )
 
     # a few valid messages of every kind the network carries: the seeds
     files = (m.FileEntry(path="model.safetensors", size=5000, chunk_hashes=(bytes(32), b"\x01" * 32)),)
     manifest = m.CheckpointManifest(RUN, 1, 4096, files, NOW, m.CheckpointManifest.compute_root(RUN, 1, 4096, files))
-    samples = (m.Sample(prompt_index=0, completion=b"\x01\x00\x00\x00", seed=1, proof=b"\x00" * 10,
-                        claimed_reward=0.5),)
+    samples = (
+        m.Sample(prompt_index=0, completion=b"\x01\x00\x00\x00", seed=1, proof=b"\x00" * 10, claimed_reward=0.5),
+    )
     examples: list[Message] = [
-        m.GenesisRequest(want=0), m.PeerExchangeRequest(max_peers=8), m.BatchRequest(batch_id=bytes(32)),
+        m.GenesisRequest(want=0),
+        m.PeerExchangeRequest(max_peers=8),
+        m.BatchRequest(batch_id=bytes(32)),
         m.ChunkTicketRequest(version=1, root=bytes(32), chunk_indices=(0, 1)),
         m.ErrorResponse(code="bad_request", detail="x"),
         m.PeerExchangeResponse(peers=(m.PeerAddr(peer_id=peer.peer_id, addrs=("/ip4/127.0.0.1/tcp/4001",)),)),
@@ -135,9 +152,15 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
         m.Vote(batch_id=bytes(32), worker=peer.peer_id, policy_version=0, accept=False, reason="toploc", rewards=()),
         m.BanNotice(peer_id=peer.peer_id, reason="x", until_ms=NOW + 1000),
         m.CheckpointAnnounce(manifest=manifest),
-        m.RolloutBatch(run_id=RUN, worker=key.peer_id, policy_version=0, batch_counter=0,
-                       sampling=m.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8), samples=samples,
-                       created_ms=NOW),
+        m.RolloutBatch(
+            run_id=RUN,
+            worker=key.peer_id,
+            policy_version=0,
+            batch_counter=0,
+            sampling=m.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8),
+            samples=samples,
+            created_ms=NOW,
+        ),
     ]
 
     def sealed(k: NodeKey = key) -> list[bytes]:
@@ -168,8 +191,14 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
             return
         assert obj.encode() == data[1:], "decoded but not canonical"
 
-    @target("signed_body", seeds=lambda: [bytes([env_types.index(type(x).TYPE_ID)]) + x.encode() for x in examples
-                                          if type(x).TYPE_ID in m.ENVELOPE_TYPES])
+    @target(
+        "signed_body",
+        seeds=lambda: [
+            bytes([env_types.index(type(x).TYPE_ID)]) + x.encode()
+            for x in examples
+            if type(x).TYPE_ID in m.ENVELOPE_TYPES
+        ],
+    )
     def _signed_body(data: bytes) -> None:
         """A correctly signed envelope around the fuzzed body: the body checks run."""
         if not data:
@@ -186,8 +215,9 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
     def _manifest(data: bytes) -> None:
         """The trainer's key signs the fuzzed CheckpointAnnounce body (worst case: a hostile trainer)."""
         try:
-            got, _ = verify_announce(resign(trainer, RUN, CheckpointAnnounce.TYPE_ID, data), RUN, trainer.peer_id,
-                                     now_ms=NOW, guard=None)
+            got, _ = verify_announce(
+                resign(trainer, RUN, CheckpointAnnounce.TYPE_ID, data), RUN, trainer.peer_id, now_ms=NOW, guard=None
+            )
         except ProtocolError:
             return
         assert got.root == m.CheckpointManifest.compute_root(got.run_id, got.version, got.chunk_size, got.files)
@@ -217,9 +247,21 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
 
     def genesis_seed() -> list[bytes]:
         owner = NodeKey(b"\x31" * 32)
-        g = make_genesis(owner, {"steps": 3}, name="fuzz", model="tiny", dataset="builtin:x", dataset_size=64,
-                         trainer=owner.peer_id, validators=[owner.peer_id], quorum=1, max_async=2,
-                         prompts_per_batch=2, group_size=2, chunk_size=1 << 20)
+        g = make_genesis(
+            owner,
+            {"steps": 3},
+            name="fuzz",
+            model="tiny",
+            dataset="builtin:x",
+            dataset_size=64,
+            trainer=owner.peer_id,
+            validators=[owner.peer_id],
+            quorum=1,
+            max_async=2,
+            prompts_per_batch=2,
+            group_size=2,
+            chunk_size=1 << 20,
+        )
         write_genesis(g, genesis_dir / "seed.toml")
         return [(genesis_dir / "seed.toml").read_bytes()]
 
@@ -242,7 +284,7 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
 
         async def read(self, n: int) -> bytes:
             await trio.lowlevel.checkpoint()
-            part = self.data[self.pos:self.pos + min(n, 1 + self.pos % 7 * 100)]
+            part = self.data[self.pos : self.pos + min(n, 1 + self.pos % 7 * 100)]
             self.pos += len(part)
             return part
 
@@ -257,8 +299,16 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
 
     def reqresp(host=None) -> ReqResp:
         host = host or types.SimpleNamespace(set_stream_handler=lambda *a: None)
-        return ReqResp(host, trainer, RUN, policy=PeerPolicy(budget=1e12), metrics=NodeMetrics(),
-                       seq=SequenceCounter(1), io_timeout=5, handler_timeout=5)
+        return ReqResp(
+            host,
+            trainer,
+            RUN,
+            policy=PeerPolicy(budget=1e12),
+            metrics=NodeMetrics(),
+            seq=SequenceCounter(1),
+            io_timeout=5,
+            handler_timeout=5,
+        )
 
     def framed(b: bytes) -> bytes:
         return len(b).to_bytes(4, "big") + b
@@ -270,8 +320,10 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
             node.register(m.GenesisRequest, lambda env, p: m.ErrorResponse(code="no_genesis", detail=""))
             node.register(m.PeerExchangeRequest, lambda env, p: m.PeerExchangeResponse(peers=()))
             node.register(m.BatchRequest, lambda env, p: m.BatchResponse(found=False, envelope=b""))
-            node.register(m.ChunkTicketRequest, lambda env, p: m.ChunkTicket(ok=False, reason="no", ticket=b"",
-                                                                              host="", port=0, expires_ms=0))
+            node.register(
+                m.ChunkTicketRequest,
+                lambda env, p: m.ChunkTicket(ok=False, reason="no", ticket=b"", host="", port=0, expires_ms=0),
+            )
             stream = FakeStream(data, key.peer_id)
             try:
                 await node._serve_one(stream, key.peer_id)
@@ -309,8 +361,7 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
 
     # ---------------------------------------------------------------- gossip frames
     def gossip_seeds() -> list[bytes]:
-        out = [pack([topic(RUN, k), x]) for x in sealed(peer) for k in TOPIC_TYPES
-               if unpack_type(x) == TOPIC_TYPES[k]]
+        out = [pack([topic(RUN, k), x]) for x in sealed(peer) for k in TOPIC_TYPES if unpack_type(x) == TOPIC_TYPES[k]]
         return out + [pack([1, [bytes(32)]]), pack([2, [bytes(32)]]), pack([3, []])]
 
     def unpack_type(raw: bytes) -> int:
@@ -322,8 +373,9 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
     def _gossip_frame(data: bytes) -> None:
         async def run() -> None:
             host = types.SimpleNamespace(set_stream_handler=lambda *a: None, get_connected_peers=lambda: [])
-            g = Gossip(host, trainer, RUN,
-                       policy=PeerPolicy(budget=1e12), metrics=NodeMetrics(), seq=SequenceCounter(1))
+            g = Gossip(
+                host, trainer, RUN, policy=PeerPolicy(budget=1e12), metrics=NodeMetrics(), seq=SequenceCounter(1)
+            )
             import node.p2p.gossip as gossip_mod
 
             gossip_mod.now_ms = lambda: NOW
@@ -439,8 +491,11 @@ def _define_targets() -> None:  # noqa: C901 - one small closure per target
             for err in p.errors:  # its own errors, network errors, or strike reasons ("chunk N: ...")
                 name = err.split(":")[0]
                 cls = getattr(builtins, name, None) or getattr(socket_mod, name, None)
-                assert (name in fetch_errors or (isinstance(cls, type) and issubclass(cls, OSError))
-                        or (p.strikes and err.startswith("chunk "))), err
+                assert (
+                    name in fetch_errors
+                    or (isinstance(cls, type) and issubclass(cls, OSError))
+                    or (p.strikes and err.startswith("chunk "))
+                ), err
             assert p.errors or p.banned or f.complete
             assert not p.inflight and not f._inflight and not f._verifying
             assert all(i in f.st.bitmap or i in f._missing for i in range(nchunks))
@@ -461,9 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", type=Path, help="corpus directory kept between runs (default: a temporary one)")
     ap.add_argument("--artifacts", type=Path, default=Path("fuzz-artifacts"), help="where crash files go")
     ap.add_argument("--reproduce", type=Path, help="run one input file through the target, without atheris")
-    ap.add_argument("--seeds-only", action="store_true",
-                    help="run the seed inputs once, without atheris, of --target or of every target "
-                         "(a smoke test of the driver)")
+    ap.add_argument(
+        "--seeds-only",
+        action="store_true",
+        help="run the seed inputs once, without atheris, of --target or of every target (a smoke test of the driver)",
+    )
     ap.add_argument("--list", action="store_true", help="list the targets")
     a = ap.parse_args(argv)
     if a.list:
@@ -504,8 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     for i, s in enumerate(seeds()):
         (corpus / f"seed-{i}").write_bytes(s)
     a.artifacts.mkdir(parents=True, exist_ok=True)
-    argv = [sys.argv[0], str(corpus), f"-max_total_time={a.seconds}", f"-artifact_prefix={a.artifacts}/",
-            "-print_final_stats=1"] + ([f"-runs={a.runs}"] if a.runs >= 0 else [])
+    argv = [
+        sys.argv[0],
+        str(corpus),
+        f"-max_total_time={a.seconds}",
+        f"-artifact_prefix={a.artifacts}/",
+        "-print_final_stats=1",
+    ] + ([f"-runs={a.runs}"] if a.runs >= 0 else [])
     t0 = time.monotonic()
     atheris.Setup(argv, fn)
     try:

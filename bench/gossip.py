@@ -44,8 +44,8 @@ import statistics
 import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -86,6 +86,7 @@ def decode_id(batch_id: bytes) -> tuple[int, float]:
 
 def record_votes(node, into: dict[int, list], clock: Callable[[], float]) -> None:
     """``into[seq] = [first arrival time, copies]`` for every bench vote ``node`` receives."""
+
     def handler(env) -> None:
         now = clock()
         seq, _ = decode_id(env.body.batch_id)
@@ -115,10 +116,16 @@ async def run_bench(args) -> dict:
     async with trio.open_nursery() as nursery:
         # Production overlay intervals (P2PConfig defaults), not the test factory's short ones.
         prod = P2PConfig()
-        net = NodeFactory(nursery, genesis=genesis, target_peers=args.target_peers,
-                          heartbeat_interval_s=args.heartbeat_s, forget_after_s=max(10.0, 5 * args.heartbeat_s),
-                          conn_interval_s=prod.conn_interval_s, px_interval_s=prod.px_interval_s,
-                          dial_timeout_s=prod.dial_timeout_s)
+        net = NodeFactory(
+            nursery,
+            genesis=genesis,
+            target_peers=args.target_peers,
+            heartbeat_interval_s=args.heartbeat_s,
+            forget_after_s=max(10.0, 5 * args.heartbeat_s),
+            conn_interval_s=prod.conn_interval_s,
+            px_interval_s=prod.px_interval_s,
+            dial_timeout_s=prod.dial_timeout_s,
+        )
         t0 = time.perf_counter()
         nodes = []
         for k in keys:
@@ -135,10 +142,17 @@ async def run_bench(args) -> dict:
             info["peers_heard_at_start"] = [len((ids - {n.peer_id}) & set(n.swarm.peers())) for n in nodes]
             if args.strict:
                 nursery.cancel_scope.cancel()
-                return {"error": f"the overlay did not form within {args.connect_timeout:g} s",
-                        "nodes": len(nodes), "rate": args.rate, "one_process": True,
-                        "target_peers": args.target_peers, "delivery_ratio": None, "p50_ms": None, "p99_ms": None,
-                        **info}
+                return {
+                    "error": f"the overlay did not form within {args.connect_timeout:g} s",
+                    "nodes": len(nodes),
+                    "rate": args.rate,
+                    "one_process": True,
+                    "target_peers": args.target_peers,
+                    "delivery_ratio": None,
+                    "p50_ms": None,
+                    "p99_ms": None,
+                    **info,
+                }
         info["connect_s"] = round(time.perf_counter() - t0, 1)
         index = {n.peer_id: i for i, n in enumerate(nodes)}
 
@@ -178,8 +192,16 @@ async def run_bench(args) -> dict:
             node = nodes[p]
             t = time.perf_counter()
             sent[seq] = (t, p)
-            await node.gossip.publish(Vote(batch_id=encode_id(seq, t), worker=node.peer_id, policy_version=0,
-                                           accept=True, reason="", rewards=()))
+            await node.gossip.publish(
+                Vote(
+                    batch_id=encode_id(seq, t),
+                    worker=node.peer_id,
+                    policy_version=0,
+                    accept=True,
+                    reason="",
+                    rewards=(),
+                )
+            )
         publish_s = time.perf_counter() - start
         expected = total * (len(nodes) - 1)
 
@@ -214,8 +236,13 @@ async def run_bench(args) -> dict:
     return {**summarise(args, sent, received_by_index, peer_ids, graph_near), "one_process": True, **info}
 
 
-def summarise(args, sent: dict[int, tuple[float, int]], received: dict[int, dict[int, list]],
-              peer_ids: list[str], graph_near: Callable[[float], tuple[int, dict[str, set[str]]]]) -> dict:
+def summarise(
+    args,
+    sent: dict[int, tuple[float, int]],
+    received: dict[int, dict[int, list]],
+    peer_ids: list[str],
+    graph_near: Callable[[float], tuple[int, dict[str, set[str]]]],
+) -> dict:
     """Delivery ratio, latency percentiles and per-hop numbers from send and receive records.
 
     ``sent[seq] = (send time, publisher index)``; ``received[node index][seq] = [first
@@ -247,19 +274,29 @@ def summarise(args, sent: dict[int, tuple[float, int]], received: dict[int, dict
     latencies.sort()
     expected = len(sent) * (len(peer_ids) - 1)
     result = {
-        "nodes": len(peer_ids), "rate": args.rate, "seconds": args.seconds, "messages": len(sent),
-        "target_peers": args.target_peers, "delivered": len(latencies), "expected": expected,
-        "delivery_ratio": round(len(latencies) / expected, 6) if expected else None, "duplicates": duplicates,
-        "p50_ms": round(percentile(latencies, 0.50), 2), "p90_ms": round(percentile(latencies, 0.90), 2),
-        "p99_ms": round(percentile(latencies, 0.99), 2), "max_ms": round(latencies[-1], 2) if latencies else None,
+        "nodes": len(peer_ids),
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "messages": len(sent),
+        "target_peers": args.target_peers,
+        "delivered": len(latencies),
+        "expected": expected,
+        "delivery_ratio": round(len(latencies) / expected, 6) if expected else None,
+        "duplicates": duplicates,
+        "p50_ms": round(percentile(latencies, 0.50), 2),
+        "p90_ms": round(percentile(latencies, 0.90), 2),
+        "p99_ms": round(percentile(latencies, 0.99), 2),
+        "max_ms": round(latencies[-1], 2) if latencies else None,
         "by_hop": {},
     }
     for hop in sorted(set(by_hop) | set(missing_by_hop)):
         v = sorted(by_hop.get(hop, []))
         n_exp = len(v) + missing_by_hop.get(hop, 0)
         result["by_hop"][str(hop)] = {
-            "deliveries": len(v), "delivery_ratio": round(len(v) / n_exp, 6) if n_exp else None,
-            "p50_ms": round(percentile(v, 0.5), 2), "p99_ms": round(percentile(v, 0.99), 2),
+            "deliveries": len(v),
+            "delivery_ratio": round(len(v) / n_exp, 6) if n_exp else None,
+            "p50_ms": round(percentile(v, 0.5), 2),
+            "p99_ms": round(percentile(v, 0.99), 2),
         }
     return result
 
@@ -270,22 +307,36 @@ def print_table(r: dict) -> None:
 
     c = Console()
     where = "in one process (one trio loop)" if r.get("one_process", True) else f"in {r['processes']} processes"
-    c.print(f"{r['nodes']} nodes {where} on 127.0.0.1, target_peers {r['target_peers']}, "
-            f"{r['connections_per_node']} connections per node on average; {r['messages']} votes at {r['rate']}/s "
-            f"for {r['seconds']} s (published in {r['publish_s']} s, worst publish lag {r['publish_lag_max_ms']} ms); "
-            f"waited {r['connect_s']} s for the overlay; drained in {r['drain_s']} s")
+    c.print(
+        f"{r['nodes']} nodes {where} on 127.0.0.1, target_peers {r['target_peers']}, "
+        f"{r['connections_per_node']} connections per node on average; {r['messages']} votes at {r['rate']}/s "
+        f"for {r['seconds']} s (published in {r['publish_s']} s, worst publish lag {r['publish_lag_max_ms']} ms); "
+        f"waited {r['connect_s']} s for the overlay; drained in {r['drain_s']} s"
+    )
     t = Table(title="gossip propagation (hops = shortest path in the connection graph at send time)")
     for col in ("hops", "deliveries", "delivery ratio", "p50 ms", "p99 ms"):
         t.add_column(col, justify="right")
     for hop, h in r["by_hop"].items():
-        t.add_row("unreachable" if hop == "-1" else hop, str(h["deliveries"]),
-                  f"{h['delivery_ratio']:.4%}" if h["delivery_ratio"] is not None else "-",
-                  f"{h['p50_ms']:.1f}", f"{h['p99_ms']:.1f}")
-    t.add_row("all", f"{r['delivered']}/{r['expected']}", f"{r['delivery_ratio']:.4%}", f"{r['p50_ms']:.1f}",
-              f"{r['p99_ms']:.1f}", style="bold")
+        t.add_row(
+            "unreachable" if hop == "-1" else hop,
+            str(h["deliveries"]),
+            f"{h['delivery_ratio']:.4%}" if h["delivery_ratio"] is not None else "-",
+            f"{h['p50_ms']:.1f}",
+            f"{h['p99_ms']:.1f}",
+        )
+    t.add_row(
+        "all",
+        f"{r['delivered']}/{r['expected']}",
+        f"{r['delivery_ratio']:.4%}",
+        f"{r['p50_ms']:.1f}",
+        f"{r['p99_ms']:.1f}",
+        style="bold",
+    )
     if not r.get("overlay_formed", True):
-        c.print(f"[bold red]overlay NOT fully formed before publishing[/]: connections per node "
-                f"{r['connections_at_start']}, peers heard from (of {r['nodes'] - 1}) {r['peers_heard_at_start']}")
+        c.print(
+            f"[bold red]overlay NOT fully formed before publishing[/]: connections per node "
+            f"{r['connections_at_start']}, peers heard from (of {r['nodes'] - 1}) {r['peers_heard_at_start']}"
+        )
     c.print(t)
     c.print(f"p90 {r['p90_ms']} ms, max {r['max_ms']} ms, duplicate deliveries {r['duplicates']}")
     if r.get("timeline"):
@@ -293,7 +344,9 @@ def print_table(r: dict) -> None:
         for col in ("second", "p99 ms", "GRAFTs", "PRUNEs", "duplicate frames", "eager links"):
             tl.add_column(col, justify="right")
         for row in r["timeline"]:
-            tl.add_row(*(str(row[k]) for k in ("second", "p99_ms", "graft_sent", "prune_sent", "duplicates", "eager_links")))
+            tl.add_row(
+                *(str(row[k]) for k in ("second", "p99_ms", "graft_sent", "prune_sent", "duplicates", "eager_links"))
+            )
         c.print(tl)
 
 
@@ -305,13 +358,21 @@ def main() -> None:
     p.add_argument("--target-peers", type=int, default=6, help="connections each node keeps (production default 6)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="heartbeat interval (production default 2 s)")
     p.add_argument("--drain", type=float, default=30.0, help="seconds to wait for stragglers after publishing")
-    p.add_argument("--connect-timeout", type=float, default=120.0,
-                   help="wait this long for every node to hear every other; then measure anyway (see --strict)")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=120.0,
+        help="wait this long for every node to hear every other; then measure anyway (see --strict)",
+    )
     p.add_argument("--strict", action="store_true", help="fail instead of measuring when the overlay did not form")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--libp2p-logs", action="store_true", help="print py-libp2p's error logs instead of counting them")
-    p.add_argument("--procs", type=int, default=2,
-                   help="OS processes to spread the nodes over (1: all in this process; see bench/gossip_procs.py)")
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=2,
+        help="OS processes to spread the nodes over (1: all in this process; see bench/gossip_procs.py)",
+    )
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)  # internal: one shard of --procs
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:]
@@ -341,8 +402,10 @@ def main() -> None:
         result = trio.run(run_bench, args)
     result["libp2p_error_logs"] = counter.count
     if "error" in result:
-        print(f"FAILED: {result['error']}; connections per node {result['connections_at_start']}, "
-              f"peers heard from per node {result['peers_heard_at_start']}")
+        print(
+            f"FAILED: {result['error']}; connections per node {result['connections_at_start']}, "
+            f"peers heard from per node {result['peers_heard_at_start']}"
+        )
     else:
         print_table(result)
     print(json.dumps(result))

@@ -69,17 +69,24 @@ async def run_shard(args, encode_id, decode_id) -> None:
     work = Path(args.workdir)
     keys = seeded_keys(args.seed, args.nodes)
     publishers = keys[:64]
-    genesis = overlay_genesis(owner=keys[0], trainer=keys[0], validators=publishers, name="gossip-bench",
-                           created_ms=1_700_000_000_000)
+    genesis = overlay_genesis(
+        owner=keys[0], trainer=keys[0], validators=publishers, name="gossip-bench", created_ms=1_700_000_000_000
+    )
     mine = [i for i in range(args.nodes) if shard_of(i, args.procs) == args.shard]
     received: dict[int, dict[int, list]] = {i: {} for i in mine}
     snapshots: list[tuple[float, dict[str, list[str]]]] = []
     prod = P2PConfig()
     async with trio.open_nursery() as nursery:
-        net = NodeFactory(nursery, genesis=genesis, target_peers=args.target_peers,
-                          heartbeat_interval_s=args.heartbeat_s, forget_after_s=max(10.0, 5 * args.heartbeat_s),
-                          conn_interval_s=prod.conn_interval_s, px_interval_s=prod.px_interval_s,
-                          dial_timeout_s=prod.dial_timeout_s)
+        net = NodeFactory(
+            nursery,
+            genesis=genesis,
+            target_peers=args.target_peers,
+            heartbeat_interval_s=args.heartbeat_s,
+            forget_after_s=max(10.0, 5 * args.heartbeat_s),
+            conn_interval_s=prod.conn_interval_s,
+            px_interval_s=prod.px_interval_s,
+            dial_timeout_s=prod.dial_timeout_s,
+        )
         nodes = {}
         if args.shard == 0:
             nodes[0] = await net.start(key=keys[0])
@@ -91,15 +98,17 @@ async def run_shard(args, encode_id, decode_id) -> None:
         all_ids = {k.peer_id for k in keys}
 
         def whole_overlay() -> bool:
-            return all(len(n.conns.connected()) >= 2 and (all_ids - {n.peer_id}) <= set(n.swarm.peers())
-                       for n in nodes.values())
+            return all(
+                len(n.conns.connected()) >= 2 and (all_ids - {n.peer_id}) <= set(n.swarm.peers())
+                for n in nodes.values()
+            )
 
         with trio.move_on_after(args.connect_timeout):
             while not whole_overlay():
                 await trio.sleep(0.2)
         (work / f"ready-{args.shard}").write_text(json.dumps(whole_overlay()))
 
-        from bench.gossip import record_votes  # noqa: PLC0415
+        from bench.gossip import record_votes
 
         for i, n in nodes.items():
             record_votes(n, received[i], time.time)
@@ -137,8 +146,16 @@ async def run_shard(args, encode_id, decode_id) -> None:
             t = time.time()
             sent[seq] = (t, p)
             node = nodes[p]
-            await node.gossip.publish(Vote(batch_id=encode_id(seq, t), worker=node.peer_id, policy_version=0,
-                                           accept=True, reason="", rewards=()))
+            await node.gossip.publish(
+                Vote(
+                    batch_id=encode_id(seq, t),
+                    worker=node.peer_id,
+                    policy_version=0,
+                    accept=True,
+                    reason="",
+                    rewards=(),
+                )
+            )
         await trio.sleep_until(trio.current_time() + max(0.0, start + total / args.rate - time.time()))
         want = {i: {s for s, p in enumerate(who) if p != i} for i in mine}
         drain_start = time.time()
@@ -150,12 +167,17 @@ async def run_shard(args, encode_id, decode_id) -> None:
                 if isinstance(v, int):
                     totals[k] += v
         result = {
-            "shard": args.shard, "nodes": {i: nodes[i].peer_id for i in mine},
+            "shard": args.shard,
+            "nodes": {i: nodes[i].peer_id for i in mine},
             "received": {i: {s: r for s, r in rec.items()} for i, rec in received.items()},
-            "sent": sent, "snapshots": snapshots, "publish_lag_max_ms": round(lag_max * 1000, 1),
-            "load_cpu_s": time.process_time() - cpu0, "load_wall_s": time.time() - start,
+            "sent": sent,
+            "snapshots": snapshots,
+            "publish_lag_max_ms": round(lag_max * 1000, 1),
+            "load_cpu_s": time.process_time() - cpu0,
+            "load_wall_s": time.time() - start,
             "connections": [len(n.conns.connected()) for n in nodes.values()],
-            "gossip_totals": dict(totals), "counter_series": counter_series,
+            "gossip_totals": dict(totals),
+            "counter_series": counter_series,
         }
         tmp = work / f"result-{args.shard}.json.tmp"
         tmp.write_text(json.dumps(result))
@@ -201,7 +223,7 @@ def coordinate(args, argv: list[str]) -> dict:
 
 
 def merge(args, shards: list[dict], formed: bool, connect_s: float) -> dict:
-    from bench.gossip import summarise  # noqa: PLC0415 - the same numbers as one process
+    from bench.gossip import summarise
 
     peer_of = {int(i): pid for s in shards for i, pid in s["nodes"].items()}
     peer_ids = [peer_of[i] for i in range(args.nodes)]
@@ -228,8 +250,12 @@ def merge(args, shards: list[dict], formed: bool, connect_s: float) -> dict:
     conns = [c for s in shards for c in s["connections"]]
     return {
         **summarise(args, sent, received, peer_ids, graph_near),
-        "one_process": False, "processes": args.procs, "overlay_formed": formed, "connect_s": connect_s,
-        "drain_s": None, "publish_s": args.seconds,
+        "one_process": False,
+        "processes": args.procs,
+        "overlay_formed": formed,
+        "connect_s": connect_s,
+        "drain_s": None,
+        "publish_s": args.seconds,
         "publish_lag_max_ms": max(s["publish_lag_max_ms"] for s in shards),
         "connections_per_node": round(sum(conns) / len(conns), 1),
         "load_cpu_per_s": round(sum(s["load_cpu_s"] / max(s["load_wall_s"], 1e-9) for s in shards), 3),
@@ -265,9 +291,16 @@ def timeline(args, shards: list[dict], sent: dict, received: dict) -> list[dict]
             continue
         v = sorted(lat[sec])
         a, b = counters_at(t0 + sec), counters_at(t0 + sec + 1)
-        rows.append({"second": sec, "p99_ms": round(v[min(len(v) - 1, int(0.99 * len(v)))], 1),
-                     "graft_sent": b["graft_sent"] - a["graft_sent"], "prune_sent": b["prune_sent"] - a["prune_sent"],
-                     "duplicates": b["duplicates"] - a["duplicates"], "eager_links": b["eager"]})
+        rows.append(
+            {
+                "second": sec,
+                "p99_ms": round(v[min(len(v) - 1, int(0.99 * len(v)))], 1),
+                "graft_sent": b["graft_sent"] - a["graft_sent"],
+                "prune_sent": b["prune_sent"] - a["prune_sent"],
+                "duplicates": b["duplicates"] - a["duplicates"],
+                "eager_links": b["eager"],
+            }
+        )
     return rows
 
 

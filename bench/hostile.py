@@ -93,10 +93,15 @@ TICK = 0.02  # attackers write every 20 ms
 HOARD_CONNS = 10  # chunks: data connections per identity (the server allows 8 per identity)
 HOARD_GETS = 4  # chunks: GETs per connection, never read
 # what "offered" and "written" count, per scenario
-ATTACK_UNITS = {"invalid": "gossip frames", "invalid_noban": "gossip frames", "replay": "gossip frames",
-                "useless": "gossip frames", "connections": "libp2p connections (attempted / established)",
-                "chunks": "data-plane connections (attempted / accepted with 4 GETs each)",
-                "unserved": "batch announcements"}
+ATTACK_UNITS = {
+    "invalid": "gossip frames",
+    "invalid_noban": "gossip frames",
+    "replay": "gossip frames",
+    "useless": "gossip frames",
+    "connections": "libp2p connections (attempted / established)",
+    "chunks": "data-plane connections (attempted / accepted with 4 GETs each)",
+    "unserved": "batch announcements",
+}
 UNSERVED_PER_IDENTITY = 4  # node.roles.common.MAX_PENDING_PER_ANNOUNCER: what one identity can queue
 
 
@@ -133,8 +138,9 @@ def _frame(x: bytes) -> bytes:
 
 
 def _announce(rnd: random.Random, i: int) -> RolloutAnnounce:
-    return RolloutAnnounce(batch_id=rnd.randbytes(32), policy_version=0, batch_counter=i % 2**31, num_samples=1,
-                           size_bytes=1000)
+    return RolloutAnnounce(
+        batch_id=rnd.randbytes(32), policy_version=0, batch_counter=i % 2**31, num_samples=1, size_bytes=1000
+    )
 
 
 def _gossip_pool(mode: str, key: NodeKey, run_id: bytes, topics: dict[str, str], rnd: random.Random) -> list[bytes]:
@@ -187,8 +193,17 @@ async def attack_gossip(a: Attack, idx: int) -> None:
                 next_t = time.monotonic()
                 while True:
                     if a.args.mode == "useless":  # valid, signed, fresh each time (not duplicates)
-                        batch = [_frame(pack([a.topics["rollout"], seal(key, a.run_id, _announce(rnd, i + j), now_ms(),
-                                                                        time.time_ns())])) for j in range(per_tick)]
+                        batch = [
+                            _frame(
+                                pack(
+                                    [
+                                        a.topics["rollout"],
+                                        seal(key, a.run_id, _announce(rnd, i + j), now_ms(), time.time_ns()),
+                                    ]
+                                )
+                            )
+                            for j in range(per_tick)
+                        ]
                     else:
                         batch = [pool[(i + j) % len(pool)] for j in range(per_tick)]
                     i += per_tick
@@ -247,12 +262,12 @@ async def attack_chunks(a: Attack, idx: int) -> None:
 
 
 async def _hoard_identity(a: Attack, target: str) -> None:
-    from protocol import chunk_frames as F
     from node.p2p.host import closing_host, make_host, parse_peer_addr
     from node.p2p.metrics import NodeMetrics
     from node.p2p.policy import PeerPolicy
     from node.p2p.reqresp import ReqResp
     from protocol import ChunkTicket, ChunkTicketRequest, SequenceCounter
+    from protocol import chunk_frames as F
 
     version, root = a.args.ckpt.split(":")
     info = parse_peer_addr(target)
@@ -261,12 +276,22 @@ async def _hoard_identity(a: Attack, target: str) -> None:
     host = make_host(key)
     try:
         async with closing_host(host, LISTEN):
-            rr = ReqResp(host, key, a.run_id, policy=PeerPolicy(), metrics=NodeMetrics(),
-                         seq=SequenceCounter(time.time_ns() // 1000))
+            rr = ReqResp(
+                host,
+                key,
+                a.run_id,
+                policy=PeerPolicy(),
+                metrics=NodeMetrics(),
+                seq=SequenceCounter(time.time_ns() // 1000),
+            )
             with trio.fail_after(10):
                 await host.connect(info)
-            env = await rr.request(info.peer_id.to_base58(), ChunkTicketRequest(
-                version=int(version), root=bytes.fromhex(root), chunk_indices=(0,)), ChunkTicket, timeout=10)
+            env = await rr.request(
+                info.peer_id.to_base58(),
+                ChunkTicketRequest(version=int(version), root=bytes.fromhex(root), chunk_indices=(0,)),
+                ChunkTicket,
+                timeout=10,
+            )
             t = env.body
             if not t.ok:
                 a.count("tickets_refused")
@@ -351,16 +376,27 @@ async def _unserved_identity(a: Attack, target: str) -> None:
                 stream = await host.new_stream(info.peer_id, [GOSSIP_PROTOCOL])
 
             def heartbeat() -> bytes:
-                hb = Heartbeat(role="worker", policy_version=0, addrs=tuple(listen_addrs(host, "127.0.0.1")[:8]),
-                               data_port=0, have=(), uptime_s=1.0, step=-1, batches=0)
+                hb = Heartbeat(
+                    role="worker",
+                    policy_version=0,
+                    addrs=tuple(listen_addrs(host, "127.0.0.1")[:8]),
+                    data_port=0,
+                    have=(),
+                    uptime_s=1.0,
+                    step=-1,
+                    batches=0,
+                )
                 return _frame(pack([a.topics["heartbeat"], seal(key, a.run_id, hb, now_ms(), time.time_ns())]))
 
             await stream.write(heartbeat())
             for j in range(UNSERVED_PER_IDENTITY):
                 a.count("offered")
                 await trio.sleep(1.0 / a.args.unserved_rate)
-                await stream.write(_frame(pack([a.topics["rollout"], seal(key, a.run_id, _announce(rnd, j), now_ms(),
-                                                                          time.time_ns())])))
+                await stream.write(
+                    _frame(
+                        pack([a.topics["rollout"], seal(key, a.run_id, _announce(rnd, j), now_ms(), time.time_ns())])
+                    )
+                )
                 a.count("written")
                 a.first.set()
             while True:  # stay known (heartbeats) and dialable, holding every request
@@ -374,8 +410,14 @@ async def _unserved_identity(a: Attack, target: str) -> None:
         await trio.sleep_forever()  # requests already held stay held until the end
 
 
-ATTACKS = {"invalid": attack_gossip, "replay": attack_gossip, "useless": attack_gossip,
-           "connections": attack_connections, "chunks": attack_chunks, "unserved": attack_unserved}
+ATTACKS = {
+    "invalid": attack_gossip,
+    "replay": attack_gossip,
+    "useless": attack_gossip,
+    "connections": attack_connections,
+    "chunks": attack_chunks,
+    "unserved": attack_unserved,
+}
 
 
 async def attacker_main(args) -> None:
@@ -391,6 +433,7 @@ async def attacker_main(args) -> None:
         print(json.dumps({"started": started[0]}), flush=True)
 
     async with trio.open_nursery() as nursery:
+
         async def watch_stop() -> None:
             while not stop.exists() and time.time() - t0 < args.max_s:
                 await trio.sleep(0.05)
@@ -432,8 +475,14 @@ class Prober:
         self.host = make_host(key)
         self.host.set_stream_handler(GOSSIP_PROTOCOL, self._gossip)
         async with closing_host(self.host, LISTEN):
-            self.rr = ReqResp(self.host, key, self.run_id, policy=PeerPolicy(), metrics=NodeMetrics(),
-                              seq=SequenceCounter(time.time_ns() // 1000))
+            self.rr = ReqResp(
+                self.host,
+                key,
+                self.run_id,
+                policy=PeerPolicy(),
+                metrics=NodeMetrics(),
+                seq=SequenceCounter(time.time_ns() // 1000),
+            )
             async with trio.open_nursery() as nursery:
                 for i in self.nodes:
                     nursery.start_soon(self._connect, i)
@@ -478,8 +527,9 @@ class Prober:
 
         t0 = time.monotonic()
         try:
-            await self.rr.request(self.nodes[i]["peer_id"], PeerExchangeRequest(max_peers=1), PeerExchangeResponse,
-                                  timeout=timeout)
+            await self.rr.request(
+                self.nodes[i]["peer_id"], PeerExchangeRequest(max_peers=1), PeerExchangeResponse, timeout=timeout
+            )
         except Exception:
             return None
         return (time.monotonic() - t0) * 1000
@@ -524,14 +574,33 @@ async def _wait_all(paths: list[Path], procs: list[subprocess.Popen], timeout: f
 async def run_scenario(args, scen: str, seed: str) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"hostile-{scen}-"))
     procs_n = min(args.honest_procs or args.honest, args.honest)
-    cfg = {"scenario": scen, "honest": args.honest, "procs": procs_n, "seed": seed, "created_ms": now_ms(),
-           "target_peers": args.target_peers, "honest_rate": args.honest_rate, "drain_s": args.drain_s,
-           "connect_timeout": args.connect_timeout, "fetchers": args.fetchers}
+    cfg = {
+        "scenario": scen,
+        "honest": args.honest,
+        "procs": procs_n,
+        "seed": seed,
+        "created_ms": now_ms(),
+        "target_peers": args.target_peers,
+        "honest_rate": args.honest_rate,
+        "drain_s": args.drain_s,
+        "connect_timeout": args.connect_timeout,
+        "fetchers": args.fetchers,
+    }
     (work / "config.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     logs = [open(work / f"shard-{i}.log", "wb") for i in range(procs_n)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--honest-child", "--workdir", str(work), "--shard", str(i)],
-                              stdout=logs[i], stderr=subprocess.STDOUT, env=env) for i in range(procs_n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--honest-child", "--workdir", str(work), "--shard", str(i)],
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for i in range(procs_n)
+    ]
     attacker = None
     res: dict = {"scenario": scen, "honest_nodes": args.honest, "honest_processes": procs_n}
     t_scen = time.monotonic()
@@ -557,12 +626,31 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
                 mode = "invalid" if scen == "invalid_noban" else scen
                 targets = [nodes[i]["addrs"][0] for i in sorted(nodes) if i != 0 or scen == "chunks"]
                 ckpt = ready[0].get("ckpt")
-                cmd = [sys.executable, __file__, "--attacker-child", "--mode", mode, "--run-id", run_id.hex(),
-                       "--targets", ",".join(targets), "--attackers", str(args.attackers), "--rate", str(args.rate),
-                       "--conn-identities", str(args.conn_identities), "--unserved-rate", str(args.unserved_rate),
-                       "--hoard-rate", str(args.hoard_rate),
-                       "--stop-file", str(work / "attack-stop"),
-                       "--max-s", str(args.ramp_s + args.seconds + 120)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--attacker-child",
+                    "--mode",
+                    mode,
+                    "--run-id",
+                    run_id.hex(),
+                    "--targets",
+                    ",".join(targets),
+                    "--attackers",
+                    str(args.attackers),
+                    "--rate",
+                    str(args.rate),
+                    "--conn-identities",
+                    str(args.conn_identities),
+                    "--unserved-rate",
+                    str(args.unserved_rate),
+                    "--hoard-rate",
+                    str(args.hoard_rate),
+                    "--stop-file",
+                    str(work / "attack-stop"),
+                    "--max-s",
+                    str(args.ramp_s + args.seconds + 120),
+                ]
                 if ckpt:
                     cmd += ["--ckpt", f"{ckpt['version']}:{ckpt['root']}"]
                 attacker_log = open(work / "attacker.log", "wb")
@@ -586,8 +674,7 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
                     line = await reader.next()
                     stats = json.loads(line) if line else None
                     await attacker.wait()
-            lost_shards = await _wait_all([work / f"result-{i}.json" for i in range(procs_n)], procs,
-                                          args.drain_s + 90)
+            lost_shards = await _wait_all([work / f"result-{i}.json" for i in range(procs_n)], procs, args.drain_s + 90)
             if 0 in lost_shards:
                 raise RuntimeError("shard 0 (the publisher) died or hung before reporting")
             res["t_results_s"] = round(time.time() - tb, 1)
@@ -682,8 +769,13 @@ def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, 
             lost_msgs += missing > 0
             lost_pairs += missing
         expected = len(ids) * len(receivers)
-        out[key] = {"sent": len(ids), "delivery": round(got / expected, 4) if expected else None,
-                    "p50_ms": pct(lat, 0.50), "p99_ms": pct(lat, 0.99), "max_ms": pct(lat, 1.0)}
+        out[key] = {
+            "sent": len(ids),
+            "delivery": round(got / expected, 4) if expected else None,
+            "p50_ms": pct(lat, 0.50),
+            "p99_ms": pct(lat, 0.99),
+            "max_ms": pct(lat, 1.0),
+        }
     q99, a99 = out["quiet"]["p99_ms"], out["attack_window"]["p99_ms"]
     out["delivery"] = out["attack_window"]["delivery"]
     out["p99_over_quiet"] = round(a99 / q99, 2) if q99 and a99 is not None else None
@@ -699,15 +791,27 @@ def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, 
             unfetched += len(miss)
             att = [b for b, (_t, ph) in sent.items() if ph == "attack"]
             lat += [(rec[b] - sent[b][0]) * 1000 for b in att if b in rec]
-            per[i] = {"fetched_attack": round(sum(1 for b in att if b in rec) / len(att), 4) if att else None,
-                      "missing": len(miss)}
-        qlat = [(rec[b] - t0) * 1000 for rec in fetched.values() for b, (t0, ph) in sent.items()
-                if ph == "quiet" and b in rec]
-        out["batches"] = {"per_fetcher": per, "fetch_p50_ms": pct(lat, 0.5), "fetch_p99_ms": pct(lat, 0.99),
-                          "quiet_fetch_p99_ms": pct(qlat, 0.99)}
+            per[i] = {
+                "fetched_attack": round(sum(1 for b in att if b in rec) / len(att), 4) if att else None,
+                "missing": len(miss),
+            }
+        qlat = [
+            (rec[b] - t0) * 1000
+            for rec in fetched.values()
+            for b, (t0, ph) in sent.items()
+            if ph == "quiet" and b in rec
+        ]
+        out["batches"] = {
+            "per_fetcher": per,
+            "fetch_p50_ms": pct(lat, 0.5),
+            "fetch_p99_ms": pct(lat, 0.99),
+            "quiet_fetch_p99_ms": pct(qlat, 0.99),
+        }
         lost["batches_never_fetched"] = unfetched
-        out["memory_note"] = (f"nodes 1-{args.fetchers} (fetchers) import node.roles.validator, hence torch "
-                              "(~190 MiB more RSS from the start); compare growth, not level")
+        out["memory_note"] = (
+            f"nodes 1-{args.fetchers} (fetchers) import node.roles.validator, hence torch "
+            "(~190 MiB more RSS from the start); compare growth, not level"
+        )
         ratios = [v["fetched_attack"] for v in per.values() if v["fetched_attack"] is not None]
         notes.append(f"batches fetched {min(ratios):.0%}" if ratios else "no fetcher")
         if lat:
@@ -718,15 +822,20 @@ def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, 
         pub = next((r["v1_published"] for r in results if r["shard"] == 0), None)
         times = [v["done_at"] - pub for v in ck.values() if v["done_at"] and pub]
         incomplete = [i for i in range(args.honest) if not ck.get(i, {}).get("holds_v1")]
-        out["checkpoint"] = {"nodes_with_v1": args.honest - len(incomplete), "incomplete": incomplete,
-                             "chunks_missing": sum(max(0, ck[i]["missing_chunks"]) for i in incomplete if i in ck),
-                             "seconds_to_v1_max": round(max(times), 2) if times else None,
-                             "seconds_to_v1_median": round(sorted(times)[len(times) // 2], 2) if times else None,
-                             "per_node": ck}
+        out["checkpoint"] = {
+            "nodes_with_v1": args.honest - len(incomplete),
+            "incomplete": incomplete,
+            "chunks_missing": sum(max(0, ck[i]["missing_chunks"]) for i in incomplete if i in ck),
+            "seconds_to_v1_max": round(max(times), 2) if times else None,
+            "seconds_to_v1_median": round(sorted(times)[len(times) // 2], 2) if times else None,
+            "per_node": ck,
+        }
         lost["nodes_without_v1"] = len(incomplete)
         lost["v1_chunks_missing"] = out["checkpoint"]["chunks_missing"]
-        notes.append(f"v1 on {args.honest - len(incomplete)}/{args.honest} nodes"
-                     + (f", slowest {max(times):.1f} s" if times else ""))
+        notes.append(
+            f"v1 on {args.honest - len(incomplete)}/{args.honest} nodes"
+            + (f", slowest {max(times):.1f} s" if times else "")
+        )
     out["data_lost"] = lost_msgs + lost.get("batches_never_fetched", 0) + lost.get("nodes_without_v1", 0)
     out["data_lost_detail"] = lost
     # ---- counters: bad inputs dropped by the honest side, internal failures, tables
@@ -763,8 +872,12 @@ def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, 
     # ---- memory: per process (= per node with one node per process)
     mem = {}
     for r in results:
-        mem[f"proc{r['shard']}"] = {"nodes": r["nodes"], "rss_before_mib": r["rss_before_mib"],
-                                    "peak_mib": r["rss_peak_mib"], "hwm_mib": r["hwm_mib"]}
+        mem[f"proc{r['shard']}"] = {
+            "nodes": r["nodes"],
+            "rss_before_mib": r["rss_before_mib"],
+            "peak_mib": r["rss_peak_mib"],
+            "hwm_mib": r["hwm_mib"],
+        }
     out["memory"] = mem
     out["peak_rss_mib_max"] = max(v["peak_mib"] for v in mem.values())
     out["rss_growth_mib_max"] = round(max(v["peak_mib"] - v["rss_before_mib"] for v in mem.values()), 1)
@@ -777,14 +890,20 @@ def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, 
     out["exceptions_logged"] = exceptions
     out["exception_samples"] = [s for r in results for s in r["exception_samples"]][:5]
     out["crashes"] = len(out["crashed_nodes"]) + internal + exceptions
-    out["probe"] = {"failed_during_attack": probe_fail_attack, "rtt_p99_ms_during_attack": pct(probe_rtts, 0.99),
-                    "final_ms": {i: (round(v, 1) if v is not None else None) for i, v in sorted(final.items())}}
+    out["probe"] = {
+        "failed_during_attack": probe_fail_attack,
+        "rtt_p99_ms_during_attack": pct(probe_rtts, 0.99),
+        "final_ms": {i: (round(v, 1) if v is not None else None) for i, v in sorted(final.items())},
+    }
     # ---- the attack
     if stats is not None:
         secs = stats.get("seconds") or 1
         offered = stats.get("offered", stats.get("written", 0))
-        out["attack"] = {**stats, "offered_per_s": round(offered / secs, 1),
-                         "written_per_s": round(stats.get("written", 0) / secs, 1)}
+        out["attack"] = {
+            **stats,
+            "offered_per_s": round(offered / secs, 1),
+            "written_per_s": round(stats.get("written", 0) / secs, 1),
+        }
         out["bad_inputs_tried"] = stats.get("written", 0)
         out["identities"] = stats.get("identities")
     else:
@@ -798,8 +917,22 @@ def summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, 
 
 def render(out: dict, args) -> None:
     rows = [r for r in out["scenarios"].values()]
-    cols = ["scenario", "offered/s", "written/s", "ids", "delivery", "p50 quiet>attack ms", "p99 quiet>attack ms",
-            "p99 x", "peak RSS MiB/node", "bad tried", "dropped", "crashes", "data lost", "notes"]
+    cols = [
+        "scenario",
+        "offered/s",
+        "written/s",
+        "ids",
+        "delivery",
+        "p50 quiet>attack ms",
+        "p99 quiet>attack ms",
+        "p99 x",
+        "peak RSS MiB/node",
+        "bad tried",
+        "dropped",
+        "crashes",
+        "data lost",
+        "notes",
+    ]
 
     def f(v, fmt="{}"):
         return "-" if v is None else fmt.format(v)
@@ -807,22 +940,53 @@ def render(out: dict, args) -> None:
     table = []
     for r in rows:
         if "error" in r and "quiet" not in r:
-            table.append([r["scenario"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", f(r.get("crashes")), "-",
-                          r["error"][:60]])
+            table.append(
+                [
+                    r["scenario"],
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    f(r.get("crashes")),
+                    "-",
+                    r["error"][:60],
+                ]
+            )
             continue
         at = r.get("attack") or {}
-        table.append([
-            r["scenario"], f(at.get("offered_per_s"), "{:,.0f}"), f(at.get("written_per_s"), "{:,.0f}"),
-            f(r.get("identities")), f(r["delivery"], "{:.2%}"),
-            f"{f(r['quiet']['p50_ms'])} > {f(r['attack_window']['p50_ms'])}",
-            f"{f(r['quiet']['p99_ms'])} > {f(r['attack_window']['p99_ms'])}", f(r["p99_over_quiet"], "{:.2f}"),
-            f"{r['peak_rss_mib_max']:.0f} (+{r['rss_growth_mib_max']:.0f})", f"{r['bad_inputs_tried']:,}",
-            f"{r['bad_inputs_dropped']:,}", str(r["crashes"]), str(r["data_lost"]), r.get("notes", ""),
-        ])
-    per = "one process per node" if out["nodes_per_process"] == 1 else \
-        f"up to {out['nodes_per_process']} nodes per process, RSS per process"
-    title = (f"hostile.py: {args.honest} honest nodes ({per}), {args.attackers} attackers x {args.rate:g}/s, "
-             f"quiet {args.quiet_seconds:g} s, attack {args.seconds:g} s")
+        table.append(
+            [
+                r["scenario"],
+                f(at.get("offered_per_s"), "{:,.0f}"),
+                f(at.get("written_per_s"), "{:,.0f}"),
+                f(r.get("identities")),
+                f(r["delivery"], "{:.2%}"),
+                f"{f(r['quiet']['p50_ms'])} > {f(r['attack_window']['p50_ms'])}",
+                f"{f(r['quiet']['p99_ms'])} > {f(r['attack_window']['p99_ms'])}",
+                f(r["p99_over_quiet"], "{:.2f}"),
+                f"{r['peak_rss_mib_max']:.0f} (+{r['rss_growth_mib_max']:.0f})",
+                f"{r['bad_inputs_tried']:,}",
+                f"{r['bad_inputs_dropped']:,}",
+                str(r["crashes"]),
+                str(r["data_lost"]),
+                r.get("notes", ""),
+            ]
+        )
+    per = (
+        "one process per node"
+        if out["nodes_per_process"] == 1
+        else f"up to {out['nodes_per_process']} nodes per process, RSS per process"
+    )
+    title = (
+        f"hostile.py: {args.honest} honest nodes ({per}), {args.attackers} attackers x {args.rate:g}/s, "
+        f"quiet {args.quiet_seconds:g} s, attack {args.seconds:g} s"
+    )
     try:
         from rich.console import Console
         from rich.table import Table
@@ -858,8 +1022,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2000.0, help="gossip frames per second per attacker")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(ALL_SCENARIOS)}")
     ap.add_argument("--honest", type=int, default=6)
-    ap.add_argument("--honest-procs", type=int, default=0,
-                    help="OS processes for the honest nodes (0: one per node; 1: all in one)")
+    ap.add_argument(
+        "--honest-procs", type=int, default=0, help="OS processes for the honest nodes (0: one per node; 1: all in one)"
+    )
     ap.add_argument("--honest-rate", type=float, default=20.0, help="honest announcements per second (node 0)")
     ap.add_argument("--target-peers", type=int, default=4)
     ap.add_argument("--conn-identities", type=int, default=20, help="connections: held per attacker")
@@ -905,10 +1070,14 @@ def main() -> None:
     results = trio.run(coordinator, args)
     ok = [r for r in results.values() if "error" not in r or "quiet" in r]
     final = {
-        "honest_nodes": args.honest, "honest_processes": min(args.honest_procs or args.honest, args.honest),
+        "honest_nodes": args.honest,
+        "honest_processes": min(args.honest_procs or args.honest, args.honest),
         "nodes_per_process": max((r.get("nodes_per_process", 1) for r in ok), default=None),
-        "attackers": args.attackers, "rate_per_attacker": args.rate, "attack_s": args.seconds,
-        "quiet_s": args.quiet_seconds, "seconds": round(time.monotonic() - t0, 1),
+        "attackers": args.attackers,
+        "rate_per_attacker": args.rate,
+        "attack_s": args.seconds,
+        "quiet_s": args.quiet_seconds,
+        "seconds": round(time.monotonic() - t0, 1),
         "crashes": sum(r.get("crashes") or 0 for r in results.values()),
         "data_lost": sum(r.get("data_lost") or 0 for r in results.values()),
         "errors": {s: r["error"] for s, r in results.items() if "error" in r},
@@ -938,13 +1107,25 @@ def _brief(r: dict) -> dict:
     else:
         peak = {f"proc{k[4:]}(nodes {','.join(map(str, v['nodes']))})": v["peak_mib"] for k, v in mem.items()}
     return {
-        "offered_per_s": at.get("offered_per_s"), "written_per_s": at.get("written_per_s"),
-        "attack_unit": r.get("attack_unit"), "identities": r.get("identities"), "delivery": r["delivery"], "quiet_delivery": r["quiet"]["delivery"],
-        "p50_ms": r["attack_window"]["p50_ms"], "p99_ms": r["attack_window"]["p99_ms"],
-        "quiet_p50_ms": r["quiet"]["p50_ms"], "quiet_p99_ms": r["quiet"]["p99_ms"],
-        "p99_over_quiet": r["p99_over_quiet"], "peak_rss_mib": peak, "rss_growth_mib_max": r["rss_growth_mib_max"],
-        "bad_inputs_tried": r["bad_inputs_tried"], "bad_inputs_dropped": r["bad_inputs_dropped"],
-        "bans": r["bans"], "crashes": r["crashes"], "data_lost": r["data_lost"], "notes": r.get("notes", ""),
+        "offered_per_s": at.get("offered_per_s"),
+        "written_per_s": at.get("written_per_s"),
+        "attack_unit": r.get("attack_unit"),
+        "identities": r.get("identities"),
+        "delivery": r["delivery"],
+        "quiet_delivery": r["quiet"]["delivery"],
+        "p50_ms": r["attack_window"]["p50_ms"],
+        "p99_ms": r["attack_window"]["p99_ms"],
+        "quiet_p50_ms": r["quiet"]["p50_ms"],
+        "quiet_p99_ms": r["quiet"]["p99_ms"],
+        "p99_over_quiet": r["p99_over_quiet"],
+        "peak_rss_mib": peak,
+        "rss_growth_mib_max": r["rss_growth_mib_max"],
+        "bad_inputs_tried": r["bad_inputs_tried"],
+        "bad_inputs_dropped": r["bad_inputs_dropped"],
+        "bans": r["bans"],
+        "crashes": r["crashes"],
+        "data_lost": r["data_lost"],
+        "notes": r.get("notes", ""),
     }
 
 

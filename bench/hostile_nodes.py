@@ -73,8 +73,9 @@ def bench_genesis(keys: list[NodeKey], created_ms: int):
     from node.p2p.testing import overlay_genesis
 
     # node 0 is owner, trainer (signs checkpoints) and the one genesis validator
-    return overlay_genesis(owner=keys[0], trainer=keys[0], validators=[keys[0]], name="hostile-bench",
-                        created_ms=created_ms)
+    return overlay_genesis(
+        owner=keys[0], trainer=keys[0], validators=[keys[0]], name="hostile-bench", created_ms=created_ms
+    )
 
 
 def proc_mem_mib() -> tuple[float, float]:
@@ -123,7 +124,9 @@ class ExceptionLog(logging.Handler):
                 self.exceptions += 1
                 if len(self.samples) < 5:
                     exc = record.exc_info[1]
-                    self.samples.append(f"{record.name}: {record.getMessage()[:120]}: {type(exc).__name__}: {exc}"[:300])
+                    self.samples.append(
+                        f"{record.name}: {record.getMessage()[:120]}: {type(exc).__name__}: {exc}"[:300]
+                    )
             else:
                 self.errors += 1
         else:
@@ -135,14 +138,23 @@ class ExceptionLog(logging.Handler):
 
 def make_batch(node, counter: int) -> tuple[bytes, RolloutAnnounce]:
     """A real, signed one-sample rollout batch of ``node`` and its announcement."""
-    batch = RolloutBatch(run_id=node.run_id, worker=node.peer_id, policy_version=0, batch_counter=counter,
-                         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4),
-                         samples=(Sample(prompt_index=0, completion=counter.to_bytes(4, "little"), seed=counter,
-                                         proof=b"", claimed_reward=0.0),),
-                         created_ms=now_ms())
+    batch = RolloutBatch(
+        run_id=node.run_id,
+        worker=node.peer_id,
+        policy_version=0,
+        batch_counter=counter,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=4),
+        samples=(
+            Sample(
+                prompt_index=0, completion=counter.to_bytes(4, "little"), seed=counter, proof=b"", claimed_reward=0.0
+            ),
+        ),
+        created_ms=now_ms(),
+    )
     raw = seal(node.key, node.run_id, batch, now_ms(), node.seq.next())
-    return raw, RolloutAnnounce(batch_id=sha256(raw), policy_version=0, batch_counter=counter, num_samples=1,
-                                size_bytes=len(raw))
+    return raw, RolloutAnnounce(
+        batch_id=sha256(raw), policy_version=0, batch_counter=counter, num_samples=1, size_bytes=len(raw)
+    )
 
 
 def make_validator_fetcher(node, on_fetched):
@@ -195,11 +207,15 @@ def make_validator_fetcher(node, on_fetched):
                 on_fetched(env)
 
         def stats(self) -> dict:
-            return {"fetched": self.fetched, "dropped_announces": self.dropped_announces,
-                    "fetch_failures": self.fetch_failures, "failures_by_code": dict(self.failures_by_code),
-                    "bad_batches": self.bad_batches,
-                    "queued": len(self.lanes),
-                    "pending_announcers": len(self._pending)}
+            return {
+                "fetched": self.fetched,
+                "dropped_announces": self.dropped_announces,
+                "fetch_failures": self.fetch_failures,
+                "failures_by_code": dict(self.failures_by_code),
+                "bad_batches": self.bad_batches,
+                "queued": len(self.lanes),
+                "pending_announcers": len(self._pending),
+            }
 
     return BenchValidator()
 
@@ -209,7 +225,7 @@ class BenchRole:
     ``unserved`` the fetcher nodes run the validator's fetch path; in ``chunks`` every node
     runs the checkpoint distribution (node 0 is the trainer and publishes)."""
 
-    def __init__(self, shard: "Shard", idx: int) -> None:
+    def __init__(self, shard: Shard, idx: int) -> None:
         self.shard = shard
         self.idx = idx
         scen = shard.cfg["scenario"]
@@ -253,9 +269,8 @@ class BenchRole:
         return BatchResponse(found=raw is not None, envelope=raw or b"")
 
     async def _start_distribution(self, node, nursery: trio.Nursery) -> None:
-        from node.checkpoints import Checkpoints
+        from node.checkpoints import Checkpoints, ChunkStore
         from node.checkpoints.p2p_overlay import P2POverlay, serve_distribution
-        from node.checkpoints import ChunkStore
 
         root = self.shard.work / f"node-{self.idx}"
         store = ChunkStore(root / "chunks", node.run_id, node.genesis.trainer)
@@ -315,20 +330,32 @@ def node_snapshot(node, role: BenchRole) -> dict:
         "inbound_refused": getattr(node.host.get_network(), "primenode_inbound_refused", 0),
         "trimmed": node.conns.trimmed,
         # the connection watchdog closes connections that never carry a gossip stream
-        "dropped_no_gossip": int(m.registry.get_sample_value("primenode_dials_total",
-                                                             {"outcome": "dropped_no_gossip"}) or 0),
+        "dropped_no_gossip": int(
+            m.registry.get_sample_value("primenode_dials_total", {"outcome": "dropped_no_gossip"}) or 0
+        ),
         "connections": len(node.conns.connected()),
-        "tables": {"scores": pol["scores"], "bans": pol["bans"], "buckets": pol["buckets"],
-                   "swarm_view": len(node.swarm._peers), "book": len(node.conns.book),
-                   "seen_cache": len(node.gossip._seen), "message_cache": len(node.gossip._cache)},
+        "tables": {
+            "scores": pol["scores"],
+            "bans": pol["bans"],
+            "buckets": pol["buckets"],
+            "swarm_view": len(node.swarm._peers),
+            "book": len(node.conns.book),
+            "seen_cache": len(node.gossip._seen),
+            "message_cache": len(node.gossip._cache),
+        },
     }
     if role.validator is not None:
         d["fetcher"] = role.validator.stats()
     if role.dist is not None:
         srv = role.dist.server
-        d["dataplane"] = {"connections": srv.connections, "peak_connections": role.dp_peak_connections,
-                          "refused_full": role.dp_refused_full, "tickets_granted": srv.tickets_granted,
-                          "tickets_held": len(srv.tickets), "chunks_served": srv.chunks_served}
+        d["dataplane"] = {
+            "connections": srv.connections,
+            "peak_connections": role.dp_peak_connections,
+            "refused_full": role.dp_refused_full,
+            "tickets_granted": srv.tickets_granted,
+            "tickets_held": len(srv.tickets),
+            "chunks_served": srv.chunks_served,
+        }
     if role.idx == 0:
         d["batches_served"] = role.served
     return d
@@ -414,8 +441,9 @@ class Shard:
         overrides = {"budget": math.inf} if cfg["scenario"] == "invalid_noban" else {}
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._sample_rss)
-            net = NodeFactory(nursery, genesis=genesis, target_peers=cfg["target_peers"], heartbeat_interval_s=1.0,
-                              **overrides)
+            net = NodeFactory(
+                nursery, genesis=genesis, target_peers=cfg["target_peers"], heartbeat_interval_s=1.0, **overrides
+            )
             self.nodes, self.roles = {}, {}
             if self.shard == 0:
                 self.roles[0] = BenchRole(self, 0)
@@ -433,7 +461,9 @@ class Shard:
 
             def formed() -> bool:
                 for n in self.nodes.values():
-                    if len(n.conns.connected()) < min(2, self.n - 1) or not (all_ids - {n.peer_id}) <= set(n.swarm.peers()):
+                    if len(n.conns.connected()) < min(2, self.n - 1) or not (all_ids - {n.peer_id}) <= set(
+                        n.swarm.peers()
+                    ):
                         return False
                     if self.n > 1 and not n.gossip.mesh_peers("rollout"):
                         return False
@@ -447,9 +477,13 @@ class Shard:
                     while not all(r.holds(0) for r in self.roles.values()):
                         await trio.sleep(0.1)
             ok = not cs.cancelled_caught
-            ready = {"shard": self.shard, "formed": ok, "run_id": self.nodes[self.mine[0]].run_id.hex(),
-                     "nodes": {i: {"peer_id": n.peer_id, "addrs": n.full_addrs()} for i, n in self.nodes.items()},
-                     "rss_mib": proc_mem_mib()[0]}
+            ready = {
+                "shard": self.shard,
+                "formed": ok,
+                "run_id": self.nodes[self.mine[0]].run_id.hex(),
+                "nodes": {i: {"peer_id": n.peer_id, "addrs": n.full_addrs()} for i, n in self.nodes.items()},
+                "rss_mib": proc_mem_mib()[0],
+            }
             if self.shard == 0 and cfg["scenario"] == "chunks":
                 st = self.roles[0].dist.store.get(0)
                 ready["ckpt"] = {"version": 0, "root": st.root.hex(), "chunks": st.bitmap.n}
@@ -488,20 +522,34 @@ class Shard:
                 for i, r in self.roles.items():
                     f = r.dist.fetchers.get(1)
                     fs = f.status() if f is not None else r.dist.fetch_history.get(1, {})
-                    ckpt[i] = {"holds_v1": r.holds(1), "done_at": self.v1_done.get(i),
-                               "missing_chunks": r.missing_chunks(1),
-                               "fetch": {k: fs.get(k) for k in ("seconds", "chunks_fetched", "chunks_elsewhere",
-                                                                "chunks_rejected")},
-                               "peer_failures": sum(p.get("failures", 0) for p in (fs.get("peers") or {}).values())}
+                    ckpt[i] = {
+                        "holds_v1": r.holds(1),
+                        "done_at": self.v1_done.get(i),
+                        "missing_chunks": r.missing_chunks(1),
+                        "fetch": {
+                            k: fs.get(k) for k in ("seconds", "chunks_fetched", "chunks_elsewhere", "chunks_rejected")
+                        },
+                        "peer_failures": sum(p.get("failures", 0) for p in (fs.get("peers") or {}).values()),
+                    }
             rss, hwm = proc_mem_mib()
             result = {
-                "shard": self.shard, "nodes": list(self.nodes), "arrivals": self.arrivals, "fetched": self.fetched,
-                "sent": self.sent if self.shard == 0 else {}, "before": before, "after": after,
+                "shard": self.shard,
+                "nodes": list(self.nodes),
+                "arrivals": self.arrivals,
+                "fetched": self.fetched,
+                "sent": self.sent if self.shard == 0 else {},
+                "before": before,
+                "after": after,
                 "rss_before_mib": round(rss_before, 1),
                 "rss_peak_mib": round(max([r for t, r in self.rss if t >= plan["quiet"][1]] + [rss]), 1),
-                "rss_end_mib": round(rss, 1), "hwm_mib": round(hwm, 1),
-                "exceptions": self.exc.exceptions, "errors": self.exc.errors, "libp2p_errors": self.exc.libp2p_errors,
-                "exception_samples": self.exc.samples, "drained_at": drained_at, "v1_published": v1_published,
+                "rss_end_mib": round(rss, 1),
+                "hwm_mib": round(hwm, 1),
+                "exceptions": self.exc.exceptions,
+                "errors": self.exc.errors,
+                "libp2p_errors": self.exc.libp2p_errors,
+                "exception_samples": self.exc.samples,
+                "drained_at": drained_at,
+                "v1_published": v1_published,
                 "ckpt": ckpt,
             }
             write_json(self.work / f"result-{self.shard}.json", result)

@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protocol.messages import SamplingParams  # noqa: E402
-from node.engines.transformers_engine import TransformersEngine  # noqa: E402
-from node.models import load_smollm2, tiny_llama  # noqa: E402
-from proofs import ChunkResult, ProofConfig, build_many, chunk_activations, check_chunks  # noqa: E402
-from proofs.toploc import split_hidden  # noqa: E402
+from node.engines.transformers_engine import TransformersEngine
+from node.models import load_smollm2, tiny_llama
+from proofs import ChunkResult, ProofConfig, build_many, check_chunks, chunk_activations
+from proofs.toploc import split_hidden
+from protocol.messages import SamplingParams
 
 QUESTIONS = [
     "Explain why the sky is blue.",
@@ -63,8 +63,12 @@ def main() -> None:
     ap.add_argument("--bf16-verify", action="store_true", help="also time a bf16 verifier (information)")
     ap.add_argument("--gen-max-batch", type=int, default=64, help="rows per generation forward (64: one batch)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                    help="one numerics stack for worker and validator (bf16: both generate and verify in bf16)")
+    ap.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="one numerics stack for worker and validator (bf16: both generate and verify in bf16)",
+    )
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
@@ -78,8 +82,9 @@ def main() -> None:
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         engine = TransformersEngine(model.to(dtype), device=args.device, max_batch=args.gen_max_batch)
     else:
-        engine = TransformersEngine(tiny_llama(vocab_size=512, eos_token_id=None).to(dtype), device=args.device,
-                                    max_batch=args.gen_max_batch)
+        engine = TransformersEngine(
+            tiny_llama(vocab_size=512, eos_token_id=None).to(dtype), device=args.device, max_batch=args.gen_max_batch
+        )
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(4, 512, (24,), generator=g).tolist() for _ in range(args.prompts)]
 
@@ -91,8 +96,11 @@ def main() -> None:
 
     def check(hidden: list[torch.Tensor], config: ProofConfig) -> tuple[float, list[ChunkResult]]:
         t0 = time.perf_counter()
-        chunks = [ch for c, h in zip(completions, hidden)
-                  for ch in chunk_activations(*split_hidden(h, len(c.prompt_tokens)), config)]
+        chunks = [
+            ch
+            for c, h in zip(completions, hidden)
+            for ch in chunk_activations(*split_hidden(h, len(c.prompt_tokens)), config)
+        ]
         results = check_chunks(chunks, [b for p in proofs for b in p], config.topk)
         return time.perf_counter() - t0, results
 
@@ -125,8 +133,9 @@ def main() -> None:
     tight = ProofConfig.tight()
     worst = max(results, key=lambda r: (r.exp_mismatches, r.mant_err_mean))
     gen, verify = min(gen_s), min(p + c for p, c in zip(prefill_s, check_s))
-    flop_per_token = 2 * sum(p.numel() for n, p in engine.model.named_parameters()
-                             if "embed" not in n and "lm_head" not in n)
+    flop_per_token = 2 * sum(
+        p.numel() for n, p in engine.model.named_parameters() if "embed" not in n and "lm_head" not in n
+    )
 
     report = {
         "model": args.model,
@@ -152,8 +161,9 @@ def main() -> None:
         "verify_check_s": round(min(check_s), 4),
         "check_ms_per_chunk": round(min(check_s) * 1e3 / n_chunks, 3),
         "verify_speedup": round(gen / verify, 2),
-        "verify_speedup_median": round(statistics.median(gen_s) / statistics.median(
-            [p + c for p, c in zip(prefill_s, check_s)]), 2),
+        "verify_speedup_median": round(
+            statistics.median(gen_s) / statistics.median([p + c for p, c in zip(prefill_s, check_s)]), 2
+        ),
         "proof_bytes_per_token": round(proof_bytes / gen_tokens, 3),
         "decode_proof_bytes_per_token": round(decode_bytes / gen_tokens, 3),
         "honest_passed": all(r.passes(cfg) for r in results),

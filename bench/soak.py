@@ -125,30 +125,60 @@ def summarise(samples: list[dict], names: list[str], warmup_s: float, args) -> d
             "rss_max_mib": round(max(r["rss"] for _, r in rows) / MIB, 1),
             "rss_slope_mib_per_h": round(rss_slope * 3600, 2),
             "rss_growth_in_window_mib": round(rss_growth, 2),
-            "fds_start": rows[0][1]["fds"], "fds_warm": fds[0], "fds_end": fds[-1],
+            "fds_start": rows[0][1]["fds"],
+            "fds_warm": fds[0],
+            "fds_end": fds[-1],
             "fds_max": max(r["fds"] for _, r in rows),
             "fds_slope_per_h": round(fd_slope * 3600, 2),
             "fds_floor_growth": fd_floor_growth,
             "threads_end": after[-1][1]["threads"],
             "window_s": round(window, 1),
-            "rss_flat": rss_flat, "fds_flat": fd_flat,
+            "rss_flat": rss_flat,
+            "fds_flat": fd_flat,
         }
     return nodes
 
 
 def print_table(nodes: dict) -> None:
-    cols = ("node", "RSS start", "RSS warm", "RSS end", "RSS max", "MiB/h", "fds start", "fds warm", "fds end",
-            "fds max", "fds/h", "flat")
+    cols = (
+        "node",
+        "RSS start",
+        "RSS warm",
+        "RSS end",
+        "RSS max",
+        "MiB/h",
+        "fds start",
+        "fds warm",
+        "fds end",
+        "fds max",
+        "fds/h",
+        "flat",
+    )
     print(" | ".join(cols))
     for name, n in nodes.items():
         if not n.get("rss_end_mib"):
             print(f"{name} | (no samples)")
             continue
         flat = "yes" if n["rss_flat"] and n["fds_flat"] else ("rss NO" if not n["rss_flat"] else "fds NO")
-        print(" | ".join(str(x) for x in (
-            name, n["rss_start_mib"], n["rss_warm_mib"], n["rss_end_mib"], n["rss_max_mib"], n["rss_slope_mib_per_h"],
-            n["fds_start"], n["fds_warm"], n["fds_end"], n["fds_max"], n["fds_slope_per_h"],
-            flat + ("" if n["alive"] else " (DIED)"))))
+        print(
+            " | ".join(
+                str(x)
+                for x in (
+                    name,
+                    n["rss_start_mib"],
+                    n["rss_warm_mib"],
+                    n["rss_end_mib"],
+                    n["rss_max_mib"],
+                    n["rss_slope_mib_per_h"],
+                    n["fds_start"],
+                    n["fds_warm"],
+                    n["fds_end"],
+                    n["fds_max"],
+                    n["fds_slope_per_h"],
+                    flat + ("" if n["alive"] else " (DIED)"),
+                )
+            )
+        )
 
 
 def main() -> None:
@@ -162,22 +192,32 @@ def main() -> None:
     ap.add_argument("--rss-tolerance-mib", type=float, default=8.0)
     ap.add_argument("--rss-tolerance-pct", type=float, default=5.0)
     ap.add_argument("--fd-tolerance", type=float, default=3.0)
-    ap.add_argument("--from-samples", type=Path, default=None,
-                    help="only summarise an earlier run's samples.jsonl (no devnet)")
+    ap.add_argument(
+        "--from-samples", type=Path, default=None, help="only summarise an earlier run's samples.jsonl (no devnet)"
+    )
     args = ap.parse_args()
     if args.from_samples is not None:
         samples = [json.loads(line) for line in args.from_samples.read_text().splitlines() if line.strip()]
         nodes = summarise(samples, list(samples[0]["procs"]), args.warmup_min * 60, args)
         print_table(nodes)
-        print(json.dumps({"minutes": round(samples[-1]["t"] / 60, 1), "samples": len(samples),
-                          "steps": samples[-1]["step"], "admitted": samples[-1]["admitted"],
-                          "flat": all(n.get("rss_flat") and n.get("fds_flat") for n in nodes.values()),
-                          "nodes": nodes}))
+        print(
+            json.dumps(
+                {
+                    "minutes": round(samples[-1]["t"] / 60, 1),
+                    "samples": len(samples),
+                    "steps": samples[-1]["step"],
+                    "admitted": samples[-1]["admitted"],
+                    "flat": all(n.get("rss_flat") and n.get("fds_flat") for n in nodes.values()),
+                    "nodes": nodes,
+                }
+            )
+        )
         return
 
     out = args.out or Path(tempfile.mkdtemp(prefix="primenode-soak-"))
-    opts = DevnetOptions(out=out, workers=args.workers, validators=args.validators, steps=10**9,
-                         timeout_s=args.minutes * 60 + 600)
+    opts = DevnetOptions(
+        out=out, workers=args.workers, validators=args.validators, steps=10**9, timeout_s=args.minutes * 60 + 600
+    )
     devnet = Devnet(opts)
     devnet.prepare()
     names = [n.name for n in devnet.nodes]
@@ -220,10 +260,17 @@ def main() -> None:
     print_table(nodes)
     flat = all(n.get("rss_flat") and n.get("fds_flat") for n in nodes.values())
     final = {
-        "minutes": round(samples[-1]["t"] / 60, 1), "samples": len(samples), "interval_s": args.interval_s,
-        "warmup_min": args.warmup_min, "steps": samples[-1]["step"], "admitted": samples[-1]["admitted"],
-        "died": died, "exit_codes": codes, "flat": flat and not died,
-        "nodes": nodes, "out": str(out),
+        "minutes": round(samples[-1]["t"] / 60, 1),
+        "samples": len(samples),
+        "interval_s": args.interval_s,
+        "warmup_min": args.warmup_min,
+        "steps": samples[-1]["step"],
+        "admitted": samples[-1]["admitted"],
+        "died": died,
+        "exit_codes": codes,
+        "flat": flat and not died,
+        "nodes": nodes,
+        "out": str(out),
     }
     print(json.dumps(final), flush=True)
 

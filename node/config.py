@@ -34,7 +34,7 @@ class NodeConfig:
     direct_io: bool = True
 
     @classmethod
-    def load(cls, path: Path) -> "NodeConfig":
+    def load(cls, path: Path) -> NodeConfig:
         try:
             raw = tomllib.loads(path.read_text())
         except FileNotFoundError:

@@ -25,9 +25,8 @@ from typing import Any
 
 import tomli_w
 
-from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
-
 from node.errors import NodeError
+from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
 
 _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
 
@@ -84,6 +83,10 @@ def read_genesis(path: Path) -> SignedGenesis:
         verify_genesis(signed, bytes.fromhex(doc["run_id"]))
     except KeyError as exc:
         raise NodeError(f"{path}: missing {exc.args[0]!r}") from None
-    except (TypeError, ValueError, OverflowError) as exc:  # ProtocolError is a ValueError; ints beyond msgpack's range overflow
+    except (
+        TypeError,
+        ValueError,
+        OverflowError,
+    ) as exc:  # ProtocolError is a ValueError; ints beyond msgpack's range overflow
         raise NodeError(f"{path}: invalid genesis: {exc}") from None
     return signed

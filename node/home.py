@@ -15,10 +15,9 @@ import os
 import stat
 from pathlib import Path
 
-from protocol import NodeKey
-
 from node.config import NodeConfig
 from node.errors import NodeError
+from protocol import NodeKey
 
 KEY_FILE = "key"
 CONFIG_FILE = "config.toml"

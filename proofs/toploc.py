@@ -16,7 +16,7 @@ compares bf16 exponents and mantissas. A chunk fails above the thresholds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ class ProofConfig:
     max_mant_err_median: float = 8.0
 
     @classmethod
-    def tight(cls, **overrides: object) -> "ProofConfig":
+    def tight(cls, **overrides: object) -> ProofConfig:
         """Thresholds for a worker and validator on the same numerics stack (e.g. both
         fp32 transformers on CPU): honest runs then give 0 mismatches, and a bf16/fp32
         swap still passes (<= 4 mismatches, mean <= 2.4 measured on SmolLM2-135M), while
@@ -99,9 +99,7 @@ def _as_bf16(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.bfloat16)
 
 
-def chunk_activations(
-    prefill: torch.Tensor | None, decode: torch.Tensor, config: ProofConfig
-) -> list[torch.Tensor]:
+def chunk_activations(prefill: torch.Tensor | None, decode: torch.Tensor, config: ProofConfig) -> list[torch.Tensor]:
     """Flat bf16 chunks in proof order: [prefill] + decode rows cut every chunk_size."""
     decode = _as_bf16(decode)
     if decode.dim() != 2:
@@ -174,17 +172,13 @@ def build_proofs(
     return build_chunk_proofs(chunk_activations(prefill, decode, config), config.topk)
 
 
-def build_sequence_proofs(
-    hidden: torch.Tensor, prompt_len: int, config: ProofConfig = ProofConfig()
-) -> list[bytes]:
+def build_sequence_proofs(hidden: torch.Tensor, prompt_len: int, config: ProofConfig = ProofConfig()) -> list[bytes]:
     """The same for the engines' layout: hidden is (prompt_len + completion_len, hidden_size)."""
     prefill, decode = split_hidden(hidden, prompt_len)
     return build_proofs(prefill, decode, config)
 
 
-def build_many(
-    items: Sequence[tuple[torch.Tensor, int]], config: ProofConfig = ProofConfig()
-) -> list[list[bytes]]:
+def build_many(items: Sequence[tuple[torch.Tensor, int]], config: ProofConfig = ProofConfig()) -> list[list[bytes]]:
     """Proofs for many (hidden, prompt_len) sequences, interpolated in one batch (faster)."""
     per_seq = [chunk_activations(*split_hidden(h, p), config) for h, p in items]
     flat = build_chunk_proofs([c for chunks in per_seq for c in chunks], config.topk)
@@ -238,9 +232,7 @@ def _stats(errs: list[int]) -> tuple[float, float]:
     return sum(errs) / n, median
 
 
-def check_chunks(
-    chunks: Sequence[torch.Tensor], proofs: Sequence[bytes], topk: int
-) -> list[ChunkResult]:
+def check_chunks(chunks: Sequence[torch.Tensor], proofs: Sequence[bytes], topk: int) -> list[ChunkResult]:
     """The reference's verification numbers for each (validator chunk, proof) pair."""
     if len(proofs) != len(chunks):
         raise ProofFormatError(f"expected {len(chunks)} proofs, got {len(proofs)}")
@@ -248,9 +240,7 @@ def check_chunks(
     coeffs = [decode_proof(p, min(topk, flat.numel()))[1] for p, flat in zip(proofs, chunks)]
     claimed: list[torch.Tensor | None] = [None] * len(chunks)
     for _, members in _group_by_size([c for c in coeffs]).items():
-        vals = modarith.evaluate(
-            torch.stack([coeffs[i] for i in members]), torch.stack([tops[i][0] for i in members])
-        )
+        vals = modarith.evaluate(torch.stack([coeffs[i] for i in members]), torch.stack([tops[i][0] for i in members]))
         for row, i in enumerate(members):
             claimed[i] = vals[row]
     results = []

@@ -20,18 +20,39 @@ from .envelope import (
 from .errors import ProtocolError
 from .genesis import sign_genesis, verify_genesis
 from .identity import NodeKey, peer_id_from_public_bytes, public_bytes_from_peer_id, verify_signature
-from .messages import *  # noqa: F401,F403  (every message class is public API)
+from .messages import *  # noqa: F403  (every message class is public API)
 from .messages import ENVELOPE_TYPES, GOSSIP_TYPES, PRE_RUN_TYPES, sha256
 from .schema import Message
 from .topics import all_topics, topic
 
 __all__ = [
-    "ProtocolError", "Message", "NodeKey", "Envelope", "ReplayGuard", "SequenceCounter",
-    "seal", "open_envelope", "sign_genesis", "verify_genesis", "assign_prompts", "assignment_seed",
-    "topic", "all_topics", "peer_id_from_public_bytes", "public_bytes_from_peer_id", "verify_signature",
-    "ENVELOPE_TYPES", "GOSSIP_TYPES", "PRE_RUN_TYPES", "MAX_ENVELOPE_BYTES", "ZERO_RUN_ID", "sha256",
+    "ENVELOPE_TYPES",
+    "GOSSIP_TYPES",
+    "MAX_ENVELOPE_BYTES",
+    "PRE_RUN_TYPES",
+    "ZERO_RUN_ID",
+    "Envelope",
+    "Message",
+    "NodeKey",
+    "ProtocolError",
+    "ReplayGuard",
+    "SequenceCounter",
+    "all_topics",
+    "assign_prompts",
+    "assignment_seed",
+    "open_envelope",
+    "peer_id_from_public_bytes",
+    "public_bytes_from_peer_id",
+    "seal",
+    "sha256",
+    "sign_genesis",
+    "topic",
+    "verify_genesis",
+    "verify_signature",
 ]
 
 from . import messages as _messages
 
-__all__ += [n for n, v in vars(_messages).items() if isinstance(v, type) and issubclass(v, Message) and v is not Message]
+__all__ += [
+    n for n, v in vars(_messages).items() if isinstance(v, type) and issubclass(v, Message) and v is not Message
+]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 class Bitmap:
-    __slots__ = ("n", "_bits", "_count")
+    __slots__ = ("_bits", "_count", "n")
 
     def __init__(self, n: int, data: bytes | None = None) -> None:
         self.n = n
@@ -63,7 +63,7 @@ class Bitmap:
     def to_bytes(self) -> bytes:
         return bytes(self._bits)
 
-    def copy(self) -> "Bitmap":
+    def copy(self) -> Bitmap:
         return Bitmap(self.n, bytes(self._bits))
 
     def __repr__(self) -> str:

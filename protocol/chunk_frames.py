@@ -67,8 +67,14 @@ GONE = 6  # version no longer served (garbage-collected)
 ELSEWHERE = 7  # a super-seeding server sent this chunk to another peer moments ago
 
 STATUS_NAMES = {
-    OK: "ok", NOT_HELD: "not held", BAD_INDEX: "bad index", BAD_TICKET: "bad ticket",
-    BAD_REQUEST: "bad request", BUSY: "busy", GONE: "version gone", ELSEWHERE: "ask other peers",
+    OK: "ok",
+    NOT_HELD: "not held",
+    BAD_INDEX: "bad index",
+    BAD_TICKET: "bad ticket",
+    BAD_REQUEST: "bad request",
+    BUSY: "busy",
+    GONE: "version gone",
+    ELSEWHERE: "ask other peers",
 }
 
 assert HELLO.size == 40 and WELCOME.size == 16 and REQUEST.size == 16 and REPLY.size == 16

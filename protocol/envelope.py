@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Generic, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
 
 from .errors import ProtocolError
 from .identity import NodeKey, verify_signature
@@ -154,7 +155,9 @@ def open_envelope(
         raise ProtocolError("internal", f"{type(exc).__name__}: {exc}") from None
 
 
-def _open(data: Any, run_id: bytes, now_ms: int, guard: ReplayGuard | None, allowed_types: Iterable[int] | None) -> Envelope[Message]:
+def _open(
+    data: Any, run_id: bytes, now_ms: int, guard: ReplayGuard | None, allowed_types: Iterable[int] | None
+) -> Envelope[Message]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError("type", "envelope must be bytes")
     data = bytes(data)

@@ -75,11 +75,13 @@ class NodeKey:
         self.peer_id = peer_id_from_public_bytes(self.public_bytes)
 
     @classmethod
-    def generate(cls) -> "NodeKey":
+    def generate(cls) -> NodeKey:
         private = Ed25519PrivateKey.generate()
-        return cls(private.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        ))
+        return cls(
+            private.private_bytes(
+                serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+            )
+        )
 
     def sign(self, data: bytes) -> bytes:
         return self._private.sign(data)

@@ -43,6 +43,7 @@ def sha256(data: bytes) -> bytes:
 
 # --------------------------------------------------------------------------- run
 
+
 @dataclasses.dataclass(frozen=True)
 class RunGenesis(Message):
     """Everything that defines a run. ``run_id = sha256(canonical bytes)``.
@@ -74,8 +75,10 @@ class RunGenesis(Message):
         if len(set(self.validators)) != len(self.validators):
             raise ProtocolError("field:RunGenesis.validators", "duplicate validator")
         if self.prompts_per_batch * self.group_size > MAX_BATCH_SAMPLES:
-            raise ProtocolError("field:RunGenesis.group_size",
-                                f"prompts_per_batch x group_size exceeds {MAX_BATCH_SAMPLES} samples per batch")
+            raise ProtocolError(
+                "field:RunGenesis.group_size",
+                f"prompts_per_batch x group_size exceeds {MAX_BATCH_SAMPLES} samples per batch",
+            )
 
     @property
     def run_id(self) -> bytes:
@@ -94,6 +97,7 @@ class SignedGenesis(Message):
 
 
 # ----------------------------------------------------------------- membership
+
 
 @dataclasses.dataclass(frozen=True)
 class PeerAddr(Message):
@@ -146,6 +150,7 @@ class BanNotice(Message):
 
 
 # ---------------------------------------------------------------- checkpoints
+
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry(Message):
@@ -227,6 +232,7 @@ class CheckpointAnnounce(Message):
 
 
 # ------------------------------------------------------------------- rollouts
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams(Message):
@@ -320,6 +326,7 @@ class Vote(Message):
 
 
 # ---------------------------------------------------------- request/response
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkTicketRequest(Message):
@@ -436,4 +443,6 @@ ENVELOPE_TYPES: dict[int, type[Message]] = {
 # Types that may travel before a joiner knows the run (zero run id allowed).
 PRE_RUN_TYPES = frozenset({GenesisRequest.TYPE_ID, GenesisResponse.TYPE_ID, ErrorResponse.TYPE_ID})
 # Types small enough to gossip (the pubsub layer silently drops > 1 MiB).
-GOSSIP_TYPES = frozenset({Heartbeat.TYPE_ID, CheckpointAnnounce.TYPE_ID, RolloutAnnounce.TYPE_ID, Vote.TYPE_ID, BanNotice.TYPE_ID})
+GOSSIP_TYPES = frozenset(
+    {Heartbeat.TYPE_ID, CheckpointAnnounce.TYPE_ID, RolloutAnnounce.TYPE_ID, Vote.TYPE_ID, BanNotice.TYPE_ID}
+)

@@ -40,7 +40,7 @@ class Spec:
     max_len: int | None = None
     min_len: int = 0
     exact_len: int | None = None
-    item: "Spec | None" = None
+    item: Spec | None = None
 
 
 def spec(*, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:

@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import assign_prompts
-
-from .strategies import PEER_IDS
+from tests.support.strategies import PEER_IDS
 
 RUN = b"R" * 32
 
@@ -26,8 +25,13 @@ def test_different_workers_versions_counters_runs_differ():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(PEER_IDS), st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1),
-       st.integers(1, 5000), st.integers(1, 64))
+@given(
+    st.sampled_from(PEER_IDS),
+    st.integers(0, 2**31 - 1),
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 5000),
+    st.integers(1, 64),
+)
 def test_indices_within_dataset_and_distinct(worker, version, counter, size, count):
     idx = assign_prompts(RUN, worker, version, counter, size, count)
     assert len(idx) == min(size, count)

@@ -27,20 +27,51 @@ def _args(**kw):
 
 
 def _snap(dropped=None, internal=0, refused=0, fetcher=None):
-    d = {"dropped": dropped or {}, "internal": internal, "duplicates": 0, "bans": 0, "inbound_refused": refused,
-         "trimmed": 0, "dropped_no_gossip": 0, "connections": 2,
-         "tables": {"scores": 1, "bans": 0, "buckets": 2, "swarm_view": 2, "book": 2, "seen_cache": 9,
-                    "message_cache": 9}}
+    d = {
+        "dropped": dropped or {},
+        "internal": internal,
+        "duplicates": 0,
+        "bans": 0,
+        "inbound_refused": refused,
+        "trimmed": 0,
+        "dropped_no_gossip": 0,
+        "connections": 2,
+        "tables": {
+            "scores": 1,
+            "bans": 0,
+            "buckets": 2,
+            "swarm_view": 2,
+            "book": 2,
+            "seen_cache": 9,
+            "message_cache": 9,
+        },
+    }
     if fetcher is not None:
         d["fetcher"] = fetcher
     return d
 
 
 def _shard(shard, nodes, arrivals, before, after, sent=None, fetched=None, exceptions=0):
-    return {"shard": shard, "nodes": nodes, "arrivals": arrivals, "fetched": fetched or {}, "sent": sent or {},
-            "before": before, "after": after, "rss_before_mib": 100.0, "rss_peak_mib": 104.0, "rss_end_mib": 101.0,
-            "hwm_mib": 104.0, "exceptions": exceptions, "errors": 0, "libp2p_errors": 0, "exception_samples": [],
-            "drained_at": 0.0, "v1_published": None, "ckpt": {}}
+    return {
+        "shard": shard,
+        "nodes": nodes,
+        "arrivals": arrivals,
+        "fetched": fetched or {},
+        "sent": sent or {},
+        "before": before,
+        "after": after,
+        "rss_before_mib": 100.0,
+        "rss_peak_mib": 104.0,
+        "rss_end_mib": 101.0,
+        "hwm_mib": 104.0,
+        "exceptions": exceptions,
+        "errors": 0,
+        "libp2p_errors": 0,
+        "exception_samples": [],
+        "drained_at": 0.0,
+        "v1_published": None,
+        "ckpt": {},
+    }
 
 
 def test_delivery_loss_and_crashes_are_counted_from_the_shards():
@@ -48,10 +79,21 @@ def test_delivery_loss_and_crashes_are_counted_from_the_shards():
     # node 1 got everything; node 2 never got a2 (lost), and one of its handlers failed internally
     results = [
         _shard(0, [0], {}, {"0": _snap()}, {"0": _snap()}, sent=sent),
-        _shard(1, [1], {"1": {"q1": 10.01, "a1": 20.02, "a2": 21.5}}, {"1": _snap()},
-               {"1": _snap(dropped={"signature": 7}, refused=3)}),
-        _shard(2, [2], {"2": {"q1": 10.03, "a1": 20.1}}, {"2": _snap(dropped={"signature": 1})},
-               {"2": _snap(dropped={"signature": 5, "internal": 1}, internal=1)}, exceptions=2),
+        _shard(
+            1,
+            [1],
+            {"1": {"q1": 10.01, "a1": 20.02, "a2": 21.5}},
+            {"1": _snap()},
+            {"1": _snap(dropped={"signature": 7}, refused=3)},
+        ),
+        _shard(
+            2,
+            [2],
+            {"2": {"q1": 10.03, "a1": 20.1}},
+            {"2": _snap(dropped={"signature": 1})},
+            {"2": _snap(dropped={"signature": 5, "internal": 1}, internal=1)},
+            exceptions=2,
+        ),
     ]
     stats = {"written": 500, "identities": 9, "resets": 8, "seconds": 5.0, "offered": 1000}
     out = hostile.summarise(_args(), "invalid", results, stats, {0: 5.0, 1: 6.0, 2: None}, 1, [5.0, 9.0], [])
@@ -68,8 +110,10 @@ def test_delivery_loss_and_crashes_are_counted_from_the_shards():
 
 def test_a_dead_shard_loses_its_messages_and_counts_as_a_crash():
     sent = {"q1": [10.0, "quiet"], "a1": [20.0, "attack"]}
-    results = [_shard(0, [0], {}, {"0": _snap()}, {"0": _snap()}, sent=sent),
-               _shard(1, [1], {"1": {"q1": 10.01, "a1": 20.01}}, {"1": _snap()}, {"1": _snap()})]
+    results = [
+        _shard(0, [0], {}, {"0": _snap()}, {"0": _snap()}, sent=sent),
+        _shard(1, [1], {"1": {"q1": 10.01, "a1": 20.01}}, {"1": _snap()}, {"1": _snap()}),
+    ]
     out = hostile.summarise(_args(), "replay", results, None, {0: 1.0, 1: 1.0, 2: None}, 0, [], [2])
     assert out["crashed_nodes"] == [2] and out["crashes"] == 1
     assert out["data_lost"] == 2 and out["delivery"] == 0.5
@@ -77,18 +121,34 @@ def test_a_dead_shard_loses_its_messages_and_counts_as_a_crash():
 
 def test_unserved_counts_batches_a_fetcher_never_fetched():
     sent = {"q1": [10.0, "quiet"], "a1": [20.0, "attack"], "a2": [21.0, "attack"]}
-    f = {"fetched": 0, "dropped_announces": 0, "fetch_failures": 0, "bad_batches": 0, "queued": 0,
-         "pending_announcers": 0}
-    results = [_shard(0, [0], {}, {"0": _snap()}, {"0": _snap()}, sent=sent),
-               _shard(1, [1, 2], {"1": dict.fromkeys(sent, 22.0), "2": dict.fromkeys(sent, 22.0)},
-                      {"1": _snap(fetcher=f), "2": _snap(fetcher=f)},
-                      {"1": _snap(fetcher={**f, "fetch_failures": 4, "failures_by_code": {"timeout": 4}}),
-                       "2": _snap(fetcher={**f, "dropped_announces": 2})},
-                      fetched={"1": {"q1": 10.1, "a1": 20.5, "a2": 21.5}, "2": {"q1": 10.2}})]
+    f = {
+        "fetched": 0,
+        "dropped_announces": 0,
+        "fetch_failures": 0,
+        "bad_batches": 0,
+        "queued": 0,
+        "pending_announcers": 0,
+    }
+    results = [
+        _shard(0, [0], {}, {"0": _snap()}, {"0": _snap()}, sent=sent),
+        _shard(
+            1,
+            [1, 2],
+            {"1": dict.fromkeys(sent, 22.0), "2": dict.fromkeys(sent, 22.0)},
+            {"1": _snap(fetcher=f), "2": _snap(fetcher=f)},
+            {
+                "1": _snap(fetcher={**f, "fetch_failures": 4, "failures_by_code": {"timeout": 4}}),
+                "2": _snap(fetcher={**f, "dropped_announces": 2}),
+            },
+            fetched={"1": {"q1": 10.1, "a1": 20.5, "a2": 21.5}, "2": {"q1": 10.2}},
+        ),
+    ]
     out = hostile.summarise(_args(), "unserved", results, None, {0: 1.0, 1: 1.0, 2: 1.0}, 0, [], [])
     assert out["data_lost"] == 2 and out["data_lost_detail"]["batches_never_fetched"] == 2
-    assert out["batches"]["per_fetcher"] == {1: {"fetched_attack": 1.0, "missing": 0},
-                                             2: {"fetched_attack": 0.0, "missing": 2}}
+    assert out["batches"]["per_fetcher"] == {
+        1: {"fetched_attack": 1.0, "missing": 0},
+        2: {"fetched_attack": 0.0, "missing": 2},
+    }
     assert out["dropped_by"] == {"fetches_failed:timeout": 4, "announces_shed": 2}
 
 
@@ -118,14 +178,42 @@ def test_only_the_projects_tracebacks_count_as_escaped_exceptions():
 @pytest.mark.slow
 def test_a_short_quiet_run_reports_every_field():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "hostile.py"), "--scenarios", "quiet", "--honest", "3",
-                        "--seconds", "2", "--quiet-seconds", "2", "--drain-s", "5"],
-                       capture_output=True, text=True, env=env, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "hostile.py"),
+            "--scenarios",
+            "quiet",
+            "--honest",
+            "3",
+            "--seconds",
+            "2",
+            "--quiet-seconds",
+            "2",
+            "--drain-s",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     final = json.loads(p.stdout.strip().splitlines()[-1])
     q = final["scenarios"]["quiet"]
     assert final["crashes"] == 0 and final["data_lost"] == 0 and q["delivery"] == 1.0
     assert set(q["peak_rss_mib"]) == {"node0", "node1", "node2"}
-    for k in ("offered_per_s", "written_per_s", "identities", "p50_ms", "p99_ms", "quiet_p99_ms", "p99_over_quiet",
-              "bad_inputs_tried", "bad_inputs_dropped", "crashes", "data_lost"):
+    for k in (
+        "offered_per_s",
+        "written_per_s",
+        "identities",
+        "p50_ms",
+        "p99_ms",
+        "quiet_p99_ms",
+        "p99_over_quiet",
+        "bad_inputs_tried",
+        "bad_inputs_dropped",
+        "crashes",
+        "data_lost",
+    ):
         assert k in q

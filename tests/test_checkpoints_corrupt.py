@@ -6,13 +6,11 @@ import os
 
 import trio
 
-from node.checkpoints import Checkpoints, LocalOverlay
-from protocol import chunk_frames as F
+from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.wire import send_all
-from node.checkpoints import ChunkStore
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+from protocol import chunk_frames as F
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 
 class CorruptServer(ChunkServer):
@@ -74,5 +72,6 @@ async def test_corrupt_server_is_banned_and_everyone_completes(tmp_path):
         for sub in d.store.objects.iterdir():
             for obj in sub.iterdir():
                 import hashlib
+
                 assert hashlib.sha256(obj.read_bytes()).hexdigest() == obj.name
     assert not any(os.listdir(d.store.tmp) for d in dists)

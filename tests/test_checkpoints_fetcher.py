@@ -20,10 +20,8 @@ from __future__ import annotations
 import trio
 from safetensors.numpy import load_file
 
-from node.checkpoints import Checkpoints, LocalOverlay
-from node.checkpoints import ChunkStore
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 CAP_MBPS = 200.0
 
@@ -77,7 +75,12 @@ async def test_six_nodes_one_seeder(tmp_path):
 
 
 async def test_libp2p_overlay_end_to_end(tmp_path):
-    from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, publish_checkpoint, serve_distribution
+    from node.checkpoints.p2p_overlay import (
+        P2POverlay,
+        distribution_heartbeat_fields,
+        publish_checkpoint,
+        serve_distribution,
+    )
     from node.p2p.node import RoleHook
     from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
 
@@ -117,7 +120,10 @@ async def test_libp2p_overlay_end_to_end(tmp_path):
         # tickets went over libp2p request/response
         assert hooks[0].dist.server.tickets_granted >= 2
         await wait_until(
-            lambda: all((s := nodes[0].swarm.get(n.peer_id)) is not None and s.heartbeat.policy_version == 1 for n in nodes[1:]),
-            timeout=30, what="heartbeats to show version 1",
+            lambda: all(
+                (s := nodes[0].swarm.get(n.peer_id)) is not None and s.heartbeat.policy_version == 1 for n in nodes[1:]
+            ),
+            timeout=30,
+            what="heartbeats to show version 1",
         )
         nursery.cancel_scope.cancel()

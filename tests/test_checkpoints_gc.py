@@ -7,8 +7,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from node.checkpoints import ChunkStore
-
-from .dist_helpers import RUN_ID, keys
+from tests.support.checkpoints import RUN_ID, keys
 
 
 def _publish(store, key, version, tmp_path, shared):

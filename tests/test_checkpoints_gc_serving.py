@@ -11,13 +11,11 @@ import numpy as np
 import trio
 from safetensors.numpy import save_file
 
-from node.checkpoints import DataConnection
-from protocol import chunk_frames as F
+from node.checkpoints import ChunkStore, DataConnection
 from node.checkpoints.server import ChunkServer
-from node.checkpoints import ChunkStore
 from protocol import ChunkTicketRequest
-
-from .dist_helpers import RUN_ID, keys
+from protocol import chunk_frames as F
+from tests.support.checkpoints import RUN_ID, keys
 
 CHUNK = 2 * 2**20
 

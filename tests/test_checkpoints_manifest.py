@@ -7,14 +7,20 @@ import hashlib
 import pytest
 import trio
 
-from node.checkpoints import DataConnection, LocalOverlay, VersionFetcher
-from protocol import chunk_frames as F
+from node.checkpoints import (
+    ChunkRejected,
+    ChunkStore,
+    DataConnection,
+    LocalOverlay,
+    VersionFetcher,
+    build_manifest,
+    sign_announce,
+)
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.wire import send_all
-from node.checkpoints import ChunkRejected, ChunkStore, build_manifest, sign_announce
 from protocol import ChunkTicketRequest, ProtocolError
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint
+from protocol import chunk_frames as F
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint
 
 
 def test_manifest_signed_by_non_trainer_is_refused(tmp_path):

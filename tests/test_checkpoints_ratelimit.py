@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import trio
 
-from node.checkpoints import DataConnection, UploadLimiter
-from protocol import chunk_frames as F
+from node.checkpoints import ChunkStore, DataConnection, UploadLimiter
 from node.checkpoints.server import ChunkServer
-from node.checkpoints import ChunkStore
 from protocol import ChunkTicketRequest
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint
+from protocol import chunk_frames as F
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint
 
 RATE = 1_000_000.0  # bytes/s
 BURST = 256 * 1024

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import trio
 
-from node.checkpoints import LocalOverlay, VersionFetcher
+from node.checkpoints import ChunkStore, LocalOverlay, VersionFetcher
 from node.checkpoints.server import ChunkServer
-from node.checkpoints import ChunkStore
 from protocol import ChunkTicketRequest
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,10 +30,22 @@ async def test_killed_fetcher_resumes_from_disk(tmp_path):
     node_dir = tmp_path / "node"
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
-        t = server.grant_ticket(fetcher_key.peer_id, ChunkTicketRequest(version=1, root=st_seed.root, chunk_indices=(0,)))
+        t = server.grant_ticket(
+            fetcher_key.peer_id, ChunkTicketRequest(version=1, root=st_seed.root, chunk_indices=(0,))
+        )
         proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "tests.dist_fetch_child", str(node_dir), trainer.peer_id, str(ann),
-             trainer.peer_id, t.host, str(t.port), t.ticket.hex()],
+            [
+                sys.executable,
+                "-m",
+                "tests.support.fetch_child",
+                str(node_dir),
+                trainer.peer_id,
+                str(ann),
+                trainer.peer_id,
+                t.host,
+                str(t.port),
+                t.ticket.hex(),
+            ],
             cwd=REPO,
         )
         objects = node_dir / "objects"

@@ -12,13 +12,11 @@ from __future__ import annotations
 import pytest
 import trio
 
-from node.checkpoints import LocalOverlay, VersionFetcher
-from protocol import chunk_frames as F
+from node.checkpoints import ChunkStore, LocalOverlay, VersionFetcher
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.wire import recv_exactly, send_all
-from node.checkpoints import ChunkStore
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+from protocol import chunk_frames as F
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 
 class MuteServer(ChunkServer):

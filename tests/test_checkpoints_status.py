@@ -11,14 +11,12 @@ import trio
 from rich.console import Console
 from rich.text import Text
 
-from node.checkpoints import Checkpoints, FetchProgress, LocalOverlay
-from node.ops.progress import CheckpointProgress
+from node.checkpoints import Checkpoints, ChunkStore, FetchProgress, LocalOverlay
 from node.home import NodeHome
+from node.ops.progress import CheckpointProgress
 from node.ops.status_cli import _short, render_role_state, show_status
 from node.ops.status_server import serve_status
-from node.checkpoints import ChunkStore
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 
 def _text(renderables, width: int = 200) -> str:
@@ -36,9 +34,18 @@ def _dist_status(versions) -> dict:
 def test_fed_from_lists_short_peer_ids_with_bytes_most_first():
     pids = [f"12D3KooW{i:02d}" + "x" * 36 + f"tail{i:04d}" for i in range(11)]
     fed_bytes = {p: (i + 1) * 2**20 for i, p in enumerate(pids)}
-    v = {"version": 5, "chunks_held": 8, "chunks_total": 8, "complete": True, "fetching": False,
-         "bytes_served": 0, "bytes_fetched": sum(fed_bytes.values()), "fed_from": sorted(pids),
-         "fed_from_bytes": fed_bytes, "mib_per_s": 0.0}
+    v = {
+        "version": 5,
+        "chunks_held": 8,
+        "chunks_total": 8,
+        "complete": True,
+        "fetching": False,
+        "bytes_served": 0,
+        "bytes_fetched": sum(fed_bytes.values()),
+        "fed_from": sorted(pids),
+        "fed_from_bytes": fed_bytes,
+        "mib_per_s": 0.0,
+    }
     text = _text(render_role_state("worker", {"distribution": _dist_status([v])}))
     assert "11 peers" in text
     shown = [p for p in pids if _short(p) in text]
@@ -73,7 +80,11 @@ async def test_status_shows_the_peers_each_version_was_fed_from(tmp_path, capsys
         return d
 
     # the seed is capped so the half-holder is certainly asked for its chunks
-    seed, partial, fetcher = node("seed", trainer, max_upload_mbps=40.0), node("half", half, auto_fetch=False), node("me", me)
+    seed, partial, fetcher = (
+        node("seed", trainer, max_upload_mbps=40.0),
+        node("half", half, auto_fetch=False),
+        node("me", me),
+    )
     async with trio.open_nursery() as nursery:
         for d in (seed, partial, fetcher):
             await nursery.start(d.run)
@@ -130,8 +141,9 @@ async def test_status_shows_the_peers_each_version_was_fed_from(tmp_path, capsys
 
 # --------------------------------------------------------------------------- the progress bar
 def _p(held, total=40, rate=0.0, done=False, version=7):
-    return FetchProgress(version=version, held=held, total=total, bytes_fetched=held * 2**20, mib_per_s=rate,
-                         elapsed_s=1.0, done=done)
+    return FetchProgress(
+        version=version, held=held, total=total, bytes_fetched=held * 2**20, mib_per_s=rate, elapsed_s=1.0, done=done
+    )
 
 
 def _plain(buf: io.StringIO) -> str:

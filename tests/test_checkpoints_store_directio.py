@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-import numpy as np
 
 from node.checkpoints import directio
 from node.checkpoints.directio import ALIGN, DirectIOUnsupported
@@ -101,7 +101,7 @@ def test_config_direct_io_false_reaches_the_roles_store(tmp_path):
     from node.errors import NodeError
     from node.home import NodeHome
     from node.roles.factory import make_role
-    from tests.roles_support import TRAINER, tiny_genesis
+    from tests.support.roles import TRAINER, tiny_genesis
 
     (tmp_path / "config.toml").write_text("direct_io = false\n")
     assert NodeConfig.load(tmp_path / "config.toml").direct_io is False

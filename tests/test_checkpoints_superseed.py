@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import trio
 
-from node.checkpoints import DataConnection, LocalOverlay, VersionFetcher
-from protocol import chunk_frames as F
+from node.checkpoints import ChunkStore, DataConnection, LocalOverlay, VersionFetcher
 from node.checkpoints.server import ChunkServer
-from node.checkpoints import ChunkStore
-from protocol.bitmap import Bitmap
 from protocol import ChunkTicketRequest
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+from protocol import chunk_frames as F
+from protocol.bitmap import Bitmap
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 
 async def _seeded_store(tmp_path, name="seeder", size_mib=4, chunk=512 * 1024):

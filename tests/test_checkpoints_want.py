@@ -11,10 +11,8 @@ import contextlib
 
 import trio
 
-from node.checkpoints import Checkpoints, LocalOverlay
-from node.checkpoints import ChunkStore
-
-from .dist_helpers import RUN_ID, keys, make_checkpoint, same_files
+from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 
 @contextlib.asynccontextmanager
@@ -34,10 +32,16 @@ async def _running(tmp_path, versions, size_mib: float = 4, max_async: int = 2):
 async def _pair(tmp_path, max_async: int = 2):
     trainer, fetcher = keys(2)
     servers: dict = {}
-    seed = Checkpoints(ChunkStore(tmp_path / "seed", RUN_ID, trainer.peer_id), LocalOverlay(trainer.peer_id, servers),
-                        max_async=max_async)
-    node = Checkpoints(ChunkStore(tmp_path / "node", RUN_ID, trainer.peer_id), LocalOverlay(fetcher.peer_id, servers),
-                        max_async=max_async)
+    seed = Checkpoints(
+        ChunkStore(tmp_path / "seed", RUN_ID, trainer.peer_id),
+        LocalOverlay(trainer.peer_id, servers),
+        max_async=max_async,
+    )
+    node = Checkpoints(
+        ChunkStore(tmp_path / "node", RUN_ID, trainer.peer_id),
+        LocalOverlay(fetcher.peer_id, servers),
+        max_async=max_async,
+    )
     servers[trainer.peer_id] = seed.server
     servers[fetcher.peer_id] = node.server
     return trainer, seed, node

@@ -25,8 +25,12 @@ def test_nodes_killed_and_restarted_in_turn_lose_nothing_admitted(tmp_path):
         events = churn(devnet, audit, schedule=schedule, period_s=(4.0, 10.0), down_s=(1.0, 4.0), seed=8)
         assert [e.node for e in events] == schedule
         reached = trainer_step(devnet)
-        wait_for(lambda: audit.sample() and trainer_step(devnet) >= reached + 2, 300,
-                 "training to go on after the churn", devnet)
+        wait_for(
+            lambda: audit.sample() and trainer_step(devnet) >= reached + 2,
+            300,
+            "training to go on after the churn",
+            devnet,
+        )
         assert audit.seen_admitted, "nothing was admitted: the test proves nothing"
         assert audit.lost == {}, f"admitted batches lost: {audit.lost}"
         assert audit.duplicate_slots == 0

@@ -47,11 +47,14 @@ def test_missing_home_is_a_clear_error(tmp_path):
     assert "primenode init" in res.stderr and "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("cmd,options", [
-    (["bootstrap"], ["--listen", "--genesis"]),
-    (["join"], ["--role", "--bootstrap", "--max-upload-mbps", "--target-peers"]),
-    (["status"], ["--json"]),
-])
+@pytest.mark.parametrize(
+    "cmd,options",
+    [
+        (["bootstrap"], ["--listen", "--genesis"]),
+        (["join"], ["--role", "--bootstrap", "--max-upload-mbps", "--target-peers"]),
+        (["status"], ["--json"]),
+    ],
+)
 def test_help_documents_options(cmd, options):
     res = run(*cmd, "--help", check=True)
     for opt in options:

@@ -32,9 +32,27 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
     out = tmp_path / "devnet-out"
     log = tmp_path / "devnet.log"  # a file, not a pipe: the live table would fill a pipe nobody reads
     with open(log, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "node.ops.cli", "devnet", "--out", str(out), "--steps", "1000",
-                                 "--workers", "1", "--validators", "1", "--timeout", "600"],
-                                stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "node.ops.cli",
+                "devnet",
+                "--out",
+                str(out),
+                "--steps",
+                "1000",
+                "--workers",
+                "1",
+                "--validators",
+                "1",
+                "--timeout",
+                "600",
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "COLUMNS": "200"},
+        )
     trainer_metrics = out / "nodes" / "trainer" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 400

@@ -99,8 +99,20 @@ def run_setup(tmp_path):
     init_home(boot)
     joiner_id = init_home(joiner)
     genesis = tmp_path / "run.toml"
-    res = cli("run", "init", "--home", str(boot), "--out", str(genesis), "--trainer", joiner_id,
-              "--validator", joiner_id, "--name", "cli-test")
+    res = cli(
+        "run",
+        "init",
+        "--home",
+        str(boot),
+        "--out",
+        str(genesis),
+        "--trainer",
+        joiner_id,
+        "--validator",
+        joiner_id,
+        "--name",
+        "cli-test",
+    )
     assert res.returncode == 0, res.stderr
     return boot, joiner, genesis
 
@@ -110,15 +122,33 @@ def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup)
     boot_log, join_log = tmp_path / "boot.log", tmp_path / "join.log"
     procs = []
     try:
-        boot = start("bootstrap", "--home", str(boot_home), "--listen", "/ip4/127.0.0.1/tcp/0",
-                     "--genesis", str(genesis), log=boot_log)
+        boot = start(
+            "bootstrap",
+            "--home",
+            str(boot_home),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--genesis",
+            str(genesis),
+            log=boot_log,
+        )
         procs.append(boot)
         first = boot.stdout.readline().decode().strip()  # blocks until the bootstrap listens (or exits)
         assert first.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in first, (first, boot_log.read_text())
         boot_id = first.rsplit("/p2p/", 1)[1]
 
-        joiner = start("join", "--home", str(join_home), "--role", "worker", "--bootstrap", first,
-                       "--listen", "/ip4/127.0.0.1/tcp/0", log=join_log)
+        joiner = start(
+            "join",
+            "--home",
+            str(join_home),
+            "--role",
+            "worker",
+            "--bootstrap",
+            first,
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            log=join_log,
+        )
         procs.append(joiner)
         join_id = cli("id", "--home", str(join_home)).stdout.strip()
 
@@ -127,13 +157,18 @@ def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup)
             return st if st and other in {p["peer_id"] for p in st["peers"]} else None
 
         logs = [boot_log, join_log]
-        st_boot = wait_for(lambda: sees(boot_home, join_id), HANG_GUARD_S, "the bootstrap to list the joiner", logs, procs)
-        st_join = wait_for(lambda: sees(join_home, boot_id), HANG_GUARD_S, "the joiner to list the bootstrap", logs, procs)
+        st_boot = wait_for(
+            lambda: sees(boot_home, join_id), HANG_GUARD_S, "the bootstrap to list the joiner", logs, procs
+        )
+        st_join = wait_for(
+            lambda: sees(join_home, boot_id), HANG_GUARD_S, "the joiner to list the bootstrap", logs, procs
+        )
         assert st_boot["peer_id"] == boot_id and st_boot["role"] == "bootstrap"
         assert st_join["peer_id"] == join_id and st_join["role"] == "worker"
         for st in (st_boot, st_join):
             assert {"peer_id", "role", "peers", "swarm", "gossip", "run_id"} <= set(st)
         assert st_boot["run_id"] == st_join["run_id"]  # the joiner got the genesis from the bootstrap
+
         # every connected peer gets a round-trip latency, without any request of ours
         def measured(home: Path, other: str):
             st = sees(home, other)
@@ -142,8 +177,13 @@ def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup)
         wait_for(lambda: measured(join_home, boot_id), HANG_GUARD_S, "a latency for the bootstrap", logs, procs)
         wait_for(lambda: measured(boot_home, join_id), HANG_GUARD_S, "a latency for the joiner", logs, procs)
         # the swarm view fills from heartbeats
-        wait_for(lambda: (status_json(join_home) or {}).get("swarm", {}).get("by_role", {}).get("bootstrap"),
-                 HANG_GUARD_S, "a bootstrap heartbeat in the joiner's swarm view", logs, procs)
+        wait_for(
+            lambda: (status_json(join_home) or {}).get("swarm", {}).get("by_role", {}).get("bootstrap"),
+            HANG_GUARD_S,
+            "a bootstrap heartbeat in the joiner's swarm view",
+            logs,
+            procs,
+        )
 
         runtime = json.loads((join_home / "runtime.json").read_text())
         assert runtime["pid"] == joiner.pid and runtime["peer_id"] == join_id and runtime["role"] == "worker"
@@ -186,8 +226,9 @@ def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup)
 def test_sigint_stops_a_bootstrap_with_exit_0(tmp_path, run_setup):
     boot_home, _, genesis = run_setup
     log = tmp_path / "boot.log"
-    boot = start("bootstrap", "--home", str(boot_home), "--listen", "/ip4/127.0.0.1/tcp/0", "--genesis", str(genesis),
-                 log=log)
+    boot = start(
+        "bootstrap", "--home", str(boot_home), "--listen", "/ip4/127.0.0.1/tcp/0", "--genesis", str(genesis), log=log
+    )
     try:
         lines = [boot.stdout.readline().decode().strip()]
         assert lines[0].startswith("/ip4/"), log.read_text()
@@ -208,8 +249,17 @@ def test_unreachable_bootstrap_is_a_clear_error_not_a_hang(tmp_path, run_setup):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     fake_id = cli("id", "--home", str(tmp_path / "boot")).stdout.strip()
-    res = cli("join", "--home", str(join_home), "--role", "worker",
-              "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{fake_id}", "--listen", "/ip4/127.0.0.1/tcp/0")
+    res = cli(
+        "join",
+        "--home",
+        str(join_home),
+        "--role",
+        "worker",
+        "--bootstrap",
+        f"/ip4/127.0.0.1/tcp/{port}/p2p/{fake_id}",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+    )
     assert res.returncode != 0
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "genesis" in lines[0] and "Traceback" not in res.stderr, res.stderr
@@ -222,8 +272,19 @@ def test_unreachable_bootstrap_with_local_genesis_is_a_clear_error(tmp_path, run
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     boot_id = cli("id", "--home", str(boot_home)).stdout.strip()
-    res = cli("join", "--home", str(join_home), "--role", "worker", "--genesis", str(genesis),
-              "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}", "--listen", "/ip4/127.0.0.1/tcp/0")
+    res = cli(
+        "join",
+        "--home",
+        str(join_home),
+        "--role",
+        "worker",
+        "--genesis",
+        str(genesis),
+        "--bootstrap",
+        f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+    )
     assert res.returncode != 0
     assert "cannot reach any bootstrap" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (join_home / "runtime.json").exists()

@@ -5,8 +5,6 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
 from node.ops.churn import LedgerAudit
 from node.ops.devnet import Devnet, DevnetOptions
 
@@ -30,10 +28,23 @@ def trainer_step(devnet: Devnet) -> int:
 
 
 def small_options(tmp_path, **kw) -> DevnetOptions:
-    opts = DevnetOptions(out=tmp_path / "devnet", workers=2, validators=3, quorum=2, steps=1000,
-                         prompts_per_batch=2, group_size=4, max_tokens=16,
-                         extra_config={"tiny_hidden_size": 64, "tiny_layers": 2, "batches_per_step": 1,
-                                       "worker_batches_per_version": 2, "worker_idle_s": 5.0})
+    opts = DevnetOptions(
+        out=tmp_path / "devnet",
+        workers=2,
+        validators=3,
+        quorum=2,
+        steps=1000,
+        prompts_per_batch=2,
+        group_size=4,
+        max_tokens=16,
+        extra_config={
+            "tiny_hidden_size": 64,
+            "tiny_layers": 2,
+            "batches_per_step": 1,
+            "worker_batches_per_version": 2,
+            "worker_idle_s": 5.0,
+        },
+    )
     for k, v in kw.items():
         setattr(opts, k, v)
     return opts
@@ -59,8 +70,12 @@ def test_kill9_worker_validator_and_trainer(tmp_path):
         step_before = trainer_step(devnet)
         devnet.kill("trainer", signal.SIGKILL)
         devnet.start(devnet.node("trainer"))
-        wait_for(lambda: audit.sample() and trainer_step(devnet) >= step_before + 2, 300,
-                 "the restarted trainer to train", devnet)
+        wait_for(
+            lambda: audit.sample() and trainer_step(devnet) >= step_before + 2,
+            300,
+            "the restarted trainer to train",
+            devnet,
+        )
         assert audit.lost == {}, f"an admitted rollout was lost across the trainer crash: {audit.lost}"
         assert audit.duplicate_slots == 0
         steps = [r["step"] for r in devnet.trainer_metrics() if not r.get("skipped")]

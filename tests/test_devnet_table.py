@@ -11,21 +11,57 @@ from node.ops.devnet import TABLE_COLUMNS, status_table
 DIST = {"versions": [{"version": 3, "chunks_held": 2, "chunks_total": 2, "complete": True}]}
 SNAP = {
     "bootstrap": {"peer_id": "12D3KooWboot", "role": "bootstrap", "peers": [{}, {}, {}], "role_state": {}},
-    "trainer": {"peers": [{}] * 4, "role_state": {
-        "step": 3, "policy_version": 3, "target_steps": 40, "reward_mean": 0.45678, "admitted": 17, "rejected": 5,
-        "pending": 1, "buffer": 2, "trained_batches": 3, "restored_after_crash": 0, "dropped_announces": 0,
-        "last_step": {"loss": 0.1}, "distribution": DIST}},
-    "worker-0": {"peers": [{}] * 4, "role_state": {
-        "policy_version": 2, "batches_produced": 9, "batches_accepted": 6, "batches_rejected": 1,
-        "batches_served": 12, "accept_votes": 12, "reject_votes": 2, "tamper": None, "distribution": DIST}},
-    "validator-0": {"peers": [{}] * 4, "role_state": {
-        "policy_version": 3, "verdicts": {"accept": 11, "reject": 4, "unverifiable": 1},
-        "reasons": {"toploc": 3, "stale": 1}, "recent_rejections": ["12D3KooWxxxx: toploc: sample 0"],
-        "distribution": DIST}},
+    "trainer": {
+        "peers": [{}] * 4,
+        "role_state": {
+            "step": 3,
+            "policy_version": 3,
+            "target_steps": 40,
+            "reward_mean": 0.45678,
+            "admitted": 17,
+            "rejected": 5,
+            "pending": 1,
+            "buffer": 2,
+            "trained_batches": 3,
+            "restored_after_crash": 0,
+            "dropped_announces": 0,
+            "last_step": {"loss": 0.1},
+            "distribution": DIST,
+        },
+    },
+    "worker-0": {
+        "peers": [{}] * 4,
+        "role_state": {
+            "policy_version": 2,
+            "batches_produced": 9,
+            "batches_accepted": 6,
+            "batches_rejected": 1,
+            "batches_served": 12,
+            "accept_votes": 12,
+            "reject_votes": 2,
+            "tamper": None,
+            "distribution": DIST,
+        },
+    },
+    "validator-0": {
+        "peers": [{}] * 4,
+        "role_state": {
+            "policy_version": 3,
+            "verdicts": {"accept": 11, "reject": 4, "unverifiable": 1},
+            "reasons": {"toploc": 3, "stale": 1},
+            "recent_rejections": ["12D3KooWxxxx: toploc: sample 0"],
+            "distribution": DIST,
+        },
+    },
     "validator-1": None,  # not answering (starting, or killed)
 }
-NODES = [("bootstrap", "bootstrap", True), ("trainer", "trainer", True), ("worker-0", "worker", True),
-         ("validator-0", "validator", True), ("validator-1", "validator", False)]
+NODES = [
+    ("bootstrap", "bootstrap", True),
+    ("trainer", "trainer", True),
+    ("worker-0", "worker", True),
+    ("validator-0", "validator", True),
+    ("validator-1", "validator", False),
+]
 
 
 def rendered(width: int) -> tuple[str, dict[str, list[str]]]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.messages import SamplingParams
 from node.engines.transformers_engine import TransformersEngine, completion_seed
 from node.models import tiny_llama
 from proofs import build_many, build_sequence_proofs, verify_sequence
+from protocol.messages import SamplingParams
 
 EOS = 3
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]
@@ -85,11 +85,18 @@ def test_batched_prefill_paths_equal_one_plain_forward_each(engine: Transformers
     """Shared-prompt groups, length-sorted right-padded micro-batches, an empty
     completion, tiny budgets: every row equals a lone unpadded forward, in input order."""
     long = list(range(20, 60))
-    pairs = [(PROMPTS[0], [12, 13, 14]), (PROMPTS[1], []), (PROMPTS[0], [15]), (PROMPTS[1], long),
-             ([4], long[:30]), (PROMPTS[0], []), ([4, 5], [6]), ([7], [])]
+    pairs = [
+        (PROMPTS[0], [12, 13, 14]),
+        (PROMPTS[1], []),
+        (PROMPTS[0], [15]),
+        (PROMPTS[1], long),
+        ([4], long[:30]),
+        (PROMPTS[0], []),
+        ([4, 5], [6]),
+        ([7], []),
+    ]
     with torch.no_grad():
-        want = [engine.model.model(input_ids=torch.tensor([list(p) + list(c)])).last_hidden_state[0]
-                for p, c in pairs]
+        want = [engine.model.model(input_ids=torch.tensor([list(p) + list(c)])).last_hidden_state[0] for p, c in pairs]
     for budget, pad in ((None, 0.25), (8, 0.0), (1000, 1.0)):
         got = engine.prefill_hidden_batch(pairs, token_budget=budget, max_pad=pad)
         assert [h.shape for h in got] == [w.shape for w in want]

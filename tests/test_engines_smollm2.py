@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from node.engines.base import Completion
-from protocol.messages import SamplingParams
 from node.engines.transformers_engine import TransformersEngine
 from node.models import load_smollm2, smollm2_available
 from node.roles.context import proof_config_for
 from proofs import ProofConfig, build_many, build_sequence_proofs, verify_sequence
+from protocol.messages import SamplingParams
 
 pytestmark = [
     pytest.mark.slow,  # ~2-5 min on 2 shared cores
@@ -27,8 +27,11 @@ pytestmark = [
 MAX_TOKENS = 48  # one full decode chunk and a partial one
 SAMPLED = SamplingParams(temperature=0.6, max_tokens=MAX_TOKENS)
 QUESTION = "Explain why the sky is blue in two sentences."
-OTHER_QUESTIONS = ["Why do cats purr?", "Name three prime numbers and say why each is prime.",
-                   "Write a haiku about the sea, then explain its imagery line by line in plain words."]
+OTHER_QUESTIONS = [
+    "Why do cats purr?",
+    "Name three prime numbers and say why each is prime.",
+    "Write a haiku about the sea, then explain its imagery line by line in plain words.",
+]
 # What a node uses in a run whose genesis declares one numerics stack (the devnet's).
 DECLARED = proof_config_for({"numerics": "transformers-fp32-cpu"})
 
@@ -54,8 +57,13 @@ def prompt(smol: tuple[Any, Any]) -> list[int]:
     return _chat(smol[1], QUESTION)
 
 
-def _verdict(validator: TransformersEngine, claimed_prompt: list[int], c: Completion, tokens: list[int] | None = None,
-             config: ProofConfig = ProofConfig()) -> Any:
+def _verdict(
+    validator: TransformersEngine,
+    claimed_prompt: list[int],
+    c: Completion,
+    tokens: list[int] | None = None,
+    config: ProofConfig = ProofConfig(),
+) -> Any:
     proofs = build_sequence_proofs(c.hidden, len(c.prompt_tokens), config)
     hidden = validator.prefill_hidden(claimed_prompt, c.tokens if tokens is None else tokens)
     return verify_sequence(hidden, len(claimed_prompt), proofs, config)
@@ -72,8 +80,9 @@ def _perturbed(model: Any, rel: float, seed: int = 0) -> Any:
 
 def test_honest_rollouts_pass_sampled_and_greedy(honest: TransformersEngine, prompt: list[int]) -> None:
     sampled = honest.generate([prompt], 1, SAMPLED, [11], capture_hidden=True)[0][0]
-    greedy = honest.generate([prompt], 1, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), [0],
-                             capture_hidden=True)[0][0]
+    greedy = honest.generate(
+        [prompt], 1, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), [0], capture_hidden=True
+    )[0][0]
     for c in (sampled, greedy):
         for config in (ProofConfig(), ProofConfig.tight()):
             v = _verdict(honest, prompt, c, config=config)
@@ -118,7 +127,7 @@ def test_changed_prompt_token_fails(honest: TransformersEngine, prompt: list[int
     fewer top-k values (17-29 exponent mismatches measured, under 38), so those are
     caught by the tight thresholds, which a node uses by default when the run's genesis
     declares one numerics stack (DECLARED), see docs/proofs.md."""
-    assert DECLARED == ProofConfig.tight()
+    assert ProofConfig.tight() == DECLARED
     edited = []
     for where in (0, len(prompt) // 2, len(prompt) - 1):
         p = list(prompt)
@@ -132,8 +141,9 @@ def test_changed_prompt_token_fails(honest: TransformersEngine, prompt: list[int
         assert not v.ok, v.chunks
 
 
-@pytest.mark.parametrize("params", [SAMPLED, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)],
-                         ids=["t0.6", "greedy"])
+@pytest.mark.parametrize(
+    "params", [SAMPLED, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)], ids=["t0.6", "greedy"]
+)
 def test_honest_batches_pass_tight_whatever_the_batch_composition(
     smol: tuple[Any, Any], honest: TransformersEngine, prompt: list[int], params: SamplingParams
 ) -> None:

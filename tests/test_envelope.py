@@ -13,13 +13,14 @@ from protocol import (
     NodeKey,
     ProtocolError,
     ReplayGuard,
-    messages as m,
     open_envelope,
     seal,
 )
+from protocol import (
+    messages as m,
+)
 from protocol.schema import pack, unpack
-
-from .strategies import message_strategy
+from tests.support.strategies import message_strategy
 
 RUN = b"R" * 32
 OTHER_RUN = b"O" * 32
@@ -29,8 +30,16 @@ MALLORY = NodeKey(b"\x09" * 32)
 
 
 def heartbeat() -> m.Heartbeat:
-    return m.Heartbeat(role="worker", policy_version=1, addrs=("/ip4/127.0.0.1/tcp/4001",), data_port=0,
-                       have=(), uptime_s=3.5, step=-1, batches=2)
+    return m.Heartbeat(
+        role="worker",
+        policy_version=1,
+        addrs=("/ip4/127.0.0.1/tcp/4001",),
+        data_port=0,
+        have=(),
+        uptime_s=3.5,
+        step=-1,
+        batches=2,
+    )
 
 
 def sealed(msg=None, seq=1, ts=NOW, run=RUN, key=KEY) -> bytes:
@@ -38,8 +47,13 @@ def sealed(msg=None, seq=1, ts=NOW, run=RUN, key=KEY) -> bytes:
 
 
 def open_(data, guard=None, **kw):
-    return open_envelope(data, run_id=kw.pop("run_id", RUN), now_ms=kw.pop("now_ms", NOW),
-                         guard=guard if guard is not None else ReplayGuard(), **kw)
+    return open_envelope(
+        data,
+        run_id=kw.pop("run_id", RUN),
+        now_ms=kw.pop("now_ms", NOW),
+        guard=guard if guard is not None else ReplayGuard(),
+        **kw,
+    )
 
 
 def rule_of(data, **kw) -> str:
@@ -138,9 +152,22 @@ def test_seal_refuses_oversized_body():
     huge = m.ErrorResponse(code="x", detail="y" * 256)
     seal(KEY, RUN, huge, NOW, 1)
     with pytest.raises(ValueError):
-        seal(KEY, RUN, m.Heartbeat(role="worker", policy_version=1, addrs=(), data_port=0,
-                                   have=tuple(m.HaveEntry(1, b"r" * 32, b"\xff" * 60000) for _ in range(8)),
-                                   uptime_s=0.0, step=0, batches=0), NOW, 1)
+        seal(
+            KEY,
+            RUN,
+            m.Heartbeat(
+                role="worker",
+                policy_version=1,
+                addrs=(),
+                data_port=0,
+                have=tuple(m.HaveEntry(1, b"r" * 32, b"\xff" * 60000) for _ in range(8)),
+                uptime_s=0.0,
+                step=0,
+                batches=0,
+            ),
+            NOW,
+            1,
+        )
 
 
 def test_allowed_types_filter():
@@ -171,8 +198,20 @@ def test_random_bytes_raise_only_protocol_error(data):
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.binary(max_size=70),
-                          st.text(max_size=70), st.floats()), min_size=0, max_size=10))
+@given(
+    st.lists(
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**64), 2**64),
+            st.binary(max_size=70),
+            st.text(max_size=70),
+            st.floats(),
+        ),
+        min_size=0,
+        max_size=10,
+    )
+)
 def test_random_msgpack_arrays_raise_only_protocol_error(items):
     try:
         data = pack(items)
@@ -183,8 +222,10 @@ def test_random_msgpack_arrays_raise_only_protocol_error(items):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(sorted(m.ENVELOPE_TYPES)).flatmap(lambda t: message_strategy(m.ENVELOPE_TYPES[t])),
-       st.integers(0, 2**63 - 1))
+@given(
+    st.sampled_from(sorted(m.ENVELOPE_TYPES)).flatmap(lambda t: message_strategy(m.ENVELOPE_TYPES[t])),
+    st.integers(0, 2**63 - 1),
+)
 def test_every_envelope_type_round_trips(msg, seq):
     run = ZERO_RUN_ID if type(msg).TYPE_ID in m.PRE_RUN_TYPES else RUN
     try:

@@ -11,14 +11,31 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TARGETS = {"envelope", "message", "signed_body", "manifest", "proof", "genesis", "reqresp_server", "reqresp_client",
-           "gossip_frame", "dataplane_server", "dataplane_client"}
+TARGETS = {
+    "envelope",
+    "message",
+    "signed_body",
+    "manifest",
+    "proof",
+    "genesis",
+    "reqresp_server",
+    "reqresp_client",
+    "gossip_frame",
+    "dataplane_server",
+    "dataplane_client",
+}
 
 
 def test_every_atheris_target_runs_its_seeds(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "fuzz_atheris.py"), "--seeds-only"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "fuzz_atheris.py"), "--seeds-only"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result["seeds"]) == TARGETS and all(n >= 1 for n in result["seeds"].values()), result

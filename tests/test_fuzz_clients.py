@@ -15,7 +15,7 @@
   the pool) and nothing but the manifest's bytes is ever stored.
 
 Both run hypothesis in a worker thread against servers living in the test's trio loop
-(tests/fuzz_support.py). Budgets: ``FUZZ_EXAMPLES``.
+(tests/support/fuzz.py). Budgets: ``FUZZ_EXAMPLES``.
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from protocol import chunk_frames as F
+from node.checkpoints import ChunkStore
 from node.checkpoints.fetcher import VersionFetcher
 from node.checkpoints.testing import RecordingPeer
 from node.checkpoints.wire import recv_exactly, send_all
 from node.p2p.host import parse_peer_addr
 from node.p2p.reqresp import RR_PROTOCOL, RequestError, read_frame
 from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
-from node.checkpoints import ChunkStore
 from protocol import (
     ZERO_RUN_ID,
     BatchRequest,
@@ -58,13 +57,22 @@ from protocol import (
     seal,
     sha256,
 )
+from protocol import chunk_frames as F
 from protocol import messages as m
 from protocol.envelope import _signed_part
 from protocol.genesis import verify_genesis
 from protocol.schema import pack, unpack
-
-from .fuzz_support import apply_mutations, byte_mutations, examples, fuzz_settings, mutate_tree, on_loop, run_given, try_pack
-from .strategies import PEER_IDS, message_strategy
+from tests.support.fuzz import (
+    apply_mutations,
+    byte_mutations,
+    examples,
+    fuzz_settings,
+    mutate_tree,
+    on_loop,
+    run_given,
+    try_pack,
+)
+from tests.support.strategies import PEER_IDS, message_strategy
 
 # The nodes' loop runs beside hypothesis (another thread) and uses the random module.
 pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module")
@@ -80,8 +88,18 @@ def now_ms() -> int:
 def resign(key: NodeKey, run_id: bytes, type_id: int, body: bytes, ts: int | None = None) -> bytes:
     ts = now_ms() if ts is None else ts
     seq = next(_SEQ)
-    return pack([1, run_id, type_id, key.peer_id, ts, seq, body, key.sign(_signed_part(run_id, type_id, key.peer_id,
-                                                                                        ts, seq, body))])
+    return pack(
+        [
+            1,
+            run_id,
+            type_id,
+            key.peer_id,
+            ts,
+            seq,
+            body,
+            key.sign(_signed_part(run_id, type_id, key.peer_id, ts, seq, body)),
+        ]
+    )
 
 
 # ------------------------------------------------------------------ request/response: a hostile responder
@@ -90,20 +108,43 @@ def resign(key: NodeKey, run_id: bytes, type_id: int, body: bytes, ts: int | Non
 # manager's peer exchange (the answer feeds the address book), "genesis" through verify_genesis.
 EXCHANGES = ["px", "batch", "ticket", "genesis"]
 EXPECT = {"px": PeerExchangeResponse, "batch": BatchResponse, "ticket": ChunkTicket, "genesis": GenesisResponse}
-PAYLOADS = ["valid", "error", "mutated_envelope", "mutated_body", "other_signer", "wrong_type", "wrong_run", "stale",
-            "replay", "random"]
+PAYLOADS = [
+    "valid",
+    "error",
+    "mutated_envelope",
+    "mutated_body",
+    "other_signer",
+    "wrong_type",
+    "wrong_run",
+    "stale",
+    "replay",
+    "random",
+]
 FRAMINGS = ["exact", "split", "trailing", "short", "nothing", "oversize", "silence"]
 GOOD_FRAMINGS = {"exact", "split", "trailing"}
 RR_CODES = ("bad_response", "too_large", "closed", "timeout")
 
 # addresses a hostile peer exchange may hand out (no DNS names: nothing here may leave the machine)
-ODD_ADDRS = ["/ip4/127.0.0.1/tcp/1", "/ip4/999.1.1.1/tcp/1", "/ip6/::1/tcp/99999", "garbage", "/", "/ip4/127.0.0.1",
-             "/ip4/127.0.0.1/tcp/1/p2p/notapeer", "/unix/tmp/x", "/ip4/127.0.0.1/udp/1/quic", "/ip4/0.0.0.0/tcp/0",
-             "/ip4/127.0.0.1/tcp/1/p2p/" + PEER_IDS[0]]
-peer_addrs = st.builds(PeerAddr, peer_id=st.one_of(st.sampled_from(PEER_IDS), st.just(OTHER_KEY.peer_id)),
-                       addrs=st.lists(st.one_of(st.sampled_from(ODD_ADDRS), st.from_regex(r"/[a-z0-9/.:]{1,40}",
-                                                                                          fullmatch=True)),
-                                      max_size=3).map(tuple))
+ODD_ADDRS = [
+    "/ip4/127.0.0.1/tcp/1",
+    "/ip4/999.1.1.1/tcp/1",
+    "/ip6/::1/tcp/99999",
+    "garbage",
+    "/",
+    "/ip4/127.0.0.1",
+    "/ip4/127.0.0.1/tcp/1/p2p/notapeer",
+    "/unix/tmp/x",
+    "/ip4/127.0.0.1/udp/1/quic",
+    "/ip4/0.0.0.0/tcp/0",
+    "/ip4/127.0.0.1/tcp/1/p2p/" + PEER_IDS[0],
+]
+peer_addrs = st.builds(
+    PeerAddr,
+    peer_id=st.one_of(st.sampled_from(PEER_IDS), st.just(OTHER_KEY.peer_id)),
+    addrs=st.lists(
+        st.one_of(st.sampled_from(ODD_ADDRS), st.from_regex(r"/[a-z0-9/.:]{1,40}", fullmatch=True)), max_size=3
+    ).map(tuple),
+)
 PX_RESPONSES = st.builds(PeerExchangeResponse, peers=st.lists(peer_addrs, max_size=6).map(tuple))
 
 
@@ -120,8 +161,9 @@ def hostile_answers(draw):
     answer = draw(answer_strategy(kind))
     extras = {
         "error": draw(message_strategy(ErrorResponse)),
-        "wrong_type": draw(st.sampled_from(sorted(set(m.ENVELOPE_TYPES) - {EXPECT[kind].TYPE_ID,
-                                                                          ErrorResponse.TYPE_ID}))),
+        "wrong_type": draw(
+            st.sampled_from(sorted(set(m.ENVELOPE_TYPES) - {EXPECT[kind].TYPE_ID, ErrorResponse.TYPE_ID}))
+        ),
         "oversize": draw(st.one_of(st.just(2**32 - 1), st.integers(EXPECT[kind].MAX_BYTES + 1200, 2**32 - 1))),
         "short_by": draw(st.integers(1, 1000)),
         "split_at": draw(st.integers(0, 4)),
@@ -137,12 +179,20 @@ def hostile_answers(draw):
 
 
 def answer_plan(kind: str, payload: str, framing: str):
-    answers = {"px": PeerExchangeResponse(peers=(PeerAddr(peer_id=PEER_IDS[1], addrs=("/ip4/127.0.0.1/tcp/1",)),)),
-               "batch": BatchResponse(found=True, envelope=b"x" * 100),
-               "ticket": ChunkTicket(ok=True, reason="", ticket=b"T" * 32, host="127.0.0.1", port=1, expires_ms=1),
-               "genesis": GenesisResponse(genesis=overlay_genesis())}
-    extras = {"error": ErrorResponse(code="no_such_thing", detail="pinned"), "wrong_type": BatchRequest.TYPE_ID,
-              "oversize": 2**32 - 1, "short_by": 10, "split_at": 2, "trailing": b"\x00"}
+    answers = {
+        "px": PeerExchangeResponse(peers=(PeerAddr(peer_id=PEER_IDS[1], addrs=("/ip4/127.0.0.1/tcp/1",)),)),
+        "batch": BatchResponse(found=True, envelope=b"x" * 100),
+        "ticket": ChunkTicket(ok=True, reason="", ticket=b"T" * 32, host="127.0.0.1", port=1, expires_ms=1),
+        "genesis": GenesisResponse(genesis=overlay_genesis()),
+    }
+    extras = {
+        "error": ErrorResponse(code="no_such_thing", detail="pinned"),
+        "wrong_type": BatchRequest.TYPE_ID,
+        "oversize": 2**32 - 1,
+        "short_by": 10,
+        "split_at": 2,
+        "trailing": b"\x00",
+    }
     return kind, payload, framing, answers[kind], extras
 
 
@@ -171,11 +221,19 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                     with trio.move_on_after(10):
                         req = await read_frame(stream, 1 << 20)
                         plan = box["plan"]
-                        mine = (plan is not None and stream.muxed_conn.peer_id.to_base58() == client.peer_id
-                                and unpack(req)[2] == plan[0])
+                        mine = (
+                            plan is not None
+                            and stream.muxed_conn.peer_id.to_base58() == client.peer_id
+                            and unpack(req)[2] == plan[0]
+                        )
                         if not mine:  # not the test's request (e.g. a node's own peer exchange): refuse it plainly
-                            await stream.write(_framed(seal(hostile.key, run_id, ErrorResponse(code="busy", detail=""),
-                                                            now_ms(), next(_SEQ))))
+                            await stream.write(
+                                _framed(
+                                    seal(
+                                        hostile.key, run_id, ErrorResponse(code="busy", detail=""), now_ms(), next(_SEQ)
+                                    )
+                                )
+                            )
                             return
                         box["plan"] = None
                         _req_type, framing, data, extras = plan
@@ -188,7 +246,7 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                             await trio.sleep(0.01)
                             await stream.write(prefix[cut:] + data[: len(data) // 2])
                             await trio.sleep(0.01)
-                            await stream.write(data[len(data) // 2:])
+                            await stream.write(data[len(data) // 2 :])
                         elif framing == "trailing":  # bytes after the frame are never read
                             await stream.write(prefix + data + extras["trailing"])
                         elif framing == "short":  # the prefix promises more than comes, then the stream ends
@@ -215,11 +273,14 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                     if kind == "px" and timeout > silence_s:  # through the consumer: answers feed the address book
                         return "ok", await client.conns.exchange(hostile.peer_id)
                     if kind == "px":  # (exchange() waits 5 s: a silent responder is asked directly)
-                        return "ok", await client.reqresp.request(hostile.peer_id, PeerExchangeRequest(max_peers=32),
-                                                                  PeerExchangeResponse, timeout=timeout)
-                    req = {"batch": BatchRequest(batch_id=bytes(32)),
-                           "ticket": ChunkTicketRequest(version=0, root=bytes(32), chunk_indices=(0,)),
-                           "genesis": GenesisRequest(want=0)}[kind]
+                        return "ok", await client.reqresp.request(
+                            hostile.peer_id, PeerExchangeRequest(max_peers=32), PeerExchangeResponse, timeout=timeout
+                        )
+                    req = {
+                        "batch": BatchRequest(batch_id=bytes(32)),
+                        "ticket": ChunkTicketRequest(version=0, root=bytes(32), chunk_indices=(0,)),
+                        "genesis": GenesisRequest(want=0),
+                    }[kind]
                     return "ok", await client.reqresp.request(hostile.peer_id, req, EXPECT[kind], timeout=timeout)
                 except RequestError as exc:
                     return "error", exc
@@ -265,8 +326,12 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                     data = build(kind, payload, answer, extras)
                 except ValueError:  # the drawn answer is over its type's cap: seal refuses it
                     return
-                req_type = {"px": PeerExchangeRequest, "batch": BatchRequest, "ticket": ChunkTicketRequest,
-                            "genesis": GenesisRequest}[kind].TYPE_ID
+                req_type = {
+                    "px": PeerExchangeRequest,
+                    "batch": BatchRequest,
+                    "ticket": ChunkTicketRequest,
+                    "genesis": GenesisRequest,
+                }[kind].TYPE_ID
                 box["plan"] = (req_type, framing, data, extras)
                 before = client.policy.points(hostile.peer_id)
                 outcome, got = on_loop(ask, kind, silence_s if framing == "silence" else 10.0)
@@ -330,31 +395,60 @@ CHUNK = 4096
 STALL_S = 0.3
 # statuses a hostile reply may carry (OK most often, so the deep paths are reached)
 reply_status = st.sampled_from([F.OK] * 4 + sorted(F.STATUS_NAMES) + [99, 255])
-have_body = st.one_of(st.sampled_from(["full", "full", "empty"]),
-                      st.tuples(st.just("bits"), st.binary(min_size=2, max_size=2)),
-                      st.tuples(st.just("wrong_size"), st.binary(max_size=5).filter(lambda b: len(b) != 2)))
-get_body = st.one_of(st.sampled_from(["real", "real", "corrupt", "short"]),
-                     st.tuples(st.just("random"), st.integers(0, 2**32)),
-                     st.tuples(st.just("wrong_len"), st.sampled_from([-1, 1, -CHUNK, 2**40])))
+have_body = st.one_of(
+    st.sampled_from(["full", "full", "empty"]),
+    st.tuples(st.just("bits"), st.binary(min_size=2, max_size=2)),
+    st.tuples(st.just("wrong_size"), st.binary(max_size=5).filter(lambda b: len(b) != 2)),
+)
+get_body = st.one_of(
+    st.sampled_from(["real", "real", "corrupt", "short"]),
+    st.tuples(st.just("random"), st.integers(0, 2**32)),
+    st.tuples(st.just("wrong_len"), st.sampled_from([-1, 1, -CHUNK, 2**40])),
+)
 reply = st.tuples(st.just("reply"), reply_status, get_body, have_body, st.sampled_from([0, 0, 0, 7]))
 actions = st.one_of(
-    reply, reply, reply,
+    reply,
+    reply,
+    reply,
     st.tuples(st.just("push"), reply_status, have_body),
     st.tuples(st.just("misorder"), st.sampled_from(["index", "op"])),
     st.tuples(st.just("raw"), st.binary(max_size=40)),
 )
-seed_plans = st.fixed_dictionaries({
-    # a ticket naming the hostile server most often; else refused, failing, or naming odd addresses
-    # (no DNS names: nothing here may leave the machine)
-    "ticket": st.sampled_from(["ok"] * 6 + ["refused", "raise", "closed_port", ("host", ""), ("host", "a" * 64),
-                                            ("host", "\x00"), ("host", "0.0.0.0"), ("host", "::1")]),
-    "welcome": st.sampled_from(["ok"] * 6 + ["bad_magic", "wrong_count", ("status", F.BAD_TICKET), ("status", F.BUSY),
-                                             ("status", 200), ("short", 0), ("short", 7)]),
-    "honest": st.integers(0, 6),  # requests answered correctly first (a seed that turns hostile later)
-    "actions": st.lists(actions, max_size=14),
-    "end": st.sampled_from(["close", "close", "silence"]),
-    "others": st.lists(st.one_of(st.binary(min_size=2, max_size=2), st.binary(max_size=4)), max_size=3),
-})
+seed_plans = st.fixed_dictionaries(
+    {
+        # a ticket naming the hostile server most often; else refused, failing, or naming odd addresses
+        # (no DNS names: nothing here may leave the machine)
+        "ticket": st.sampled_from(
+            ["ok"] * 6
+            + [
+                "refused",
+                "raise",
+                "closed_port",
+                ("host", ""),
+                ("host", "a" * 64),
+                ("host", "\x00"),
+                ("host", "0.0.0.0"),
+                ("host", "::1"),
+            ]
+        ),
+        "welcome": st.sampled_from(
+            ["ok"] * 6
+            + [
+                "bad_magic",
+                "wrong_count",
+                ("status", F.BAD_TICKET),
+                ("status", F.BUSY),
+                ("status", 200),
+                ("short", 0),
+                ("short", 7),
+            ]
+        ),
+        "honest": st.integers(0, 6),  # requests answered correctly first (a seed that turns hostile later)
+        "actions": st.lists(actions, max_size=14),
+        "end": st.sampled_from(["close", "close", "silence"]),
+        "others": st.lists(st.one_of(st.binary(min_size=2, max_size=2), st.binary(max_size=4)), max_size=3),
+    }
+)
 
 
 def seed_plan(**kw) -> dict:
@@ -494,8 +588,9 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
                         if action[1] == "index":
                             await send_all(sock, F.REPLY.pack(op, F.OK, (idx + 1) % 2**32, 0), 5)
                         else:
-                            await send_all(sock, F.REPLY.pack(F.OP_GET if op == F.OP_HAVE else F.OP_HAVE, F.OK, idx,
-                                                              0), 5)
+                            await send_all(
+                                sock, F.REPLY.pack(F.OP_GET if op == F.OP_HAVE else F.OP_HAVE, F.OK, idx, 0), 5
+                            )
                         continue
                     _, status, gbody, hbody, junk = action
                     if op == F.OP_HAVE:
@@ -532,8 +627,17 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
         store = ChunkStore(tmp_path / f"fetcher{next(counter)}", RUN_ID, TRAINER.peer_id, durable=False)
         store.add_announce(announce)
         overlay = FakeOverlay(plan["ticket"], port, closed_port)
-        fetcher = VersionFetcher(store, 1, overlay, stall_timeout=STALL_S, ticket_timeout=2.0, have_poll_s=0.02,
-                               elsewhere_retry_s=0.05, endgame_after_s=0.05, rng=random.Random(0))
+        fetcher = VersionFetcher(
+            store,
+            1,
+            overlay,
+            stall_timeout=STALL_S,
+            ticket_timeout=2.0,
+            have_poll_s=0.02,
+            elsewhere_retry_s=0.05,
+            endgame_after_s=0.05,
+            rng=random.Random(0),
+        )
         for k, bm in enumerate(plan["others"]):  # have-sets of other peers (as heartbeats bring them)
             fetcher.update_have(f"other-{k}", bm)
         p = fetcher.peers[HOSTILE] = RecordingPeer(HOSTILE)
@@ -577,7 +681,9 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
                 assert i in st_.bitmap or i in fetcher._missing, f"chunk {i} lost track of"
             # have-set counts match the peers' bitmaps
             for i in range(nchunks):
-                assert fetcher.avail[i] == sum(1 for q in fetcher.peers.values() if q.bitmap is not None and i in q.bitmap)
+                assert fetcher.avail[i] == sum(
+                    1 for q in fetcher.peers.values() if q.bitmap is not None and i in q.bitmap
+                )
             assert fetcher.nseeds == sum(1 for q in fetcher.peers.values() if q.seed)
             # only the manifest's bytes are ever stored
             for i in st_.bitmap.indices():
@@ -596,7 +702,8 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
 
         await run_given(one)
         # the hostile seed's inputs reached the deep paths, not only the handshake
-        assert all(seen[k] for k in ("chunk_stored", "strike", "banned", "elsewhere", "bad_bitmap", "stall",
-                                     "out_of_order")), seen
+        assert all(
+            seen[k] for k in ("chunk_stored", "strike", "banned", "elsewhere", "bad_bitmap", "stall", "out_of_order")
+        ), seen
         await wait_until(lambda: box["sessions"] >= 1, 5, what="at least one session with the hostile seed")
         nursery.cancel_scope.cancel()

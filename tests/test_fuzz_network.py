@@ -13,12 +13,12 @@
 
 Inputs are hypothesis strategies (property-based; shrunk on failure). The nodes live
 in the test's trio loop and are started once; hypothesis runs in a worker thread and
-sends each example through them (tests/fuzz_support.py: ``run_given``/``on_loop``).
+sends each example through them (tests/support/fuzz.py: ``run_given``/``on_loop``).
 No handler may fail internally (``internal`` counters stay 0). The target's
 misbehaviour budget is huge so the attacker is not banned half-way and every input
 reaches the deep code; bans are tested in tests/test_hostile_floods.py.
 The client side (hostile responders and seeds) is in tests/test_fuzz_clients.py.
-Budgets: ``FUZZ_EXAMPLES`` (see tests/fuzz_support.py).
+Budgets: ``FUZZ_EXAMPLES`` (see tests/support/fuzz.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from libp2p.peer.id import ID
 
-from node.checkpoints import Checkpoints
-from protocol import chunk_frames as F
+from node.checkpoints import Checkpoints, ChunkStore
 from node.checkpoints.client import DataConnection
 from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
 from node.p2p.gossip import GOSSIP_PROTOCOL, GRAFT, IHAVE, PRUNE
@@ -44,7 +43,6 @@ from node.p2p.node import RoleHook
 from node.p2p.reqresp import RR_PROTOCOL, read_frame
 from node.p2p.testing import NodeFactory, overlay_genesis, tagged_announce, wait_until
 from node.roles.worker import WorkerRole
-from node.checkpoints import ChunkStore
 from protocol import (
     ZERO_RUN_ID,
     BatchRequest,
@@ -60,12 +58,12 @@ from protocol import (
     seal,
     sha256,
 )
+from protocol import chunk_frames as F
 from protocol import messages as m
 from protocol.envelope import _signed_part
 from protocol.schema import pack, unpack
 from protocol.topics import TOPIC_TYPES
-
-from .fuzz_support import (
+from tests.support.fuzz import (
     apply_mutations,
     byte_mutations,
     examples,
@@ -76,7 +74,7 @@ from .fuzz_support import (
     run_given,
     try_pack,
 )
-from .strategies import message_strategy
+from tests.support.strategies import message_strategy
 
 TARGET_KEY = NodeKey(b"\x51" * 32)
 SIGNER_KEY = NodeKey(b"\x52" * 32)  # signs the gossip fuzz content; forwarded by the attacker node
@@ -90,7 +88,9 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def resign(key: NodeKey, run_id: bytes, type_id: int, body: bytes, ts: int | None = None, seq: int | None = None) -> bytes:
+def resign(
+    key: NodeKey, run_id: bytes, type_id: int, body: bytes, ts: int | None = None, seq: int | None = None
+) -> bytes:
     """A correctly signed envelope around arbitrary body bytes (what a malicious peer can send)."""
     ts = now_ms() if ts is None else ts
     seq = next(_SEQ) if seq is None else seq
@@ -156,8 +156,16 @@ def internal_failures(node) -> int:
 # ------------------------------------------------------------------ request/response
 
 REQUEST_CLASSES = [GenesisRequest, PeerExchangeRequest, BatchRequest, ChunkTicketRequest]
-RR_KINDS = ["random", "mutated_envelope", "mutated_body", "other_signer", "odd_type", "lying_prefix",
-            "well_formed", "stale_or_replayed"]
+RR_KINDS = [
+    "random",
+    "mutated_envelope",
+    "mutated_body",
+    "other_signer",
+    "odd_type",
+    "lying_prefix",
+    "well_formed",
+    "stale_or_replayed",
+]
 
 
 @st.composite
@@ -180,7 +188,11 @@ def rr_inputs(draw, attacker: NodeKey, other: NodeKey, run_id: bytes):
         return "frame", fresh_seal(other, rid, msg), False
     if kind == "odd_type":  # a type nobody serves, or a response type as a request
         t = draw(st.sampled_from(sorted(m.ENVELOPE_TYPES) + [0, 255]))
-        return "frame", resign(attacker, draw(st.sampled_from([rid, ZERO_RUN_ID])), t, draw(st.binary(max_size=40))), False
+        return (
+            "frame",
+            resign(attacker, draw(st.sampled_from([rid, ZERO_RUN_ID])), t, draw(st.binary(max_size=40))),
+            False,
+        )
     if kind == "lying_prefix":  # a length prefix, then silence or a short write
         n = draw(st.one_of(u32, st.integers(1, 64)))
         return "raw", n.to_bytes(4, "big") + draw(st.binary(max_size=64)), False
@@ -243,16 +255,29 @@ async def test_fuzz_request_response_frames(tmp_path):
             # the target still answers an honest peer
             env = await honest.reqresp.request(target.peer_id, PeerExchangeRequest(max_peers=8), PeerExchangeResponse)
             assert isinstance(env.body, PeerExchangeResponse)
-            ticket = await honest.reqresp.request(target.peer_id, ChunkTicketRequest(
-                version=0, root=target.hook.dist.store.get(0).root, chunk_indices=(0,)), ChunkTicket)
+            ticket = await honest.reqresp.request(
+                target.peer_id,
+                ChunkTicketRequest(version=0, root=target.hook.dist.store.get(0).root, chunk_indices=(0,)),
+                ChunkTicket,
+            )
             assert ticket.body.ok
             nursery.cancel_scope.cancel()
 
 
 # ------------------------------------------------------------------ gossip
 
-GOSSIP_KINDS = ["random", "mutated_envelope", "mutated_body", "wrong_topic", "mutated_frame", "non_gossip_type",
-                "restricted_kind", "stale", "control", "generated"]
+GOSSIP_KINDS = [
+    "random",
+    "mutated_envelope",
+    "mutated_body",
+    "wrong_topic",
+    "mutated_frame",
+    "non_gossip_type",
+    "restricted_kind",
+    "stale",
+    "control",
+    "generated",
+]
 MARKER_BASE = 1 << 200
 
 
@@ -270,8 +295,14 @@ def gossip_frames(draw, attacker: NodeKey, run_id: bytes, topics: dict[str, str]
         body = try_pack(draw(mutate_tree(unpack(ann.encode())))) or b""
         return pack([topics["rollout"], resign(attacker, run_id, RolloutAnnounce.TYPE_ID, body)])
     if kind == "wrong_topic":  # a valid envelope on the wrong topic, or an unknown one
-        t = draw(st.one_of(st.sampled_from([topics["vote"], topics["heartbeat"], topics["checkpoint"],
-                                            "/primenode/x/rollout/1", ""]), st.text(max_size=30)))
+        t = draw(
+            st.one_of(
+                st.sampled_from(
+                    [topics["vote"], topics["heartbeat"], topics["checkpoint"], "/primenode/x/rollout/1", ""]
+                ),
+                st.text(max_size=30),
+            )
+        )
         return pack([t, good])
     if kind == "mutated_frame":
         return try_pack(draw(mutate_tree([topics["rollout"], good]))) or b""
@@ -286,9 +317,14 @@ def gossip_frames(draw, attacker: NodeKey, run_id: bytes, topics: dict[str, str]
         return pack([topics["rollout"], fresh_seal(attacker, run_id, ann, ts=now_ms() - 10 * 60_000)])
     if kind == "control":  # IHAVE / GRAFT / PRUNE with odd kinds and ids
         ctl = draw(st.one_of(st.sampled_from([IHAVE, GRAFT, PRUNE]), st.integers(-5, 300)))
-        ids = draw(st.one_of(st.lists(st.binary(min_size=32, max_size=32), max_size=8),
-                             st.lists(st.one_of(st.binary(max_size=40), st.integers(), st.none()), max_size=4),
-                             st.none(), st.text(max_size=5)))
+        ids = draw(
+            st.one_of(
+                st.lists(st.binary(min_size=32, max_size=32), max_size=8),
+                st.lists(st.one_of(st.binary(max_size=40), st.integers(), st.none()), max_size=4),
+                st.none(),
+                st.text(max_size=5),
+            )
+        )
         return pack([ctl, ids])
     # generated: any gossip message the attacker may legitimately sign (some are valid)
     k = draw(st.sampled_from(["rollout", "heartbeat"]))
@@ -307,8 +343,11 @@ def acceptable(genesis, kind: str, raw: bytes) -> bool:
         env = open_envelope(raw, run_id=genesis.run_id, now_ms=now_ms(), guard=None, allowed_types={TOPIC_TYPES[kind]})
     except Exception:
         return False
-    restricted = {"checkpoint": {genesis.trainer}, "vote": set(genesis.validators),
-                  "ban": {genesis.trainer, *genesis.validators}}
+    restricted = {
+        "checkpoint": {genesis.trainer},
+        "vote": set(genesis.validators),
+        "ban": {genesis.trainer, *genesis.validators},
+    }
     return kind not in restricted or env.sender in restricted[kind]
 
 
@@ -342,8 +381,9 @@ async def test_fuzz_gossip_frames(tmp_path):
                     for attempt in range(3):
                         try:
                             if state["stream"] is None:
-                                state["stream"] = await attacker.host.new_stream(ID.from_base58(target.peer_id),
-                                                                                 [GOSSIP_PROTOCOL])
+                                state["stream"] = await attacker.host.new_stream(
+                                    ID.from_base58(target.peer_id), [GOSSIP_PROTOCOL]
+                                )
                             await state["stream"].write(data + mark)
                             state["sent"] += 1
                             break
@@ -365,7 +405,9 @@ async def test_fuzz_gossip_frames(tmp_path):
                     items = unpack(payload)
                 except Exception:
                     items = None
-                inner = items[1] if isinstance(items, list) and len(items) == 2 and isinstance(items[1], bytes) else None
+                inner = (
+                    items[1] if isinstance(items, list) and len(items) == 2 and isinstance(items[1], bytes) else None
+                )
                 for kind, raw in new:
                     assert raw == inner, "delivered something that was not in the frame"
                     assert acceptable(genesis, kind, raw), f"delivered an invalid {kind} message"
@@ -391,8 +433,9 @@ async def test_fuzz_gossip_frames(tmp_path):
 
 async def _honest_fetch(node, target, role) -> bytes:
     st = role.dist.store.get(0)
-    env = await node.reqresp.request(target.peer_id, ChunkTicketRequest(version=0, root=st.root, chunk_indices=(0,)),
-                                     ChunkTicket)
+    env = await node.reqresp.request(
+        target.peer_id, ChunkTicketRequest(version=0, root=st.root, chunk_indices=(0,)), ChunkTicket
+    )
     t = env.body
     assert t.ok, t.reason
     conn = await DataConnection.open(t.host, t.port, t.ticket, stall_timeout=5)
@@ -427,11 +470,26 @@ def data_plane_inputs(draw, ticket: bytes):
     if kind == "mutated_hello":
         return draw(mutate_bytes(hello)), None, half_close, read
     if kind == "forged_ticket":
-        return F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, flags, draw(st.binary(min_size=32, max_size=32))), None, half_close, read
-    reqs = b"".join(F.REQUEST.pack(op, idx, pad) for op, idx, pad in draw(st.lists(st.tuples(
-        st.one_of(st.sampled_from([F.OP_GET, F.OP_HAVE, F.OP_BYE, 0, 4, 255]), u8),
-        st.one_of(st.sampled_from([0, 1, 3, 4, 2**32 - 1]), u32),
-        st.one_of(st.just(0), u64)), min_size=1, max_size=12)))
+        return (
+            F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, flags, draw(st.binary(min_size=32, max_size=32))),
+            None,
+            half_close,
+            read,
+        )
+    reqs = b"".join(
+        F.REQUEST.pack(op, idx, pad)
+        for op, idx, pad in draw(
+            st.lists(
+                st.tuples(
+                    st.one_of(st.sampled_from([F.OP_GET, F.OP_HAVE, F.OP_BYE, 0, 4, 255]), u8),
+                    st.one_of(st.sampled_from([0, 1, 3, 4, 2**32 - 1]), u32),
+                    st.one_of(st.just(0), u64),
+                ),
+                min_size=1,
+                max_size=12,
+            )
+        )
+    )
     if kind == "mutated_requests":
         reqs = draw(mutate_bytes(reqs))
     return hello + reqs, flags, half_close, read
@@ -445,7 +503,7 @@ def check_server_output(out: bytes, sent: bytes, flags: int | None, st_) -> None
     assert len(out) >= 4 and out[:4] == F.MAGIC, out[:16]
     if len(out) < F.WELCOME.size:
         return
-    _magic, status, nchunks = F.WELCOME.unpack(out[:F.WELCOME.size])[:3]
+    _magic, status, nchunks = F.WELCOME.unpack(out[: F.WELCOME.size])[:3]
     assert status in F.STATUS_NAMES
     pos = F.WELCOME.size
     if status != F.OK or flags is None:
@@ -453,15 +511,15 @@ def check_server_output(out: bytes, sent: bytes, flags: int | None, st_) -> None
         return
     assert nchunks == st_.bitmap.n
     bitmap_len = (nchunks + 7) // 8
-    reqs = sent[F.HELLO.size:]
+    reqs = sent[F.HELLO.size :]
     for k in range(len(reqs) // F.REQUEST.size):
-        op, idx, _ = F.REQUEST.unpack(reqs[k * F.REQUEST.size:(k + 1) * F.REQUEST.size])
+        op, idx, _ = F.REQUEST.unpack(reqs[k * F.REQUEST.size : (k + 1) * F.REQUEST.size])
         if op == F.OP_BYE:
             break
         while True:
             if pos + F.REPLY.size > len(out):
                 return  # the rest was not read (or the connection was cut): nothing more to check
-            rop, rstatus, ridx, length = F.REPLY.unpack(out[pos:pos + F.REPLY.size])
+            rop, rstatus, ridx, length = F.REPLY.unpack(out[pos : pos + F.REPLY.size])
             pos += F.REPLY.size
             if rop == F.OP_HAVE and ridx == F.PUSH_INDEX and op == F.OP_GET:
                 assert flags & F.FLAG_PUSH_HAVE and rstatus == F.OK and length == bitmap_len
@@ -497,8 +555,9 @@ async def test_fuzz_chunk_data_plane(tmp_path):
             client = await net.start()
             st_ = role.dist.store.get(0)
             # a real ticket for the attacker, so requests after HELLO reach the serving loop too
-            env = await client.reqresp.request(target.peer_id, ChunkTicketRequest(version=0, root=st_.root,
-                                                                                   chunk_indices=(0,)), ChunkTicket)
+            env = await client.reqresp.request(
+                target.peer_id, ChunkTicketRequest(version=0, root=st_.root, chunk_indices=(0,)), ChunkTicket
+            )
             ticket = env.body.ticket
             port = server.port
 

@@ -5,7 +5,7 @@ announces, genesis TOML files, and TOPLOC proofs.
 The only outcome ever allowed for bad input is the project's own error:
 ``ProtocolError`` (protocol/), ``NodeError`` (genesis files), ``ProofError``
 (proofs/). Whatever decodes must re-encode to exactly the same bytes.
-Budgets: see tests/fuzz_support.py (``FUZZ_EXAMPLES`` to run longer).
+Budgets: see tests/support/fuzz.py (``FUZZ_EXAMPLES`` to run longer).
 """
 
 from __future__ import annotations
@@ -19,25 +19,26 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from node.checkpoints.manifest import verify_announce
 from node.errors import NodeError
 from node.genesis_file import make_genesis, read_genesis, write_genesis
-from node.checkpoints.manifest import verify_announce
+from proofs import ProofConfig, ProofError, decode_proof, verify_sequence
 from protocol import (
     ZERO_RUN_ID,
     CheckpointAnnounce,
     NodeKey,
     ProtocolError,
     ReplayGuard,
-    messages as m,
     open_envelope,
     seal,
 )
+from protocol import (
+    messages as m,
+)
 from protocol.envelope import _signed_part
 from protocol.schema import pack, unpack
-from proofs import ProofConfig, ProofError, decode_proof, verify_sequence
-
-from .fuzz_support import fuzz_settings, mutate_bytes, mutate_tree, try_pack
-from .strategies import ALL_MESSAGE_CLASSES, message_strategy
+from tests.support.fuzz import fuzz_settings, mutate_bytes, mutate_tree, try_pack
+from tests.support.strategies import ALL_MESSAGE_CLASSES, message_strategy
 
 RUN = b"R" * 32
 NOW = 1_800_000_000_000
@@ -175,8 +176,11 @@ def test_signed_envelopes_with_mutated_bodies(msg, data):
 
 
 @fuzz_settings(300)
-@given(type_id=st.sampled_from(sorted(m.ENVELOPE_TYPES) + [0, 1, 4, 18, 255, 2**31]),
-       body=st.binary(max_size=200), run=st.sampled_from([RUN, ZERO_RUN_ID, b"X" * 32]))
+@given(
+    type_id=st.sampled_from(sorted(m.ENVELOPE_TYPES) + [0, 1, 4, 18, 255, 2**31]),
+    body=st.binary(max_size=200),
+    run=st.sampled_from([RUN, ZERO_RUN_ID, b"X" * 32]),
+)
 def test_signed_envelopes_with_random_bodies(type_id, body, run):
     open_or_protocol_error(_resign(body, type_id, run))
 
@@ -218,9 +222,11 @@ def test_checkpoint_announce_with_mutated_manifest(manifest, data):
     verify_announce raises ProtocolError or returns a manifest whose rules hold."""
     import dataclasses
 
-    manifest = dataclasses.replace(manifest, run_id=RUN,
-                                   root=m.CheckpointManifest.compute_root(RUN, manifest.version, manifest.chunk_size,
-                                                                          manifest.files))
+    manifest = dataclasses.replace(
+        manifest,
+        run_id=RUN,
+        root=m.CheckpointManifest.compute_root(RUN, manifest.version, manifest.chunk_size, manifest.files),
+    )
     tree = unpack(CheckpointAnnounce(manifest=manifest).encode())
     body = try_pack(data.draw(mutate_tree(tree)))
     if body is None:
@@ -244,10 +250,21 @@ def test_checkpoint_announce_with_mutated_manifest(manifest, data):
 @pytest.fixture(scope="module")
 def genesis_text(tmp_path_factory) -> str:
     owner = NodeKey(b"\x31" * 32)
-    signed = make_genesis(owner, {"steps": 3, "lr": 1e-4, "task": "math"}, name="fuzz", model="tiny",
-                          dataset="builtin:x", dataset_size=64, trainer=owner.peer_id,
-                          validators=[owner.peer_id], quorum=1, max_async=2, prompts_per_batch=2,
-                          group_size=2, chunk_size=1 << 20)
+    signed = make_genesis(
+        owner,
+        {"steps": 3, "lr": 1e-4, "task": "math"},
+        name="fuzz",
+        model="tiny",
+        dataset="builtin:x",
+        dataset_size=64,
+        trainer=owner.peer_id,
+        validators=[owner.peer_id],
+        quorum=1,
+        max_async=2,
+        prompts_per_batch=2,
+        group_size=2,
+        chunk_size=1 << 20,
+    )
     path = tmp_path_factory.mktemp("genesis") / "genesis.toml"
     write_genesis(signed, path)
     assert read_genesis(path) == signed
@@ -282,11 +299,18 @@ def test_genesis_file_value_mutations(genesis_text, tmp_path_factory, data):
     table = doc if section == "top" else doc[section]
     keys = sorted(table)
     key = data.draw(st.sampled_from(keys + ["extra_key"]))
-    value = data.draw(st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True),
-        st.text(max_size=80), st.lists(st.text(max_size=60), max_size=5), st.lists(st.integers(), max_size=3),
-        st.dictionaries(st.text(min_size=1, max_size=5), st.integers(), max_size=2),
-    ))
+    value = data.draw(
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**63), 2**63 - 1),
+            st.floats(allow_nan=True),
+            st.text(max_size=80),
+            st.lists(st.text(max_size=60), max_size=5),
+            st.lists(st.integers(), max_size=3),
+            st.dictionaries(st.text(min_size=1, max_size=5), st.integers(), max_size=2),
+        )
+    )
     if value is None:
         table.pop(key, None)
     else:
@@ -306,8 +330,14 @@ def test_genesis_file_text_mutations(genesis_text, tmp_path_factory, data):
 
 
 def test_genesis_file_odd_files(tmp_path):
-    for content in (b"", b"\xff\xfe\x00", b"run = 3\nsignature = 4\nrun_id = 5\n", b"[run]\n",
-                    b"run_id = \"zz\"\nsignature = \"00\"\n[run]\nname = \"x\"\n", b"\x00" * 100):
+    for content in (
+        b"",
+        b"\xff\xfe\x00",
+        b"run = 3\nsignature = 4\nrun_id = 5\n",
+        b"[run]\n",
+        b'run_id = "zz"\nsignature = "00"\n[run]\nname = "x"\n',
+        b"\x00" * 100,
+    ):
         _read_or_node_error(tmp_path / "g.toml", content)
     with pytest.raises(NodeError):
         read_genesis(tmp_path / "missing.toml")
@@ -349,7 +379,8 @@ def test_verify_sequence_random_proofs_and_shapes(data):
     hidden = torch.randn(rows, hidden_size).to(dtype)
     if data.draw(st.booleans()):
         hidden[data.draw(st.integers(0, max(rows - 1, 0))) if rows else slice(None)] = float(
-            data.draw(st.sampled_from(["nan", "inf", "-inf", "0"])))
+            data.draw(st.sampled_from(["nan", "inf", "-inf", "0"]))
+        )
     n_proofs = data.draw(st.integers(0, 6))
     size = data.draw(st.sampled_from([2 + 2 * topk, 2 + 2 * min(topk, hidden_size), 0, 3, 258]))
     proofs = [data.draw(st.binary(min_size=size, max_size=size)) for _ in range(n_proofs)]
@@ -365,8 +396,13 @@ def test_verify_sequence_random_proofs_and_shapes(data):
 def test_verify_sequence_odd_arguments():
     cfg = ProofConfig(chunk_size=2, topk=4)
     for hidden, plen, proofs in [
-        ("x", 1, []), (torch.zeros(3), 1, []), (torch.zeros(2, 2, 2), 1, []), (torch.zeros(3, 4, dtype=torch.int64), 1, []),
-        (torch.zeros(0, 4), 0, []), (torch.zeros(3, 4), 1, [b"\x00" * 10] * 2), (torch.zeros(3, 4), 1, ["str"] * 2),
+        ("x", 1, []),
+        (torch.zeros(3), 1, []),
+        (torch.zeros(2, 2, 2), 1, []),
+        (torch.zeros(3, 4, dtype=torch.int64), 1, []),
+        (torch.zeros(0, 4), 0, []),
+        (torch.zeros(3, 4), 1, [b"\x00" * 10] * 2),
+        (torch.zeros(3, 4), 1, ["str"] * 2),
         (torch.zeros(3, 4), 1, [None] * 2),
     ]:
         try:

@@ -12,9 +12,19 @@ OWNER, TRAINER, V1, V2 = (NodeKey(bytes([i]) * 32) for i in (11, 12, 13, 14))
 
 
 def genesis(**over):
-    fields = dict(name="t", model="tiny", dataset="builtin:target-length", dataset_size=64,
-                  trainer=TRAINER.peer_id, validators=[V1.peer_id, V2.peer_id], quorum=2, max_async=2,
-                  prompts_per_batch=4, group_size=4, chunk_size=1 << 20)
+    fields = dict(
+        name="t",
+        model="tiny",
+        dataset="builtin:target-length",
+        dataset_size=64,
+        trainer=TRAINER.peer_id,
+        validators=[V1.peer_id, V2.peer_id],
+        quorum=2,
+        max_async=2,
+        prompts_per_batch=4,
+        group_size=4,
+        chunk_size=1 << 20,
+    )
     fields.update(over)
     return make_genesis(OWNER, {"lr": 1e-4, "steps": 5, "task": "target-length"}, **fields)
 
@@ -28,8 +38,9 @@ def test_file_round_trip_keeps_run_id(tmp_path):
     assert genesis_config(loaded.genesis)["lr"] == 1e-4
 
 
-@pytest.mark.parametrize("old,new", [("steps = 5", "steps = 6"), ("quorum = 2", "quorum = 1"),
-                                     ("max_async = 2", "max_async = 9")])
+@pytest.mark.parametrize(
+    "old,new", [("steps = 5", "steps = 6"), ("quorum = 2", "quorum = 1"), ("max_async = 2", "max_async = 9")]
+)
 def test_edited_file_is_refused(tmp_path, old, new):
     path = tmp_path / "run.toml"
     write_genesis(genesis(), path)
@@ -55,6 +66,7 @@ def test_missing_file_and_missing_field(tmp_path):
 # A joiner without a local genesis file asks a bootstrap for it (node.p2p.node.fetch_genesis,
 # what `primenode join --bootstrap ... [--run-id HEX]` runs): real libp2p hosts in one process.
 
+
 async def _serve_and_fetch(served, expected_run_id=None, tamper=None):
     """Start a bootstrap serving ``served`` (``tamper`` swaps what it hands out after the
     node has started: a node refuses to *start* with a bad genesis), fetch from it."""
@@ -71,8 +83,9 @@ async def _serve_and_fetch(served, expected_run_id=None, tamper=None):
             if tamper is not None:
                 boot.signed_genesis = tamper
             try:
-                out["genesis"] = await fetch_genesis(NodeKey.generate(), net.bootstrap_addrs, timeout=10.0,
-                                                     expected_run_id=expected_run_id)
+                out["genesis"] = await fetch_genesis(
+                    NodeKey.generate(), net.bootstrap_addrs, timeout=10.0, expected_run_id=expected_run_id
+                )
             except NodeError as exc:
                 out["error"] = exc  # raised outside the nursery, not wrapped in an exception group
             nursery.cancel_scope.cancel()

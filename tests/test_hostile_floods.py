@@ -12,9 +12,8 @@ import time
 import types
 
 import trio
-from libp2p.peer.id import ID
+import trio.lowlevel
 
-from protocol import chunk_frames as F
 from node.checkpoints.server import ChunkServer
 from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.host import closing_host, make_host, parse_peer_addr
@@ -23,6 +22,7 @@ from node.p2p.reqresp import RequestError
 from node.p2p.swarm import SwarmView
 from node.p2p.testing import NodeFactory, wait_until
 from protocol import ChunkTicketRequest, Envelope, Heartbeat, NodeKey, RolloutAnnounce, seal
+from protocol import chunk_frames as F
 from protocol.schema import pack, unpack
 
 from .test_p2p_gossip_adversarial import collect, vote
@@ -49,8 +49,9 @@ def test_peer_policy_tables_stay_bounded_under_fresh_identities():
 
 def _hb_env(key: NodeKey, ts: int) -> Envelope:
     hb = Heartbeat(role="worker", policy_version=0, addrs=(), data_port=0, have=(), uptime_s=0.0, step=-1, batches=0)
-    return Envelope(run_id=b"R" * 32, type_id=Heartbeat.TYPE_ID, sender=key.peer_id, timestamp_ms=ts, seq=1, body=hb,
-                    raw=b"")
+    return Envelope(
+        run_id=b"R" * 32, type_id=Heartbeat.TYPE_ID, sender=key.peer_id, timestamp_ms=ts, seq=1, body=hb, raw=b""
+    )
 
 
 def test_swarm_view_is_bounded_and_known_peers_keep_refreshing():
@@ -98,7 +99,7 @@ async def _bare_attacker(target_addr: str, frames: list[bytes], sent: list[int],
                 with trio.fail_after(5):
                     await stream.write(len(f).to_bytes(4, "big") + f)
                 sent[0] += 1
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             await trio.sleep(0.5)
     except Exception:
         pass  # banned and cut off: expected
@@ -119,8 +120,9 @@ async def test_fresh_identities_flooding_invalid_gossip_are_banned_and_honest_tr
             def bad_frames(key: NodeKey) -> list[bytes]:
                 out = []
                 for i in range(50):
-                    env = unpack(seal(key, entry.run_id, vote(500 + i, key.peer_id), int(time.time() * 1000),
-                                      time.time_ns()))
+                    env = unpack(
+                        seal(key, entry.run_id, vote(500 + i, key.peer_id), int(time.time() * 1000), time.time_ns())
+                    )
                     env[7] = bytes(64)  # bad signature
                     out.append(pack([topic, pack(env)]))
                     out.append(b"\xc1garbage")
@@ -143,8 +145,11 @@ async def test_fresh_identities_flooding_invalid_gossip_are_banned_and_honest_tr
                 phase.start_soon(attack)
                 phase.start_soon(honest_traffic)
             want = set(range(10_000, 10_060))
-            await wait_until(lambda: all(want <= set(got[n.peer_id]) for n in honest[1:]), 30,
-                             what="every honest message at every honest node")
+            await wait_until(
+                lambda: all(want <= set(got[n.peer_id]) for n in honest[1:]),
+                30,
+                what="every honest message at every honest node",
+            )
             assert not {t for ts in got.values() for t in ts} & set(range(500, 550))
             assert entry.metrics.dropped["signature"] >= 15 and entry.metrics.dropped["encoding"] >= 1
             # the attackers' connections are gone and the identities banned (the ones that connected)
@@ -165,15 +170,35 @@ async def test_valid_but_useless_flood_is_rate_limited_then_banned():
             entry = honest[1]
             key = NodeKey.generate()
             topic = entry.gossip.topic("rollout")
-            frames = [pack([topic, seal(key, entry.run_id, RolloutAnnounce(batch_id=i.to_bytes(32, "big"),
-                                                                           policy_version=0, batch_counter=i,
-                                                                           num_samples=1, size_bytes=1),
-                                        int(time.time() * 1000), time.time_ns())]) for i in range(1000, 1600)]
+            frames = [
+                pack(
+                    [
+                        topic,
+                        seal(
+                            key,
+                            entry.run_id,
+                            RolloutAnnounce(
+                                batch_id=i.to_bytes(32, "big"),
+                                policy_version=0,
+                                batch_counter=i,
+                                num_samples=1,
+                                size_bytes=1,
+                            ),
+                            int(time.time() * 1000),
+                            time.time_ns(),
+                        ),
+                    ]
+                )
+                for i in range(1000, 1600)
+            ]
             sent = [0]
             await _bare_attacker(entry.full_addrs()[0], frames, sent, key)
             # a fresh identity: the unknown-origin burst (20) bites first, then the per-peer rate
-            await wait_until(lambda: entry.metrics.dropped["rate_limit"] + entry.metrics.dropped["origin_rate"] >= 100,
-                             20, what="rate-limit drops")
+            await wait_until(
+                lambda: entry.metrics.dropped["rate_limit"] + entry.metrics.dropped["origin_rate"] >= 100,
+                20,
+                what="rate-limit drops",
+            )
             await wait_until(lambda: entry.policy.is_banned(key.peer_id), 20, what="the flooder banned")
             # only what fitted in the burst got through; honest traffic still flows
             delivered = {t for t in got[honest[2].peer_id] if 1000 <= t < 1600}
@@ -231,16 +256,20 @@ async def test_data_connections_per_identity_are_capped(tmp_path):
             server.reseed_after_s = 1.0  # super-seeding hold-off on what the hoarder took (keeps the test short)
             hoarder = await net.start()
             st = role.dist.store.get(0)
-            env = await hoarder.reqresp.request(target.peer_id, ChunkTicketRequest(version=0, root=st.root,
-                                                                                    chunk_indices=(0,)),
-                                                __import__("protocol").ChunkTicket)
+            env = await hoarder.reqresp.request(
+                target.peer_id,
+                ChunkTicketRequest(version=0, root=st.root, chunk_indices=(0,)),
+                __import__("protocol").ChunkTicket,
+            )
             ticket = env.body.ticket
             socks = []
             statuses = collections.Counter()
             for _ in range(20):
                 s = await trio.open_tcp_stream("127.0.0.1", server.port)
-                await s.send_all(F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, 0, ticket)
-                                 + b"".join(F.REQUEST.pack(F.OP_GET, i % 4, 0) for i in range(64)))
+                await s.send_all(
+                    F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, 0, ticket)
+                    + b"".join(F.REQUEST.pack(F.OP_GET, i % 4, 0) for i in range(64))
+                )
                 welcome = b""
                 with trio.move_on_after(5):
                     while len(welcome) < F.WELCOME.size:
@@ -278,16 +307,23 @@ class _StubNode:
 
 
 def _announce(key: NodeKey, i: int, run_id: bytes) -> Envelope:
-    body = RolloutAnnounce(batch_id=i.to_bytes(32, "big"), policy_version=0, batch_counter=i, num_samples=1,
-                           size_bytes=1)
-    return Envelope(run_id=run_id, type_id=RolloutAnnounce.TYPE_ID, sender=key.peer_id,
-                    timestamp_ms=int(time.time() * 1000), seq=i, body=body, raw=b"")
+    body = RolloutAnnounce(
+        batch_id=i.to_bytes(32, "big"), policy_version=0, batch_counter=i, num_samples=1, size_bytes=1
+    )
+    return Envelope(
+        run_id=run_id,
+        type_id=RolloutAnnounce.TYPE_ID,
+        sender=key.peer_id,
+        timestamp_ms=int(time.time() * 1000),
+        seq=i,
+        body=body,
+        raw=b"",
+    )
 
 
 async def _unserved(role_cls, tmp_path):
     from node.home import NodeHome
-
-    from .roles_support import tiny_context
+    from tests.support.roles import tiny_context
 
     ctx = tiny_context(tmp_path / "ctx")
     home = NodeHome(tmp_path / "home")
@@ -371,8 +407,15 @@ async def test_a_fresh_identity_cannot_push_a_big_valid_burst_but_a_member_can()
             entry, far = honest[1], honest[2]
             key = NodeKey.generate()
             topic = entry.gossip.topic("rollout")
-            frames = [pack([topic, seal(key, entry.run_id, vote(2000 + i, key.peer_id), int(time.time() * 1000),
-                                        time.time_ns())]) for i in range(300)]
+            frames = [
+                pack(
+                    [
+                        topic,
+                        seal(key, entry.run_id, vote(2000 + i, key.peer_id), int(time.time() * 1000), time.time_ns()),
+                    ]
+                )
+                for i in range(300)
+            ]
             await _bare_attacker(entry.full_addrs()[0], frames, [0], key)
             await wait_until(lambda: entry.policy.is_banned(key.peer_id), 30, what="the flooder banned (origin rate)")
             assert entry.metrics.dropped["origin_rate"] >= 50
@@ -386,8 +429,11 @@ async def test_a_fresh_identity_cannot_push_a_big_valid_burst_but_a_member_can()
                 n.policy._origin_buckets.clear()
             for i in range(300):
                 await honest[0].gossip.publish(vote(5000 + i, honest[0].peer_id))
-            await wait_until(lambda: all(set(range(5000, 5300)) <= set(got[n.peer_id]) for n in honest[1:]),
-                             60, what="the member's burst everywhere")
+            await wait_until(
+                lambda: all(set(range(5000, 5300)) <= set(got[n.peer_id]) for n in honest[1:]),
+                60,
+                what="the member's burst everywhere",
+            )
             nursery.cancel_scope.cancel()
 
 
@@ -406,8 +452,11 @@ async def test_inbound_connection_floods_are_cut_before_the_handshake():
             socks = []
             for _ in range(60):
                 socks.append(await trio.open_tcp_stream("127.0.0.1", port))
-            await wait_until(lambda: getattr(swarm, "primenode_inbound_refused", 0)
-                             >= 60 - host_mod.INBOUND_CONNECTIONS_BURST - 5, 20, what="connections refused")
+            await wait_until(
+                lambda: getattr(swarm, "primenode_inbound_refused", 0) >= 60 - host_mod.INBOUND_CONNECTIONS_BURST - 5,
+                20,
+                what="connections refused",
+            )
             for s in socks:
                 await s.aclose()
             await trio.sleep(1.0)  # the bucket refills
@@ -431,11 +480,20 @@ async def test_a_fresh_identity_per_message_is_capped_per_forwarder():
             frames = []
             for i in range(400):
                 k = NodeKey.generate()
-                frames.append(pack([topic, seal(k, entry.run_id, vote(3000 + i, k.peer_id), int(time.time() * 1000),
-                                                time.time_ns())]))
+                frames.append(
+                    pack(
+                        [
+                            topic,
+                            seal(k, entry.run_id, vote(3000 + i, k.peer_id), int(time.time() * 1000), time.time_ns()),
+                        ]
+                    )
+                )
             await _bare_attacker(entry.full_addrs()[0], frames, [0])
-            await wait_until(lambda: entry.metrics.dropped["unknown_origin_rate"] >= 150, 30,
-                             what="unknown-origin drops at the entry")
+            await wait_until(
+                lambda: entry.metrics.dropped["unknown_origin_rate"] >= 150,
+                30,
+                what="unknown-origin drops at the entry",
+            )
             await trio.sleep(1.0)
             passed = [t for t in got[far.peer_id] if 3000 <= t < 3400]
             assert len(passed) <= entry.policy.unknown_origins_per_forwarder_burst + 20, len(passed)

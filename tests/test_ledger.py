@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import trio
+import trio.lowlevel
 
 from node.roles.ledger import Ledger
 
@@ -108,7 +109,8 @@ def test_rejected_batches_lose_their_bytes_but_keep_their_record(tmp_path):
         lg.record_vote(b"bad", v, False, "toploc: exponent mismatches", [])
     assert lg.try_admit(b"bad") == "rejected"
     worker, status, reason, env = lg.db.execute(
-        "SELECT worker, status, reason, envelope FROM batches WHERE batch_id = ?", (b"bad",)).fetchone()
+        "SELECT worker, status, reason, envelope FROM batches WHERE batch_id = ?", (b"bad",)
+    ).fetchone()
     assert (worker, status, env) == ("w", "rejected", None) and "toploc" in reason
     assert len(lg.db.execute("SELECT * FROM votes WHERE batch_id = ?", (b"bad",)).fetchall()) == 2
     # fetched and recorded again (re-announced): a decided batch takes no bytes
@@ -237,13 +239,21 @@ class _ServingNode:
 def _signed_batch(key, run_id: bytes, counter: int, size: int = 1000):
     from protocol import RolloutAnnounce, RolloutBatch, Sample, SamplingParams, seal, sha256
 
-    batch = RolloutBatch(run_id=run_id, worker=key.peer_id, policy_version=0, batch_counter=counter,
-                         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=24),
-                         samples=(Sample(prompt_index=0, completion=b"\x01\x00\x00\x00", seed=1, proof=b"p" * size,
-                                         claimed_reward=0.0),), created_ms=1)
+    batch = RolloutBatch(
+        run_id=run_id,
+        worker=key.peer_id,
+        policy_version=0,
+        batch_counter=counter,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=24),
+        samples=(
+            Sample(prompt_index=0, completion=b"\x01\x00\x00\x00", seed=1, proof=b"p" * size, claimed_reward=0.0),
+        ),
+        created_ms=1,
+    )
     raw = seal(key, run_id, batch, int(time.time() * 1000), counter + 1)
-    ann = RolloutAnnounce(batch_id=sha256(raw), policy_version=0, batch_counter=counter, num_samples=1,
-                          size_bytes=len(raw))
+    ann = RolloutAnnounce(
+        batch_id=sha256(raw), policy_version=0, batch_counter=counter, num_samples=1, size_bytes=len(raw)
+    )
     return raw, ann
 
 
@@ -255,8 +265,7 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
     from node.p2p.testing import wait_until
     from node.roles.trainer import TrainerRole
     from protocol import Envelope, NodeKey, RolloutAnnounce, Vote
-
-    from .roles_support import VALIDATORS, tiny_context
+    from tests.support.roles import VALIDATORS, tiny_context
 
     ctx = tiny_context(tmp_path / "ctx", ledger_max_pending=4, ledger_max_pending_bytes=1 << 20)
     home = NodeHome(tmp_path / "home")
@@ -282,17 +291,35 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
                 fraw, fann = _signed_batch(key, run_id, 0)
                 node.batches[fann.batch_id] = fraw
                 role._on_announce(announce(key, fann))
-                await trio.sleep(0)
-            await wait_until(lambda: role.ledger.db.execute("SELECT COUNT(*) FROM batches").fetchone()[0] == 31, 20,
-                             what="every flood batch fetched")
+                await trio.lowlevel.checkpoint()
+            await wait_until(
+                lambda: role.ledger.db.execute("SELECT COUNT(*) FROM batches").fetchone()[0] == 31,
+                20,
+                what="every flood batch fetched",
+            )
             s = role.ledger.storage()
             assert s["pending_with_bytes"] <= 4 and s["pending_bytes"] <= 1 << 20
             assert role.ledger.needs_fetch(ann.batch_id), "the honest batch's bytes were not evicted"
             fetched = node.requests.count(ann.batch_id)
             for v in VALIDATORS:  # the genesis's two validators (quorum 2) accept the honest batch
-                role._on_vote(Envelope(run_id, Vote.TYPE_ID, v.peer_id, 0, 0, Vote(
-                    batch_id=ann.batch_id, worker=honest.peer_id, policy_version=0, accept=True, reason="",
-                    rewards=(0.5,)), b""))
+                role._on_vote(
+                    Envelope(
+                        run_id,
+                        Vote.TYPE_ID,
+                        v.peer_id,
+                        0,
+                        0,
+                        Vote(
+                            batch_id=ann.batch_id,
+                            worker=honest.peer_id,
+                            policy_version=0,
+                            accept=True,
+                            reason="",
+                            rewards=(0.5,),
+                        ),
+                        b"",
+                    )
+                )
             await wait_until(lambda: ann.batch_id in role.ledger.admitted_ids(), 10, what="the honest batch admitted")
             assert node.requests.count(ann.batch_id) == fetched + 1 and role.refetches == 1
             assert [b.envelope for b in role.ledger.untrained()] == [raw]

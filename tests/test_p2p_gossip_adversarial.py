@@ -6,8 +6,9 @@ import time
 
 import trio
 
-from node.p2p.testing import NodeFactory, collect_tags as collect, tagged_announce, wait_until
-from protocol import NodeKey, RolloutAnnounce, seal
+from node.p2p.testing import NodeFactory, tagged_announce, wait_until
+from node.p2p.testing import collect_tags as collect
+from protocol import RolloutAnnounce, seal
 from protocol.schema import pack, unpack
 
 
@@ -30,14 +31,19 @@ def bad_signatures(attacker, run_id, now):
 
 
 def other_run(attacker, run_id, now):
-    return ([seal(attacker.key, b"X" * 32, vote(200 + i, attacker.peer_id), now, attacker.seq.next()) for i in range(3)],
-            "run_id", {200, 201, 202})
+    return (
+        [seal(attacker.key, b"X" * 32, vote(200 + i, attacker.peer_id), now, attacker.seq.next()) for i in range(3)],
+        "run_id",
+        {200, 201, 202},
+    )
 
 
 def replays(attacker, run_id, now):
     """Stale copies (outside the replay window) and reused sequence numbers with new content."""
-    out = [seal(attacker.key, run_id, vote(300 + i, attacker.peer_id), now - 10 * 60_000, attacker.seq.next())
-           for i in range(3)]
+    out = [
+        seal(attacker.key, run_id, vote(300 + i, attacker.peer_id), now - 10 * 60_000, attacker.seq.next())
+        for i in range(3)
+    ]
     used = attacker.seq.next()
     inject(attacker, seal(attacker.key, run_id, vote(310, attacker.peer_id), now, used))  # the genuine one
     out += [seal(attacker.key, run_id, vote(311 + i, attacker.peer_id), now, used) for i in range(5)]
@@ -87,8 +93,11 @@ async def test_burst_of_500_valid_messages_all_arrive_exactly_once():
             for i in range(500):
                 await src.gossip.publish(vote(10_000 + i, src.peer_id))
             want = set(range(10_000, 10_500))
-            await wait_until(lambda: all(set(got[n.peer_id]) >= want for n in nodes if n is not src), 60,
-                             what="all 500 at every node")
+            await wait_until(
+                lambda: all(set(got[n.peer_id]) >= want for n in nodes if n is not src),
+                60,
+                what="all 500 at every node",
+            )
             await trio.sleep(0.5)
             for n in nodes:
                 if n is not src:
@@ -110,10 +119,14 @@ async def test_restricted_kinds_only_from_the_genesis_roles():
             for n in nodes:
                 n.gossip.on("vote", lambda env, pid=n.peer_id: got[pid].append(env.sender))
             impostor = nodes[2]
-            await impostor.gossip.publish(Vote(batch_id=bytes(32), worker=impostor.peer_id, policy_version=0,
-                                               accept=True, reason="", rewards=()))
-            await wait_until(lambda: sum(n.metrics.dropped["unauthorised"] for n in nodes) >= 1, 20,
-                             what="the impostor's vote dropped")
+            await impostor.gossip.publish(
+                Vote(batch_id=bytes(32), worker=impostor.peer_id, policy_version=0, accept=True, reason="", rewards=())
+            )
+            await wait_until(
+                lambda: sum(n.metrics.dropped["unauthorised"] for n in nodes) >= 1,
+                20,
+                what="the impostor's vote dropped",
+            )
             await trio.sleep(1.0)
             assert not any(got.values())
             nursery.cancel_scope.cancel()

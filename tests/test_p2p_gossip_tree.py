@@ -8,7 +8,9 @@ from __future__ import annotations
 import trio
 
 from node.p2p.gossip import GRAFT, IHAVE, MAX_IDS_PER_FRAME, PRUNE
-from node.p2p.testing import NodeFactory, collect_tags as collect, tagged_announce as announce, wait_until
+from node.p2p.testing import NodeFactory, wait_until
+from node.p2p.testing import collect_tags as collect
+from node.p2p.testing import tagged_announce as announce
 from protocol.schema import pack
 
 
@@ -64,8 +66,11 @@ async def test_a_node_whose_eager_links_were_all_pruned_still_gets_everything_by
             # Every neighbour is told to stop pushing to the victim: only IHAVE reaches it now.
             for pid in list(victim.gossip._links):
                 victim.gossip._send(pid, pack([PRUNE, []]))
-            await wait_until(lambda: all(victim.peer_id not in n.gossip._eager for n in nodes if n is not victim),
-                             20, what="the neighbours to demote the victim to lazy")
+            await wait_until(
+                lambda: all(victim.peer_id not in n.gossip._eager for n in nodes if n is not victim),
+                20,
+                what="the neighbours to demote the victim to lazy",
+            )
             grafts_before = victim.gossip.counters["graft_sent"]
             await publish_round(nodes[:-1], got, range(500, 510))
             assert sorted(got[victim.peer_id]) == list(range(500, 510))
@@ -93,15 +98,17 @@ async def test_malformed_control_frames_are_charged_and_bounded():
             assert target.gossip.counters["graft_served"] == 0
             before = target.metrics.dropped["frame"]
             bad = [
-                pack([9, []]),                                   # unknown control kind
-                pack([IHAVE, [b"short"]]),                       # id of the wrong size
-                pack([GRAFT, "not a list"]),                     # ids not a list
+                pack([9, []]),  # unknown control kind
+                pack([IHAVE, [b"short"]]),  # id of the wrong size
+                pack([GRAFT, "not a list"]),  # ids not a list
                 pack([IHAVE, [bytes(32)] * (MAX_IDS_PER_FRAME + 1)]),  # too many ids
-                pack([True, []]),                                # a bool is not a kind
+                pack([True, []]),  # a bool is not a kind
             ]
             for f in bad:
                 attacker.gossip._send(target.peer_id, f)
-            await wait_until(lambda: target.metrics.dropped["frame"] >= before + len(bad), 20, what="the bad frames dropped")
+            await wait_until(
+                lambda: target.metrics.dropped["frame"] >= before + len(bad), 20, what="the bad frames dropped"
+            )
             assert target.policy.points(attacker.peer_id) > 0 or target.policy.is_banned(attacker.peer_id)
             nursery.cancel_scope.cancel()
 

@@ -15,7 +15,8 @@ import trio
 from node.home import NodeHome
 from node.p2p.connmgr import backoff_delay
 from node.p2p.faults import Partition
-from node.p2p.testing import NodeFactory, collect_tags as collect, tagged_announce, wait_until
+from node.p2p.testing import NodeFactory, tagged_announce, wait_until
+from node.p2p.testing import collect_tags as collect
 from protocol import NodeKey, RolloutAnnounce
 
 
@@ -73,7 +74,8 @@ async def test_twelve_nodes_exactly_once_then_heal_after_four_die():
             alive = {n.peer_id for n in survivors}
             want = min(survivors[0].config.target_peers, len(survivors) - 1)
             await wait_until(
-                lambda: all(len(alive & set(n.conns.connected())) >= want for n in survivors), 30,
+                lambda: all(len(alive & set(n.conns.connected())) >= want for n in survivors),
+                30,
                 what=f"every survivor back to {want} connections",
             )
             for pid in got:
@@ -101,7 +103,8 @@ async def test_survivors_get_back_to_the_target_connection_count():
             alive = {n.peer_id for n in survivors}
             want = min(3, len(survivors) - 1)
             await wait_until(
-                lambda: all(len(alive & set(n.conns.connected())) >= want for n in survivors), 45,
+                lambda: all(len(alive & set(n.conns.connected())) >= want for n in survivors),
+                45,
                 what=f"every survivor back to {want} live connections",
             )
             nursery.cancel_scope.cancel()
@@ -119,7 +122,9 @@ async def test_restart_from_the_same_home_keeps_peer_id_and_rejoins(tmp_path):
             old_id = first.peer_id
             await net.wait_connected(min_peers=2)
             net.kill(first)
-            await wait_until(lambda: all(old_id not in n.conns.connected() for n in net.nodes), 20, what="the old node gone")
+            await wait_until(
+                lambda: all(old_id not in n.conns.connected() for n in net.nodes), 20, what="the old node gone"
+            )
 
             again = await net.start(key=NodeHome(home).load_key())  # the key read from disk again
             assert again is not first and again.peer_id == old_id
@@ -130,7 +135,9 @@ async def test_restart_from_the_same_home_keeps_peer_id_and_rejoins(tmp_path):
             await wait_until(lambda: got[old_id] == [7], 20, what="the restarted node to receive")
             # and its own messages are not mistaken for old ones
             await again.gossip.publish(vote(8, old_id))
-            await wait_until(lambda: all(8 in got[n.peer_id] for n in net.nodes if n is not again), 20, what="others to hear it")
+            await wait_until(
+                lambda: all(8 in got[n.peer_id] for n in net.nodes if n is not again), 20, what="others to hear it"
+            )
             nursery.cancel_scope.cancel()
 
 
@@ -158,8 +165,9 @@ async def test_dials_to_unreachable_peers_back_off():
     base, cap = 0.2, 0.8
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            net = NodeFactory(nursery, conn_interval_s=0.05, dial_backoff_base_s=base, dial_backoff_max_s=cap,
-                              probe_interval_s=0.0)
+            net = NodeFactory(
+                nursery, conn_interval_s=0.05, dial_backoff_base_s=base, dial_backoff_max_s=cap, probe_interval_s=0.0
+            )
             node = await net.start()
             # one peer behind a cut link (the dial fails at once), one at a closed TCP port
             cut_id, dead_id = NodeKey.generate().peer_id, NodeKey.generate().peer_id
@@ -180,8 +188,9 @@ async def test_dials_to_unreachable_peers_back_off():
             node.conns.dial = counting_dial
             node.conns._learn(cut_id, ["/ip4/127.0.0.1/tcp/1"])
             node.conns._learn(dead_id, [f"/ip4/127.0.0.1/tcp/{port}"])
-            await wait_until(lambda: len(attempts[cut_id]) >= 5 and len(attempts[dead_id]) >= 3, 40,
-                             what="repeated dials")
+            await wait_until(
+                lambda: len(attempts[cut_id]) >= 5 and len(attempts[dead_id]) >= 3, 40, what="repeated dials"
+            )
             for pid, times in attempts.items():
                 for fails, (t0, t1) in enumerate(zip(times, times[1:]), start=1):
                     # a retry waits the back-off (jitter: at least 0.8 of it) after the failure
@@ -218,8 +227,9 @@ async def test_nodes_that_stop_leave_no_open_sockets():
             baseline = open_sockets()
             for _ in range(4):
                 await start_and_stop()
-            await wait_until(lambda: open_sockets() <= baseline, 10,
-                             what=f"sockets back to {baseline} (now {open_sockets()})")
+            await wait_until(
+                lambda: open_sockets() <= baseline, 10, what=f"sockets back to {baseline} (now {open_sockets()})"
+            )
             nursery.cancel_scope.cancel()
 
 

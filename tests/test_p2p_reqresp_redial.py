@@ -59,8 +59,9 @@ class _Host:
 
 
 def _rr(host) -> ReqResp:
-    return ReqResp(host, NodeKey(b"\x01" * 32), b"\x00" * 32, policy=PeerPolicy(), metrics=NodeMetrics(),
-                   seq=SequenceCounter(1))
+    return ReqResp(
+        host, NodeKey(b"\x01" * 32), b"\x00" * 32, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(1)
+    )
 
 
 async def test_a_dead_connection_is_closed_and_redialled():

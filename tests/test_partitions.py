@@ -16,8 +16,8 @@ from node.roles.trainer import TrainerRole
 from node.roles.validator import ValidatorRole
 from node.roles.worker import WorkerRole
 from protocol import NodeKey, PeerExchangeRequest, PeerExchangeResponse, RolloutBatch, open_envelope, sha256
+from tests.support.roles import OWNER, TRAINER
 
-from .roles_support import OWNER, TRAINER
 from .test_roles_network import homes
 
 VALIDATORS = [NodeKey(bytes([0x31 + i]) * 32) for i in range(3)]
@@ -42,17 +42,27 @@ async def test_a_cut_stops_dials_requests_and_gossip_and_a_heal_reconnects_even_
     a, b = nodes[:3], nodes[3:]
     part.cut([n.peer_id for n in a], [n.peer_id for n in b])
 
-    await wait_until(lambda: not crossing_links(a, b) and not crossing_links(b, a), 15, poll=0.2,
-                     what="every connection across the cut closed")
+    await wait_until(
+        lambda: not crossing_links(a, b) and not crossing_links(b, a),
+        15,
+        poll=0.2,
+        what="every connection across the cut closed",
+    )
     # each half forgets the other (no heartbeat crosses) and stays connected inside
-    await wait_until(lambda: all(not ({m.peer_id for m in b} & set(n.swarm.peers())) for n in a), 20, poll=0.2,
-                     what="the first half to forget the second")
-    await wait_until(lambda: all(len(n.conns.connected()) >= 2 for n in nodes), 20, poll=0.2,
-                     what="each half connected inside")
+    await wait_until(
+        lambda: all(not ({m.peer_id for m in b} & set(n.swarm.peers())) for n in a),
+        20,
+        poll=0.2,
+        what="the first half to forget the second",
+    )
+    await wait_until(
+        lambda: all(len(n.conns.connected()) >= 2 for n in nodes), 20, poll=0.2, what="each half connected inside"
+    )
     with_tags = collect_tags(nodes)
     await a[1].gossip.publish(tagged_announce(1))
-    await wait_until(lambda: all(1 in with_tags[n.peer_id] for n in a if n is not a[1]), 10,
-                     what="gossip inside the first half")
+    await wait_until(
+        lambda: all(1 in with_tags[n.peer_id] for n in a if n is not a[1]), 10, what="gossip inside the first half"
+    )
     try:
         await a[0].reqresp.request(b[0].peer_id, PeerExchangeRequest(max_peers=4), PeerExchangeResponse, timeout=5)
     except RequestError as exc:
@@ -64,23 +74,52 @@ async def test_a_cut_stops_dials_requests_and_gossip_and_a_heal_reconnects_even_
     assert not crossing_links(a, b) and not crossing_links(b, a), "a connection was re-made across the cut"
 
     part.heal()
-    await wait_until(lambda: crossing_links(a, b) or crossing_links(b, a), 30, poll=0.2,
-                     what="a connection across the healed cut (probe of unheard peers)")
-    await wait_until(lambda: all({m.peer_id for m in nodes} - {n.peer_id} <= set(n.swarm.peers()) for n in nodes),
-                     30, poll=0.2, what="every node to hear every other again")
+    await wait_until(
+        lambda: crossing_links(a, b) or crossing_links(b, a),
+        30,
+        poll=0.2,
+        what="a connection across the healed cut (probe of unheard peers)",
+    )
+    await wait_until(
+        lambda: all({m.peer_id for m in nodes} - {n.peer_id} <= set(n.swarm.peers()) for n in nodes),
+        30,
+        poll=0.2,
+        what="every node to hear every other again",
+    )
     await b[2].gossip.publish(tagged_announce(2))
-    await wait_until(lambda: all(2 in with_tags[n.peer_id] for n in nodes if n is not b[2]), 15,
-                     what="gossip across the healed cut")
+    await wait_until(
+        lambda: all(2 in with_tags[n.peer_id] for n in nodes if n is not b[2]), 15, what="gossip across the healed cut"
+    )
     assert sum(n.conns.probes for n in nodes) >= 1
     nursery.cancel_scope.cancel()
 
 
 def genesis_3x3(steps: int):
-    cfg = {"task": "target-length", "max_tokens": 24, "temperature": 1.0, "seed": 0, "tiny_hidden_size": 64,
-           "tiny_layers": 2, "steps": steps, "batches_per_step": 1}
-    return make_genesis(OWNER, cfg, name="partition", model="tiny", dataset="builtin:target-length", dataset_size=64,
-                        trainer=TRAINER.peer_id, validators=[v.peer_id for v in VALIDATORS], quorum=2,
-                        max_async=2, prompts_per_batch=2, group_size=4, chunk_size=1 << 20)
+    cfg = {
+        "task": "target-length",
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 0,
+        "tiny_hidden_size": 64,
+        "tiny_layers": 2,
+        "steps": steps,
+        "batches_per_step": 1,
+    }
+    return make_genesis(
+        OWNER,
+        cfg,
+        name="partition",
+        model="tiny",
+        dataset="builtin:target-length",
+        dataset_size=64,
+        trainer=TRAINER.peer_id,
+        validators=[v.peer_id for v in VALIDATORS],
+        quorum=2,
+        max_async=2,
+        prompts_per_batch=2,
+        group_size=4,
+        chunk_size=1 << 20,
+    )
 
 
 def newest(role) -> int:
@@ -98,8 +137,14 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
         async with trio.open_nursery() as nursery:
             # production heartbeat interval (see test_roles_network.py); probes every 3 s so
             # the heal does not wait for the production 30 s
-            net = NodeFactory(nursery, genesis=genesis, heartbeat_interval_s=2.0, forget_after_s=10.0,
-                              target_peers=3, probe_interval_s=3.0)
+            net = NodeFactory(
+                nursery,
+                genesis=genesis,
+                heartbeat_interval_s=2.0,
+                forget_after_s=10.0,
+                target_peers=3,
+                probe_interval_s=3.0,
+            )
             boot = await net.start()
             trainer = TrainerRole(homes(tmp_path, "trainer"), ctx)
             await net.start(hook=trainer, key=TRAINER)
@@ -113,8 +158,9 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
                 await net.start(hook=workers[-1], key=k)
             roles = [trainer, *validators, *workers]
             # everyone in one network first: the first version reached every node
-            await wait_until(lambda: all(newest(r) >= 0 for r in roles), 120, poll=0.2,
-                             what="version 0 everywhere before the cut")
+            await wait_until(
+                lambda: all(newest(r) >= 0 for r in roles), 120, poll=0.2, what="version 0 everywhere before the cut"
+            )
 
             half_a = [boot, trainer.node, validators[0].node, validators[1].node, workers[0].node]
             half_b = [validators[2].node, workers[1].node, workers[2].node]
@@ -123,8 +169,12 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
                 part.install(n)
             part.cut([n.peer_id for n in half_a], [n.peer_id for n in half_b])
             at_cut = trainer.version
-            await wait_until(lambda: not crossing_links(half_a, half_b) and not crossing_links(half_b, half_a), 15,
-                             poll=0.2, what="the cut")
+            await wait_until(
+                lambda: not crossing_links(half_a, half_b) and not crossing_links(half_b, half_a),
+                15,
+                poll=0.2,
+                what="the cut",
+            )
             # A has a quorum (2 of 3 validators) and a worker: it trains to the end alone
             await wait_until(lambda: trainer.version >= final, 180, poll=0.2, what="half A to finish training")
             assert at_cut <= final - 2, "half A made fewer than two versions alone"
@@ -134,24 +184,35 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
 
             part.heal()
             # the trainer re-announces its newest version; B's nodes fetch it from whoever holds it
-            await wait_until(lambda: all(newest(r) == final for r in roles), 90, poll=0.2,
-                             what="the final version on every node after the heal")
-            await wait_until(lambda: all(w.loaded_version == final for w in workers), 30, poll=0.2,
-                             what="every worker on the final version")
+            await wait_until(
+                lambda: all(newest(r) == final for r in roles),
+                90,
+                poll=0.2,
+                what="the final version on every node after the heal",
+            )
+            await wait_until(
+                lambda: all(w.loaded_version == final for w in workers),
+                30,
+                poll=0.2,
+                what="every worker on the final version",
+            )
             assert trainer.version == final
 
             # No duplicate admission. The ledger's unique index covers only its own columns of the
             # rows admitted now, so judge from the bytes instead: open every batch ever admitted
             # (aged-out ones too; the ledger keeps their bytes) and read the slot its worker signed.
             db = trainer.ledger.db
-            admitted = db.execute("SELECT batch_id, worker, policy_version, batch_counter, envelope FROM batches "
-                                  "WHERE admitted_ms IS NOT NULL").fetchall()
+            admitted = db.execute(
+                "SELECT batch_id, worker, policy_version, batch_counter, envelope FROM batches "
+                "WHERE admitted_ms IS NOT NULL"
+            ).fetchall()
             assert admitted
             signed_slots = []
             for batch_id, worker, version, counter, raw in admitted:
                 assert raw is not None and sha256(raw) == batch_id, "an admitted batch lost its bytes"
-                env = open_envelope(raw, run_id=genesis.genesis.run_id, now_ms=0, guard=None,
-                                    allowed_types={RolloutBatch.TYPE_ID})
+                env = open_envelope(
+                    raw, run_id=genesis.genesis.run_id, now_ms=0, guard=None, allowed_types={RolloutBatch.TYPE_ID}
+                )
                 batch = env.body
                 slot = (env.sender, batch.policy_version, batch.batch_counter)
                 assert slot == (worker, version, counter), "the ledger's slot is not the one the worker signed"
@@ -160,8 +221,9 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
             assert len(signed_slots) == len(set(signed_slots)), "the same owed prompts were admitted twice"
             # every refusal as a duplicate names a slot that is admitted exactly once
             for worker, version, counter in db.execute(
-                    "SELECT worker, policy_version, batch_counter FROM batches "
-                    "WHERE status = 'rejected' AND reason LIKE 'duplicate slot%'").fetchall():
+                "SELECT worker, policy_version, batch_counter FROM batches "
+                "WHERE status = 'rejected' AND reason LIKE 'duplicate slot%'"
+            ).fetchall():
                 assert signed_slots.count((worker, version, counter)) == 1
             # every step trained once, in order
             rows = [json.loads(line) for line in (trainer.home.path / "metrics.jsonl").read_text().splitlines()]

@@ -20,11 +20,11 @@ from proofs import (
     decode_proof,
     expected_chunks,
     judge,
+    modarith,
     proof_size,
     verify_proofs,
     verify_sequence,
 )
-from proofs import modarith
 
 VECTORS = Path(__file__).resolve().parents[2] / "shared" / "toploc-vectors"
 if not VECTORS.exists():  # the shared tree sits beside the checkout

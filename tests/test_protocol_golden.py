@@ -51,16 +51,29 @@ VALIDATOR_ID = "12D3KooWCd3eX8r5ihRvzK7P1yPq5aakaBJhG5GNj18YTztPhoCa"
 T0 = 1_700_000_000_000  # 2023-11-14T22:13:20Z in ms
 
 GENESIS = m.RunGenesis(
-    name="golden", owner=OWNER_ID, created_ms=T0, model="tiny", dataset="builtin:length", dataset_size=1000,
-    trainer=TRAINER_ID, validators=(VALIDATOR_ID,), quorum=1, max_async=2, prompts_per_batch=4, group_size=8,
-    chunk_size=4 * 1024 * 1024, config_toml="lr = 0.0001\n",
+    name="golden",
+    owner=OWNER_ID,
+    created_ms=T0,
+    model="tiny",
+    dataset="builtin:length",
+    dataset_size=1000,
+    trainer=TRAINER_ID,
+    validators=(VALIDATOR_ID,),
+    quorum=1,
+    max_async=2,
+    prompts_per_batch=4,
+    group_size=8,
+    chunk_size=4 * 1024 * 1024,
+    config_toml="lr = 0.0001\n",
 )
 RUN_ID = bytes.fromhex("9bac524d45707b78f9600e298037e7db51dee366eaa0469e77efd4dde02550a7")
 GENESIS_SIGNATURE = bytes.fromhex(
     "bb4d7551695b6041b8bf269beeac7ef2aca04bea899397ce4c59acdebc427c82e37104433c99088b943cd01b9b64e44d8da0d1663f0a6ea4067305ad2f71c50c"
 )
 
-ANNOUNCE = m.RolloutAnnounce(batch_id=bytes(range(32)), policy_version=3, batch_counter=7, num_samples=32, size_bytes=123456)
+ANNOUNCE = m.RolloutAnnounce(
+    batch_id=bytes(range(32)), policy_version=3, batch_counter=7, num_samples=32, size_bytes=123456
+)
 # seal(TRAINER, RUN_ID, ANNOUNCE, timestamp_ms=T0, seq=42)
 ENVELOPE = bytes.fromhex(
     "9801c4209bac524d45707b78f9600e298037e7db51dee366eaa0469e77efd4dde02550a706d934313244334b6f6f574134586f70314a"
@@ -72,6 +85,7 @@ ENVELOPE_ID = bytes.fromhex("7112354bc17de57f0acb58aa4a437f6c617b9201e356a319b62
 
 
 # ------------------------------------------------------------------ identity
+
 
 def test_rfc8032_key_gives_the_rfc_answers():
     assert OWNER.public_bytes == RFC_PUBLIC
@@ -91,6 +105,7 @@ def test_fixed_seed_gives_fixed_peer_id(seed, peer_id):
 
 # ------------------------------------------------------------------ messages
 
+
 @pytest.mark.parametrize(
     "message, hex_bytes",
     [
@@ -103,22 +118,43 @@ def test_fixed_seed_gives_fixed_peer_id(seed, peer_id):
         # fixarray(2) [fixstr "busy", fixstr ""]
         (m.ErrorResponse(code="busy", detail=""), "92a462757379a0"),
         # fixarray(3) [3, bin8 32 x 0xaa, fixarray(3) [0, 1, uint16 300]]
-        (m.ChunkTicketRequest(version=3, root=b"\xaa" * 32, chunk_indices=(0, 1, 300)),
-         "9303c420" + "aa" * 32 + "930001cd012c"),
+        (
+            m.ChunkTicketRequest(version=3, root=b"\xaa" * 32, chunk_indices=(0, 1, 300)),
+            "9303c420" + "aa" * 32 + "930001cd012c",
+        ),
         # fixarray(5) [bin8 00..1f, 3, 7, 32, uint32 123456]
         (ANNOUNCE, "95c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f030720ce0001e240"),
         # fixarray(8) ["worker", 3, ["/ip4/127.0.0.1/tcp/4001"], uint16 9000,
         #              [[3, bin8 32 x 0, bin8 0f]], float64 12.5, -1, 7]
-        (m.Heartbeat(role="worker", policy_version=3, addrs=("/ip4/127.0.0.1/tcp/4001",), data_port=9000,
-                     have=(m.HaveEntry(version=3, root=bytes(32), bitmap=b"\x0f"),), uptime_s=12.5, step=-1,
-                     batches=7),
-         "98a6776f726b65720391b72f6970342f3132372e302e302e312f7463702f34303031cd2328919303c420" + "00" * 32
-         + "c4010fcb4029000000000000ff07"),
+        (
+            m.Heartbeat(
+                role="worker",
+                policy_version=3,
+                addrs=("/ip4/127.0.0.1/tcp/4001",),
+                data_port=9000,
+                have=(m.HaveEntry(version=3, root=bytes(32), bitmap=b"\x0f"),),
+                uptime_s=12.5,
+                step=-1,
+                batches=7,
+            ),
+            "98a6776f726b65720391b72f6970342f3132372e302e302e312f7463702f34303031cd2328919303c420"
+            + "00" * 32
+            + "c4010fcb4029000000000000ff07",
+        ),
         # fixarray(6) [bin8 00..1f, str8 peer id, 3, false, "toploc", [float64 1.0, float64 -0.5]]
-        (m.Vote(batch_id=bytes(range(32)), worker=TRAINER_ID, policy_version=3, accept=False, reason="toploc",
-                rewards=(1.0, -0.5)),
-         "96c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fd934" + TRAINER_ID.encode().hex()
-         + "03c2a6746f706c6f6392cb3ff0000000000000cbbfe0000000000000"),
+        (
+            m.Vote(
+                batch_id=bytes(range(32)),
+                worker=TRAINER_ID,
+                policy_version=3,
+                accept=False,
+                reason="toploc",
+                rewards=(1.0, -0.5),
+            ),
+            "96c420000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1fd934"
+            + TRAINER_ID.encode().hex()
+            + "03c2a6746f706c6f6392cb3ff0000000000000cbbfe0000000000000",
+        ),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, m.Message) else "bytes",
 )
@@ -138,6 +174,7 @@ def test_fixed_manifest_root():
 
 # ------------------------------------------------------------------ genesis
 
+
 def test_fixed_genesis_gives_fixed_run_id():
     assert len(GENESIS.encode()) == 225
     assert GENESIS.run_id == RUN_ID
@@ -152,6 +189,7 @@ def test_fixed_genesis_signature():
 
 # ------------------------------------------------------------------ envelope
 
+
 def test_sealed_envelope_is_fixed_bytes():
     assert seal(TRAINER, RUN_ID, ANNOUNCE, T0, 42) == ENVELOPE
     assert sha256(ENVELOPE) == ENVELOPE_ID
@@ -165,6 +203,7 @@ def test_pinned_envelope_opens():
 
 
 # ------------------------------------------------------------------ prompt assignment
+
 
 def test_fixed_assignment_seed():
     seed = assignment_seed(RUN_ID, TRAINER_ID, 3, 7)

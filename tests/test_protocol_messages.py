@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import ProtocolError, messages as m
+from protocol import ProtocolError
+from protocol import messages as m
 from protocol.schema import pack
-
-from .strategies import ALL_MESSAGE_CLASSES, message_strategy
+from tests.support.strategies import ALL_MESSAGE_CLASSES, message_strategy
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -18,9 +18,20 @@ def test_every_envelope_type_is_covered():
     names = {c.__name__ for c in ALL_MESSAGE_CLASSES}
     for cls in m.ENVELOPE_TYPES.values():
         assert cls.__name__ in names
-    for required in ("RunGenesis", "Heartbeat", "CheckpointManifest", "CheckpointAnnounce", "RolloutBatch",
-                     "RolloutAnnounce", "Vote", "BanNotice", "ChunkTicketRequest", "ChunkTicket",
-                     "BatchRequest", "BatchResponse"):
+    for required in (
+        "RunGenesis",
+        "Heartbeat",
+        "CheckpointManifest",
+        "CheckpointAnnounce",
+        "RolloutBatch",
+        "RolloutAnnounce",
+        "Vote",
+        "BanNotice",
+        "ChunkTicketRequest",
+        "ChunkTicket",
+        "BatchRequest",
+        "BatchResponse",
+    ):
         assert required in names
 
 

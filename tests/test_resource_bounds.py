@@ -3,10 +3,9 @@ checkpoint version or every peer stay bounded."""
 
 from __future__ import annotations
 
-from node.checkpoints.service import FETCH_HISTORY_VERSIONS, MAX_BANNED, SERVED_TO_PEERS, Checkpoints
 from node.checkpoints import ChunkStore
-
-from .dist_helpers import RUN_ID, keys
+from node.checkpoints.service import FETCH_HISTORY_VERSIONS, MAX_BANNED, SERVED_TO_PEERS, Checkpoints
+from tests.support.checkpoints import RUN_ID, keys
 
 
 class _NoOverlay:
@@ -52,8 +51,7 @@ def test_a_fetch_tracks_a_bounded_number_of_peers(tmp_path):
     """Heartbeats from ever new identities during a fetch add peers to it: bounded, and the
     peers that showed a bitmap (the useful ones) are never pushed out by newcomers."""
     from node.checkpoints.fetcher import MAX_KNOWN_PEERS, VersionFetcher
-
-    from .dist_helpers import make_checkpoint
+    from tests.support.checkpoints import make_checkpoint
 
     trainer = keys(1)[0]
     store = ChunkStore(tmp_path / "seed", RUN_ID, trainer.peer_id)
@@ -79,17 +77,18 @@ def test_progress_display_state_is_bounded_over_many_versions():
 
     from rich.console import Console
 
+    from node.checkpoints.fetcher import FetchProgress
     from node.ops.daemon import _FetchReporter
     from node.ops.progress import CheckpointProgress
-    from node.checkpoints.fetcher import FetchProgress
 
     rep = _FetchReporter(tty=False, every_s=0.0)
     bar = CheckpointProgress(console=Console(file=io.StringIO(), force_terminal=True))
     with bar:
         for v in range(1000):
             for held, done in ((1, False), (4, True)):
-                p = FetchProgress(version=v, held=held, total=4, bytes_fetched=held, mib_per_s=1.0, elapsed_s=0.1,
-                                  done=done)
+                p = FetchProgress(
+                    version=v, held=held, total=4, bytes_fetched=held, mib_per_s=1.0, elapsed_s=0.1, done=done
+                )
                 rep.update(p)
                 bar.update(p)
     assert len(rep.done) <= _FetchReporter.KEEP_VERSIONS and 999 in rep.done

@@ -13,13 +13,22 @@ from typing import Any
 import torch
 
 from node.rl.grpo import GRPOConfig, GRPOTrainer
-from tests.rl_support import fake_groups, char_llama
+from tests.support.rl import char_llama, fake_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 # warm-up of 6 optimizer steps with 2 mini-batches per step: the checkpoint (after 2 steps = 4 optimizer
 # steps) is taken in the middle of the warm-up, so the resumed run must continue the schedule exactly
-CFG = dict(lr=1e-2, warmup_steps=6, weight_decay=0.01, max_grad_norm=0.5, max_tokens=8, temperature=0.8,
-           entropy_coef=0.01, mini_batches=2, micro_batch_size=5)
+CFG = dict(
+    lr=1e-2,
+    warmup_steps=6,
+    weight_decay=0.01,
+    max_grad_norm=0.5,
+    max_tokens=8,
+    temperature=0.8,
+    entropy_coef=0.01,
+    mini_batches=2,
+    micro_batch_size=5,
+)
 TOTAL, SAVED_AT = 5, 2
 PY_SEED = 1234  # Python's RNG is seeded from the OS at start-up: seed it so both processes agree
 
@@ -68,7 +77,7 @@ def test_save_kill_resume_equals_uninterrupted(tmp_path):
         import os, random, signal, torch
         torch.set_num_threads(1)
         from node.rl.grpo import GRPOConfig, GRPOTrainer
-        from tests.rl_support import fake_groups, char_llama
+        from tests.support.rl import fake_groups, char_llama
         tr = GRPOTrainer(char_llama(seed=7), GRPOConfig(**{CFG!r}))
         random.seed({PY_SEED})
         for s in range({SAVED_AT}):
@@ -108,8 +117,10 @@ def test_save_kill_resume_equals_uninterrupted(tmp_path):
     assert_same(resumed_end, straight_end)  # and training from it continues bit for bit
     # the comparison is not vacuous: training moved the parameters and the moments after the checkpoint
     assert not torch.equal(straight_at_save["params"]["lm_head.weight"], straight_end["params"]["lm_head.weight"])
-    assert not torch.equal(straight_at_save["opt_state"]["lm_head.weight"]["exp_avg"],
-                           straight_end["opt_state"]["lm_head.weight"]["exp_avg"])
+    assert not torch.equal(
+        straight_at_save["opt_state"]["lm_head.weight"]["exp_avg"],
+        straight_end["opt_state"]["lm_head.weight"]["exp_avg"],
+    )
 
 
 def test_checkpoint_loads_with_transformers_and_overwrites_atomically(tmp_path):

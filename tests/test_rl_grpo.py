@@ -13,7 +13,7 @@ import torch
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout, grpo_token_loss
 from node.rl.metrics import StepMetrics
-from tests.rl_support import fake_groups, char_llama
+from tests.support.rl import char_llama, fake_groups
 
 torch.set_num_threads(1)
 
@@ -21,7 +21,9 @@ torch.set_num_threads(1)
 def test_advantages_hand_computed():
     adv = group_advantages([1.0, 0.0, 0.0, 1.0])
     # mean 0.5, population std 0.5
-    assert adv == pytest.approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)] * 1 + [-0.5 / (0.5 + 1e-6), 0.5 / (0.5 + 1e-6)])
+    assert adv == pytest.approx(
+        [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)] * 1 + [-0.5 / (0.5 + 1e-6), 0.5 / (0.5 + 1e-6)]
+    )
     adv = group_advantages([3.0, 1.0, 2.0])
     std = math.sqrt(2 / 3)
     assert adv == pytest.approx([1 / (std + 1e-6), -1 / (std + 1e-6), 0.0])
@@ -37,13 +39,13 @@ def test_all_equal_group_has_zero_advantages_and_is_filtered():
 def test_token_loss_hand_computed_and_two_sided_clipping():
     # (ratio, advantage) -> expected loss, clipped?
     cases = [
-        (1.0, 1.0, -1.0, False),   # on-policy
-        (1.5, 1.0, -1.2, True),    # A>0, ratio above 1+eps: clipped at 1.2
-        (0.5, 1.0, -0.5, False),   # A>0, ratio below 1-eps: unclipped (pessimistic branch)
-        (1.5, -1.0, 1.5, False),   # A<0, ratio above 1+eps: unclipped ...
-        (10.0, -1.0, 4.0, True),   # ... but capped at delta = 4 (the second side)
-        (0.5, -1.0, 0.8, True),    # A<0, ratio below 1-eps: clipped at 0.8
-        (2.0, 0.5, -0.6, True),    # A>0 scaled
+        (1.0, 1.0, -1.0, False),  # on-policy
+        (1.5, 1.0, -1.2, True),  # A>0, ratio above 1+eps: clipped at 1.2
+        (0.5, 1.0, -0.5, False),  # A>0, ratio below 1-eps: unclipped (pessimistic branch)
+        (1.5, -1.0, 1.5, False),  # A<0, ratio above 1+eps: unclipped ...
+        (10.0, -1.0, 4.0, True),  # ... but capped at delta = 4 (the second side)
+        (0.5, -1.0, 0.8, True),  # A<0, ratio below 1-eps: clipped at 0.8
+        (2.0, 0.5, -0.6, True),  # A>0 scaled
     ]
     ratios = torch.tensor([c[0] for c in cases], dtype=torch.float64)
     adv = torch.tensor([c[1] for c in cases], dtype=torch.float64)
@@ -129,7 +131,14 @@ def test_staleness_bound_and_zero_advantage_filter_are_counted():
 def test_config_documents_intellect2_defaults():
     c = GRPOConfig()
     assert (c.lr, c.weight_decay, c.betas, c.warmup_steps, c.max_grad_norm) == (3e-7, 0.01, (0.9, 0.99), 25, 0.1)
-    assert (c.clip_eps, c.delta, c.entropy_coef, c.kl_coef, c.temperature, c.max_async) == (0.2, 4.0, 0.001, 0.0, 0.6, 2)
+    assert (c.clip_eps, c.delta, c.entropy_coef, c.kl_coef, c.temperature, c.max_async) == (
+        0.2,
+        4.0,
+        0.001,
+        0.0,
+        0.6,
+        2,
+    )
     assert GRPOConfig.from_dict(c.to_dict()) == c
 
 

@@ -12,11 +12,19 @@ import pytest
 
 from node.engines.base import Completion
 from node.ops.dataset_cli import filter_dataset
-from node.rl.tasks import (
-    CharTokenizer, Problem, _names_split, arithmetic_problems, cached_hf_files, cached_hf_snapshot, length_problems,
-    load_dataset, problem_from_record, save_dataset,
-)
 from node.rl.rewards import math_reward
+from node.rl.tasks import (
+    CharTokenizer,
+    Problem,
+    _names_split,
+    arithmetic_problems,
+    cached_hf_files,
+    cached_hf_snapshot,
+    length_problems,
+    load_dataset,
+    problem_from_record,
+    save_dataset,
+)
 
 RECORDS = [
     {"id": "a", "prompt": "1+1?", "task": "math", "answer": "2"},
@@ -78,10 +86,15 @@ def hub(tmp_path, monkeypatch):
 
 
 def test_cached_hf_dataset_resolves_refs_main(hub):
-    fake_hub_dataset(hub, "org/mathset", {
-        MAIN: {"data/train-00000-of-00001.parquet": prob("4"), "data/test-00000-of-00001.parquet": prob("40")},
-        NEWER: {"data/train-00000-of-00001.parquet": prob("5"), "data/test-00000-of-00001.parquet": prob("50")},
-    }, {"main": MAIN, "v2": NEWER, "refs/pr/1": NEWER})
+    fake_hub_dataset(
+        hub,
+        "org/mathset",
+        {
+            MAIN: {"data/train-00000-of-00001.parquet": prob("4"), "data/test-00000-of-00001.parquet": prob("40")},
+            NEWER: {"data/train-00000-of-00001.parquet": prob("5"), "data/test-00000-of-00001.parquet": prob("50")},
+        },
+        {"main": MAIN, "v2": NEWER, "refs/pr/1": NEWER},
+    )
     assert [p.answer for p in load_dataset("hf:org/mathset")] == ["4"]  # refs/main, not the last snapshot
     assert [p.answer for p in load_dataset("hf:org/mathset@main")] == ["4"]
     assert [p.answer for p in load_dataset("hf:org/mathset", split="test")] == ["40"]
@@ -93,8 +106,9 @@ def test_cached_hf_dataset_resolves_refs_main(hub):
     from huggingface_hub import try_to_load_from_cache
 
     for rev in ("main", "v2", "refs/pr/1", NEWER, MAIN):
-        theirs = try_to_load_from_cache("org/mathset", "data/train-00000-of-00001.parquet", cache_dir=hub,
-                                        revision=rev, repo_type="dataset")
+        theirs = try_to_load_from_cache(
+            "org/mathset", "data/train-00000-of-00001.parquet", cache_dir=hub, revision=rev, repo_type="dataset"
+        )
         assert cached_hf_files("org/mathset", revision=rev) == [Path(theirs)], rev
     with pytest.raises(FileNotFoundError, match="names split 'validation'"):
         load_dataset("hf:org/mathset", split="validation")
@@ -140,7 +154,7 @@ def test_builtin_tasks_are_seeded_and_exact():
     assert a == b and a != arithmetic_problems(20, seed=4)
     for p in a:
         expr = p.prompt.removeprefix("Compute ").split(".")[0]
-        assert str(eval(expr)) == p.answer  # noqa: S307 - our own generated digits
+        assert str(eval(expr)) == p.answer
         assert math_reward(f"\\boxed{{{p.answer}}}", p.answer) == 1.0
     lp = length_problems(10, seed=1)
     assert lp == length_problems(10, seed=1) and {p.target_length for p in lp} <= {8, 16, 24, 32}
@@ -166,8 +180,12 @@ class ScriptedEngine:
         for prompt in prompts:
             t = self.targets[tuple(prompt)]
             passes = {8: 0, 16: 1, 24: 2, 32: 4}[t]
-            out.append([Completion(list(prompt), [5] * (t if j < passes else t + 1) + [2], [0.0] * (t + 2), 0, "stop")
-                        for j in range(n)])
+            out.append(
+                [
+                    Completion(list(prompt), [5] * (t if j < passes else t + 1) + [2], [0.0] * (t + 2), 0, "stop")
+                    for j in range(n)
+                ]
+            )
         return out
 
 
@@ -176,8 +194,17 @@ def test_offline_filter_keeps_the_window_and_records_pass_rates(tmp_path):
     probs = [Problem(id=f"p{t}", prompt=f"len {t}:", task="length", target_length=t) for t in (8, 16, 24, 32)]
     save_dataset(probs, tmp_path / "in.jsonl")
     engine = ScriptedEngine({tuple(tok.encode(p.prompt)): p.target_length for p in probs})
-    summary = filter_dataset(tmp_path / "in.jsonl", "scripted", tmp_path / "out.jsonl", k=4, lo=0.1, hi=0.8,
-                             engine=engine, encode=tok.encode, decode=tok.decode)
+    summary = filter_dataset(
+        tmp_path / "in.jsonl",
+        "scripted",
+        tmp_path / "out.jsonl",
+        k=4,
+        lo=0.1,
+        hi=0.8,
+        engine=engine,
+        encode=tok.encode,
+        decode=tok.decode,
+    )
     assert summary.pass_rates == {"p8": 0.0, "p16": 0.25, "p24": 0.5, "p32": 1.0}
     kept = load_dataset(tmp_path / "out.jsonl")
     assert [(p.id, p.pass_rate) for p in kept] == [("p16", 0.25), ("p24", 0.5)]
@@ -190,9 +217,26 @@ def test_dataset_filter_cli_with_a_real_tiny_model(tmp_path):
     from node.ops.cli import app
 
     save_dataset(length_problems(3, seed=0), tmp_path / "in.jsonl")
-    res = CliRunner().invoke(app, ["dataset", "filter", str(tmp_path / "in.jsonl"), "--model", "tiny", "--k", "2",
-                                   "--min-pass", "0", "--max-pass", "1", "--max-tokens", "8",
-                                   "--output", str(tmp_path / "out.parquet")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "dataset",
+            "filter",
+            str(tmp_path / "in.jsonl"),
+            "--model",
+            "tiny",
+            "--k",
+            "2",
+            "--min-pass",
+            "0",
+            "--max-pass",
+            "1",
+            "--max-tokens",
+            "8",
+            "--output",
+            str(tmp_path / "out.parquet"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     kept = load_dataset(tmp_path / "out.parquet")
     assert len(kept) == 3 and all(p.pass_rate is not None for p in kept)

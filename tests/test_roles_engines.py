@@ -14,8 +14,7 @@ from node.engines.vllm_engine import vllm_available
 from node.errors import NodeError
 from node.home import NodeHome
 from node.roles.factory import make_role
-
-from .roles_support import TRAINER, VALIDATORS, WORKERS, tiny_context, tiny_genesis
+from tests.support.roles import TRAINER, VALIDATORS, WORKERS, tiny_context, tiny_genesis
 
 W = WORKERS[0].peer_id
 
@@ -68,8 +67,7 @@ def test_the_tiny_models_folder_is_version_0_and_written_once(tmp_path):
 def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from node.roles.rollouts import produce_batch, verify_batch
-
-    from .roles_support import engine_for
+    from tests.support.roles import engine_for
 
     # vLLM's CPU attention wants head_dim >= 32: 128 wide, 2 heads
     cfg = dict(numerics="vllm-fp32-cpu", tiny_hidden_size=128, tiny_heads=2)
@@ -103,8 +101,8 @@ def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path
 
 
 def test_devnet_engine_option_sets_the_stack_and_the_node_flags(tmp_path):
-    from node.ops.devnet import Devnet, DevnetOptions
     from node.genesis_file import read_genesis
+    from node.ops.devnet import Devnet, DevnetOptions
     from node.roles.context import genesis_config
 
     with pytest.raises(NodeError, match="unknown engine"):

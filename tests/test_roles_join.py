@@ -12,20 +12,44 @@ def test_join_with_another_run_id_is_refused_with_one_clear_line(tmp_path):
     init_home(boot)
     joiner_id = init_home(joiner)
     genesis = tmp_path / "run.toml"
-    res = cli("run", "init", "--home", str(boot), "--out", str(genesis), "--trainer", joiner_id,
-              "--validator", joiner_id, "--name", "served-run")
+    res = cli(
+        "run",
+        "init",
+        "--home",
+        str(boot),
+        "--out",
+        str(genesis),
+        "--trainer",
+        joiner_id,
+        "--validator",
+        joiner_id,
+        "--name",
+        "served-run",
+    )
     assert res.returncode == 0, res.stderr
     served_id = cli("run", "show", str(genesis)).stdout
     other = "ab" * 32
     assert other not in served_id
     log = tmp_path / "boot.log"
-    proc = start("bootstrap", "--home", str(boot), "--listen", "/ip4/127.0.0.1/tcp/0", "--genesis", str(genesis),
-                 log=log)
+    proc = start(
+        "bootstrap", "--home", str(boot), "--listen", "/ip4/127.0.0.1/tcp/0", "--genesis", str(genesis), log=log
+    )
     try:
         addr = proc.stdout.readline().decode().strip()  # blocks until the bootstrap listens (or exits)
         assert addr.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in addr, log.read_text()
-        res = cli("join", "--home", str(joiner), "--role", "worker", "--bootstrap", addr,
-                  "--listen", "/ip4/127.0.0.1/tcp/0", "--run-id", other)
+        res = cli(
+            "join",
+            "--home",
+            str(joiner),
+            "--role",
+            "worker",
+            "--bootstrap",
+            addr,
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--run-id",
+            other,
+        )
         assert res.returncode == 1, res.stderr
         errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr

@@ -10,8 +10,7 @@ from node.roles.context import RunContext
 from node.roles.trainer import TrainerRole
 from node.roles.validator import ValidatorRole
 from node.roles.worker import WorkerRole
-
-from .roles_support import TRAINER, VALIDATORS, WORKERS, tiny_genesis
+from tests.support.roles import TRAINER, VALIDATORS, WORKERS, tiny_genesis
 
 
 def homes(tmp_path, name):
@@ -56,8 +55,11 @@ async def test_network_advances_versions_with_quorum_admission(tmp_path):
             await wait_until(lambda: all(w.loaded_version >= 1 for w in workers), 60, what="workers on a new version")
             assert all(v.verdicts["accept"] >= 1 for v in validators)
             # a worker's status counts batches (a quorum of accepts), not votes
-            await wait_until(lambda: sum(w.stats["batches_accepted"] for w in workers) >= 1, 30,
-                             what="a worker to see a quorum of accepts on a batch")
+            await wait_until(
+                lambda: sum(w.stats["batches_accepted"] for w in workers) >= 1,
+                30,
+                what="a worker to see a quorum of accepts on a batch",
+            )
             for w in workers:
                 assert w.stats["batches_accepted"] + w.stats["batches_rejected"] <= w.stats["batches_produced"]
                 assert w.stats["accept_votes"] >= genesis.genesis.quorum * w.stats["batches_accepted"]
@@ -68,11 +70,11 @@ async def test_network_advances_versions_with_quorum_admission(tmp_path):
 
 # Each cheat, the rule (rollouts.verify_batch / the validator) its batches must be refused by.
 CHEAT_RULES = {
-    "weights": {"toploc"},            # generated with other weights: the proofs do not match the prefill
-    "tokens": {"tokens", "toploc"},   # claims tokens it did not generate
-    "prompts": {"prompts"},           # answers prompts it was not assigned
-    "rewards": {"reward"},            # claims rewards the rules do not give
-    "version": {"version"},           # signs batches as a policy version nobody announced
+    "weights": {"toploc"},  # generated with other weights: the proofs do not match the prefill
+    "tokens": {"tokens", "toploc"},  # claims tokens it did not generate
+    "prompts": {"prompts"},  # answers prompts it was not assigned
+    "rewards": {"reward"},  # claims rewards the rules do not give
+    "version": {"version"},  # signs batches as a policy version nobody announced
 }
 
 
@@ -81,7 +83,8 @@ def votes_on(trainer, batch_ids):
     out = []
     for b in batch_ids:
         for validator, accept, reason in trainer.ledger.db.execute(
-                "SELECT validator, accept, reason FROM votes WHERE batch_id = ?", (b,)):
+            "SELECT validator, accept, reason FROM votes WHERE batch_id = ?", (b,)
+        ):
             out.append((b, validator, bool(accept), reason.split(":", 1)[0] if reason else ""))
     return out
 
@@ -92,8 +95,7 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
     genesis = tiny_genesis(steps=3, batches_per_step=1)
     with trio.fail_after(540):
         async with trio.open_nursery() as nursery:
-            net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis,
-                                                                    worker_tamper=(None,))
+            net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis, worker_tamper=(None,))
             ctx = trainer.ctx
             cheats = {}
             for i, mode in enumerate(CHEAT_RULES):
@@ -104,7 +106,10 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
             banned_modes = ["weights", "tokens", "prompts", "version"]
             await wait_until(
                 lambda: all(all(v.node.policy.is_banned(cheats[m][0]) for v in validators) for m in banned_modes),
-                180, poll=0.5, what="the cheating workers banned by every validator")
+                180,
+                poll=0.5,
+                what="the cheating workers banned by every validator",
+            )
 
             # Why: every vote on a cheat's batches is a rejection naming the rule that cheat
             # breaks ("stale" aside: a batch can also age out while it waits). The votes reach
@@ -112,12 +117,20 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
             def explained(mode: str) -> bool:
                 return any(rule in CHEAT_RULES[mode] for *_, rule in votes_on(trainer, list(cheats[mode][1].batches)))
 
-            await wait_until(lambda: all(explained(m) for m in cheats), 120, poll=0.5,
-                             what="a vote naming each cheat's rule at the trainer")
+            await wait_until(
+                lambda: all(explained(m) for m in cheats),
+                120,
+                poll=0.5,
+                what="a vote naming each cheat's rule at the trainer",
+            )
             # the ban notices reach the trainer too (network-wide; gossip takes a moment,
             # longer when a ban just cut a tree link and GRAFT has to repair it)
-            await wait_until(lambda: all(trainer.node.policy.is_banned(cheats[m][0]) for m in banned_modes),
-                             30, poll=0.2, what="the ban notices at the trainer")
+            await wait_until(
+                lambda: all(trainer.node.policy.is_banned(cheats[m][0]) for m in banned_modes),
+                30,
+                poll=0.2,
+                what="the ban notices at the trainer",
+            )
             # Banned cheats would keep generating for nobody, on the two cores the honest
             # nodes share: stop them, then training must go on.
             for mode, (pid, w) in cheats.items():
@@ -151,8 +164,9 @@ async def test_rollouts_older_than_max_async_are_refused_as_stale(tmp_path):
     max_async = genesis.genesis.max_async
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:
-            net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis,
-                                                                    worker_tamper=(None, "stale"))
+            net, trainer, validators, workers = await start_network(
+                nursery, tmp_path, genesis, worker_tamper=(None, "stale")
+            )
             honest, stuck = workers
             validator_ids = {v.node.peer_id for v in validators}
             await wait_until(lambda: stuck.loaded_version >= 0, 120, poll=0.2, what="the stuck worker's first load")
@@ -166,30 +180,45 @@ async def test_rollouts_older_than_max_async_are_refused_as_stale(tmp_path):
                         by_batch.setdefault(b, set()).add(validator)
                 return [b for b, vs in by_batch.items() if vs == validator_ids]
 
-            await wait_until(lambda: trainer.version > pinned + max_async and refused_by_all(), 270, poll=0.5,
-                             what="a stale batch refused by every validator")
+            await wait_until(
+                lambda: trainer.version > pinned + max_async and refused_by_all(),
+                270,
+                poll=0.5,
+                what="a stale batch refused by every validator",
+            )
             # the honest worker hot-reloads between batches: it may still be on an older version here
-            await wait_until(lambda: honest.loaded_version > pinned + max_async, 120, poll=0.2,
-                             what="the honest worker on a version beyond the stuck one's window")
+            await wait_until(
+                lambda: honest.loaded_version > pinned + max_async,
+                120,
+                poll=0.2,
+                what="the honest worker on a version beyond the stuck one's window",
+            )
             assert stuck.loaded_version == pinned
 
             def ledger_row(b: bytes):
-                return trainer.ledger.db.execute("SELECT status, reason, policy_version FROM batches WHERE batch_id = ?",
-                                                 (b,)).fetchone()
+                return trainer.ledger.db.execute(
+                    "SELECT status, reason, policy_version FROM batches WHERE batch_id = ?", (b,)
+                ).fetchone()
 
             refused = refused_by_all()
-            await wait_until(lambda: all(ledger_row(b) is not None and ledger_row(b)[0] == "rejected" for b in refused),
-                             30, poll=0.2, what="the trainer's ledger to reject the stale batches")
+            await wait_until(
+                lambda: all(ledger_row(b) is not None and ledger_row(b)[0] == "rejected" for b in refused),
+                30,
+                poll=0.2,
+                what="the trainer's ledger to reject the stale batches",
+            )
             for b in refused:
                 status, reason, version = ledger_row(b)
                 assert version == pinned and "stale" in reason, (status, reason, version)
             for b, validator, accept, rule in votes_on(trainer, list(stuck.batches)):
                 if rule == "stale":
                     assert (ledger_row(b) or ("pending",))[0] != "admitted"
-            vote_reasons = [r for (r,) in trainer.ledger.db.execute(
-                "SELECT reason FROM votes WHERE batch_id = ?", (refused[0],))]
-            assert all(r.startswith(f"stale: policy version {pinned},") and f"max_async {max_async}" in r
-                       for r in vote_reasons)
+            vote_reasons = [
+                r for (r,) in trainer.ledger.db.execute("SELECT reason FROM votes WHERE batch_id = ?", (refused[0],))
+            ]
+            assert all(
+                r.startswith(f"stale: policy version {pinned},") and f"max_async {max_async}" in r for r in vote_reasons
+            )
             # what the trainer did admit had its quorum
             for b in trainer.ledger.admitted_ids():
                 assert len(trainer.ledger.accept_voters(b)) >= genesis.genesis.quorum

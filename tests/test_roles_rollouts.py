@@ -7,8 +7,7 @@ import torch
 
 from node.roles.rollouts import produce_batch, verify_batch
 from protocol import RolloutBatch
-
-from .roles_support import WORKERS, engine_for, tiny_context
+from tests.support.roles import WORKERS, engine_for, tiny_context
 
 W = WORKERS[0].peer_id
 
@@ -82,9 +81,14 @@ def test_genesis_picks_the_toploc_thresholds(tmp_path):
     assert proof_config_for({"numerics": "transformers-fp32-cpu"}) == ProofConfig.tight()
     assert proof_config_for({"numerics": "transformers-fp32-cpu", "toploc_thresholds": "paper"}) == ProofConfig()
     assert proof_config_for({"toploc_thresholds": "tight", "toploc_max_exp_mismatches": 5}) == ProofConfig.tight(
-        max_exp_mismatches=5)
-    for bad in ({"toploc_thresholds": "loose"}, {"toploc_max_exp_mismatches": 2.5},
-                {"toploc_max_mant_err_mean": -1}, {"toploc_max_mant_err_median": "8"}):
+        max_exp_mismatches=5
+    )
+    for bad in (
+        {"toploc_thresholds": "loose"},
+        {"toploc_max_exp_mismatches": 2.5},
+        {"toploc_max_mant_err_mean": -1},
+        {"toploc_max_mant_err_median": "8"},
+    ):
         with pytest.raises(NodeError):
             proof_config_for(bad)
     with pytest.raises(NodeError):

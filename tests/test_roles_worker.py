@@ -14,8 +14,7 @@ from node.roles import common
 from node.roles.context import RunContext
 from node.roles.worker import WorkerRole
 from protocol import NodeKey, Vote
-
-from .roles_support import OWNER, TRAINER, VALIDATORS, WORKERS, tiny_genesis
+from tests.support.roles import OWNER, TRAINER, VALIDATORS, WORKERS, tiny_genesis
 
 W = WORKERS[0].peer_id
 
@@ -27,8 +26,14 @@ def make_worker(tmp_path, signed, **kw) -> WorkerRole:
 
 
 def vote(batch_id: bytes, sender: NodeKey | str, accept: bool):
-    body = Vote(batch_id=batch_id, worker=W, policy_version=0, accept=accept, reason="" if accept else "toploc: x",
-                rewards=(0.5,) * 8 if accept else ())
+    body = Vote(
+        batch_id=batch_id,
+        worker=W,
+        policy_version=0,
+        accept=accept,
+        reason="" if accept else "toploc: x",
+        rewards=(0.5,) * 8 if accept else (),
+    )
     return types.SimpleNamespace(body=body, sender=sender if isinstance(sender, str) else sender.peer_id)
 
 
@@ -55,10 +60,21 @@ def test_batches_accepted_counts_batches_with_a_quorum_not_votes(tmp_path):
 
 def test_with_quorum_below_the_validators_one_reject_does_not_decide(tmp_path):
     validators = [*VALIDATORS, NodeKey(b"\x27" * 32)]
-    signed = make_genesis(OWNER, {"task": "target-length", "tiny_hidden_size": 64, "tiny_layers": 2}, name="q",
-                          model="tiny", dataset="builtin:target-length", dataset_size=64, trainer=TRAINER.peer_id,
-                          validators=[v.peer_id for v in validators], quorum=2, max_async=2, prompts_per_batch=2,
-                          group_size=4, chunk_size=1 << 20)
+    signed = make_genesis(
+        OWNER,
+        {"task": "target-length", "tiny_hidden_size": 64, "tiny_layers": 2},
+        name="q",
+        model="tiny",
+        dataset="builtin:target-length",
+        dataset_size=64,
+        trainer=TRAINER.peer_id,
+        validators=[v.peer_id for v in validators],
+        quorum=2,
+        max_async=2,
+        prompts_per_batch=2,
+        group_size=4,
+        chunk_size=1 << 20,
+    )
     w = make_worker(tmp_path, signed)
     a, b = bytes([1]) * 32, bytes([2]) * 32
     w._my_batches |= {a, b}

@@ -9,10 +9,9 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.p2p.testing import NodeFactory
 from node.ops.status_cli import render
 from node.ops.status_server import MAX_REQUEST_BYTES, serve_status
-
+from node.p2p.testing import NodeFactory
 
 
 async def http(port: int, request: bytes, timeout: float = 10) -> tuple[int, dict[str, str], bytes]:
@@ -149,33 +148,103 @@ def _render_text(st: dict) -> str:
 
 
 BASE = {
-    "peer_id": "12D3KooWAAAA", "run_id": "ab" * 32, "run_name": "r", "uptime_s": 3725.0, "addrs": ["/ip4/1.2.3.4/tcp/1/p2p/x"],
+    "peer_id": "12D3KooWAAAA",
+    "run_id": "ab" * 32,
+    "run_name": "r",
+    "uptime_s": 3725.0,
+    "addrs": ["/ip4/1.2.3.4/tcp/1/p2p/x"],
     "target_peers": 6,
-    "peers": [{"peer_id": "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBB", "role": "validator", "addr": "/ip4/1.2.3.5/tcp/2",
-               "latency_ms": 1.25, "banned": False}],
-    "swarm": {"size": 2, "by_role": {"validator": 1, "worker": 1},
-              "peers": [{"peer_id": "p1", "role": "validator", "policy_version": 3, "batches": 4},
-                        {"peer_id": "p2", "role": "worker", "policy_version": -1, "batches": 0}]},
-    "gossip": {"received": 10, "relayed": 9, "published": 2, "dropped": 1, "received_by_topic": {"vote": 10},
-               "relayed_by_topic": {"vote": 9}, "published_by_topic": {"heartbeat": 2},
-               "dropped_by_reason": {"bad_signature": 1}},
+    "peers": [
+        {
+            "peer_id": "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBB",
+            "role": "validator",
+            "addr": "/ip4/1.2.3.5/tcp/2",
+            "latency_ms": 1.25,
+            "banned": False,
+        }
+    ],
+    "swarm": {
+        "size": 2,
+        "by_role": {"validator": 1, "worker": 1},
+        "peers": [
+            {"peer_id": "p1", "role": "validator", "policy_version": 3, "batches": 4},
+            {"peer_id": "p2", "role": "worker", "policy_version": -1, "batches": 0},
+        ],
+    },
+    "gossip": {
+        "received": 10,
+        "relayed": 9,
+        "published": 2,
+        "dropped": 1,
+        "received_by_topic": {"vote": 10},
+        "relayed_by_topic": {"vote": 9},
+        "published_by_topic": {"heartbeat": 2},
+        "dropped_by_reason": {"bad_signature": 1},
+    },
     "bans": {"12D3KooWCCCCCCCCCCCCCCCCCCCCCCCCC": {"seconds_left": 100.0, "reason": "forged tokens"}},
 }
-DIST = {"versions": [{"version": 3, "chunks_held": 5, "chunks_total": 8, "complete": False, "fetching": True,
-                      "bytes_served": 2**20, "bytes_fetched": 5 * 2**20, "fed_from": ["a", "b"], "mib_per_s": 12.5}],
-        "data_port": 9000, "bytes_served": 2**20}
+DIST = {
+    "versions": [
+        {
+            "version": 3,
+            "chunks_held": 5,
+            "chunks_total": 8,
+            "complete": False,
+            "fetching": True,
+            "bytes_served": 2**20,
+            "bytes_fetched": 5 * 2**20,
+            "fed_from": ["a", "b"],
+            "mib_per_s": 12.5,
+        }
+    ],
+    "data_port": 9000,
+    "bytes_served": 2**20,
+}
 
 
-@pytest.mark.parametrize("role,state,expect", [
-    ("trainer", {"step": 7, "reward_mean": 0.5, "admitted": 11, "rejected": 2, "pending": 1, "buffer": 3,
-                 "last_step": {"loss": 0.1}, "distribution": DIST}, ["trainer", "admitted", "11", "5/8"]),
-    ("worker", {"policy_version": 3, "batches_produced": 4, "batches_accepted": 3, "batches_rejected": 1,
-                "tamper": None, "distribution": DIST}, ["batches_accepted", "fetching", "2 peers"]),
-    ("validator", {"policy_version": 3, "verdicts": {"accept": 5, "reject": 2}, "reasons": {"toploc": 2},
-                   "recent_rejections": ["12D3KooW: toploc mismatch"], "distribution": DIST},
-     ["accept 5", "reason: toploc", "recent rejections", "toploc mismatch"]),
-    ("bootstrap", {}, ["bootstrap"]),
-])
+@pytest.mark.parametrize(
+    "role,state,expect",
+    [
+        (
+            "trainer",
+            {
+                "step": 7,
+                "reward_mean": 0.5,
+                "admitted": 11,
+                "rejected": 2,
+                "pending": 1,
+                "buffer": 3,
+                "last_step": {"loss": 0.1},
+                "distribution": DIST,
+            },
+            ["trainer", "admitted", "11", "5/8"],
+        ),
+        (
+            "worker",
+            {
+                "policy_version": 3,
+                "batches_produced": 4,
+                "batches_accepted": 3,
+                "batches_rejected": 1,
+                "tamper": None,
+                "distribution": DIST,
+            },
+            ["batches_accepted", "fetching", "2 peers"],
+        ),
+        (
+            "validator",
+            {
+                "policy_version": 3,
+                "verdicts": {"accept": 5, "reject": 2},
+                "reasons": {"toploc": 2},
+                "recent_rejections": ["12D3KooW: toploc mismatch"],
+                "distribution": DIST,
+            },
+            ["accept 5", "reason: toploc", "recent rejections", "toploc mismatch"],
+        ),
+        ("bootstrap", {}, ["bootstrap"]),
+    ],
+)
 def test_render_every_role(role, state, expect):
     text = _render_text({**BASE, "role": role, "role_state": state})
     for word in ["connected peers", "1.2 ms", "bad_signature", "forged tokens", "swarm view", "1h02m05s", *expect]:
@@ -183,18 +252,28 @@ def test_render_every_role(role, state, expect):
 
 
 def test_fetch_progress_logs_without_a_terminal(caplog):
-    from node.ops.daemon import _FetchReporter
     from node.checkpoints.fetcher import FetchProgress
+    from node.ops.daemon import _FetchReporter
 
     rep = _FetchReporter(tty=False, every_s=3600)
     with caplog.at_level("INFO", logger="primenode.daemon"):
-        rep.update(FetchProgress(version=2, held=1, total=8, bytes_fetched=2**20, mib_per_s=5.0, elapsed_s=0.2, done=False))
-        rep.update(FetchProgress(version=2, held=2, total=8, bytes_fetched=2**21, mib_per_s=5.0, elapsed_s=0.4, done=False))
-        rep.update(FetchProgress(version=2, held=8, total=8, bytes_fetched=2**23, mib_per_s=5.0, elapsed_s=1.0, done=True))
-        rep.update(FetchProgress(version=2, held=8, total=8, bytes_fetched=2**23, mib_per_s=5.0, elapsed_s=1.0, done=True))
+        rep.update(
+            FetchProgress(version=2, held=1, total=8, bytes_fetched=2**20, mib_per_s=5.0, elapsed_s=0.2, done=False)
+        )
+        rep.update(
+            FetchProgress(version=2, held=2, total=8, bytes_fetched=2**21, mib_per_s=5.0, elapsed_s=0.4, done=False)
+        )
+        rep.update(
+            FetchProgress(version=2, held=8, total=8, bytes_fetched=2**23, mib_per_s=5.0, elapsed_s=1.0, done=True)
+        )
+        rep.update(
+            FetchProgress(version=2, held=8, total=8, bytes_fetched=2**23, mib_per_s=5.0, elapsed_s=1.0, done=True)
+        )
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs == ["checkpoint v2: 1/8 chunks, 5.0 MiB/s",  # then rate-limited
-                    "checkpoint v2: all 8 chunks held (8.0 MiB fetched in 1.0 s)"]
+    assert msgs == [
+        "checkpoint v2: 1/8 chunks, 5.0 MiB/s",  # then rate-limited
+        "checkpoint v2: all 8 chunks held (8.0 MiB fetched in 1.0 s)",
+    ]
 
 
 def test_libp2p_tracebacks_are_shortened():

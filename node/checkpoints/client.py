@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from protocol import chunk_frames as F
 from node.checkpoints.wire import recv_exactly, recv_exactly_into, send_all, tune
+from protocol import chunk_frames as F
 
 
 class DataPlaneError(Exception):
@@ -28,8 +28,16 @@ class DataConnection:
         self.stall_timeout = stall_timeout
 
     @classmethod
-    async def open(cls, host: str, port: int, ticket: bytes, *, connect_timeout: float = 10.0, stall_timeout: float = 10.0,
-                   flags: int = 0) -> "DataConnection":
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        ticket: bytes,
+        *,
+        connect_timeout: float = 10.0,
+        stall_timeout: float = 10.0,
+        flags: int = 0,
+    ) -> DataConnection:
         with trio.fail_after(connect_timeout):
             try:
                 stream = await trio.open_tcp_stream(host, port)
@@ -40,7 +48,9 @@ class DataConnection:
                 raise DataPlaneError(F.BAD_TICKET, f"unusable address in the ticket: {exc}") from None
         try:
             tune(stream.socket)
-            await send_all(stream.socket, F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, flags, ticket.ljust(32, b"\0")), stall_timeout)
+            await send_all(
+                stream.socket, F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, flags, ticket.ljust(32, b"\0")), stall_timeout
+            )
             welcome = await recv_exactly(stream.socket, F.WELCOME.size, stall_timeout)
             magic, status, n = F.WELCOME.unpack(welcome)[:3]
             if magic != F.MAGIC:

@@ -37,17 +37,16 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 
-from protocol import ChunkTicketRequest
-
-from node.checkpoints.store import ChunkRejected, ChunkStore, VersionState
-from protocol.bitmap import Bitmap
-from protocol import chunk_frames as F
 from node.checkpoints.client import DataConnection, DataPlaneError
 from node.checkpoints.overlay import ChunkOverlay
+from node.checkpoints.store import ChunkRejected, ChunkStore, VersionState
+from protocol import ChunkTicketRequest
+from protocol import chunk_frames as F
+from protocol.bitmap import Bitmap
 
 log = logging.getLogger("primenode.swarm")
 
@@ -87,10 +86,16 @@ class FetchPeer:
 
     def to_json(self) -> dict:
         return {
-            "peer_id": self.peer_id, "bytes": self.bytes, "chunks": self.chunks,
-            "mib_per_s": round(self.ewma_bps / 2**20, 1), "failures": self.failures,
-            "strikes": self.strikes, "banned": self.banned, "holds": self.bitmap.count if self.bitmap else None,
-            "elsewhere": self.elsewhere, "last_error": self.last_error,
+            "peer_id": self.peer_id,
+            "bytes": self.bytes,
+            "chunks": self.chunks,
+            "mib_per_s": round(self.ewma_bps / 2**20, 1),
+            "failures": self.failures,
+            "strikes": self.strikes,
+            "banned": self.banned,
+            "holds": self.bitmap.count if self.bitmap else None,
+            "elsewhere": self.elsewhere,
+            "last_error": self.last_error,
         }
 
 
@@ -286,8 +291,14 @@ class VersionFetcher:
         held, verifying, owner = self.st.bitmap, self._verifying, self._inflight
         best, oldest = None, now - self.endgame_after_s
         for i, since in self._inflight_since.items():
-            if (since <= oldest and owner.get(i) != p.peer_id and i not in p.inflight and i not in verifying
-                    and i not in held and p.refused.get(i, 0.0) <= now):
+            if (
+                since <= oldest
+                and owner.get(i) != p.peer_id
+                and i not in p.inflight
+                and i not in verifying
+                and i not in held
+                and p.refused.get(i, 0.0) <= now
+            ):
                 best, oldest = i, since
         return best
 
@@ -362,8 +373,12 @@ class VersionFetcher:
                 if not ticket.ok:
                     raise DataPlaneError(F.BAD_TICKET, f"ticket refused: {ticket.reason}")
                 conn = await DataConnection.open(
-                    ticket.host, ticket.port, ticket.ticket,
-                    connect_timeout=self.ticket_timeout, stall_timeout=self.stall_timeout, flags=F.FLAG_PUSH_HAVE,
+                    ticket.host,
+                    ticket.port,
+                    ticket.ticket,
+                    connect_timeout=self.ticket_timeout,
+                    stall_timeout=self.stall_timeout,
+                    flags=F.FLAG_PUSH_HAVE,
                 )
                 if conn.num_chunks != self.n:
                     self.overlay.penalise(p.peer_id, "bad_chunk_count")
@@ -512,8 +527,12 @@ class VersionFetcher:
 
     def progress(self) -> FetchProgress:
         return FetchProgress(
-            version=self.version, held=self.st.bitmap.count, total=self.n, bytes_fetched=self.bytes_fetched,
-            mib_per_s=self.mib_per_s(), elapsed_s=(self.finished or time.monotonic()) - self.started,
+            version=self.version,
+            held=self.st.bitmap.count,
+            total=self.n,
+            bytes_fetched=self.bytes_fetched,
+            mib_per_s=self.mib_per_s(),
+            elapsed_s=(self.finished or time.monotonic()) - self.started,
             done=self.complete,
         )
 

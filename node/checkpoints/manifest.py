@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from protocol import (
     CheckpointAnnounce,
@@ -72,7 +72,7 @@ def build_manifest(
                 while got < want:
                     n = f.readinto(view[got:want])
                     if not n:
-                        raise IOError(f"{path} shrank while being read")
+                        raise OSError(f"{path} shrank while being read")
                     got += n
                 h = hashlib.sha256(view[:want]).digest()
                 hashes.append(h)
@@ -91,7 +91,9 @@ def build_manifest(
     )
 
 
-def sign_announce(key: NodeKey, manifest: CheckpointManifest, seq: int | None = None, now_ms: int | None = None) -> bytes:
+def sign_announce(
+    key: NodeKey, manifest: CheckpointManifest, seq: int | None = None, now_ms: int | None = None
+) -> bytes:
     """The trainer's signed ``CheckpointAnnounce`` envelope for ``manifest``."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     seq = time.time_ns() if seq is None else seq

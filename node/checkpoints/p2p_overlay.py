@@ -22,9 +22,8 @@ import logging
 
 import trio
 
-from protocol import CheckpointAnnounce, ChunkTicket, ChunkTicketRequest, ProtocolError
-
 from node.checkpoints.service import Checkpoints
+from protocol import CheckpointAnnounce, ChunkTicket, ChunkTicketRequest, ProtocolError
 
 log = logging.getLogger("primenode.distribution")
 

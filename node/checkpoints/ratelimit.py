@@ -23,7 +23,7 @@ class UploadLimiter:
         self._t = 0.0
 
     @classmethod
-    def from_mbps(cls, mbps: float, burst: int = 512 * 1024) -> "UploadLimiter":
+    def from_mbps(cls, mbps: float, burst: int = 512 * 1024) -> UploadLimiter:
         return cls(mbps * 1e6 / 8 if mbps and mbps > 0 else 0.0, burst)
 
     @property

@@ -25,12 +25,11 @@ import time
 
 import trio
 
-from protocol import ChunkTicket, ChunkTicketRequest
-
-from node.checkpoints.store import ChunkStore
-from protocol import chunk_frames as F
 from node.checkpoints.ratelimit import UploadLimiter
+from node.checkpoints.store import ChunkStore
 from node.checkpoints.wire import recv_exactly, send_all, tune
+from protocol import ChunkTicket, ChunkTicketRequest
+from protocol import chunk_frames as F
 
 log = logging.getLogger("primenode.dataplane")
 
@@ -38,7 +37,7 @@ log = logging.getLogger("primenode.dataplane")
 class SeedLog:
     """Super-seeding memory for one version held entirely: who got each chunk, and when."""
 
-    __slots__ = ("sent", "ever", "unsent")
+    __slots__ = ("ever", "sent", "unsent")
 
     def __init__(self, n: int) -> None:
         self.sent: dict[int, tuple[str, float]] = {}  # index -> (peer, send started at, or finished at)
@@ -144,13 +143,16 @@ class ChunkServer:
             # a peer asking for tickets it never uses replaces its own oldest, not others'
             del self.tickets[mine[0]]
         if len(self.tickets) >= self.max_tickets:
-            return ChunkTicket(ok=False, reason="busy: too many outstanding tickets", ticket=b"", host="", port=0,
-                               expires_ms=0)
+            return ChunkTicket(
+                ok=False, reason="busy: too many outstanding tickets", ticket=b"", host="", port=0, expires_ms=0
+            )
         tok = secrets.token_bytes(32)
         expires_ms = int((time.time() + self.ticket_ttl_s) * 1000)
         self.tickets[tok] = Ticket(peer_id, req.version, req.root, now + self.ticket_ttl_s, expires_ms)
         self.tickets_granted += 1
-        return ChunkTicket(ok=True, reason="", ticket=tok, host=self.advertise_host, port=self.port, expires_ms=expires_ms)
+        return ChunkTicket(
+            ok=True, reason="", ticket=tok, host=self.advertise_host, port=self.port, expires_ms=expires_ms
+        )
 
     def _expire(self, now: float) -> None:
         if len(self.tickets) > 64:
@@ -242,15 +244,17 @@ class ChunkServer:
                     if bm != pushed:  # fresh chunks since the last bitmap this fetcher saw
                         pushed = bm
                         self.have_pushes += 1
-                        await send_all(sock, F.REPLY.pack(F.OP_HAVE, F.OK, F.PUSH_INDEX, len(bm)) + bm,
-                                       self.stall_timeout_s)
+                        await send_all(
+                            sock, F.REPLY.pack(F.OP_HAVE, F.OK, F.PUSH_INDEX, len(bm)) + bm, self.stall_timeout_s
+                        )
                 sl = self._seed_log(st) if idx < st.bitmap.n else None
                 if idx >= st.bitmap.n:
                     await send_all(sock, F.REPLY.pack(op, F.BAD_INDEX, idx, 0), self.stall_timeout_s)
                 elif idx not in st.bitmap:
                     await send_all(sock, F.REPLY.pack(op, F.NOT_HELD, idx, 0), self.stall_timeout_s)
-                elif sl is not None and sl.held_off(idx, t.peer_id, trio.current_time(), self.reseed_after_s,
-                                                    self.reseed_after_all_s):
+                elif sl is not None and sl.held_off(
+                    idx, t.peer_id, trio.current_time(), self.reseed_after_s, self.reseed_after_all_s
+                ):
                     self.chunks_elsewhere += 1
                     await send_all(sock, F.REPLY.pack(op, F.ELSEWHERE, idx, 0), self.stall_timeout_s)
                 else:

@@ -27,18 +27,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import trio
 
-from protocol import ChunkTicket, ChunkTicketRequest, Envelope, Heartbeat, NodeKey
-
+from node.checkpoints.fetcher import FetchProgress, VersionFetcher
 from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE
-from node.checkpoints.store import ChunkStore
 from node.checkpoints.overlay import ChunkOverlay
 from node.checkpoints.server import ChunkServer
-from node.checkpoints.fetcher import FetchProgress, VersionFetcher
+from node.checkpoints.store import ChunkStore
+from protocol import ChunkTicket, ChunkTicketRequest, Envelope, Heartbeat, NodeKey
 
 log = logging.getLogger("primenode.distribution")
 
@@ -69,7 +68,11 @@ class Checkpoints:
         self.overlay = overlay
         self.max_async = max_async
         self.server = ChunkServer(
-            store, listen_host=listen_host, port=data_port, advertise_host=advertise_host, max_upload_mbps=max_upload_mbps
+            store,
+            listen_host=listen_host,
+            port=data_port,
+            advertise_host=advertise_host,
+            max_upload_mbps=max_upload_mbps,
         )
         self.auto_fetch = auto_fetch
         self.fetcher_options = fetcher_options or {}
@@ -190,7 +193,9 @@ class Checkpoints:
         return True
 
     def _start_fetch(self, version: int) -> VersionFetcher:
-        f = VersionFetcher(self.store, version, self.overlay, banned=self.banned, on_progress=self._on_progress, **self.fetcher_options)
+        f = VersionFetcher(
+            self.store, version, self.overlay, banned=self.banned, on_progress=self._on_progress, **self.fetcher_options
+        )
         self.fetchers[version] = f
         st = f.st
         for pid, (_, have) in self._have.items():
@@ -233,7 +238,9 @@ class Checkpoints:
             cb(p)
 
     # ------------------------------------------------------------ roles' API
-    async def publish(self, key: NodeKey, version: int, src_dir: Path | str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> bytes:
+    async def publish(
+        self, key: NodeKey, version: int, src_dir: Path | str, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> bytes:
         """Trainer: import a directory of safetensors files as ``version``; return the signed announce."""
         _, raw = await trio.to_thread.run_sync(self.store.import_directory_blocking, key, version, src_dir, chunk_size)
         self.store.add_announce(raw, guard=None)
@@ -305,15 +312,17 @@ class Checkpoints:
             ver = v["version"]
             f = self.fetchers.get(ver)
             fs = f.status() if f is not None else self.fetch_history.get(ver, {})
-            out.append({
-                **v,
-                "bytes_served": self.server.bytes_served_by_version.get(ver, 0),
-                "bytes_fetched": fs.get("bytes_fetched", 0),
-                "fed_from": fs.get("fed_from", []),
-                "fed_from_bytes": {pid: p["bytes"] for pid, p in (fs.get("peers") or {}).items() if p.get("bytes")},
-                "fetching": f is not None,
-                "mib_per_s": round(f.mib_per_s(), 1) if f is not None else 0.0,
-            })
+            out.append(
+                {
+                    **v,
+                    "bytes_served": self.server.bytes_served_by_version.get(ver, 0),
+                    "bytes_fetched": fs.get("bytes_fetched", 0),
+                    "fed_from": fs.get("fed_from", []),
+                    "fed_from_bytes": {pid: p["bytes"] for pid, p in (fs.get("peers") or {}).items() if p.get("bytes")},
+                    "fetching": f is not None,
+                    "mib_per_s": round(f.mib_per_s(), 1) if f is not None else 0.0,
+                }
+            )
         return {
             "versions": out,
             "data_port": self.server.port,

@@ -37,15 +37,21 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from protocol import CheckpointManifest, Envelope, HaveEntry, NodeKey, ProtocolError
-
-from protocol.bitmap import Bitmap
 from node.checkpoints import directio
 from node.checkpoints.directio import DirectIOUnsupported
-from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE, accept_announce, build_manifest, fsync_dir, sign_announce, verify_announce
+from node.checkpoints.manifest import (
+    DEFAULT_CHUNK_SIZE,
+    accept_announce,
+    build_manifest,
+    fsync_dir,
+    sign_announce,
+    verify_announce,
+)
+from protocol import CheckpointManifest, Envelope, HaveEntry, NodeKey, ProtocolError
+from protocol.bitmap import Bitmap
 
 log = logging.getLogger("primenode.store")
 
@@ -90,8 +96,9 @@ def _version_dirname(m: CheckpointManifest) -> str:
 class ChunkStore:
     """Chunks, manifests and assembled files of a run's checkpoint versions."""
 
-    def __init__(self, root: Path | str, run_id: bytes, trainer: str, durable: bool = True,
-                 direct_io: bool = True) -> None:
+    def __init__(
+        self, root: Path | str, run_id: bytes, trainer: str, durable: bool = True, direct_io: bool = True
+    ) -> None:
         self.root = Path(root)
         self.run_id = run_id
         self.trainer = trainer
@@ -339,7 +346,7 @@ class ChunkStore:
             while copied < length:
                 n = os.copy_file_range(src, fd, length - copied, copied, pos + copied)
                 if n == 0:
-                    raise IOError(f"chunk object {h.hex()} is short")
+                    raise OSError(f"chunk object {h.hex()} is short")
                 copied += n
         finally:
             os.close(src)

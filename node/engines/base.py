@@ -9,7 +9,8 @@ trainer and workers reload weights in place when a new policy version lands.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from protocol.messages import SamplingParams
 

@@ -13,7 +13,8 @@ fp32 proofs: docs/benchmarks.md); proofs cast the captured states to bf16.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -156,8 +157,12 @@ class TransformersEngine:
             width = len(seqs[order[start]])  # the longest of this micro-batch (sorted)
             budget = token_budget or self.max_batch * width
             end = start + 1
-            while (end < len(order) and end - start < self.max_batch and (end + 1 - start) * width <= budget
-                   and width - len(seqs[order[end]]) <= max_pad * width):
+            while (
+                end < len(order)
+                and end - start < self.max_batch
+                and (end + 1 - start) * width <= budget
+                and width - len(seqs[order[end]]) <= max_pad * width
+            ):
                 end += 1
             part = order[start:end]
             for i, hidden in zip(part, self._forward_hidden([seqs[i] for i in part])):
@@ -205,8 +210,9 @@ class TransformersEngine:
             cache.batch_repeat_interleave(len(comps))
             ids = self._right_padded(comps)
             pos = torch.arange(len(prompt), len(prompt) + ids.shape[1], device=self.device)
-            hidden = base(input_ids=ids, position_ids=pos.expand(len(comps), -1), past_key_values=cache,
-                          use_cache=True).last_hidden_state
+            hidden = base(
+                input_ids=ids, position_ids=pos.expand(len(comps), -1), past_key_values=cache, use_cache=True
+            ).last_hidden_state
         return [torch.cat([head, hidden[b, : len(c)].float().cpu()]) for b, c in enumerate(comps)]
 
     def load_weights(self, state_dict: Mapping[str, Any]) -> None:
@@ -284,9 +290,7 @@ class TransformersEngine:
         self._captured = [] if capture else None
         try:
             with torch.inference_mode():
-                out = self.model(
-                    input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
-                )
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
                 if capture:
                     prefill = self._captured.pop()  # type: ignore[union-attr]
                     for b, p in enumerate(prompts):

@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from node.engines.base import Completion
-from protocol.messages import SamplingParams
 from node.engines.transformers_engine import completion_seed
+from protocol.messages import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -263,8 +264,9 @@ class VLLMEngine:
                     missing.append(c)
             result[owner].append(c)
         if missing:  # stopped on EOS: its own row was never computed; the prefix cache has the rest
-            tails = self._forward_rows([c.prompt_tokens + c.tokens for c in missing],
-                                       [len(c.hidden) for c in missing], reuse_cache=True)
+            tails = self._forward_rows(
+                [c.prompt_tokens + c.tokens for c in missing], [len(c.hidden) for c in missing], reuse_cache=True
+            )
             for c, tail in zip(missing, tails):
                 c.hidden = torch.cat([c.hidden, tail], dim=0)
         return result
@@ -287,8 +289,9 @@ class VLLMEngine:
         token is sampled and thrown away: vLLM runs nothing without sampling)."""
         from vllm import SamplingParams as VllmSamplingParams
 
-        sp = VllmSamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
-                            skip_reading_prefix_cache=not reuse_cache)
+        sp = VllmSamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True, skip_reading_prefix_cache=not reuse_cache
+        )
         cap = self._capture = _Capture(True, None)
         try:
             outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], sampling_params=sp, use_tqdm=False)

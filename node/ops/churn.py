@@ -21,8 +21,8 @@ import random
 import signal
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from node.ops.devnet import Devnet
 
@@ -45,8 +45,10 @@ class LedgerAudit:
             con = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
             try:
                 rows = con.execute("SELECT batch_id, status, reason, trained_step FROM batches").fetchall()
-                dups = con.execute("SELECT COUNT(*) FROM (SELECT 1 FROM batches WHERE status = 'admitted' "
-                                   "GROUP BY worker, policy_version, batch_counter HAVING COUNT(*) > 1)").fetchone()[0]
+                dups = con.execute(
+                    "SELECT COUNT(*) FROM (SELECT 1 FROM batches WHERE status = 'admitted' "
+                    "GROUP BY worker, policy_version, batch_counter HAVING COUNT(*) > 1)"
+                ).fetchone()[0]
             finally:
                 con.close()
         except sqlite3.Error:
@@ -97,10 +99,18 @@ def trained_steps(devnet: Devnet) -> list[int]:
     return [r["step"] for r in devnet.trainer_metrics() if not r.get("skipped")]
 
 
-def churn(devnet: Devnet, audit: LedgerAudit, *, duration_s: float = 0.0, schedule: list[str] | None = None,
-          period_s: tuple[float, float] = (5.0, 15.0), down_s: tuple[float, float] = (1.0, 6.0),
-          victims: list[str] | None = None, seed: int = 0,
-          on_event: Callable[[ChurnEvent], None] | None = None) -> list[ChurnEvent]:
+def churn(
+    devnet: Devnet,
+    audit: LedgerAudit,
+    *,
+    duration_s: float = 0.0,
+    schedule: list[str] | None = None,
+    period_s: tuple[float, float] = (5.0, 15.0),
+    down_s: tuple[float, float] = (1.0, 6.0),
+    victims: list[str] | None = None,
+    seed: int = 0,
+    on_event: Callable[[ChurnEvent], None] | None = None,
+) -> list[ChurnEvent]:
     """Kill -9 and restart nodes, one down at a time, sampling the audit all along.
 
     ``schedule``: these nodes in this order; otherwise random nodes of ``victims``
@@ -111,7 +121,7 @@ def churn(devnet: Devnet, audit: LedgerAudit, *, duration_s: float = 0.0, schedu
     events: list[ChurnEvent] = []
     t0 = time.monotonic()
     todo = list(schedule) if schedule is not None else None
-    while (todo if todo is not None else time.monotonic() - t0 < duration_s):
+    while todo if todo is not None else time.monotonic() - t0 < duration_s:
         _sleep_sampling(audit, rng.uniform(*period_s))
         name = todo.pop(0) if todo is not None else rng.choice(names)
         down = rng.uniform(*down_s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -72,9 +72,11 @@ def bootstrap(
         list[str], typer.Option("--listen", help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4001 (repeatable).")
     ] = [],
     genesis: Annotated[
-        Optional[Path], typer.Option("--genesis", help="Signed run genesis file to serve to joiners.")
+        Path | None, typer.Option("--genesis", help="Signed run genesis file to serve to joiners.")
     ] = None,
-    status_port: Annotated[Optional[int], typer.Option("--status-port", help="Local status/metrics port (127.0.0.1).")] = None,
+    status_port: Annotated[
+        int | None, typer.Option("--status-port", help="Local status/metrics port (127.0.0.1).")
+    ] = None,
 ) -> None:
     """Run a rendezvous node: others dial it first; it serves the genesis and peer addresses."""
     from node.ops.daemon import run_bootstrap
@@ -91,26 +93,44 @@ def join(
     ] = [],
     listen: Annotated[list[str], typer.Option("--listen", help="Multiaddr to listen on (repeatable).")] = [],
     run_id: Annotated[
-        Optional[str], typer.Option("--run-id", help="Hex run id to join; refuses a bootstrap serving another run.")
+        str | None, typer.Option("--run-id", help="Hex run id to join; refuses a bootstrap serving another run.")
     ] = None,
-    genesis: Annotated[Optional[Path], typer.Option("--genesis", help="Signed genesis file (instead of asking the bootstrap).")] = None,
-    target_peers: Annotated[Optional[int], typer.Option("--target-peers", help="Connections to keep to distinct peers.")] = None,
+    genesis: Annotated[
+        Path | None, typer.Option("--genesis", help="Signed genesis file (instead of asking the bootstrap).")
+    ] = None,
+    target_peers: Annotated[
+        int | None, typer.Option("--target-peers", help="Connections to keep to distinct peers.")
+    ] = None,
     max_upload_mbps: Annotated[
-        Optional[float], typer.Option("--max-upload-mbps", help="Cap on checkpoint upload rate (Mbit/s); 0 = none.")
+        float | None, typer.Option("--max-upload-mbps", help="Cap on checkpoint upload rate (Mbit/s); 0 = none.")
     ] = None,
-    data_port: Annotated[Optional[int], typer.Option("--data-port", help="TCP port of the chunk data plane.")] = None,
-    status_port: Annotated[Optional[int], typer.Option("--status-port", help="Local status/metrics port (127.0.0.1).")] = None,
+    data_port: Annotated[int | None, typer.Option("--data-port", help="TCP port of the chunk data plane.")] = None,
+    status_port: Annotated[
+        int | None, typer.Option("--status-port", help="Local status/metrics port (127.0.0.1).")
+    ] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device for inference/training (cpu, cuda).")] = "cpu",
     engine: Annotated[str, typer.Option("--engine", help="Inference engine: transformers or vllm.")] = "transformers",
-    tamper: Annotated[Optional[str], typer.Option("--tamper", hidden=True, help="Adversarial tests: misbehave this way.")] = None,
+    tamper: Annotated[
+        str | None, typer.Option("--tamper", hidden=True, help="Adversarial tests: misbehave this way.")
+    ] = None,
 ) -> None:
     """Join a run as trainer, worker or validator."""
     from node.ops.daemon import run_join
 
     run_join(
-        home=home, role=role.value, bootstrap=bootstrap, listen=listen, run_id=run_id, genesis=genesis,
-        target_peers=target_peers, max_upload_mbps=max_upload_mbps, data_port=data_port,
-        status_port=status_port, device=device, engine=engine, tamper=tamper,
+        home=home,
+        role=role.value,
+        bootstrap=bootstrap,
+        listen=listen,
+        run_id=run_id,
+        genesis=genesis,
+        target_peers=target_peers,
+        max_upload_mbps=max_upload_mbps,
+        data_port=data_port,
+        status_port=status_port,
+        device=device,
+        engine=engine,
+        tamper=tamper,
     )
 
 
@@ -133,14 +153,20 @@ def run_init(
     validator: Annotated[list[str], typer.Option("--validator", help="Peer id of a validator (repeatable).")],
     name: Annotated[str, typer.Option("--name", help="Run name.")] = "primenode-run",
     quorum: Annotated[int, typer.Option("--quorum", help="Accept votes needed to admit a batch.")] = 1,
-    max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch's policy may lag (INTELLECT-2: 2).")] = 2,
+    max_async: Annotated[
+        int, typer.Option("--max-async", help="Versions a batch's policy may lag (INTELLECT-2: 2).")
+    ] = 2,
     model: Annotated[str, typer.Option("--model", help="Model spec (e.g. tiny, smollm2, or a path).")] = "tiny",
-    dataset: Annotated[str, typer.Option("--dataset", help="Dataset spec (builtin:<task> or a file).")] = "builtin:target-length",
+    dataset: Annotated[
+        str, typer.Option("--dataset", help="Dataset spec (builtin:<task> or a file).")
+    ] = "builtin:target-length",
     dataset_size: Annotated[int, typer.Option("--dataset-size", help="Number of prompts in the dataset.")] = 1024,
     prompts_per_batch: Annotated[int, typer.Option("--prompts-per-batch", help="Prompts per worker batch.")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (GRPO group).")] = 8,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Checkpoint chunk size in bytes.")] = 4 << 20,
-    config: Annotated[list[str], typer.Option("--set", help="Hyper-parameter KEY=VALUE (TOML value), repeatable.")] = [],
+    config: Annotated[
+        list[str], typer.Option("--set", help="Hyper-parameter KEY=VALUE (TOML value), repeatable.")
+    ] = [],
 ) -> None:
     """Write a signed run genesis; its hash is the run id."""
     import tomllib
@@ -158,9 +184,19 @@ def run_init(
             cfg[key.strip()] = value
     owner = NodeHome(home).load_key()
     signed = make_genesis(
-        owner, cfg, name=name, model=model, dataset=dataset, dataset_size=dataset_size, trainer=trainer,
-        validators=validator, quorum=quorum, max_async=max_async, prompts_per_batch=prompts_per_batch,
-        group_size=group_size, chunk_size=chunk_size,
+        owner,
+        cfg,
+        name=name,
+        model=model,
+        dataset=dataset,
+        dataset_size=dataset_size,
+        trainer=trainer,
+        validators=validator,
+        quorum=quorum,
+        max_async=max_async,
+        prompts_per_batch=prompts_per_batch,
+        group_size=group_size,
+        chunk_size=chunk_size,
     )
     write_genesis(signed, out)
     typer.echo(f"wrote {out}")
@@ -184,24 +220,43 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
 @dataset_app.command("filter")
 def dataset_filter(
     input_path: Annotated[Path, typer.Argument(help="Dataset file: .jsonl, .json or .parquet (see docs/rl.md).")],
-    model: Annotated[str, typer.Option("--model", help="Model sampling the completions: tiny, smollm2 or a local HF folder.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Filtered dataset (.jsonl or .parquet), with pass_rate.")],
+    model: Annotated[
+        str, typer.Option("--model", help="Model sampling the completions: tiny, smollm2 or a local HF folder.")
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Filtered dataset (.jsonl or .parquet), with pass_rate.")
+    ],
     k: Annotated[int, typer.Option("--k", help="Completions sampled per problem.")] = 16,
-    lo: Annotated[float, typer.Option("--min-pass", help="Keep problems with pass rate >= this (INTELLECT-2: 0.1).")] = 0.1,
-    hi: Annotated[float, typer.Option("--max-pass", help="Keep problems with pass rate <= this (INTELLECT-2: 0.8).")] = 0.8,
+    lo: Annotated[
+        float, typer.Option("--min-pass", help="Keep problems with pass rate >= this (INTELLECT-2: 0.1).")
+    ] = 0.1,
+    hi: Annotated[
+        float, typer.Option("--max-pass", help="Keep problems with pass rate <= this (INTELLECT-2: 0.8).")
+    ] = 0.8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Max new tokens per completion.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature.")] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed (same seed, same pass rates).")] = 0,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Only the first N problems.")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Only the first N problems.")] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device (cpu, cuda).")] = "cpu",
 ) -> None:
     """Sample k completions per problem, record pass rates, keep problems inside [min-pass, max-pass]."""
     from node.ops.dataset_cli import filter_dataset
 
     try:
-        summary = filter_dataset(input_path, model, output, k=k, lo=lo, hi=hi, max_tokens=max_tokens,
-                                 temperature=temperature, seed=seed, limit=limit, device=device,
-                                 progress=lambda done, total: typer.echo(f"\r{done}/{total} problems", nl=False, err=True))
+        summary = filter_dataset(
+            input_path,
+            model,
+            output,
+            k=k,
+            lo=lo,
+            hi=hi,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            limit=limit,
+            device=device,
+            progress=lambda done, total: typer.echo(f"\r{done}/{total} problems", nl=False, err=True),
+        )
     except (FileNotFoundError, ValueError) as exc:
         raise NodeError(str(exc)) from exc
     typer.echo("", err=True)
@@ -210,21 +265,38 @@ def dataset_filter(
 
 @app.command()
 def devnet(
-    out: Annotated[Path, typer.Option("--out", help="Output folder: node homes, logs, metrics.jsonl, reward_curve.png.")] = Path("devnet-out"),
+    out: Annotated[
+        Path, typer.Option("--out", help="Output folder: node homes, logs, metrics.jsonl, reward_curve.png.")
+    ] = Path("devnet-out"),
     workers: Annotated[int, typer.Option("--workers", help="Number of worker processes.")] = 2,
     validators: Annotated[int, typer.Option("--validators", help="Number of validator processes.")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Trainer steps before stopping.")] = 40,
-    model: Annotated[str, typer.Option("--model", help="Model: tiny (random init, char vocabulary) or smollm2.")] = "tiny",
+    model: Annotated[
+        str, typer.Option("--model", help="Model: tiny (random init, char vocabulary) or smollm2.")
+    ] = "tiny",
     task: Annotated[str, typer.Option("--task", help="Built-in task: target-length or arithmetic.")] = "target-length",
     max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch may lag behind the trainer.")] = 2,
     timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds.")] = 900.0,
-    engine: Annotated[str, typer.Option("--engine", help="Engine of workers and validators: transformers or vllm.")] = "transformers",
+    engine: Annotated[
+        str, typer.Option("--engine", help="Engine of workers and validators: transformers or vllm.")
+    ] = "transformers",
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from node.ops.devnet import DevnetOptions, run_devnet
 
-    summary = run_devnet(DevnetOptions(out=out, workers=workers, validators=validators, steps=steps, model=model,
-                                       task=task, max_async=max_async, timeout_s=timeout, engine=engine))
+    summary = run_devnet(
+        DevnetOptions(
+            out=out,
+            workers=workers,
+            validators=validators,
+            steps=steps,
+            model=model,
+            task=task,
+            max_async=max_async,
+            timeout_s=timeout,
+            engine=engine,
+        )
+    )
     if summary["interrupted"]:
         raise typer.Exit(130)
 

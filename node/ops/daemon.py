@@ -26,8 +26,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -178,7 +179,7 @@ def run_trio(fn: Callable[[trio.Nursery], Awaitable[Any]]) -> tuple[Any, bool]:
     limit_malloc_arenas()  # before any worker thread exists: keeps RSS flat (node/memory.py)
     try:
         result = trio.run(main, strict_exception_groups=True)
-    except BaseException as exc:  # noqa: BLE001 - unwrapped below
+    except BaseException as exc:
         err = _first_node_error(exc)
         if err is not None:
             raise err from None
@@ -205,13 +206,22 @@ class _Settings:
     direct_io: bool = True
 
 
-def _settings(home: Path, *, listen=None, bootstrap=None, target_peers=None, max_upload_mbps=None, data_port=None,
-              status_port=None) -> _Settings:
+def _settings(
+    home: Path,
+    *,
+    listen=None,
+    bootstrap=None,
+    target_peers=None,
+    max_upload_mbps=None,
+    data_port=None,
+    status_port=None,
+) -> _Settings:
     h = NodeHome(home)
     key = h.load_key()
     cfg = h.load_config()
     s = _Settings(
-        home=h, key=key,
+        home=h,
+        key=key,
         listen=list(listen or cfg.listen),
         bootstrap=list(bootstrap or cfg.bootstrap),
         target_peers=cfg.target_peers if target_peers is None else target_peers,
@@ -242,8 +252,14 @@ def _settings(home: Path, *, listen=None, bootstrap=None, target_peers=None, max
 def _p2p_config(s: _Settings):
     from node.p2p.node import P2PConfig
 
-    return P2PConfig(listen=s.listen, bootstrap=s.bootstrap, advertise_host=s.advertise_host,
-                     target_peers=s.target_peers, heartbeat_interval_s=s.heartbeat_interval_s, data_port=s.data_port)
+    return P2PConfig(
+        listen=s.listen,
+        bootstrap=s.bootstrap,
+        advertise_host=s.advertise_host,
+        target_peers=s.target_peers,
+        heartbeat_interval_s=s.heartbeat_interval_s,
+        data_port=s.data_port,
+    )
 
 
 # --------------------------------------------------------------------------- progress
@@ -290,8 +306,13 @@ class _FetchReporter:
             self.bar.update(p)
         if p.done:
             self.active.discard(p.version)
-            log.info("checkpoint v%d: all %d chunks held (%.1f MiB in %.1f s)", p.version, p.total,
-                     p.bytes_fetched / 2**20, p.elapsed_s)
+            log.info(
+                "checkpoint v%d: all %d chunks held (%.1f MiB in %.1f s)",
+                p.version,
+                p.total,
+                p.bytes_fetched / 2**20,
+                p.elapsed_s,
+            )
         else:
             self.active.add(p.version)
         if self.bar is not None and not self.active:
@@ -301,8 +322,13 @@ class _FetchReporter:
         now = time.monotonic()
         if p.done:
             self.last_log.pop(p.version, None)
-            log.info("checkpoint v%d: all %d chunks held (%.1f MiB fetched in %.1f s)", p.version, p.total,
-                     p.bytes_fetched / 2**20, p.elapsed_s)
+            log.info(
+                "checkpoint v%d: all %d chunks held (%.1f MiB fetched in %.1f s)",
+                p.version,
+                p.total,
+                p.bytes_fetched / 2**20,
+                p.elapsed_s,
+            )
             return
         if now - self.last_log.get(p.version, -math.inf) >= self.every_s:  # the first line always
             self.last_log[p.version] = now
@@ -334,12 +360,25 @@ async def _serve(s: _Settings, node, nursery: trio.Nursery) -> None:
         addrs = node.full_addrs()
         for a in addrs:
             print(a, flush=True)
-        write_runtime(s.home, {
-            "pid": os.getpid(), "status_port": status_port, "addrs": addrs, "role": node.role,
-            "peer_id": node.peer_id, "run_id": node.run_id.hex(), "started": time.time(),
-        })
-        log.info("%s %s listening on %s; status on http://127.0.0.1:%d/status", node.role, node.peer_id,
-                 ", ".join(addrs), status_port)
+        write_runtime(
+            s.home,
+            {
+                "pid": os.getpid(),
+                "status_port": status_port,
+                "addrs": addrs,
+                "role": node.role,
+                "peer_id": node.peer_id,
+                "run_id": node.run_id.hex(),
+                "started": time.time(),
+            },
+        )
+        log.info(
+            "%s %s listening on %s; status on http://127.0.0.1:%d/status",
+            node.role,
+            node.peer_id,
+            ", ".join(addrs),
+            status_port,
+        )
         reporter = _FetchReporter(tty=sys.stderr.isatty())
         try:
             nursery.start_soon(_attach_progress, node.hook, reporter)
@@ -378,8 +417,9 @@ def _guard_early(fn: Callable[[], None]) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def run_bootstrap(home: Path, listen: list[str] | None = None, genesis: Path | None = None,
-                  status_port: int | None = None) -> None:
+def run_bootstrap(
+    home: Path, listen: list[str] | None = None, genesis: Path | None = None, status_port: int | None = None
+) -> None:
     """``primenode bootstrap``: serve the genesis and peer addresses; hold no model."""
     setup_logging(_debug())
     _install_early_stop()
@@ -401,10 +441,21 @@ def run_bootstrap(home: Path, listen: list[str] | None = None, genesis: Path | N
     _guard_early(go)
 
 
-def run_join(home: Path, role: str, bootstrap: list[str] | None = None, listen: list[str] | None = None,
-             run_id: str | None = None, genesis: Path | None = None, target_peers: int | None = None,
-             max_upload_mbps: float | None = None, data_port: int | None = None, status_port: int | None = None,
-             device: str = "cpu", engine: str = "transformers", tamper: str | None = None) -> None:
+def run_join(
+    home: Path,
+    role: str,
+    bootstrap: list[str] | None = None,
+    listen: list[str] | None = None,
+    run_id: str | None = None,
+    genesis: Path | None = None,
+    target_peers: int | None = None,
+    max_upload_mbps: float | None = None,
+    data_port: int | None = None,
+    status_port: int | None = None,
+    device: str = "cpu",
+    engine: str = "transformers",
+    tamper: str | None = None,
+) -> None:
     """``primenode join --role R``: get the genesis, build the role, run until stopped."""
     setup_logging(_debug())
     _install_early_stop()
@@ -418,8 +469,15 @@ def run_join(home: Path, role: str, bootstrap: list[str] | None = None, listen: 
             raise NodeError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
         if engine != "transformers" and role not in ("worker", "validator"):
             raise NodeError(f"--engine {engine} is for workers and validators; the {role} runs transformers")
-        s = _settings(home, listen=listen, bootstrap=bootstrap, target_peers=target_peers,
-                      max_upload_mbps=max_upload_mbps, data_port=data_port, status_port=status_port)
+        s = _settings(
+            home,
+            listen=listen,
+            bootstrap=bootstrap,
+            target_peers=target_peers,
+            max_upload_mbps=max_upload_mbps,
+            data_port=data_port,
+            status_port=status_port,
+        )
         expected = None
         if run_id:
             try:
@@ -436,16 +494,27 @@ def run_join(home: Path, role: str, bootstrap: list[str] | None = None, listen: 
             if not s.bootstrap:
                 raise NodeError("join needs --bootstrap /ip4/.../p2p/<peer id> (or --genesis FILE to start alone)")
             log.info("asking %s for the run genesis", ", ".join(s.bootstrap))
-            signed, stopped = run_trio(lambda nursery: fetch_genesis(
-                s.key, s.bootstrap, timeout=GENESIS_TIMEOUT_S, expected_run_id=expected))
+            signed, stopped = run_trio(
+                lambda nursery: fetch_genesis(s.key, s.bootstrap, timeout=GENESIS_TIMEOUT_S, expected_run_id=expected)
+            )
             if stopped:
                 log.info("stopped while fetching the genesis")
                 return
         g = signed.genesis
         log.info("run %s (%s): joining as %s with peer id %s", g.run_id.hex(), g.name, role, s.key.peer_id)
-        hook = make_role(role, s.home, signed, key_peer_id=s.key.peer_id, max_upload_mbps=s.max_upload_mbps,
-                         data_port=s.data_port, advertise_host=s.advertise_host, device=device, tamper=tamper,
-                         direct_io=s.direct_io, engine=engine)
+        hook = make_role(
+            role,
+            s.home,
+            signed,
+            key_peer_id=s.key.peer_id,
+            max_upload_mbps=s.max_upload_mbps,
+            data_port=s.data_port,
+            advertise_host=s.advertise_host,
+            device=device,
+            tamper=tamper,
+            direct_io=s.direct_io,
+            engine=engine,
+        )
         node = Node(s.key, genesis=signed, config=_p2p_config(s), hook=hook)
         _run_node(s, node)
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from node.rl.filters import INTELLECT2_PASS_WINDOW, in_pass_window, pass_rate
 from node.rl.rewards import compute_reward
@@ -63,7 +64,9 @@ def load_model_for_sampling(model: str, device: str = "cpu", cache_dir: str | Pa
 
     def encode(text: str) -> list[int]:
         if getattr(hf_tok, "chat_template", None):
-            ids = hf_tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            ids = hf_tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return [int(t) for t in ids]
@@ -98,7 +101,9 @@ def pass_rates(
         chunk = list(problems[start : start + batch_prompts])
         out = engine.generate([encode(p.prompt) for p in chunk], k, params, [problem_seed(seed, p.id) for p in chunk])
         for prob, comps in zip(chunk, out):
-            passes = [compute_reward(prob, decode(c.tokens), c.tokens, eos_token_id=engine.eos_token_id).passed for c in comps]
+            passes = [
+                compute_reward(prob, decode(c.tokens), c.tokens, eos_token_id=engine.eos_token_id).passed for c in comps
+            ]
             rates.append(pass_rate(passes))
         if progress:
             progress(len(rates), len(problems))
@@ -132,8 +137,17 @@ def filter_dataset(
     if engine is None:
         engine, encode, decode = load_model_for_sampling(model, device=device)
     assert encode is not None and decode is not None
-    rates = pass_rates(problems, engine, encode, decode, k, max_tokens=max_tokens, temperature=temperature,
-                       seed=seed, progress=progress)
+    rates = pass_rates(
+        problems,
+        engine,
+        encode,
+        decode,
+        k,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        progress=progress,
+    )
     kept = [dataclasses.replace(p, pass_rate=r) for p, r in zip(problems, rates) if in_pass_window(r, lo, hi)]
     out = save_dataset(kept, output)
     return FilterSummary(len(problems), len(kept), out, {p.id: r for p, r in zip(problems, rates)})

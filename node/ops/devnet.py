@@ -113,20 +113,34 @@ class Devnet:
         validators = [home(f"validator-{i}") for i in range(o.validators)]
         quorum = o.quorum or max(1, (o.validators // 2) + 1 if o.validators > 2 else o.validators)
         config = {
-            "task": o.task, "steps": o.steps, "lr": o.lr, "max_tokens": o.max_tokens,
-            "temperature": o.temperature, "seed": o.seed, "batches_per_step": 1,
+            "task": o.task,
+            "steps": o.steps,
+            "lr": o.lr,
+            "max_tokens": o.max_tokens,
+            "temperature": o.temperature,
+            "seed": o.seed,
+            "batches_per_step": 1,
             # one batch per worker per version: with two workers the trainer always has a fresh
             # batch and one a step old (two-step async), and little work goes stale
             "worker_batches_per_version": 1,
             # every devnet worker and validator runs one engine in fp32 on this CPU: one numerics
             # stack, so validators use the tight TOPLOC thresholds (docs/proofs.md)
-            "numerics": f"{o.engine}-fp32-cpu", **o.extra_config,
+            "numerics": f"{o.engine}-fp32-cpu",
+            **o.extra_config,
         }
         signed = make_genesis(
-            owner, config, name=f"devnet-{o.task}", model=o.model, dataset=f"builtin:{o.task}",
-            dataset_size=1024, trainer=trainer.load_key().peer_id,
-            validators=[v.load_key().peer_id for v in validators], quorum=min(quorum, o.validators),
-            max_async=o.max_async, prompts_per_batch=o.prompts_per_batch, group_size=o.group_size,
+            owner,
+            config,
+            name=f"devnet-{o.task}",
+            model=o.model,
+            dataset=f"builtin:{o.task}",
+            dataset_size=1024,
+            trainer=trainer.load_key().peer_id,
+            validators=[v.load_key().peer_id for v in validators],
+            quorum=min(quorum, o.validators),
+            max_async=o.max_async,
+            prompts_per_batch=o.prompts_per_batch,
+            group_size=o.group_size,
             chunk_size=1 << 20,
         )
         write_genesis(signed, self.genesis_path)
@@ -135,26 +149,43 @@ class Devnet:
         boot_id = boot.load_key().peer_id
         self.bootstrap_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"
         common = ["--genesis", str(self.genesis_path)]
-        self.nodes.append(NodeProc("bootstrap", "bootstrap", boot, [
-            "bootstrap", "--home", str(boot.path), "--listen", f"/ip4/127.0.0.1/tcp/{port}", *common]))
+        self.nodes.append(
+            NodeProc(
+                "bootstrap",
+                "bootstrap",
+                boot,
+                ["bootstrap", "--home", str(boot.path), "--listen", f"/ip4/127.0.0.1/tcp/{port}", *common],
+            )
+        )
         join = ["--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0", *common]
         engine = ["--engine", o.engine]
-        self.nodes.append(NodeProc("trainer", "trainer", trainer,
-                                   ["join", "--role", "trainer", "--home", str(trainer.path), *join]))
+        self.nodes.append(
+            NodeProc("trainer", "trainer", trainer, ["join", "--role", "trainer", "--home", str(trainer.path), *join])
+        )
         for i, v in enumerate(validators):
-            self.nodes.append(NodeProc(f"validator-{i}", "validator", v,
-                                       ["join", "--role", "validator", "--home", str(v.path), *join, *engine]))
+            self.nodes.append(
+                NodeProc(
+                    f"validator-{i}",
+                    "validator",
+                    v,
+                    ["join", "--role", "validator", "--home", str(v.path), *join, *engine],
+                )
+            )
         for i, w in enumerate(workers):
-            self.nodes.append(NodeProc(f"worker-{i}", "worker", w,
-                                       ["join", "--role", "worker", "--home", str(w.path), *join, *engine]))
+            self.nodes.append(
+                NodeProc(
+                    f"worker-{i}", "worker", w, ["join", "--role", "worker", "--home", str(w.path), *join, *engine]
+                )
+            )
         for n in self.nodes:
             n.args += self.opts.node_args.get(n.name, [])
 
     def start(self, node: NodeProc) -> None:
         node.log = open(self.out / "logs" / f"{node.name}.log", "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        node.proc = subprocess.Popen(primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        node.proc = subprocess.Popen(
+            primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def start_all(self) -> None:
         for n in self.nodes:
@@ -189,7 +220,7 @@ class Devnet:
                 n.log.close()
         return codes
 
-    def __enter__(self) -> "Devnet":
+    def __enter__(self) -> Devnet:
         self.prepare()
         self.start_all()
         return self
@@ -217,8 +248,10 @@ class Devnet:
 def render_table(devnet: Devnet, snap: dict[str, Any], started: float):
     metrics = devnet.trainer_metrics()
     last = metrics[-1] if metrics else {}
-    title = (f"devnet  step {last.get('step', 0)}/{devnet.opts.steps}  reward {last.get('reward_mean', float('nan')):.3f}"
-             f"  elapsed {time.monotonic() - started:.0f}s")
+    title = (
+        f"devnet  step {last.get('step', 0)}/{devnet.opts.steps}  reward {last.get('reward_mean', float('nan')):.3f}"
+        f"  elapsed {time.monotonic() - started:.0f}s"
+    )
     nodes = [(n.name, n.role, bool(n.proc and n.proc.poll() is None)) for n in devnet.nodes]
     return status_table(nodes, snap, title)
 
@@ -281,7 +314,10 @@ def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
     ax.plot(steps, rewards, marker=".", label="mean reward (admitted rollouts)")
     if len(rewards) >= 5:
         k = 5
-        smooth = [sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))]
+        smooth = [
+            sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
         ax.plot(steps, smooth, label=f"moving average ({k})")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")
@@ -315,8 +351,10 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
                     break
                 trainer = devnet.node("trainer")
                 if trainer.proc and trainer.proc.poll() is not None:
-                    raise NodeError(f"the trainer exited with code {trainer.proc.returncode}; "
-                                    f"see {devnet.out / 'logs' / 'trainer.log'}")
+                    raise NodeError(
+                        f"the trainer exited with code {trainer.proc.returncode}; "
+                        f"see {devnet.out / 'logs' / 'trainer.log'}"
+                    )
                 if time.monotonic() - started > opts.timeout_s:
                     raise NodeError(f"devnet did not reach {opts.steps} steps in {opts.timeout_s:.0f}s")
                 time.sleep(1.0)

@@ -1,8 +1,8 @@
 """The CLI's checkpoint progress bar (rich): version, chunks held/total, MiB/s.
 
-    with CheckpointProgress() as bar:
-        dist.progress_callbacks.append(bar.update)
-        ...
+with CheckpointProgress() as bar:
+    dist.progress_callbacks.append(bar.update)
+    ...
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class CheckpointProgress:
     # the whole run, and a row per version ever fetched would grow without bound.
     MAX_ROWS = 4
 
-    def __enter__(self) -> "CheckpointProgress":
+    def __enter__(self) -> CheckpointProgress:
         self.progress.__enter__()
         return self
 

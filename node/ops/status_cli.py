@@ -58,7 +58,7 @@ def show_status(home: Path, as_json: bool) -> None:
 def _short(pid: str | None, n: int = 16) -> str:
     if not pid:
         return "-"
-    return pid if len(pid) <= n + 4 else f"{pid[:8]}…{pid[-n + 8:]}"
+    return pid if len(pid) <= n + 4 else f"{pid[:8]}…{pid[-n + 8 :]}"
 
 
 def _dur(seconds: float | None) -> str:
@@ -90,34 +90,48 @@ def render(st: dict[str, Any]) -> list:
     from rich.table import Table
 
     out: list = []
-    out.append(_kv_table("node", [
-        ("peer id", st.get("peer_id")),
-        ("role", st.get("role")),
-        ("run", f"{st.get('run_name') or ''} {st.get('run_id', '')}".strip() or None),
-        ("uptime", _dur(st.get("uptime_s"))),
-        ("addrs", "\n".join(st.get("addrs") or []) or None),
-        ("peers", f"{len(st.get('peers') or [])} connected (target {st.get('target_peers', '-')})"),
-        *([("error", st["error"])] if st.get("error") else []),
-    ]))
+    out.append(
+        _kv_table(
+            "node",
+            [
+                ("peer id", st.get("peer_id")),
+                ("role", st.get("role")),
+                ("run", f"{st.get('run_name') or ''} {st.get('run_id', '')}".strip() or None),
+                ("uptime", _dur(st.get("uptime_s"))),
+                ("addrs", "\n".join(st.get("addrs") or []) or None),
+                ("peers", f"{len(st.get('peers') or [])} connected (target {st.get('target_peers', '-')})"),
+                *([("error", st["error"])] if st.get("error") else []),
+            ],
+        )
+    )
 
     peers = Table(title="connected peers", title_justify="left")
     for col in ("peer id", "role", "address", "latency"):
         peers.add_column(col)
     for p in st.get("peers") or []:
         lat = p.get("latency_ms")
-        peers.add_row(_short(p.get("peer_id")), str(p.get("role") or "?") + (" (banned)" if p.get("banned") else ""),
-                      str(p.get("addr") or "-"), "-" if lat is None else f"{lat:.1f} ms")
+        peers.add_row(
+            _short(p.get("peer_id")),
+            str(p.get("role") or "?") + (" (banned)" if p.get("banned") else ""),
+            str(p.get("addr") or "-"),
+            "-" if lat is None else f"{lat:.1f} ms",
+        )
     out.append(peers)
 
     g = st.get("gossip") or {}
     gt = Table(title="gossip", title_justify="left")
     for col in ("topic", "received", "relayed", "published"):
         gt.add_column(col)
-    topics = sorted(set(g.get("received_by_topic", {})) | set(g.get("relayed_by_topic", {}))
-                    | set(g.get("published_by_topic", {})))
+    topics = sorted(
+        set(g.get("received_by_topic", {})) | set(g.get("relayed_by_topic", {})) | set(g.get("published_by_topic", {}))
+    )
     for t in topics:
-        gt.add_row(t, str(g.get("received_by_topic", {}).get(t, 0)), str(g.get("relayed_by_topic", {}).get(t, 0)),
-                   str(g.get("published_by_topic", {}).get(t, 0)))
+        gt.add_row(
+            t,
+            str(g.get("received_by_topic", {}).get(t, 0)),
+            str(g.get("relayed_by_topic", {}).get(t, 0)),
+            str(g.get("published_by_topic", {}).get(t, 0)),
+        )
     gt.add_row("[bold]all[/bold]", str(g.get("received", 0)), str(g.get("relayed", 0)), str(g.get("published", 0)))
     out.append(gt)
     dropped = g.get("dropped_by_reason") or {}
@@ -126,7 +140,7 @@ def render(st: dict[str, Any]) -> list:
     bans = st.get("bans")
     if bans:
         rows = []
-        for pid, b in (bans.items() if isinstance(bans, dict) else ((str(b), {}) for b in bans)):
+        for pid, b in bans.items() if isinstance(bans, dict) else ((str(b), {}) for b in bans):
             b = b if isinstance(b, dict) else {"reason": b}
             rows.append((_short(pid), f"{b.get('reason', '')} ({_dur(b.get('seconds_left'))} left)"))
         out.append(_kv_table("banned peers", rows))
@@ -141,8 +155,12 @@ def render(st: dict[str, Any]) -> list:
     for role in sorted(set(by_role) | set(sw.get("by_role", {}))):
         ps = by_role.get(role, [])
         versions = sorted({p.get("policy_version") for p in ps if p.get("policy_version", -1) >= 0})
-        swt.add_row(role, str(sw.get("by_role", {}).get(role, len(ps))), ", ".join(map(str, versions)) or "-",
-                    str(sum(int(p.get("batches") or 0) for p in ps)))
+        swt.add_row(
+            role,
+            str(sw.get("by_role", {}).get(role, len(ps))),
+            ", ".join(map(str, versions)) or "-",
+            str(sum(int(p.get("batches") or 0) for p in ps)),
+        )
     out.append(swt)
 
     out.extend(render_role_state(st.get("role") or "", st.get("role_state") or {}))
@@ -182,8 +200,21 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list:
     rs = dict(rs)
     dist = rs.pop("distribution", None)
     if role == "trainer":
-        rows = [(k, rs.get(k)) for k in ("step", "target_steps", "reward_mean", "admitted", "rejected", "pending",
-                                         "buffer", "trained_batches", "restored_after_crash", "dropped_announces")]
+        rows = [
+            (k, rs.get(k))
+            for k in (
+                "step",
+                "target_steps",
+                "reward_mean",
+                "admitted",
+                "rejected",
+                "pending",
+                "buffer",
+                "trained_batches",
+                "restored_after_crash",
+                "dropped_announces",
+            )
+        ]
         rows += [(f"last step: {k}", v) for k, v in (rs.get("last_step") or {}).items()]
         out.append(_kv_table("trainer", rows))
     elif role == "worker":
@@ -193,10 +224,13 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list:
         out.append(_kv_table("worker", rows))
     elif role == "validator":
         verdicts = rs.get("verdicts") or {}
-        rows = [("policy_version", rs.get("policy_version")),
-                ("verdicts", ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())) or "none yet"),
-                ("queued", rs.get("queued")), ("dropped announces", rs.get("dropped_announces")),
-                ("last verify", None if rs.get("last_verify_s") is None else f"{rs['last_verify_s']:.2f} s")]
+        rows = [
+            ("policy_version", rs.get("policy_version")),
+            ("verdicts", ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())) or "none yet"),
+            ("queued", rs.get("queued")),
+            ("dropped announces", rs.get("dropped_announces")),
+            ("last verify", None if rs.get("last_verify_s") is None else f"{rs['last_verify_s']:.2f} s"),
+        ]
         rows += [(f"reason: {k}", v) for k, v in sorted((rs.get("reasons") or {}).items(), key=lambda kv: -kv[1])]
         out.append(_kv_table("validator", rows))
         recent = rs.get("recent_rejections") or []
@@ -207,20 +241,34 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list:
                 t.add_row(json.dumps(r, default=str) if not isinstance(r, str) else r)
             out.append(t)
     elif rs:
-        out.append(_kv_table(role or "role", [(k, json.dumps(v, default=str) if isinstance(v, (dict, list)) else v)
-                                              for k, v in rs.items()]))
+        out.append(
+            _kv_table(
+                role or "role",
+                [(k, json.dumps(v, default=str) if isinstance(v, (dict, list)) else v) for k, v in rs.items()],
+            )
+        )
 
     if dist:
-        t = Table(title=(f"checkpoint distribution (data port {dist.get('data_port', '-')}, "
-                         f"served {_mib(dist.get('bytes_served'))})"), title_justify="left")
+        t = Table(
+            title=(
+                f"checkpoint distribution (data port {dist.get('data_port', '-')}, "
+                f"served {_mib(dist.get('bytes_served'))})"
+            ),
+            title_justify="left",
+        )
         for col in ("version", "chunks", "complete", "served", "fetched", "fed from", "rate"):
             t.add_column(col)
         for v in dist.get("versions") or []:
             fed_s = _fed_from(v.get("fed_from"), v.get("fed_from_bytes"))
-            t.add_row(str(v.get("version")), f"{v.get('chunks_held', 0)}/{v.get('chunks_total', 0)}",
-                      "yes" if v.get("complete") else ("fetching" if v.get("fetching") else "no"),
-                      _mib(v.get("bytes_served")), _mib(v.get("bytes_fetched")), fed_s,
-                      f"{v.get('mib_per_s', 0.0):.1f} MiB/s" if v.get("fetching") else "-")
+            t.add_row(
+                str(v.get("version")),
+                f"{v.get('chunks_held', 0)}/{v.get('chunks_total', 0)}",
+                "yes" if v.get("complete") else ("fetching" if v.get("fetching") else "no"),
+                _mib(v.get("bytes_served")),
+                _mib(v.get("bytes_fetched")),
+                fed_s,
+                f"{v.get('mib_per_s', 0.0):.1f} MiB/s" if v.get("fetching") else "-",
+            )
         if not dist.get("versions"):
             t.add_row("-", "no checkpoint yet", "", "", "", "", "")
         out.append(t)

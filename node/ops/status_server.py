@@ -61,8 +61,14 @@ def status_json(node) -> bytes:
         st: dict[str, Any] = node.status()
     except Exception as exc:  # a role's status() must never take the endpoint down
         log.warning("status() failed: %s", exc, exc_info=True)
-        st = {"peer_id": node.peer_id, "role": node.role, "peers": [], "swarm": {}, "gossip": {},
-              "error": f"{type(exc).__name__}: {exc}"}
+        st = {
+            "peer_id": node.peer_id,
+            "role": node.role,
+            "peers": [],
+            "swarm": {},
+            "gossip": {},
+            "error": f"{type(exc).__name__}: {exc}",
+        }
     return json.dumps(st, default=str).encode()
 
 
@@ -126,8 +132,10 @@ async def serve_status(node, port: int = 0, *, task_status=trio.TASK_STATUS_IGNO
     try:
         listeners = await trio.open_tcp_listeners(port, host=BIND_HOST)
     except OSError as exc:
-        raise NodeError(f"cannot serve status on {BIND_HOST}:{port}: {exc.strerror or exc}"
-                        f" (pick another --status-port, or 0 for a free one)") from None
+        raise NodeError(
+            f"cannot serve status on {BIND_HOST}:{port}: {exc.strerror or exc}"
+            f" (pick another --status-port, or 0 for a free one)"
+        ) from None
     bound = listeners[0].socket.getsockname()[1]
     limit = trio.CapacityLimiter(MAX_CLIENTS)
 

@@ -14,7 +14,22 @@ from node.p2p.reqresp import ReqResp, RequestError
 from node.p2p.swarm import PeerState, SwarmView
 
 __all__ = [
-    "Node", "P2PConfig", "RoleHook", "BootstrapRole", "fetch_genesis", "Gossip", "GossipError",
-    "ReqResp", "RequestError", "PeerPolicy", "SwarmView", "PeerState", "ConnectionManager", "NodeMetrics",
-    "make_host", "full_addrs", "parse_peer_addr", "install_libp2p_fixes",
+    "BootstrapRole",
+    "ConnectionManager",
+    "Gossip",
+    "GossipError",
+    "Node",
+    "NodeMetrics",
+    "P2PConfig",
+    "PeerPolicy",
+    "PeerState",
+    "ReqResp",
+    "RequestError",
+    "RoleHook",
+    "SwarmView",
+    "fetch_genesis",
+    "full_addrs",
+    "install_libp2p_fixes",
+    "make_host",
+    "parse_peer_addr",
 ]

@@ -21,14 +21,13 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
-
 from node.errors import NodeError
 from node.p2p.host import parse_peer_addr, peer_info
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
 from node.p2p.swarm import PeerState, SwarmView
+from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
 
 PX_PEERS_PER_ROUND = 2
 PX_TIMEOUT_S = 5.0
@@ -280,9 +279,11 @@ class ConnectionManager:
                 except NodeError as exc:
                     errors[pid] = str(exc)
             if attempt + 1 < attempts:
-                await trio.sleep(self.backoff_base * 2 ** attempt)
+                await trio.sleep(self.backoff_base * 2**attempt)
         raise NodeError(
-            "cannot reach any bootstrap node (" + "; ".join(errors.values()) + "): is it running, and is the address right?"
+            "cannot reach any bootstrap node ("
+            + "; ".join(errors.values())
+            + "): is it running, and is the address right?"
         )
 
     async def exchange(self, peer_id: str, max_peers: int = 32) -> int:
@@ -328,9 +329,12 @@ class ConnectionManager:
                 need = self.target_peers - len(live) - len(self._dialing)
                 if need > 0:
                     cands = [
-                        pid for pid, e in self.book.items()
-                        if pid not in connected and pid not in self._dialing
-                        and not self.policy.is_banned(pid) and e.next_try <= now
+                        pid
+                        for pid, e in self.book.items()
+                        if pid not in connected
+                        and pid not in self._dialing
+                        and not self.policy.is_banned(pid)
+                        and e.next_try <= now
                     ]
                     random.shuffle(cands)
                     # Prefer non-bootstrap peers (the bootstrap must not be everyone's
@@ -343,9 +347,13 @@ class ConnectionManager:
                 elif self.probe_interval > 0 and now - last_probe >= self.probe_interval:
                     last_probe = now
                     unheard = [
-                        pid for pid, e in self.book.items()
-                        if pid not in connected and pid not in self._dialing and e.next_try <= now
-                        and not self.policy.is_banned(pid) and not self.swarm.knows(pid)
+                        pid
+                        for pid, e in self.book.items()
+                        if pid not in connected
+                        and pid not in self._dialing
+                        and e.next_try <= now
+                        and not self.policy.is_banned(pid)
+                        and not self.swarm.knows(pid)
                     ]
                     if unheard:
                         self.probes += 1

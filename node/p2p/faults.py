@@ -37,7 +37,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class Partition:

@@ -52,7 +52,8 @@ import collections
 import inspect
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -60,12 +61,12 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 import protocol
-from protocol import Envelope, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter, sha256
-from protocol.schema import pack, unpack
-from protocol.topics import TOPIC_TYPES, topic as topic_name
-
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
+from protocol import Envelope, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter, sha256
+from protocol.schema import pack, unpack
+from protocol.topics import TOPIC_TYPES
+from protocol.topics import topic as topic_name
 
 log = logging.getLogger("primenode.p2p.gossip")
 
@@ -225,11 +226,18 @@ class Gossip:
         return link is not None and link.stream_ok
 
     def status(self) -> dict[str, Any]:
-        return {"links": len(self._links), "eager": len(self._eager), "lazy": len(self._lazy),
-                "duplicates": self.duplicates, "relayed_frames": self.relayed_frames,
-                "seen_cache": len(self._seen), "message_cache": len(self._cache),
-                "message_cache_bytes": self._cache_bytes, "missing": len(self._missing),
-                **{k: v for k, v in sorted(self.counters.items())}}
+        return {
+            "links": len(self._links),
+            "eager": len(self._eager),
+            "lazy": len(self._lazy),
+            "duplicates": self.duplicates,
+            "relayed_frames": self.relayed_frames,
+            "seen_cache": len(self._seen),
+            "message_cache": len(self._cache),
+            "message_cache_bytes": self._cache_bytes,
+            "missing": len(self._missing),
+            **{k: v for k, v in sorted(self.counters.items())},
+        }
 
     # ------------------------------------------------------------- running
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -324,8 +332,11 @@ class Gossip:
         self._cache_bytes += len(frame)
         while self._cache:
             _oldest, (f, t) = next(iter(self._cache.items()))
-            if (len(self._cache) > self.cache_capacity or self._cache_bytes > self.cache_max_bytes
-                    or now - t > self.cache_ttl_s):
+            if (
+                len(self._cache) > self.cache_capacity
+                or self._cache_bytes > self.cache_max_bytes
+                or now - t > self.cache_ttl_s
+            ):
                 self._cache.popitem(last=False)
                 self._cache_bytes -= len(f)
             else:
@@ -419,7 +430,7 @@ class Gossip:
                         pending = None
                 except trio.Cancelled:
                     raise
-                except BaseException as exc:  # noqa: BLE001 - any stream failure: retry on a new stream
+                except BaseException as exc:
                     link.stream_ok = False
                     log.debug("gossip stream to %s failed: %r", link.peer_id, exc)
                     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -535,8 +546,9 @@ class Gossip:
         if not self.policy.allow(fwd):
             return self._drop("rate_limit", fwd)
         try:
-            env = protocol.open_envelope(data, run_id=self.run_id, now_ms=now_ms(), guard=self.guard,
-                                         allowed_types=(type_id,))
+            env = protocol.open_envelope(
+                data, run_id=self.run_id, now_ms=now_ms(), guard=self.guard, allowed_types=(type_id,)
+            )
         except ProtocolError as exc:
             rule = "topic_type" if exc.rule == "envelope.type" else exc.rule
             return self._drop(rule, fwd)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import multiaddr
 import trio
@@ -35,9 +35,8 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from protocol import NodeKey
-
 from node.errors import NodeError
+from protocol import NodeKey
 
 log = logging.getLogger("primenode.p2p")
 
@@ -106,7 +105,7 @@ def _shield_connection_close() -> None:
                 with trio.move_on_after(1):
                     try:
                         await self.muxed_conn.secured_conn.close()
-                    except Exception:  # noqa: BLE001 - already broken: nothing left to do
+                    except Exception:
                         pass
 
     SwarmConn.close = _close
@@ -135,7 +134,7 @@ def _limit_inbound_connection_rate() -> None:
             self.primenode_inbound_refused = getattr(self, "primenode_inbound_refused", 0) + 1
             try:
                 await read_write_closer.close()
-            except Exception:  # noqa: BLE001 - the peer may already be gone
+            except Exception:
                 pass
             return
         await original(self, read_write_closer, maddr)
@@ -215,7 +214,7 @@ def listen_addrs(host: IHost, advertise_host: str | None = None) -> list[str]:
         if "/p2p/" in s:
             s = s.split("/p2p/")[0]
         if s.startswith("/ip4/0.0.0.0/"):
-            rest = s[len("/ip4/0.0.0.0/"):]
+            rest = s[len("/ip4/0.0.0.0/") :]
             hosts = ["127.0.0.1"]
             if advertise_host and advertise_host not in hosts:
                 hosts.insert(0, advertise_host)

@@ -5,22 +5,36 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client import Counter as PCounter
-from prometheus_client import Gauge
 
 
 class NodeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.gossip_received = PCounter("primenode_gossip_received", "Gossip messages that reached the validator", ["topic"], registry=r)
-        self.gossip_accepted = PCounter("primenode_gossip_accepted", "Valid gossip messages from others (delivered and relayed)", ["topic"], registry=r)
-        self.gossip_published = PCounter("primenode_gossip_published", "Gossip messages this node published", ["topic"], registry=r)
-        self.gossip_dropped = PCounter("primenode_gossip_dropped", "Gossip messages dropped, by reason", ["reason"], registry=r)
-        self.penalties = PCounter("primenode_peer_penalties", "Misbehaviour points charged to peers, by reason", ["reason"], registry=r)
+        self.gossip_received = PCounter(
+            "primenode_gossip_received", "Gossip messages that reached the validator", ["topic"], registry=r
+        )
+        self.gossip_accepted = PCounter(
+            "primenode_gossip_accepted",
+            "Valid gossip messages from others (delivered and relayed)",
+            ["topic"],
+            registry=r,
+        )
+        self.gossip_published = PCounter(
+            "primenode_gossip_published", "Gossip messages this node published", ["topic"], registry=r
+        )
+        self.gossip_dropped = PCounter(
+            "primenode_gossip_dropped", "Gossip messages dropped, by reason", ["reason"], registry=r
+        )
+        self.penalties = PCounter(
+            "primenode_peer_penalties", "Misbehaviour points charged to peers, by reason", ["reason"], registry=r
+        )
         self.bans = PCounter("primenode_peer_bans", "Peers banned", registry=r)
-        self.requests = PCounter("primenode_reqresp", "Request/response exchanges", ["type", "side", "outcome"], registry=r)
+        self.requests = PCounter(
+            "primenode_reqresp", "Request/response exchanges", ["type", "side", "outcome"], registry=r
+        )
         self.dials = PCounter("primenode_dials", "Outbound dials", ["outcome"], registry=r)
         self.peers_connected = Gauge("primenode_peers_connected", "Connected peers", registry=r)
         self.swarm_peers = Gauge("primenode_swarm_peers", "Peers in the swarm view, by role", ["role"], registry=r)

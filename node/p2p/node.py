@@ -22,6 +22,14 @@ from typing import Any
 
 import trio
 
+from node.errors import NodeError
+from node.p2p.connmgr import ConnectionManager
+from node.p2p.gossip import Gossip
+from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host
+from node.p2p.metrics import NodeMetrics
+from node.p2p.policy import PeerPolicy
+from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.swarm import SwarmView
 from protocol import (
     ZERO_RUN_ID,
     Envelope,
@@ -35,15 +43,6 @@ from protocol import (
     SignedGenesis,
     verify_genesis,
 )
-
-from node.errors import NodeError
-from node.p2p.connmgr import ConnectionManager
-from node.p2p.gossip import Gossip
-from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host
-from node.p2p.metrics import NodeMetrics
-from node.p2p.policy import PeerPolicy
-from node.p2p.reqresp import ReqResp, RequestError
-from node.p2p.swarm import SwarmView
 
 log = logging.getLogger("primenode.p2p.node")
 
@@ -82,7 +81,7 @@ class RoleHook:
 
     role = "worker"
 
-    async def run(self, node: "Node") -> None:
+    async def run(self, node: Node) -> None:
         await trio.sleep_forever()
 
     def heartbeat_fields(self) -> dict[str, Any]:
@@ -121,8 +120,10 @@ class Node:
         self.run_id = run_id
         self.metrics = NodeMetrics()
         self.policy = PeerPolicy(
-            budget=self.config.budget, ban_seconds=self.config.ban_seconds,
-            rate_per_s=self.config.rate_per_s, rate_burst=self.config.rate_burst,
+            budget=self.config.budget,
+            ban_seconds=self.config.ban_seconds,
+            rate_per_s=self.config.rate_per_s,
+            rate_burst=self.config.rate_burst,
         )
         self.policy.metrics = self.metrics
         self.seq = SequenceCounter(time.time_ns() // 1000)
@@ -130,7 +131,9 @@ class Node:
         self.host = None
         self.gossip: Gossip | None = None
         self.reqresp: ReqResp | None = None
-        self.swarm = SwarmView(self.peer_id, forget_after=self.config.forget_after_s or max(10.0, 5 * self.config.heartbeat_interval_s))
+        self.swarm = SwarmView(
+            self.peer_id, forget_after=self.config.forget_after_s or max(10.0, 5 * self.config.heartbeat_interval_s)
+        )
         self.conns: ConnectionManager | None = None
         self.ready = trio.Event()
         self._cancel = trio.CancelScope()
@@ -165,18 +168,36 @@ class Node:
         with self._cancel:
             self.host = make_host(self.key, dial_timeout=cfg.dial_timeout_s)
             async with closing_host(self.host, cfg.listen):
-                self.reqresp = ReqResp(self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq)
+                self.reqresp = ReqResp(
+                    self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq
+                )
                 self.gossip = Gossip(
-                    self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq,
+                    self.host,
+                    self.key,
+                    self.run_id,
+                    policy=self.policy,
+                    metrics=self.metrics,
+                    seq=self.seq,
                     authorised=self._authorised_senders(),
                     is_known_origin=self._is_known_origin,
                 )
                 self.conns = ConnectionManager(
-                    self.host, self.peer_id, self.reqresp, self.swarm, self.policy, self.metrics,
-                    bootstrap=cfg.bootstrap, target_peers=cfg.target_peers, interval=cfg.conn_interval_s,
-                    px_interval=cfg.px_interval_s, dial_timeout=cfg.dial_timeout_s, my_addrs=self.addrs,
-                    has_gossip_stream=self.gossip.has_stream, probe_interval=cfg.probe_interval_s,
-                    backoff_base=cfg.dial_backoff_base_s, backoff_max=cfg.dial_backoff_max_s,
+                    self.host,
+                    self.peer_id,
+                    self.reqresp,
+                    self.swarm,
+                    self.policy,
+                    self.metrics,
+                    bootstrap=cfg.bootstrap,
+                    target_peers=cfg.target_peers,
+                    interval=cfg.conn_interval_s,
+                    px_interval=cfg.px_interval_s,
+                    dial_timeout=cfg.dial_timeout_s,
+                    my_addrs=self.addrs,
+                    has_gossip_stream=self.gossip.has_stream,
+                    probe_interval=cfg.probe_interval_s,
+                    backoff_base=cfg.dial_backoff_base_s,
+                    backoff_max=cfg.dial_backoff_max_s,
                     learn_from_heartbeats=cfg.learn_addrs_from_heartbeats,
                 )
                 if self.genesis is not None:
@@ -222,8 +243,14 @@ class Node:
     # ---------------------------------------------------------------- heartbeats
     def make_heartbeat(self) -> Heartbeat:
         fields: dict[str, Any] = dict(
-            role=self.role, policy_version=-1, addrs=tuple(self.addrs()[:8]), data_port=self.config.data_port,
-            have=(), uptime_s=time.monotonic() - self.started, step=-1, batches=0,
+            role=self.role,
+            policy_version=-1,
+            addrs=tuple(self.addrs()[:8]),
+            data_port=self.config.data_port,
+            have=(),
+            uptime_s=time.monotonic() - self.started,
+            step=-1,
+            batches=0,
         )
         fields.update(self.hook.heartbeat_fields())
         fields["have"] = tuple(fields["have"])
@@ -257,13 +284,15 @@ class Node:
                 st = self.swarm.get(pid)
                 # peer-exchange round trip: every connection is asked on arrival, then in turns
                 rtt = conns.latency_ms.get(pid)
-                peers.append({
-                    "peer_id": pid,
-                    "role": st.heartbeat.role if st else None,
-                    "addr": conns.peer_addr(pid),
-                    "latency_ms": round(rtt, 2) if rtt is not None else None,
-                    "banned": self.policy.is_banned(pid),
-                })
+                peers.append(
+                    {
+                        "peer_id": pid,
+                        "role": st.heartbeat.role if st else None,
+                        "addr": conns.peer_addr(pid),
+                        "latency_ms": round(rtt, 2) if rtt is not None else None,
+                        "banned": self.policy.is_banned(pid),
+                    }
+                )
         g = self.genesis
         return {
             "peer_id": self.peer_id,
@@ -277,7 +306,11 @@ class Node:
             "swarm": self.swarm.to_json(),
             "gossip": {
                 **self.metrics.gossip_summary(),
-                "mesh": {k: len(self.gossip.mesh_peers(k)) for k in ("heartbeat", "checkpoint", "rollout", "vote", "ban")} if self.gossip else {},
+                "mesh": {
+                    k: len(self.gossip.mesh_peers(k)) for k in ("heartbeat", "checkpoint", "rollout", "vote", "ban")
+                }
+                if self.gossip
+                else {},
                 # Plumtree state: eager/lazy links, IHAVE/GRAFT/PRUNE counters, caches.
                 "tree": self.gossip.status() if self.gossip else {},
             },
@@ -287,14 +320,23 @@ class Node:
         }
 
 
-async def fetch_genesis(key: NodeKey, bootstrap: list[str], *, timeout: float = 10.0, expected_run_id: bytes | None = None) -> SignedGenesis:
+async def fetch_genesis(
+    key: NodeKey, bootstrap: list[str], *, timeout: float = 10.0, expected_run_id: bytes | None = None
+) -> SignedGenesis:
     """Ask the bootstrap node(s) for the run genesis and verify it (NodeError if none works)."""
     from node.p2p.host import parse_peer_addr
 
     errors = []
     host = make_host(key, dial_timeout=timeout)
     async with closing_host(host, ["/ip4/127.0.0.1/tcp/0"]):
-        rr = ReqResp(host, key, ZERO_RUN_ID, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(time.time_ns() // 1000))
+        rr = ReqResp(
+            host,
+            key,
+            ZERO_RUN_ID,
+            policy=PeerPolicy(),
+            metrics=NodeMetrics(),
+            seq=SequenceCounter(time.time_ns() // 1000),
+        )
         for text in bootstrap:
             info = parse_peer_addr(text)
             pid = info.peer_id.to_base58()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Callable
 
 log = logging.getLogger("primenode.p2p.policy")
 
@@ -188,7 +188,9 @@ class PeerPolicy:
 
     def banned(self) -> dict[str, dict]:
         now = self.clock()
-        return {p: {"seconds_left": round(u - now, 1), "reason": r} for p, (u, r) in list(self._bans.items()) if u > now}
+        return {
+            p: {"seconds_left": round(u - now, 1), "reason": r} for p, (u, r) in list(self._bans.items()) if u > now
+        }
 
     # ---- rate limits
     def allow(self, peer_id: str, n: float = 1.0) -> bool:
@@ -224,7 +226,8 @@ class PeerPolicy:
             if len(self._unknown_origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._unknown_origin_buckets)
             b = self._unknown_origin_buckets[forwarder] = RateBucket(
-                self.unknown_origins_per_forwarder_per_s, self.unknown_origins_per_forwarder_burst)
+                self.unknown_origins_per_forwarder_per_s, self.unknown_origins_per_forwarder_burst
+            )
         return b.take()
 
     # ---- bounds
@@ -259,5 +262,10 @@ class PeerPolicy:
                 del table[pid]
 
     def sizes(self) -> dict[str, int]:
-        return {"scores": len(self._scores), "bans": len(self._bans), "buckets": len(self._buckets),
-                "origin_buckets": len(self._origin_buckets), "unknown_origin_buckets": len(self._unknown_origin_buckets)}
+        return {
+            "scores": len(self._scores),
+            "bans": len(self._bans),
+            "buckets": len(self._buckets),
+            "origin_buckets": len(self._origin_buckets),
+            "unknown_origin_buckets": len(self._unknown_origin_buckets),
+        }

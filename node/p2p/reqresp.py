@@ -16,7 +16,8 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -24,6 +25,8 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 import protocol
+from node.p2p.metrics import NodeMetrics
+from node.p2p.policy import PeerPolicy
 from protocol import (
     ZERO_RUN_ID,
     Envelope,
@@ -36,9 +39,6 @@ from protocol import (
 )
 from protocol.envelope import ENVELOPE_OVERHEAD
 from protocol.messages import PRE_RUN_TYPES
-
-from node.p2p.metrics import NodeMetrics
-from node.p2p.policy import PeerPolicy
 
 log = logging.getLogger("primenode.p2p.reqresp")
 
@@ -147,7 +147,7 @@ class ReqResp:
                     cs.shield = True
                     try:
                         await self.host.disconnect(pid)
-                    except Exception:  # noqa: BLE001 - already broken: the redial decides
+                    except Exception:
                         log.debug("closing a dead connection to %s failed", peer_id, exc_info=True)
         raise AssertionError("unreachable")  # pragma: no cover
 

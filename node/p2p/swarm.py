@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from protocol import Envelope, HaveEntry, Heartbeat
 
@@ -30,7 +30,10 @@ class PeerState:
             "policy_version": hb.policy_version,
             "addrs": list(hb.addrs),
             "data_port": hb.data_port,
-            "have": [{"version": h.version, "root": h.root.hex(), "chunks": sum(bin(b).count("1") for b in h.bitmap)} for h in hb.have],
+            "have": [
+                {"version": h.version, "root": h.root.hex(), "chunks": sum(bin(b).count("1") for b in h.bitmap)}
+                for h in hb.have
+            ],
             "uptime_s": round(hb.uptime_s, 1),
             "step": hb.step,
             "batches": hb.batches,
@@ -46,8 +49,9 @@ class SwarmView:
     each new ``PeerState`` (the connection manager learns addresses that way).
     """
 
-    def __init__(self, my_id: str, forget_after: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 max_peers: int = 2048) -> None:
+    def __init__(
+        self, my_id: str, forget_after: float = 10.0, clock: Callable[[], float] = time.monotonic, max_peers: int = 2048
+    ) -> None:
         self.my_id = my_id
         # Heartbeats are up to 200 KiB and identities are free: a flood of fresh senders must
         # not grow the view without bound. When full, peers already known keep refreshing and

@@ -15,13 +15,12 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 
-from protocol import NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
-
 from node.p2p.node import BootstrapRole, Node, P2PConfig, RoleHook
+from protocol import NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
 
 
 def overlay_genesis(
@@ -35,10 +34,20 @@ def overlay_genesis(
     trainer = trainer or owner
     validators = validators or [trainer]
     fields = dict(
-        name=name, owner=owner.peer_id, created_ms=time.time_ns() // 1_000_000, model="tiny-llama",
-        dataset="synthetic", dataset_size=64, trainer=trainer.peer_id,
-        validators=tuple(v.peer_id for v in validators), quorum=1, max_async=2, prompts_per_batch=4,
-        group_size=4, chunk_size=1 << 20, config_toml="",
+        name=name,
+        owner=owner.peer_id,
+        created_ms=time.time_ns() // 1_000_000,
+        model="tiny-llama",
+        dataset="synthetic",
+        dataset_size=64,
+        trainer=trainer.peer_id,
+        validators=tuple(v.peer_id for v in validators),
+        quorum=1,
+        max_async=2,
+        prompts_per_batch=4,
+        group_size=4,
+        chunk_size=1 << 20,
+        config_toml="",
     )
     fields.update(overrides)
     return sign_genesis(owner, RunGenesis(**fields))
@@ -47,15 +56,22 @@ def overlay_genesis(
 def fast_config(**overrides) -> P2PConfig:
     """Short intervals for tests on a loaded 2-core machine."""
     cfg = P2PConfig(
-        listen=["/ip4/127.0.0.1/tcp/0"], target_peers=4, heartbeat_interval_s=0.5, forget_after_s=5.0,
-        conn_interval_s=0.3, px_interval_s=1.0, dial_timeout_s=3.0,
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        target_peers=4,
+        heartbeat_interval_s=0.5,
+        forget_after_s=5.0,
+        conn_interval_s=0.3,
+        px_interval_s=1.0,
+        dial_timeout_s=3.0,
     )
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
 
 
-async def wait_until(pred: Callable[[], bool], timeout: float = 30.0, poll: float = 0.05, what: str = "condition") -> None:
+async def wait_until(
+    pred: Callable[[], bool], timeout: float = 30.0, poll: float = 0.05, what: str = "condition"
+) -> None:
     """Poll ``pred`` until true; raises ``trio.TooSlowError`` naming ``what`` after ``timeout``."""
     try:
         with trio.fail_after(timeout):
@@ -81,7 +97,9 @@ class NodeFactory:
         self.bootstrap_addrs: list[str] = []
         self._scopes: dict[int, trio.CancelScope] = {}
 
-    async def start(self, hook: RoleHook | None = None, key: NodeKey | None = None, bootstrap: list[str] | None = None, **overrides) -> Node:
+    async def start(
+        self, hook: RoleHook | None = None, key: NodeKey | None = None, bootstrap: list[str] | None = None, **overrides
+    ) -> Node:
         cfg = fast_config(**{**self.config_overrides, **overrides})
         first = not self.bootstrap_addrs
         cfg.bootstrap = list(self.bootstrap_addrs if bootstrap is None else bootstrap)
@@ -127,7 +145,9 @@ class NodeFactory:
 
 def tagged_announce(tag: int) -> RolloutAnnounce:
     """A small gossip message anyone may publish, told apart by ``tag`` (votes are validators' only)."""
-    return RolloutAnnounce(batch_id=tag.to_bytes(32, "big"), policy_version=0, batch_counter=0, num_samples=1, size_bytes=1)
+    return RolloutAnnounce(
+        batch_id=tag.to_bytes(32, "big"), policy_version=0, batch_counter=0, num_samples=1, size_bytes=1
+    )
 
 
 def collect_tags(nodes: list[Node], kind: str = "rollout") -> dict[str, list[int]]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,8 +23,18 @@ from node.rl.tasks import CharTokenizer, Problem, length_problems
 
 def demo_config(**overrides: Any) -> GRPOConfig:
     """The settings that taught the tiny Llama the target-length task here (see docs/rl.md)."""
-    base = dict(lr=1e-4, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0, temperature=1.0, max_tokens=48,
-                entropy_coef=0.0, group_size=8, prompts_per_step=8, micro_batch_size=32)
+    base = dict(
+        lr=1e-4,
+        weight_decay=0.0,
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_tokens=48,
+        entropy_coef=0.0,
+        group_size=8,
+        prompts_per_step=8,
+        micro_batch_size=32,
+    )
     base.update(overrides)
     return GRPOConfig(**base)
 
@@ -81,8 +92,9 @@ def run_target_length_demo(
 
     cfg = config or demo_config()
     tok = CharTokenizer()
-    model = tiny_llama(vocab_size=tok.vocab_size, hidden_size=hidden_size, layers=layers, heads=heads, seed=seed,
-                       eos_token_id=tok.EOS)
+    model = tiny_llama(
+        vocab_size=tok.vocab_size, hidden_size=hidden_size, layers=layers, heads=heads, seed=seed, eos_token_id=tok.EOS
+    )
     trainer = GRPOTrainer(model, cfg, pad_token_id=tok.PAD)
     engine = TransformersEngine(model, eos_token_id=tok.EOS, pad_token_id=tok.PAD)
     rng = random.Random(seed)
@@ -108,6 +120,12 @@ if __name__ == "__main__":  # pragma: no cover - manual demo
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 40
     s = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     t = time.perf_counter()
-    run_target_length_demo(n, s, on_step=lambda m: print(
-        f"step {m.step:3d} reward {m.reward_mean:+.3f} len {m.length_mean:5.1f} filtered {m.filtered_groups} "
-        f"loss {m.loss:+.5f} gnorm {m.grad_norm:.3f} t {time.perf_counter() - t:6.1f}s", flush=True))
+    run_target_length_demo(
+        n,
+        s,
+        on_step=lambda m: print(
+            f"step {m.step:3d} reward {m.reward_mean:+.3f} len {m.length_mean:5.1f} filtered {m.filtered_groups} "
+            f"loss {m.loss:+.5f} gnorm {m.grad_norm:.3f} t {time.perf_counter() - t:6.1f}s",
+            flush=True,
+        ),
+    )

@@ -11,7 +11,8 @@ solves teach nothing; keep those whose sampled pass rate lies in a window
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
@@ -38,7 +39,9 @@ def is_zero_advantage(advantages: Sequence[float], tol: float = 0.0) -> bool:
     return all(abs(a) <= tol for a in advantages)
 
 
-def filter_zero_advantage(groups: Sequence[T], advantages: Sequence[Sequence[float]]) -> tuple[list[T], list[list[float]], int]:
+def filter_zero_advantage(
+    groups: Sequence[T], advantages: Sequence[Sequence[float]]
+) -> tuple[list[T], list[list[float]], int]:
     """Drop groups whose advantages are all zero; returns (kept groups, their advantages, dropped count)."""
     kept, kept_adv, dropped = [], [], 0
     for g, adv in zip(groups, advantages, strict=True):
@@ -50,7 +53,9 @@ def filter_zero_advantage(groups: Sequence[T], advantages: Sequence[Sequence[flo
     return kept, kept_adv, dropped
 
 
-def in_pass_window(pass_rate: float, lo: float = INTELLECT2_PASS_WINDOW[0], hi: float = INTELLECT2_PASS_WINDOW[1]) -> bool:
+def in_pass_window(
+    pass_rate: float, lo: float = INTELLECT2_PASS_WINDOW[0], hi: float = INTELLECT2_PASS_WINDOW[1]
+) -> bool:
     """Inclusive window test used by the offline filter."""
     return lo <= pass_rate <= hi
 

@@ -34,8 +34,9 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,7 @@ class GRPOConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GRPOConfig":
+    def from_dict(cls, d: dict[str, Any]) -> GRPOConfig:
         d = dict(d)
         if "betas" in d:
             d["betas"] = tuple(d["betas"])
@@ -178,7 +179,10 @@ class GRPOTrainer:
         self.pad_token_id = pad_token_id
         self.version = 0
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.adam_eps,
+            self.model.parameters(),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
             weight_decay=config.weight_decay,
         )
         self._opt_steps = 0
@@ -219,7 +223,9 @@ class GRPOTrainer:
         m.num_rollouts = len(rollouts_all)
         if rollouts_all:
             passed = [r.passed if r.passed is not None else r.reward >= cfg.pass_threshold for r in rollouts_all]
-            stats = reward_stats([r.reward for r in rollouts_all], passed, [len(r.completion_tokens) for r in rollouts_all])
+            stats = reward_stats(
+                [r.reward for r in rollouts_all], passed, [len(r.completion_tokens) for r in rollouts_all]
+            )
             for k, v in stats.items():
                 setattr(m, k, v)
         advs = [group_advantages([r.reward for r in g], cfg.adv_eps) for g in fresh]
@@ -239,7 +245,9 @@ class GRPOTrainer:
         with torch.no_grad():
             for i in range(0, len(items), mbs):
                 chunk = [r for r, _ in items[i : i + mbs]]
-                lp, _, _ = token_logprobs_and_entropy(self.model, chunk, cfg.temperature, self.pad_token_id, self.device)
+                lp, _, _ = token_logprobs_and_entropy(
+                    self.model, chunk, cfg.temperature, self.pad_token_id, self.device
+                )
                 old.extend(row[: len(r.completion_tokens)] for row, r in zip(lp, chunk))
                 if self.reference_model is not None and cfg.kl_coef > 0:
                     rlp, _, _ = token_logprobs_and_entropy(
@@ -261,7 +269,9 @@ class GRPOTrainer:
                 j = min(i + mbs, hi)
                 chunk = [r for r, _ in items[i:j]]
                 adv = torch.tensor([a for _, a in items[i:j]], dtype=torch.float32, device=self.device).unsqueeze(-1)
-                lp, ent, mask = token_logprobs_and_entropy(self.model, chunk, cfg.temperature, self.pad_token_id, self.device)
+                lp, ent, mask = token_logprobs_and_entropy(
+                    self.model, chunk, cfg.temperature, self.pad_token_id, self.device
+                )
                 width = lp.shape[1]
                 old_lp = torch.stack([F.pad(o, (0, width - o.shape[0])) for o in old[i:j]])
                 tok_loss, clipped = grpo_token_loss(lp, old_lp, adv, cfg.clip_eps, cfg.delta)
@@ -312,7 +322,9 @@ class GRPOTrainer:
         if self.reference_model is not None:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in self.reference_model.state_dict().items()}, tmp / "reference.safetensors")
+            save_file(
+                {k: v.contiguous() for k, v in self.reference_model.state_dict().items()}, tmp / "reference.safetensors"
+            )
         state = {
             "optimizer": self.optimizer.state_dict(),
             "version": self.version,
@@ -351,9 +363,14 @@ class GRPOTrainer:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | os.PathLike[str], *, config: GRPOConfig | None = None, pad_token_id: int = 0,
-        device: str | torch.device = "cpu", restore_rng: bool = True,
-    ) -> "GRPOTrainer":
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        config: GRPOConfig | None = None,
+        pad_token_id: int = 0,
+        device: str | torch.device = "cpu",
+        restore_rng: bool = True,
+    ) -> GRPOTrainer:
         """Rebuild a trainer exactly as it was saved (model via ``AutoModelForCausalLM.from_pretrained``)."""
         from transformers import AutoModelForCausalLM
 

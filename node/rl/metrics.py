@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -63,9 +64,15 @@ def reward_stats(rewards: Sequence[float], passed: Sequence[bool], lengths: Sequ
     mean = sum(rewards) / n
     std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
     return {
-        "reward_mean": mean, "reward_std": std, "reward_min": min(rewards), "reward_max": max(rewards),
-        "reward_hist": histogram(rewards), "pass_rate": sum(1 for p in passed if p) / n,
-        "length_mean": sum(lengths) / n, "length_min": min(lengths), "length_max": max(lengths),
+        "reward_mean": mean,
+        "reward_std": std,
+        "reward_min": min(rewards),
+        "reward_max": max(rewards),
+        "reward_hist": histogram(rewards),
+        "pass_rate": sum(1 for p in passed if p) / n,
+        "length_mean": sum(lengths) / n,
+        "length_min": min(lengths),
+        "length_max": max(lengths),
     }
 
 

@@ -39,7 +39,7 @@ def answer_section(text: str) -> str | None:
     """The part after the thinking section: after the last ``</think>``; None if a ``<think>`` is never closed."""
     close = text.rfind("</think>")
     if close >= 0:
-        return text[close + len("</think>"):]
+        return text[close + len("</think>") :]
     if "<think>" in text:
         return None
     return text
@@ -204,7 +204,10 @@ class SymbolicHelper:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-c", _HELPER_SRC, str(SYMBOLIC_HELPER_MEMORY)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         if self._read_line(SYMBOLIC_HELPER_START_S) != b"ready":
             self.kill()

@@ -56,7 +56,7 @@ from pathlib import Path
 
 SANDBOX_UID = 65534
 
-_RUNNER = r'''
+_RUNNER = r"""
 import os, sys
 cfg_fd = int(sys.argv[1])
 import json
@@ -124,7 +124,7 @@ sys.stdout.flush()
 if _ok:
     os.write(_result_fd, _nonce.encode())
 os._exit(0 if _ok else 1)
-'''
+"""
 
 
 @dataclasses.dataclass
@@ -176,10 +176,19 @@ def isolation_mode() -> str:
 def _ns_prefix(mode: str) -> list[str]:
     if mode == "namespaces+uid":
         return [
-            "unshare", "--net", "--pid", "--fork", "--kill-child", "setpriv",
-            f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-            "--inh-caps=-all,+dac_read_search", "--ambient-caps=+dac_read_search",
-            "--bounding-set=-all,+dac_read_search", "--no-new-privs",
+            "unshare",
+            "--net",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "setpriv",
+            f"--reuid={SANDBOX_UID}",
+            f"--regid={SANDBOX_UID}",
+            "--clear-groups",
+            "--inh-caps=-all,+dac_read_search",
+            "--ambient-caps=+dac_read_search",
+            "--bounding-set=-all,+dac_read_search",
+            "--no-new-privs",
         ]
     if mode == "namespaces":
         return ["unshare", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
@@ -273,14 +282,28 @@ def run_python_tests(
         cfg_r, cfg_w = os.pipe()
         res_r, res_w = os.pipe()
         cfg = {"scratch": str(scratch), "nonce": nonce, "result_fd": res_w, "block_fork": mode == "audit"}
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch), "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(scratch),
+            "TMPDIR": str(scratch),
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
         argv = _ns_prefix(mode) + [sys.executable, "-I", "-B", str(scratch / "runner.py"), str(cfg_r)]
-        preexec = functools.partial(_limits, memory_mb * 2**20, int(timeout_s) + 2, _nproc_limit(mode, max_procs), max_file_mb * 2**20)
+        preexec = functools.partial(
+            _limits, memory_mb * 2**20, int(timeout_s) + 2, _nproc_limit(mode, max_procs), max_file_mb * 2**20
+        )
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=scratch, env=env,
-                pass_fds=(cfg_r, res_w), start_new_session=True, preexec_fn=preexec,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=scratch,
+                env=env,
+                pass_fds=(cfg_r, res_w),
+                start_new_session=True,
+                preexec_fn=preexec,
             )
             os.close(cfg_r)
             os.close(res_w)

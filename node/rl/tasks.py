@@ -31,8 +31,9 @@ import json
 import os
 import random
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 TASK_TYPES = ("math", "code", "length")
 
@@ -186,9 +187,13 @@ def cached_hf_files(name: str, split: str = "train", revision: str = "main") -> 
     in_split = [p for p in files if _names_split(rel[p], split)]
     if in_split:
         return in_split
-    if split == "train" and not any(_names_split(r, s) for r in rel.values() for s in ("test", "validation", "valid", "dev")):
+    if split == "train" and not any(
+        _names_split(r, s) for r in rel.values() for s in ("test", "validation", "valid", "dev")
+    ):
         return files
-    raise FileNotFoundError(f"no file of dataset {name!r} (revision {revision!r}) names split {split!r}: {sorted(rel.values())}")
+    raise FileNotFoundError(
+        f"no file of dataset {name!r} (revision {revision!r}) names split {split!r}: {sorted(rel.values())}"
+    )
 
 
 def parse_hf_source(spec: str) -> tuple[str, str]:
@@ -256,8 +261,10 @@ def arithmetic_problems(n: int, seed: int, max_operand: int = 99, ops: str = "+-
         a, b, c = (rng.randint(0, max_operand) for _ in range(3))
         op1, op2 = rng.choice(ops), rng.choice(ops)
         expr = f"{a} {op1} {b} {op2} {c}"
-        value = eval(expr, {"__builtins__": {}}, {})  # noqa: S307 - our own digits and + - * only
-        out.append(Problem(id=f"arith-{seed}-{i}", prompt=f"Compute {expr}.{MATH_SUFFIX}", task="math", answer=str(value)))
+        value = eval(expr, {"__builtins__": {}}, {})
+        out.append(
+            Problem(id=f"arith-{seed}-{i}", prompt=f"Compute {expr}.{MATH_SUFFIX}", task="math", answer=str(value))
+        )
     return out
 
 

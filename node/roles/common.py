@@ -11,6 +11,12 @@ from typing import Any
 
 import trio
 
+from node.checkpoints import Checkpoints, ChunkStore
+from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
+from node.home import NodeHome
+from node.p2p.node import RoleHook
+from node.p2p.reqresp import RequestError
+from node.roles.context import RunContext
 from protocol import (
     BanNotice,
     BatchRequest,
@@ -22,13 +28,6 @@ from protocol import (
     open_envelope,
     sha256,
 )
-
-from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
-from node.home import NodeHome
-from node.p2p.node import RoleHook
-from node.p2p.reqresp import RequestError
-from node.checkpoints import Checkpoints, ChunkStore
-from node.roles.context import RunContext
 
 log = logging.getLogger("primenode.roles")
 
@@ -43,8 +42,16 @@ UNPROVEN_FETCH_SLOTS = 2  # of those, at most this many for announcers with no b
 class LearningRole(RoleHook):
     """Base of trainer, worker and validator: owns the node's checkpoint distribution."""
 
-    def __init__(self, home: NodeHome, ctx: RunContext, *, max_upload_mbps: float = 0.0, data_port: int = 0,
-                 advertise_host: str = "127.0.0.1", direct_io: bool = True) -> None:
+    def __init__(
+        self,
+        home: NodeHome,
+        ctx: RunContext,
+        *,
+        max_upload_mbps: float = 0.0,
+        data_port: int = 0,
+        advertise_host: str = "127.0.0.1",
+        direct_io: bool = True,
+    ) -> None:
         self.home = home
         self.ctx = ctx
         g = ctx.genesis
@@ -53,8 +60,13 @@ class LearningRole(RoleHook):
         # The data plane listens where peers can reach it: loopback for a one-machine
         # network, every interface when the node advertises a routable address.
         listen_host = "127.0.0.1" if advertise_host.startswith("127.") or advertise_host == "localhost" else "0.0.0.0"
-        self._dist_args = dict(max_async=g.max_async, data_port=data_port, advertise_host=advertise_host,
-                               listen_host=listen_host, max_upload_mbps=max_upload_mbps)
+        self._dist_args = dict(
+            max_async=g.max_async,
+            data_port=data_port,
+            advertise_host=advertise_host,
+            listen_host=listen_host,
+            max_upload_mbps=max_upload_mbps,
+        )
         self.node: Any = None
         self.weights = WeightCache(self, capacity=g.max_async + 2)
         # fetch queue of announced batches (validator, trainer); see AnnounceLanes
@@ -88,11 +100,12 @@ class LearningRole(RoleHook):
 
     async def publish_ban(self, peer_id: str, reason: str, seconds: float = BAN_SECONDS_DEFAULT) -> None:
         self.node.policy.ban(peer_id, reason, seconds)
-        await self.node.gossip.publish(BanNotice(peer_id=peer_id, reason=reason[:256],
-                                                 until_ms=int((time.time() + seconds) * 1000)))
+        await self.node.gossip.publish(
+            BanNotice(peer_id=peer_id, reason=reason[:256], until_ms=int((time.time() + seconds) * 1000))
+        )
 
     # ------------------------------------------------------------ batches
-    def admit_announce(self, pending: "collections.Counter[str]", sender: str) -> bool:
+    def admit_announce(self, pending: collections.Counter[str], sender: str) -> bool:
         """Per-announcer fairness: at most ``MAX_PENDING_PER_ANNOUNCER`` of one sender's
         announcements wait in a fetch queue, so one identity cannot fill it."""
         if pending[sender] >= MAX_PENDING_PER_ANNOUNCER:
@@ -101,7 +114,7 @@ class LearningRole(RoleHook):
         return True
 
     @staticmethod
-    def release_announce(pending: "collections.Counter[str]", sender: str) -> None:
+    def release_announce(pending: collections.Counter[str], sender: str) -> None:
         pending[sender] -= 1
         if pending[sender] <= 0:
             del pending[sender]
@@ -118,8 +131,9 @@ class LearningRole(RoleHook):
 
         Raises RequestError (network) or ProtocolError (bad bytes; the peer is charged)."""
         ann: RolloutAnnounce = announce.body
-        env = await self.node.reqresp.request(announce.sender, BatchRequest(batch_id=ann.batch_id), BatchResponse,
-                                              timeout=timeout, redial=True)
+        env = await self.node.reqresp.request(
+            announce.sender, BatchRequest(batch_id=ann.batch_id), BatchResponse, timeout=timeout, redial=True
+        )
         resp: BatchResponse = env.body
         if not resp.found:
             raise RequestError("not_found", "the announcer no longer holds the batch")
@@ -127,14 +141,22 @@ class LearningRole(RoleHook):
         if sha256(raw) != ann.batch_id:
             self.node.policy.penalise(announce.sender, "batch_hash")
             raise ProtocolError("batch_hash", "batch bytes do not match the announced hash")
-        inner = open_envelope(raw, run_id=self.ctx.genesis.run_id, now_ms=int(time.time() * 1000), guard=None,
-                              allowed_types={RolloutBatch.TYPE_ID})
+        inner = open_envelope(
+            raw,
+            run_id=self.ctx.genesis.run_id,
+            now_ms=int(time.time() * 1000),
+            guard=None,
+            allowed_types={RolloutBatch.TYPE_ID},
+        )
         if inner.sender != announce.sender:
             self.node.policy.penalise(announce.sender, "batch_sender")
             raise ProtocolError("batch_sender", "batch signed by another peer than its announcer")
         batch: RolloutBatch = inner.body
         if (batch.policy_version, batch.batch_counter, len(batch.samples)) != (
-                ann.policy_version, ann.batch_counter, ann.num_samples):
+            ann.policy_version,
+            ann.batch_counter,
+            ann.num_samples,
+        ):
             self.node.policy.penalise(announce.sender, "batch_mismatch")
             raise ProtocolError("batch_mismatch", "batch does not match its announcement")
         self.lanes.mark_served(announce.sender)

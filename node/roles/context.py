@@ -12,11 +12,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from proofs import ProofConfig
-from protocol import RunGenesis, SamplingParams
-
 from node.errors import NodeError
 from node.genesis_file import genesis_config
+from proofs import ProofConfig
+from protocol import RunGenesis, SamplingParams
 
 # The devnet's tiny model (genesis [config] tiny_hidden_size / tiny_layers / tiny_heads override): big enough to learn the target-length task in minutes on 2 cores.
 TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
@@ -27,8 +26,11 @@ TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
 # compute on one numerics stack, where honest chunks give ~0 mismatches; catches the
 # one-token prompt edits the paper's thresholds miss (docs/proofs.md).
 TOPLOC_PRESETS = {"paper": ProofConfig(), "tight": ProofConfig.tight()}
-_THRESHOLD_KEYS = {"toploc_max_exp_mismatches": int, "toploc_max_mant_err_mean": float,
-                   "toploc_max_mant_err_median": float}
+_THRESHOLD_KEYS = {
+    "toploc_max_exp_mismatches": int,
+    "toploc_max_mant_err_mean": float,
+    "toploc_max_mant_err_median": float,
+}
 
 
 def proof_config_for(config: dict[str, Any]) -> ProofConfig:
@@ -45,8 +47,12 @@ def proof_config_for(config: dict[str, Any]) -> ProofConfig:
     for key, kind in _THRESHOLD_KEYS.items():
         if key in config:
             value = config[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-                    kind is int and not isinstance(value, int)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value < 0
+                or (kind is int and not isinstance(value, int))
+            ):
                 raise NodeError(f"genesis {key} must be a non-negative {kind.__name__}, got {value!r}")
             overrides[key.removeprefix("toploc_")] = kind(value)
     return dataclasses.replace(base, **overrides)
@@ -61,7 +67,7 @@ class RunContext:
     cache_dir: Path
 
     @classmethod
-    def from_genesis(cls, genesis: RunGenesis, cache_dir: Path) -> "RunContext":
+    def from_genesis(cls, genesis: RunGenesis, cache_dir: Path) -> RunContext:
         config = genesis_config(genesis)
         problems = load_problems(genesis.dataset, genesis.dataset_size, int(config.get("seed", 0)))
         tokenizer = make_tokenizer(genesis.model, cache_dir)
@@ -110,9 +116,18 @@ class RunContext:
 
         # Tiny-model demo values (notes: "GRPO demo settings that worked here"), overridable
         # by the genesis [config]; GRPOConfig's own defaults are INTELLECT-2's.
-        base = dict(lr=1e-4, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0, temperature=self.sampling.temperature,
-                    max_tokens=self.sampling.max_tokens, group_size=self.genesis.group_size,
-                    max_async=self.genesis.max_async, entropy_coef=0.0, micro_batch_size=32)
+        base = dict(
+            lr=1e-4,
+            weight_decay=0.0,
+            warmup_steps=0,
+            max_grad_norm=1.0,
+            temperature=self.sampling.temperature,
+            max_tokens=self.sampling.max_tokens,
+            group_size=self.genesis.group_size,
+            max_async=self.genesis.max_async,
+            entropy_coef=0.0,
+            micro_batch_size=32,
+        )
         base.update({k: v for k, v in self.config.items() if k in GRPOConfig.__dataclass_fields__})
         base["max_async"] = self.genesis.max_async
         return GRPOConfig.from_dict(base)
@@ -122,7 +137,9 @@ class RunContext:
         text = self.problems[index].prompt
         tok = self.tokenizer
         if hasattr(tok, "apply_chat_template") and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return [int(t) for t in ids]
@@ -149,8 +166,14 @@ class RunContext:
 
             tok = self.tokenizer
             size = {k: int(self.config.get(f"tiny_{k}", v)) for k, v in TINY_MODEL.items()}
-            return tiny_llama(vocab_size=tok.vocab_size, hidden_size=size["hidden_size"], layers=size["layers"],
-                              heads=size["heads"], seed=seed, eos_token_id=tok.eos_token_id)
+            return tiny_llama(
+                vocab_size=tok.vocab_size,
+                hidden_size=size["hidden_size"],
+                layers=size["layers"],
+                heads=size["heads"],
+                seed=seed,
+                eos_token_id=tok.eos_token_id,
+            )
         if self.genesis.model == "smollm2":
             from node.models import load_smollm2
 

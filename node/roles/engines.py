@@ -27,14 +27,17 @@ def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
     if kind == "transformers":
         from node.engines.transformers_engine import TransformersEngine
 
-        engine = TransformersEngine(ctx.initial_model(), device=device, eos_token_id=ctx.eos_token_id,
-                                    pad_token_id=ctx.pad_token_id)
+        engine = TransformersEngine(
+            ctx.initial_model(), device=device, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id
+        )
     elif kind == "vllm":
         from node.engines.vllm_engine import VLLMEngine, vllm_available
 
         if not vllm_available():
-            raise NodeError("--engine vllm needs vLLM in this Python environment "
-                            "(`pip install -e '.[vllm]'` on a GPU box; docs/proofs.md, section vLLM)")
+            raise NodeError(
+                "--engine vllm needs vLLM in this Python environment "
+                "(`pip install -e '.[vllm]'` on a GPU box; docs/proofs.md, section vLLM)"
+            )
         engine = VLLMEngine(model_folder(ctx), eos_token_id=ctx.eos_token_id)
     else:
         raise NodeError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")

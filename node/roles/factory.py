@@ -4,17 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol import SignedGenesis
-
 from node.errors import NodeError
 from node.home import NodeHome
 from node.p2p.node import RoleHook
 from node.roles.context import RunContext
+from protocol import SignedGenesis
 
 
-def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id: str, max_upload_mbps: float = 0.0,
-              data_port: int = 0, advertise_host: str = "127.0.0.1", device: str = "cpu",
-              tamper: str | None = None, direct_io: bool = True, engine: str = "transformers") -> RoleHook:
+def make_role(
+    role: str,
+    home: NodeHome,
+    genesis: SignedGenesis,
+    *,
+    key_peer_id: str,
+    max_upload_mbps: float = 0.0,
+    data_port: int = 0,
+    advertise_host: str = "127.0.0.1",
+    device: str = "cpu",
+    tamper: str | None = None,
+    direct_io: bool = True,
+    engine: str = "transformers",
+) -> RoleHook:
     """The hook for ``role``; refuses a trainer/validator whose key the genesis does not name."""
     from node.roles.engines import ENGINES
 
@@ -30,8 +40,9 @@ def make_role(role: str, home: NodeHome, genesis: SignedGenesis, *, key_peer_id:
     if role == "validator" and key_peer_id not in g.validators:
         raise NodeError(f"this node ({key_peer_id}) is not one of the run's validators")
     ctx = RunContext.from_genesis(g, home.path / "cache")
-    common: dict[str, Any] = dict(max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host,
-                                  direct_io=direct_io)
+    common: dict[str, Any] = dict(
+        max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host, direct_io=direct_io
+    )
     if role == "trainer":
         from node.roles.trainer import TrainerRole
 

@@ -38,8 +38,8 @@ import dataclasses
 import sqlite3
 import statistics
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import msgpack
 
@@ -96,9 +96,18 @@ _EVER_ADMITTED = "admitted_ms IS NOT NULL"
 
 
 class Ledger:
-    def __init__(self, path: Path | str, validators: Sequence[str], quorum: int, max_async: int, *,
-                 max_pending: int = MAX_PENDING, max_pending_bytes: int = MAX_PENDING_BYTES,
-                 max_unadmitted_rows: int = MAX_UNADMITTED_ROWS, orphan_vote_ttl_s: float = ORPHAN_VOTE_TTL_S) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        validators: Sequence[str],
+        quorum: int,
+        max_async: int,
+        *,
+        max_pending: int = MAX_PENDING,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+        max_unadmitted_rows: int = MAX_UNADMITTED_ROWS,
+        orphan_vote_ttl_s: float = ORPHAN_VOTE_TTL_S,
+    ) -> None:
         self.validators = frozenset(validators)
         self.quorum = quorum
         self.max_async = max_async
@@ -121,16 +130,24 @@ class Ledger:
         return row[0] if row else default
 
     def set_state(self, key: str, value: int) -> None:
-        self.db.execute("INSERT INTO state(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = ?",
-                        (key, value, value))
+        self.db.execute(
+            "INSERT INTO state(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value = ?", (key, value, value)
+        )
 
     @property
     def policy_version(self) -> int:
         return self.get_state("policy_version", 0)
 
     # --------------------------------------------------------------- inputs
-    def record_batch(self, batch_id: bytes, worker: str, policy_version: int, batch_counter: int,
-                     num_samples: int, envelope: bytes | None) -> None:
+    def record_batch(
+        self,
+        batch_id: bytes,
+        worker: str,
+        policy_version: int,
+        batch_counter: int,
+        num_samples: int,
+        envelope: bytes | None,
+    ) -> None:
         """Remember an announced batch (and its bytes once fetched). Only a pending batch takes
         bytes: a decided one keeps what it has (a rejected batch fetched again stores nothing).
         Storing bytes may evict the envelopes of older pending batches (see the module docstring)."""
@@ -155,14 +172,17 @@ class Ledger:
         validator has accepted yet go first, oldest first."""
         n, size = self.db.execute(
             "SELECT COUNT(*), COALESCE(SUM(length(envelope)), 0) FROM batches "
-            "WHERE status = 'pending' AND envelope IS NOT NULL").fetchone()
+            "WHERE status = 'pending' AND envelope IS NOT NULL"
+        ).fetchone()
         if n <= self.max_pending and size <= self.max_pending_bytes:
             return
         victims = self.db.execute(
             "SELECT b.batch_id, length(b.envelope), "
             "EXISTS(SELECT 1 FROM votes v WHERE v.batch_id = b.batch_id AND v.accept = 1) AS vouched "
             "FROM batches b WHERE b.status = 'pending' AND b.envelope IS NOT NULL AND b.batch_id != ? "
-            "ORDER BY vouched, b.rowid", (keep,)).fetchall()
+            "ORDER BY vouched, b.rowid",
+            (keep,),
+        ).fetchall()
         for batch_id, length, _vouched in victims:
             if n <= self.max_pending and size <= self.max_pending_bytes:
                 break
@@ -175,7 +195,9 @@ class Ledger:
         validators accepts but whose bytes are not held (evicted): fetch it again. Else None."""
         row = self.db.execute(
             "SELECT worker, policy_version, batch_counter, num_samples FROM batches "
-            "WHERE batch_id = ? AND status = 'pending' AND envelope IS NULL", (batch_id,)).fetchone()
+            "WHERE batch_id = ? AND status = 'pending' AND envelope IS NULL",
+            (batch_id,),
+        ).fetchone()
         if row is None or len(self.accept_voters(batch_id) & self.validators) < self.quorum:
             return None
         if row[1] < self.policy_version - self.max_async:
@@ -187,8 +209,7 @@ class Ledger:
         row = self.db.execute("SELECT status, envelope IS NULL FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
         return row is None or (row[0] == "pending" and bool(row[1]))
 
-    def record_vote(self, batch_id: bytes, validator: str, accept: bool, reason: str,
-                    rewards: Sequence[float]) -> bool:
+    def record_vote(self, batch_id: bytes, validator: str, accept: bool, reason: str, rewards: Sequence[float]) -> bool:
         """Store a vote from a genesis validator; returns False if it is not one (ignored)."""
         if validator not in self.validators:
             return False
@@ -218,8 +239,10 @@ class Ledger:
         accepts = [msgpack.unpackb(r) for a, _, r in votes if a]
         rejects = [reason for a, reason, _ in votes if not a]
         if version < self.policy_version - self.max_async:
-            return self._reject(batch_id, f"stale: policy version {version}, trainer at {self.policy_version}, "
-                                          f"max_async {self.max_async}")
+            return self._reject(
+                batch_id,
+                f"stale: policy version {version}, trainer at {self.policy_version}, max_async {self.max_async}",
+            )
         if len(rejects) > len(self.validators) - self.quorum:
             return self._reject(batch_id, f"rejected by validators: {rejects[0]}")
         if len(accepts) < self.quorum or envelope is None:
@@ -235,9 +258,10 @@ class Ledger:
                 (worker, version, counter),
             ).fetchone()
             if dup:
-                self.db.execute("UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
-                                ("duplicate slot: this worker's batch for that version and counter is already admitted",
-                                 batch_id))
+                self.db.execute(
+                    "UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
+                    ("duplicate slot: this worker's batch for that version and counter is already admitted", batch_id),
+                )
                 self.db.execute("COMMIT")
                 return "rejected"
             self.db.execute(
@@ -252,8 +276,9 @@ class Ledger:
 
     def _reject(self, batch_id: bytes, reason: str) -> str:
         # only ever called on pending rows: never admitted, so the bytes go (the row stays)
-        self.db.execute("UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
-                        (reason, batch_id))
+        self.db.execute(
+            "UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?", (reason, batch_id)
+        )
         return "rejected"
 
     # ------------------------------------------------------------ retention
@@ -269,18 +294,28 @@ class Ledger:
             out["stale"] = self.db.execute(
                 "UPDATE batches SET status = 'rejected', envelope = NULL, reason = ? "
                 "WHERE status = 'pending' AND policy_version < ?",
-                (f"stale: fell out of the max_async window ({self.max_async}) while pending",
-                 self.policy_version - self.max_async)).rowcount
+                (
+                    f"stale: fell out of the max_async window ({self.max_async}) while pending",
+                    self.policy_version - self.max_async,
+                ),
+            ).rowcount
             # rows rejected before this policy existed (older ledgers) lose their bytes too
             out["bytes_dropped"] = self.db.execute(
                 f"UPDATE batches SET envelope = NULL WHERE status = 'rejected' AND envelope IS NOT NULL "
-                f"AND NOT ({_EVER_ADMITTED})").rowcount
-            excess = self.db.execute(f"SELECT COUNT(*) FROM batches WHERE {unadmitted}").fetchone()[0] \
+                f"AND NOT ({_EVER_ADMITTED})"
+            ).rowcount
+            excess = (
+                self.db.execute(f"SELECT COUNT(*) FROM batches WHERE {unadmitted}").fetchone()[0]
                 - self.max_unadmitted_rows
+            )
             out["rows_deleted"] = 0
             if excess > 0:
-                gone = [(r[0],) for r in self.db.execute(
-                    f"SELECT batch_id FROM batches WHERE {unadmitted} ORDER BY rowid LIMIT ?", (excess,))]
+                gone = [
+                    (r[0],)
+                    for r in self.db.execute(
+                        f"SELECT batch_id FROM batches WHERE {unadmitted} ORDER BY rowid LIMIT ?", (excess,)
+                    )
+                ]
                 self.db.executemany("DELETE FROM votes WHERE batch_id = ?", gone)
                 self.db.executemany("DELETE FROM batches WHERE batch_id = ?", gone)
                 out["rows_deleted"] = len(gone)
@@ -289,7 +324,9 @@ class Ledger:
             since = self.get_state("orphan_votes_checked_ms", 0)
             out["orphan_votes_deleted"] = self.db.execute(
                 "DELETE FROM votes WHERE received_ms >= ? AND received_ms < ? "
-                "AND NOT EXISTS (SELECT 1 FROM batches b WHERE b.batch_id = votes.batch_id)", (since, cutoff)).rowcount
+                "AND NOT EXISTS (SELECT 1 FROM batches b WHERE b.batch_id = votes.batch_id)",
+                (since, cutoff),
+            ).rowcount
             if cutoff > since:
                 self.set_state("orphan_votes_checked_ms", cutoff)
             self.db.execute("COMMIT")
@@ -300,22 +337,32 @@ class Ledger:
 
     def storage(self) -> dict[str, int]:
         """Rows and stored envelope bytes, by kind (for status and tests)."""
+
         def one(where: str) -> tuple[int, int]:
-            return self.db.execute(f"SELECT COUNT(*), COALESCE(SUM(length(envelope)), 0) FROM batches WHERE {where}"
-                                   ).fetchone()
+            return self.db.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(length(envelope)), 0) FROM batches WHERE {where}"
+            ).fetchone()
+
         pending, pending_bytes = one("status = 'pending' AND envelope IS NOT NULL")
         unadmitted, unadmitted_bytes = one(f"status = 'rejected' AND NOT ({_EVER_ADMITTED})")
-        return {"pending_with_bytes": pending, "pending_bytes": pending_bytes,
-                "pending_without_bytes": one("status = 'pending' AND envelope IS NULL")[0],
-                "rejected_rows": unadmitted, "rejected_bytes": unadmitted_bytes,
-                "votes": self.db.execute("SELECT COUNT(*) FROM votes").fetchone()[0], "evicted": self.evicted}
+        return {
+            "pending_with_bytes": pending,
+            "pending_bytes": pending_bytes,
+            "pending_without_bytes": one("status = 'pending' AND envelope IS NULL")[0],
+            "rejected_rows": unadmitted,
+            "rejected_bytes": unadmitted_bytes,
+            "votes": self.db.execute("SELECT COUNT(*) FROM votes").fetchone()[0],
+            "evicted": self.evicted,
+        }
 
     # ------------------------------------------------------------- training
     def untrained(self, limit: int | None = None) -> list[AdmittedBatch]:
         """Admitted batches no step has consumed yet, freshest policy first (the most
         on-policy data trains first; older leftovers age out through ``drop_stale``)."""
-        q = ("SELECT batch_id, worker, policy_version, batch_counter, envelope, rewards FROM batches "
-             "WHERE status = 'admitted' AND trained_step IS NULL ORDER BY policy_version DESC, admitted_ms, batch_id")
+        q = (
+            "SELECT batch_id, worker, policy_version, batch_counter, envelope, rewards FROM batches "
+            "WHERE status = 'admitted' AND trained_step IS NULL ORDER BY policy_version DESC, admitted_ms, batch_id"
+        )
         if limit is not None:
             q += f" LIMIT {int(limit)}"
         return [AdmittedBatch(b, w, v, c, e, msgpack.unpackb(r)) for b, w, v, c, e, r in self.db.execute(q)]
@@ -355,12 +402,14 @@ class Ledger:
             out[status] = n
         out["trained"] = self.db.execute("SELECT COUNT(*) FROM batches WHERE trained_step IS NOT NULL").fetchone()[0]
         out["buffer"] = self.db.execute(
-            "SELECT COUNT(*) FROM batches WHERE status = 'admitted' AND trained_step IS NULL").fetchone()[0]
+            "SELECT COUNT(*) FROM batches WHERE status = 'admitted' AND trained_step IS NULL"
+        ).fetchone()[0]
         return out
 
     def admitted_ids(self) -> set[bytes]:
         return {r[0] for r in self.db.execute("SELECT batch_id FROM batches WHERE status = 'admitted'")}
 
     def accept_voters(self, batch_id: bytes) -> set[str]:
-        return {r[0] for r in self.db.execute("SELECT validator FROM votes WHERE batch_id = ? AND accept = 1",
-                                              (batch_id,))}
+        return {
+            r[0] for r in self.db.execute("SELECT validator FROM votes WHERE batch_id = ? AND accept = 1", (batch_id,))
+        }

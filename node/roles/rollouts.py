@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from node.roles.context import RunContext, sample_seed
 from proofs import ProofConfig, ProofError, build_many, expected_chunks, proof_size, verify_sequence
 from protocol import RolloutBatch, Sample, assign_prompts
-
-from node.roles.context import RunContext, sample_seed
 
 PROOF = ProofConfig()  # chunking (the wire format); the thresholds come from the run (ctx.proof_config)
 REWARD_TOLERANCE = 1e-6
@@ -42,12 +42,15 @@ def chunk_rows(prompt_len: int, completion_len: int, config: ProofConfig = PROOF
     return rows
 
 
-def split_proofs(blob: bytes, prompt_len: int, completion_len: int, hidden_size: int,
-                 config: ProofConfig = PROOF) -> list[bytes] | None:
+def split_proofs(
+    blob: bytes, prompt_len: int, completion_len: int, hidden_size: int, config: ProofConfig = PROOF
+) -> list[bytes] | None:
     """Cut a sample's concatenated proofs into per-chunk proofs. A chunk with fewer than
     ``topk`` values carries a shorter proof (all its values), so the sizes follow from the
     shape; None if the blob does not have exactly the expected length."""
-    sizes = [proof_size(min(config.topk, rows * hidden_size)) for rows in chunk_rows(prompt_len, completion_len, config)]
+    sizes = [
+        proof_size(min(config.topk, rows * hidden_size)) for rows in chunk_rows(prompt_len, completion_len, config)
+    ]
     if sum(sizes) != len(blob):
         return None
     out, pos = [], 0
@@ -81,8 +84,7 @@ def produce_batch(
     prompts = [ctx.prompt_tokens(i) for i in indices]
     seeds = [sample_seed(g.run_id, worker, version, counter, i) for i in indices]
     sp = ctx.sampling
-    groups = engine.generate(prompts, g.group_size, sp,
-                             seeds, capture_hidden=True)
+    groups = engine.generate(prompts, g.group_size, sp, seeds, capture_hidden=True)
     flat = [(i, seed, c) for i, seed, group in zip(indices, seeds, groups) for c in group]
     proofs = build_many([(c.hidden, len(c.prompt_tokens)) for _, _, c in flat], PROOF)
     samples = []
@@ -93,10 +95,24 @@ def produce_batch(
             tokens = [(t + 1) % _vocab(ctx) for t in tokens]
         if tamper == "rewards":
             reward = 1.0
-        samples.append(Sample(prompt_index=i, completion=Sample.pack_tokens(tokens), seed=seed,
-                              proof=b"".join(pr), claimed_reward=float(reward)))
-    return RolloutBatch(run_id=g.run_id, worker=worker, policy_version=version, batch_counter=counter,
-                        sampling=sp, samples=tuple(samples), created_ms=int(time.time() * 1000))
+        samples.append(
+            Sample(
+                prompt_index=i,
+                completion=Sample.pack_tokens(tokens),
+                seed=seed,
+                proof=b"".join(pr),
+                claimed_reward=float(reward),
+            )
+        )
+    return RolloutBatch(
+        run_id=g.run_id,
+        worker=worker,
+        policy_version=version,
+        batch_counter=counter,
+        sampling=sp,
+        samples=tuple(samples),
+        created_ms=int(time.time() * 1000),
+    )
 
 
 def _vocab(ctx: RunContext) -> int:
@@ -159,9 +175,13 @@ def verify_batch(
     for k, (s, (prompt, comp), hidden) in enumerate(zip(batch.samples, pairs, hiddens)):
         proofs = split_proofs(s.proof, len(prompt), len(comp), int(hidden.shape[-1]))
         if proofs is None:
-            return BatchVerdict(False, f"proof: sample {k} carries {len(s.proof)} proof bytes, expected "
-                                       f"{expected_chunks(len(prompt), len(comp), PROOF)} chunk proofs", [],
-                                time.perf_counter() - t0)
+            return BatchVerdict(
+                False,
+                f"proof: sample {k} carries {len(s.proof)} proof bytes, expected "
+                f"{expected_chunks(len(prompt), len(comp), PROOF)} chunk proofs",
+                [],
+                time.perf_counter() - t0,
+            )
         try:
             verdict = verify_sequence(hidden, len(prompt), proofs, config)
         except ProofError as exc:
@@ -171,6 +191,10 @@ def verify_batch(
     rewards = [ctx.reward(s.prompt_index, toks) for s, (_, toks) in zip(batch.samples, pairs)]
     for k, (s, r) in enumerate(zip(batch.samples, rewards)):
         if abs(s.claimed_reward - r) > REWARD_TOLERANCE:
-            return BatchVerdict(False, f"reward: sample {k} claims {s.claimed_reward:.4f}, the rules give {r:.4f}",
-                                [], time.perf_counter() - t0)
+            return BatchVerdict(
+                False,
+                f"reward: sample {k} claims {s.claimed_reward:.4f}, the rules give {r:.4f}",
+                [],
+                time.perf_counter() - t0,
+            )
     return BatchVerdict(True, "", rewards, time.perf_counter() - t0)

@@ -15,17 +15,27 @@ from typing import Any
 
 import trio
 
-from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
-
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceLanes, LearningRole, export_weights
-from node.roles.ledger import MAX_PENDING, MAX_PENDING_BYTES, MAX_UNADMITTED_ROWS, ORPHAN_VOTE_TTL_S, AdmittedBatch, Ledger
+from node.roles.ledger import (
+    MAX_PENDING,
+    MAX_PENDING_BYTES,
+    MAX_UNADMITTED_ROWS,
+    ORPHAN_VOTE_TTL_S,
+    AdmittedBatch,
+    Ledger,
+)
+from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
 
 log = logging.getLogger("primenode.trainer")
 
-LEDGER_LIMITS = {"max_pending": MAX_PENDING, "max_pending_bytes": MAX_PENDING_BYTES,
-                 "max_unadmitted_rows": MAX_UNADMITTED_ROWS, "orphan_vote_ttl_s": ORPHAN_VOTE_TTL_S}
+LEDGER_LIMITS = {
+    "max_pending": MAX_PENDING,
+    "max_pending_bytes": MAX_PENDING_BYTES,
+    "max_unadmitted_rows": MAX_UNADMITTED_ROWS,
+    "orphan_vote_ttl_s": ORPHAN_VOTE_TTL_S,
+}
 
 
 class TrainerRole(LearningRole):
@@ -39,8 +49,13 @@ class TrainerRole(LearningRole):
         self.batches_per_step = int(self.ctx.config.get("batches_per_step", 1))
         cfg = self.ctx.config
         # retention caps of the ledger (docs/security.md); the run config may override them
-        self.ledger = Ledger(self.home.path / "node.db", g.validators, g.quorum, g.max_async,
-                             **{k: type(v)(cfg[f"ledger_{k}"]) for k, v in LEDGER_LIMITS.items() if f"ledger_{k}" in cfg})
+        self.ledger = Ledger(
+            self.home.path / "node.db",
+            g.validators,
+            g.quorum,
+            g.max_async,
+            **{k: type(v)(cfg[f"ledger_{k}"]) for k, v in LEDGER_LIMITS.items() if f"ledger_{k}" in cfg},
+        )
         self.prune_interval_s = float(cfg.get("ledger_prune_interval_s", 30.0))
         self.refetches = 0
         self._refetching: set[bytes] = set()  # queued second fetches (bounded like the queue)
@@ -77,13 +92,15 @@ class TrainerRole(LearningRole):
 
         cfg = self.ctx.grpo_config()
         if (self.ckpt_dir / "trainer_state.pt").exists():
-            self.trainer = GRPOTrainer.from_checkpoint(self.ckpt_dir, config=cfg, pad_token_id=self.ctx.pad_token_id,
-                                                       device=self.device)
+            self.trainer = GRPOTrainer.from_checkpoint(
+                self.ckpt_dir, config=cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
+            )
             self.restored = self.ledger.recover()
             log.info("resumed at step %d (%d admitted batches back in the queue)", self.trainer.version, self.restored)
         else:
-            self.trainer = GRPOTrainer(self.ctx.initial_model(), cfg, pad_token_id=self.ctx.pad_token_id,
-                                       device=self.device)
+            self.trainer = GRPOTrainer(
+                self.ctx.initial_model(), cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
+            )
             self.trainer.save_checkpoint(self.ckpt_dir)
         self.version = self.trainer.version
         self.ledger.commit_checkpoint(self.version, self.version)
@@ -124,8 +141,11 @@ class TrainerRole(LearningRole):
         # Nothing is written to the ledger before the batch is fetched: announces from free
         # identities must not grow the database (the row is written with the bytes below).
         # A batch already decided or held is not fetched again (a rejected batch stores nothing).
-        if (env.body.batch_id in self._queued_ids or not self.ledger.needs_fetch(env.body.batch_id)
-                or not self.admit_announce(self._pending, env.sender)):
+        if (
+            env.body.batch_id in self._queued_ids
+            or not self.ledger.needs_fetch(env.body.batch_id)
+            or not self.admit_announce(self._pending, env.sender)
+        ):
             self.dropped_announces += 1
             return
         try:
@@ -164,8 +184,9 @@ class TrainerRole(LearningRole):
                 log.warning("bad batch from %s: %s", env.sender, exc)
                 return
             ann = env.body
-            self.ledger.record_batch(ann.batch_id, env.sender, ann.policy_version, ann.batch_counter,
-                                     ann.num_samples, raw)
+            self.ledger.record_batch(
+                ann.batch_id, env.sender, ann.policy_version, ann.batch_counter, ann.num_samples, raw
+            )
             self._decide(ann.batch_id)
             return
         self.fetch_failures += 1
@@ -195,8 +216,9 @@ class TrainerRole(LearningRole):
         again from its worker, through the same queue and per-announcer limits as announces."""
         if batch_id in self._queued_ids or self.node.policy.is_banned(worker):
             return
-        ann = RolloutAnnounce(batch_id=batch_id, policy_version=version, batch_counter=counter,
-                              num_samples=num_samples, size_bytes=1)
+        ann = RolloutAnnounce(
+            batch_id=batch_id, policy_version=version, batch_counter=counter, num_samples=num_samples, size_bytes=1
+        )
         env = Envelope(self.ctx.genesis.run_id, RolloutAnnounce.TYPE_ID, worker, 0, 0, ann, b"")
         if not self.admit_announce(self._pending, worker):
             return
@@ -216,11 +238,12 @@ class TrainerRole(LearningRole):
         g = self.ctx.genesis
         groups = []
         for b in batches:
-            env = open_envelope(b.envelope, run_id=g.run_id, now_ms=0, guard=None,
-                                allowed_types={RolloutBatch.TYPE_ID})
+            env = open_envelope(b.envelope, run_id=g.run_id, now_ms=0, guard=None, allowed_types={RolloutBatch.TYPE_ID})
             batch: RolloutBatch = env.body
             rollouts = [
-                Rollout(self.ctx.prompt_tokens(s.prompt_index), s.token_ids(), reward, policy_version=batch.policy_version)
+                Rollout(
+                    self.ctx.prompt_tokens(s.prompt_index), s.token_ids(), reward, policy_version=batch.policy_version
+                )
                 for s, reward in zip(batch.samples, b.rewards)
             ]
             groups += [rollouts[i : i + g.group_size] for i in range(0, len(rollouts), g.group_size)]
@@ -251,15 +274,26 @@ class TrainerRole(LearningRole):
                 await self._publish_current()
             counts = self.ledger.counts()
             self.last_metrics = {
-                **metrics.as_dict(), "step": self.version, "policy_version": self.version,
-                "batches": len(batches), "batch_versions": sorted({b.policy_version for b in batches}),
-                "admitted": counts["admitted"], "rejected": counts["rejected"], "buffer": counts["buffer"],
-                "step_wall_s": round(time.monotonic() - t0, 3), "time": time.time(),
+                **metrics.as_dict(),
+                "step": self.version,
+                "policy_version": self.version,
+                "batches": len(batches),
+                "batch_versions": sorted({b.policy_version for b in batches}),
+                "admitted": counts["admitted"],
+                "rejected": counts["rejected"],
+                "buffer": counts["buffer"],
+                "step_wall_s": round(time.monotonic() - t0, 3),
+                "time": time.time(),
             }
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(self.last_metrics) + "\n")
-            log.info("step %d%s: reward %.3f over %d rollouts", self.version, " (skipped: no group with signal)"
-                     if metrics.skipped else "", metrics.reward_mean, metrics.num_rollouts)
+            log.info(
+                "step %d%s: reward %.3f over %d rollouts",
+                self.version,
+                " (skipped: no group with signal)" if metrics.skipped else "",
+                metrics.reward_mean,
+                metrics.num_rollouts,
+            )
             self.dist.gc()
         log.info("reached %s steps; serving until stopped", self.steps)
         await trio.sleep_forever()
@@ -284,7 +318,19 @@ class TrainerRole(LearningRole):
             "restored_after_crash": self.restored,
             "dropped_announces": self.dropped_announces,
             "ledger": {**self.ledger.storage(), "refetches": self.refetches},
-            "last_step": {k: m[k] for k in ("loss", "grad_norm", "clip_fraction", "entropy", "filtered_groups",
-                                           "stale_groups", "tokens_per_s", "length_mean") if k in m},
+            "last_step": {
+                k: m[k]
+                for k in (
+                    "loss",
+                    "grad_norm",
+                    "clip_fraction",
+                    "entropy",
+                    "filtered_groups",
+                    "stale_groups",
+                    "tokens_per_s",
+                    "length_mean",
+                )
+                if k in m
+            },
             "distribution": self.distribution_status(),
         }

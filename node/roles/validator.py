@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from typing import Any
 
 import trio
 
-from protocol import Envelope, ProtocolError, RolloutBatch, Vote
-
-from node.p2p.reqresp import RequestError
 from node.memory import release_free_memory
+from node.p2p.reqresp import RequestError
 from node.roles.common import AnnounceLanes, LearningRole
 from node.roles.rollouts import BatchVerdict, verify_batch
+from protocol import Envelope, ProtocolError, RolloutBatch, Vote
 
 log = logging.getLogger("primenode.validator")
 
@@ -36,8 +34,15 @@ CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "s
 class ValidatorRole(LearningRole):
     role = "validator"
 
-    def __init__(self, *args: Any, device: str = "cpu", fetchers: int = 4, queue: int = 256,
-                 engine: str = "transformers", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        device: str = "cpu",
+        fetchers: int = 4,
+        queue: int = 256,
+        engine: str = "transformers",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.engine_kind = engine
         self.device = device
@@ -133,8 +138,12 @@ class ValidatorRole(LearningRole):
                 while v not in self.store.versions and self._newest_known() < v:
                     await trio.sleep(0.25)
             if v > self._newest_known():
-                await self._vote(env, BatchVerdict(False, f"version: policy version {v} was never announced "
-                                                          f"(newest {self._newest_known()})", []))
+                await self._vote(
+                    env,
+                    BatchVerdict(
+                        False, f"version: policy version {v} was never announced (newest {self._newest_known()})", []
+                    ),
+                )
                 return
             # (an older version we never heard announced, having joined after it, stays unverifiable)
             with trio.move_on_after(VERSION_WAIT_S if v in self.store.versions else 0):
@@ -142,8 +151,12 @@ class ValidatorRole(LearningRole):
                     await self.dist.wait_assembled(v)
             if not self.weights.held(v):
                 self.verdicts["unverifiable"] += 1
-                log.info("batch %s: checkpoint v%d not available within %ds; no vote",
-                         env.body.batch_id.hex()[:12], v, VERSION_WAIT_S)
+                log.info(
+                    "batch %s: checkpoint v%d not available within %ds; no vote",
+                    env.body.batch_id.hex()[:12],
+                    v,
+                    VERSION_WAIT_S,
+                )
                 return
             await self._verify_in.send((env, batch))
         finally:
@@ -161,7 +174,8 @@ class ValidatorRole(LearningRole):
                 continue
             await self._ensure_version(v)
             verdict = await trio.to_thread.run_sync(
-                lambda: verify_batch(self.ctx, self.engine.prefill_hidden_batch, batch, env.sender))
+                lambda: verify_batch(self.ctx, self.engine.prefill_hidden_batch, batch, env.sender)
+            )
             await trio.to_thread.run_sync(release_free_memory)  # the prefill's transient tensors
             self.verify_s = round(verdict.seconds, 3)
             await self._vote(env, verdict)
@@ -183,9 +197,14 @@ class ValidatorRole(LearningRole):
 
     async def _vote(self, env: Envelope, verdict: BatchVerdict) -> None:
         ann = env.body
-        vote = Vote(batch_id=ann.batch_id, worker=env.sender, policy_version=ann.policy_version,
-                    accept=verdict.accept, reason="" if verdict.accept else (verdict.reason or "rejected")[:256],
-                    rewards=tuple(float(r) for r in verdict.rewards))
+        vote = Vote(
+            batch_id=ann.batch_id,
+            worker=env.sender,
+            policy_version=ann.policy_version,
+            accept=verdict.accept,
+            reason="" if verdict.accept else (verdict.reason or "rejected")[:256],
+            rewards=tuple(float(r) for r in verdict.rewards),
+        )
         await self.node.gossip.publish(vote)
         self.verdicts["accept" if verdict.accept else "reject"] += 1
         if verdict.accept:
@@ -198,7 +217,9 @@ class ValidatorRole(LearningRole):
                 del self.strikes[min(self.strikes, key=self.strikes.get)]  # bounded: forget the mildest
             self.strikes[env.sender] += 1
             if self.strikes[env.sender] >= self.ban_after and not self.node.policy.is_banned(env.sender):
-                await self.publish_ban(env.sender, f"{self.strikes[env.sender]} rejected batches, last: {verdict.reason}")
+                await self.publish_ban(
+                    env.sender, f"{self.strikes[env.sender]} rejected batches, last: {verdict.reason}"
+                )
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {**super().heartbeat_fields(), "batches": sum(self.verdicts.values())}

@@ -11,11 +11,10 @@ from typing import Any
 
 import trio
 
-from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
-
 from node.memory import release_free_memory
 from node.roles.common import LearningRole
 from node.roles.rollouts import produce_batch
+from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
 
 log = logging.getLogger("primenode.worker")
 
@@ -41,8 +40,9 @@ class _Tally:
 class WorkerRole(LearningRole):
     role = "worker"
 
-    def __init__(self, *args: Any, tamper: str | None = None, device: str = "cpu", engine: str = "transformers",
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, tamper: str | None = None, device: str = "cpu", engine: str = "transformers", **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.engine_kind = engine
         if tamper is not None and tamper not in TAMPER_MODES:
@@ -62,8 +62,16 @@ class WorkerRole(LearningRole):
         # batches_accepted: our batches with accept votes from a quorum of genesis validators;
         # batches_rejected: ours with so many reject votes that no quorum of accepts is possible
         # (with quorum == validators, one reject). accept_votes / reject_votes count single votes.
-        self.stats = {"batches_produced": 0, "batches_accepted": 0, "batches_rejected": 0, "batches_served": 0,
-                      "accept_votes": 0, "reject_votes": 0, "generate_s": 0.0, "load_s": 0.0}
+        self.stats = {
+            "batches_produced": 0,
+            "batches_accepted": 0,
+            "batches_rejected": 0,
+            "batches_served": 0,
+            "accept_votes": 0,
+            "reject_votes": 0,
+            "generate_s": 0.0,
+            "load_s": 0.0,
+        }
         self._my_batches: set[bytes] = set()
         self._tally: dict[bytes, _Tally] = {}
         # The worker only ever needs the version it runs and the next one (read ahead while
@@ -118,7 +126,7 @@ class WorkerRole(LearningRole):
                 return
             try:
                 await self.weights.get(newest)
-            except Exception as exc:  # noqa: BLE001 - the loop's own load reports it properly
+            except Exception as exc:
                 log.info("reading ahead policy version %d failed: %s", newest, exc)
             ahead = newest
 
@@ -172,8 +180,15 @@ class WorkerRole(LearningRole):
             claimed = version + VERSION_LIE if self.tamper == "version" else version
             t0 = time.perf_counter()
             batch = await trio.to_thread.run_sync(
-                lambda: produce_batch(self.ctx, self.engine, node.peer_id, claimed, counter,
-                                      tamper=self.tamper if self.tamper in BATCH_TAMPERS else None))
+                lambda: produce_batch(
+                    self.ctx,
+                    self.engine,
+                    node.peer_id,
+                    claimed,
+                    counter,
+                    tamper=self.tamper if self.tamper in BATCH_TAMPERS else None,
+                )
+            )
             await trio.to_thread.run_sync(release_free_memory)  # generation's transient tensors
             self.stats["generate_s"] = round(time.perf_counter() - t0, 2)
             raw = seal(node.key, g.run_id, batch, int(time.time() * 1000), node.seq.next())
@@ -185,16 +200,27 @@ class WorkerRole(LearningRole):
                 self._my_batches.discard(old)
                 self._tally.pop(old, None)
             self.stats["batches_produced"] += 1
-            await node.gossip.publish(RolloutAnnounce(batch_id=batch_id, policy_version=claimed, batch_counter=counter,
-                                                      num_samples=len(batch.samples), size_bytes=len(raw)))
+            await node.gossip.publish(
+                RolloutAnnounce(
+                    batch_id=batch_id,
+                    policy_version=claimed,
+                    batch_counter=counter,
+                    num_samples=len(batch.samples),
+                    size_bytes=len(raw),
+                )
+            )
             log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], claimed, counter)
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {**super().heartbeat_fields(), "batches": self.stats["batches_produced"]}
 
     def status(self) -> dict[str, Any]:
-        return {"policy_version": self.loaded_version, **self.stats, "tamper": self.tamper,
-                "distribution": self.distribution_status()}
+        return {
+            "policy_version": self.loaded_version,
+            **self.stats,
+            "tamper": self.tamper,
+            "distribution": self.distribution_status(),
+        }
 
 
 def _perturb(model, scale: float) -> None:

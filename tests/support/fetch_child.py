@@ -1,6 +1,6 @@
 """Child process for the resume test: fetch one version with a pre-granted ticket.
 
-usage: python -m tests.dist_fetch_child STORE_DIR TRAINER_ID ANNOUNCE_FILE PEER_ID HOST PORT TICKET_HEX
+usage: python -m tests.support.fetch_child STORE_DIR TRAINER_ID ANNOUNCE_FILE PEER_ID HOST PORT TICKET_HEX
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import sys
 
 import trio
 
-from node.checkpoints import VersionFetcher
-from node.checkpoints import ChunkStore
+from node.checkpoints import ChunkStore, VersionFetcher
 from protocol import ChunkTicket
 
 RUN_ID = hashlib.sha256(b"distribution-test-run").digest()

@@ -17,11 +17,30 @@ WORKERS = [NodeKey(b"\x25" * 32), NodeKey(b"\x26" * 32)]
 
 
 def tiny_genesis(**config):
-    cfg = {"task": "target-length", "max_tokens": 24, "temperature": 1.0, "seed": 0, "tiny_hidden_size": 64, "tiny_layers": 2}
+    cfg = {
+        "task": "target-length",
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 0,
+        "tiny_hidden_size": 64,
+        "tiny_layers": 2,
+    }
     cfg.update(config)
-    return make_genesis(OWNER, cfg, name="test", model="tiny", dataset="builtin:target-length", dataset_size=64,
-                        trainer=TRAINER.peer_id, validators=[v.peer_id for v in VALIDATORS], quorum=2,
-                        max_async=2, prompts_per_batch=2, group_size=4, chunk_size=1 << 20)
+    return make_genesis(
+        OWNER,
+        cfg,
+        name="test",
+        model="tiny",
+        dataset="builtin:target-length",
+        dataset_size=64,
+        trainer=TRAINER.peer_id,
+        validators=[v.peer_id for v in VALIDATORS],
+        quorum=2,
+        max_async=2,
+        prompts_per_batch=2,
+        group_size=4,
+        chunk_size=1 << 20,
+    )
 
 
 def tiny_context(tmp_path: Path, **config) -> RunContext:

@@ -12,7 +12,8 @@ import typing
 
 from hypothesis import strategies as st
 
-from protocol import NodeKey, messages as m
+from protocol import NodeKey
+from protocol import messages as m
 from protocol.schema import Message, Spec
 
 _KEYS = [NodeKey(bytes([i]) * 32) for i in range(1, 6)]
@@ -27,7 +28,7 @@ _BYTES_CAP = 64
 
 def _for_hint(hint: typing.Any, s: Spec, name: str) -> st.SearchStrategy:
     origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, __import__("types").UnionType):
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return st.none() | _for_hint(inner, s, name)
     if origin in (list, tuple):
@@ -62,11 +63,17 @@ def _generic(cls: type[Message], **overrides: st.SearchStrategy) -> st.SearchStr
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        kwargs[f.name] = overrides[f.name] if f.name in overrides else _for_hint(hints[f.name], f.metadata.get("spec", Spec()), f.name)
+        kwargs[f.name] = (
+            overrides[f.name]
+            if f.name in overrides
+            else _for_hint(hints[f.name], f.metadata.get("spec", Spec()), f.name)
+        )
     return st.builds(cls, **kwargs)
 
 
-_safe_path = st.lists(st.from_regex(r"[a-z0-9_]{1,8}(\.safetensors)?", fullmatch=True), min_size=1, max_size=3).map("/".join)
+_safe_path = st.lists(st.from_regex(r"[a-z0-9_]{1,8}(\.safetensors)?", fullmatch=True), min_size=1, max_size=3).map(
+    "/".join
+)
 
 
 @st.composite
@@ -93,8 +100,15 @@ def _geneses(draw) -> m.RunGenesis:
     validators = draw(st.lists(peer_ids, min_size=1, max_size=5, unique=True))
     group = draw(st.integers(1, 1024))
     per_batch = st.integers(1, min(4096, m.MAX_BATCH_SAMPLES // group))  # a batch holds at most MAX_BATCH_SAMPLES
-    base = draw(_generic(m.RunGenesis, validators=st.just(tuple(validators)), quorum=st.integers(1, len(validators)),
-                         group_size=st.just(group), prompts_per_batch=per_batch))
+    base = draw(
+        _generic(
+            m.RunGenesis,
+            validators=st.just(tuple(validators)),
+            quorum=st.integers(1, len(validators)),
+            group_size=st.just(group),
+            prompts_per_batch=per_batch,
+        )
+    )
     return base
 
 

@@ -27,9 +27,10 @@ bytes almost never get past.
 
 from __future__ import annotations
 
-import os
 import math
-from typing import Any, Awaitable, Callable, TypeVar
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import trio
 from hypothesis import HealthCheck, settings
@@ -48,9 +49,12 @@ def examples(default: int) -> int:
 def fuzz_settings(default: int) -> settings:
     # The default (CI) budget is derandomized so a run is reproducible; a long
     # FUZZ_EXAMPLES run explores fresh random inputs.
-    return settings(max_examples=examples(default), deadline=None,
-                    derandomize="FUZZ_EXAMPLES" not in os.environ,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=examples(default),
+        deadline=None,
+        derandomize="FUZZ_EXAMPLES" not in os.environ,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 async def run_given(test: Callable[[], None]) -> None:
@@ -69,9 +73,38 @@ def on_loop(afn: Callable[..., Awaitable[T]], *args: Any) -> T:
 
 # Values that sit on or just past boundaries, or have an unexpected type.
 _ODD_VALUES: list[Any] = [
-    None, True, False, 0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -(2**63), 2**64 - 1, 0.0, -0.0, 1.5, -1e300,
-    float("inf"), float("nan"), "", "x" * 300, "\x00", "..", "../x", "a/../b", b"", b"\x00" * 31, b"\x00" * 32,
-    b"\x00" * 33, b"\xff" * 64, [], [[]], [0] * 70,
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+    0.0,
+    -0.0,
+    1.5,
+    -1e300,
+    float("inf"),
+    float("nan"),
+    "",
+    "x" * 300,
+    "\x00",
+    "..",
+    "../x",
+    "a/../b",
+    b"",
+    b"\x00" * 31,
+    b"\x00" * 32,
+    b"\x00" * 33,
+    b"\xff" * 64,
+    [],
+    [[]],
+    [0] * 70,
 ]
 
 
@@ -185,8 +218,12 @@ def byte_mutations(max_ops: int = 4) -> st.SearchStrategy:
     wrap around the length): for inputs only known when the example runs (envelopes sealed
     with the current time), so the drawn choices, and hence the examples, stay reproducible.
     Apply with :func:`apply_mutations`."""
-    op = st.tuples(st.sampled_from(["flip", "insert", "delete", "truncate", "extend", "set"]),
-                   st.integers(0, 2**16), st.integers(0, 255), st.binary(min_size=1, max_size=16))
+    op = st.tuples(
+        st.sampled_from(["flip", "insert", "delete", "truncate", "extend", "set"]),
+        st.integers(0, 2**16),
+        st.integers(0, 255),
+        st.binary(min_size=1, max_size=16),
+    )
     return st.lists(op, min_size=1, max_size=max_ops)
 
 

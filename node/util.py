@@ -1,0 +1,70 @@
+"""Small helpers every part of the daemon shares, each written once.
+
+* ``now_ms``: wall-clock milliseconds, the unit of every timestamp on the wire.
+* ``aclose_shielded``: close something during cancellation without leaking it.
+* ``atomic_write_bytes`` / ``atomic_write_text`` / ``fsync_dir``: the crash-safe
+  file write (temp file, fsync, rename, fsync of the folder) that the node home,
+  the chunk store, the ledger's neighbours and the RL checkpoints rely on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+
+def now_ms() -> int:
+    """Milliseconds since the epoch (wall clock): the unit of wire timestamps."""
+    return time.time_ns() // 1_000_000
+
+
+async def aclose_shielded(close: Callable[[], Awaitable[object]], timeout: float = 1.0) -> None:
+    """Run ``close()`` shielded from cancellation, for at most ``timeout`` seconds.
+
+    Why: when a node is stopped by cancelling its scope, an unshielded ``await
+    stream.close()`` is cancelled at its first checkpoint and the socket stays open
+    (a leak the remote sees as a silent peer). Errors are swallowed: whatever is
+    being closed is already being abandoned, and the caller's own error matters more.
+    """
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout):
+        with contextlib.suppress(Exception):
+            await close()
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder so a rename inside it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically: readers see the old file or the new one, never
+    a half-written one. ``durable`` adds the fsyncs (file, then folder) that make the new
+    content survive a crash; ``mode`` applies before the rename (a key file is never readable
+    by others, not even for an instant)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str, *, mode: int = 0o644, durable: bool = True) -> None:
+    """``atomic_write_bytes`` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode(), mode=mode, durable=durable)

@@ -1,0 +1,51 @@
+"""Rules every role applies alike, as pure functions of genesis values.
+
+A worker, a validator, the trainer and the checkpoint store must agree exactly
+on which policy versions are still usable and on when validators' votes decide
+a batch; writing the comparison once keeps them from drifting apart by one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+
+
+def window_floor(newest: int, max_async: int) -> int:
+    """The oldest policy version still inside the ``max_async`` window of ``newest``."""
+    return newest - max_async
+
+
+def within_window(version: int, newest: int, max_async: int) -> bool:
+    """True when rollouts of policy ``version`` may still be used while ``newest`` is current:
+    at most ``max_async`` versions behind, never ahead (INTELLECT-2's two-step asynchrony)."""
+    return window_floor(newest, max_async) <= version <= newest
+
+
+def is_stale(version: int, newest: int, max_async: int) -> bool:
+    """True when ``version`` fell behind the window (a version *ahead* of ``newest`` is not stale:
+    the node may simply not have seen that checkpoint yet)."""
+    return version < window_floor(newest, max_async)
+
+
+class Quorum(enum.Enum):
+    """Where the genesis validators' votes on one batch stand."""
+
+    PENDING = "pending"  # neither outcome is decided yet
+    ACCEPTED = "accepted"  # at least ``quorum`` distinct genesis validators accept
+    REJECTED = "rejected"  # so many reject that ``quorum`` accepts can no longer happen
+
+
+def quorum_outcome(
+    accepts: Collection[str], rejects: Collection[str], validators: Collection[str], quorum: int
+) -> Quorum:
+    """The outcome of the votes of ``accepts`` and ``rejects`` (peer ids); votes of peers that are
+    not genesis ``validators`` do not count. With ``quorum == len(validators)`` one reject decides."""
+    members = set(validators)
+    yes = len(set(accepts) & members)
+    no = len(set(rejects) & members)
+    if yes >= quorum:
+        return Quorum.ACCEPTED
+    if no > len(members) - quorum:
+        return Quorum.REJECTED
+    return Quorum.PENDING
