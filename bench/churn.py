@@ -75,7 +75,7 @@ def main() -> None:
     )
     devnet = Devnet(opts)
     devnet.prepare()
-    audit = LedgerAudit(devnet.node("trainer").home.path / "node.db")
+    audit = LedgerAudit(devnet.node("trainer").home.ledger_path)
     victims = None if args.victims == "all" else args.victims.split(",")
     print(
         f"churn: devnet in {out}, {args.minutes:g} min of kills every {args.period} s, down {args.down} s", flush=True

@@ -79,7 +79,7 @@ def slope_per_s(ts: list[float], ys: list[float]) -> float:
 
 
 def admitted_count(devnet: Devnet) -> int:
-    db = devnet.node("trainer").home.path / "node.db"
+    db = devnet.node("trainer").home.ledger_path
     if not db.exists():
         return 0
     try:

@@ -17,7 +17,7 @@ def test_nodes_killed_and_restarted_in_turn_lose_nothing_admitted(tmp_path):
     devnet = Devnet(small_options(tmp_path))
     devnet.prepare()
     devnet.start_all()
-    audit = LedgerAudit(devnet.node("trainer").home.path / "node.db")
+    audit = LedgerAudit(devnet.node("trainer").home.ledger_path)
     try:
         wait_for(lambda: trainer_step(devnet) >= 2, 300, "two steps before the churn", devnet)
         # every kind of node, the trainer twice; one down at a time, 1-4 s down, 4-10 s apart

@@ -64,7 +64,7 @@ def test_kill9_worker_validator_and_trainer(tmp_path):
         # Every batch admitted before the crash must still be admitted afterwards, except the
         # ledger's one sanctioned exit: "stale before training" (2 workers make more batches
         # than 1 batch per step consumes, so leftovers age out past max_async, crash or not).
-        audit = LedgerAudit(devnet.node("trainer").home.path / "node.db")
+        audit = LedgerAudit(devnet.node("trainer").home.ledger_path)
         assert audit.sample()
         assert audit.seen_admitted
         step_before = trainer_step(devnet)

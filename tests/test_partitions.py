@@ -226,7 +226,7 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
             ).fetchall():
                 assert signed_slots.count((worker, version, counter)) == 1
             # every step trained once, in order
-            rows = [json.loads(line) for line in (trainer.home.path / "metrics.jsonl").read_text().splitlines()]
+            rows = [json.loads(line) for line in (trainer.home.metrics_path).read_text().splitlines()]
             steps = [r["step"] for r in rows if not r.get("skipped")]
             assert steps == sorted(set(steps))
             nursery.cancel_scope.cancel()

@@ -63,7 +63,7 @@ async def test_network_advances_versions_with_quorum_admission(tmp_path):
             for w in workers:
                 assert w.stats["batches_accepted"] + w.stats["batches_rejected"] <= w.stats["batches_produced"]
                 assert w.stats["accept_votes"] >= genesis.genesis.quorum * w.stats["batches_accepted"]
-            metrics = trainer.home.path / "metrics.jsonl"
+            metrics = trainer.home.metrics_path
             await wait_until(lambda: len(metrics.read_text().splitlines()) >= 3, 30, what="three metrics lines")
             nursery.cancel_scope.cancel()
 

@@ -230,7 +230,7 @@ class Devnet:
 
     # ----------------------------------------------------------- progress
     def trainer_metrics(self) -> list[dict[str, Any]]:
-        path = self.node("trainer").home.path / "metrics.jsonl"
+        path = self.node("trainer").home.metrics_path
         if not path.exists():
             return []
         rows = []

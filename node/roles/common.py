@@ -55,7 +55,7 @@ class LearningRole(RoleHook):
         self.home = home
         self.ctx = ctx
         g = ctx.genesis
-        self.store = ChunkStore(home.path / "chunks", g.run_id, g.trainer, direct_io=direct_io)
+        self.store = ChunkStore(home.chunks_dir, g.run_id, g.trainer, direct_io=direct_io)
         self.dist: Checkpoints | None = None
         # The data plane listens where peers can reach it: loopback for a one-machine
         # network, every interface when the node advertises a routable address.

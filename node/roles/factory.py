@@ -39,7 +39,7 @@ def make_role(
         raise NodeError(f"this node ({key_peer_id}) is not the run's trainer ({g.trainer})")
     if role == "validator" and key_peer_id not in g.validators:
         raise NodeError(f"this node ({key_peer_id}) is not one of the run's validators")
-    ctx = RunContext.from_genesis(g, home.path / "cache")
+    ctx = RunContext.from_genesis(g, home.cache_dir)
     common: dict[str, Any] = dict(
         max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host, direct_io=direct_io
     )

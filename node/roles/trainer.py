@@ -50,7 +50,7 @@ class TrainerRole(LearningRole):
         cfg = self.ctx.config
         # retention caps of the ledger (docs/security.md); the run config may override them
         self.ledger = Ledger(
-            self.home.path / "node.db",
+            self.home.ledger_path,
             g.validators,
             g.quorum,
             g.max_async,
@@ -59,9 +59,9 @@ class TrainerRole(LearningRole):
         self.prune_interval_s = float(cfg.get("ledger_prune_interval_s", 30.0))
         self.refetches = 0
         self._refetching: set[bytes] = set()  # queued second fetches (bounded like the queue)
-        self.ckpt_dir = self.home.path / "trainer" / "checkpoint"
-        self.export_root = self.home.path / "trainer" / "export"
-        self.metrics_path = self.home.path / "metrics.jsonl"
+        self.ckpt_dir = self.home.trainer_checkpoint_dir
+        self.export_root = self.home.trainer_export_dir
+        self.metrics_path = self.home.metrics_path
         self.trainer: Any = None
         self.version = 0
         self.last_metrics: dict[str, Any] = {}
