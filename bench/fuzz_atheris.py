@@ -103,11 +103,13 @@ def _define_targets() -> None:
         seal,
     )
     from protocol import chunk_frames as F
+    from protocol import gossip as gossip_frames
     from protocol import (
         messages as m,
     )
-    from protocol.envelope import _signed_part
-    from protocol.schema import Message, pack
+    from protocol import reqresp as rr_frames
+    from protocol.schema import Message
+    from protocol.testing import resign
     from protocol.topics import TOPIC_TYPES, topic
 
     key, trainer, peer = NodeKey(b"\x07" * 32), NodeKey(b"\x08" * 32), NodeKey(b"\x09" * 32)
@@ -116,21 +118,7 @@ def _define_targets() -> None:
         key=lambda c: c.__name__,
     )
     env_types = sorted(m.ENVELOPE_TYPES)
-    rr_mod._now_ms = lambda: NOW  # request/response clocks fixed, so seeds never go stale
-
-    def resign(k: NodeKey, run_id: bytes, type_id: int, body: bytes, seq: int = 9) -> bytes:
-        return pack(
-            [
-                1,
-                run_id,
-                type_id,
-                k.peer_id,
-                NOW,
-                seq,
-                body,
-                k.sign(_signed_part(run_id, type_id, k.peer_id, NOW, seq, body)),
-            ]
-        )
+    rr_mod.now_ms = lambda: NOW  # request/response clocks fixed, so seeds never go stale
 
     # a few valid messages of every kind the network carries: the seeds
     files = (m.FileEntry(path="model.safetensors", size=5000, chunk_hashes=(bytes(32), b"\x01" * 32)),)
@@ -206,7 +194,9 @@ def _define_targets() -> None:
         type_id = env_types[data[0] % len(env_types)]
         run = ZERO_RUN_ID if type_id in m.PRE_RUN_TYPES else RUN
         try:
-            env = open_envelope(resign(key, run, type_id, data[1:]), run_id=RUN, now_ms=NOW, guard=None)
+            env = open_envelope(
+                resign(key, run, type_id, data[1:], timestamp_ms=NOW, seq=9), run_id=RUN, now_ms=NOW, guard=None
+            )
         except ProtocolError:
             return
         assert env.body.encode() == data[1:]
@@ -216,7 +206,11 @@ def _define_targets() -> None:
         """The trainer's key signs the fuzzed CheckpointAnnounce body (worst case: a hostile trainer)."""
         try:
             got, _ = verify_announce(
-                resign(trainer, RUN, CheckpointAnnounce.TYPE_ID, data), RUN, trainer.peer_id, now_ms=NOW, guard=None
+                resign(trainer, RUN, CheckpointAnnounce.TYPE_ID, data, timestamp_ms=NOW, seq=9),
+                RUN,
+                trainer.peer_id,
+                now_ms=NOW,
+                guard=None,
             )
         except ProtocolError:
             return
@@ -310,10 +304,7 @@ def _define_targets() -> None:
             handler_timeout=5,
         )
 
-    def framed(b: bytes) -> bytes:
-        return len(b).to_bytes(4, "big") + b
-
-    @target("reqresp_server", seeds=lambda: [framed(x) for x in sealed()])
+    @target("reqresp_server", seeds=lambda: [rr_frames.encode_frame(x) for x in sealed()])
     def _reqresp_server(data: bytes) -> None:
         async def run() -> None:
             node = reqresp()
@@ -338,7 +329,10 @@ def _define_targets() -> None:
 
     expects = [m.PeerExchangeResponse, m.BatchResponse, m.ChunkTicket, m.GenesisResponse]
 
-    @target("reqresp_client", seeds=lambda: [bytes([i]) + framed(x) for i in range(len(expects)) for x in sealed(peer)])
+    @target(
+        "reqresp_client",
+        seeds=lambda: [bytes([i]) + rr_frames.encode_frame(x) for i in range(len(expects)) for x in sealed(peer)],
+    )
     def _reqresp_client(data: bytes) -> None:
         if not data:
             return
@@ -361,8 +355,17 @@ def _define_targets() -> None:
 
     # ---------------------------------------------------------------- gossip frames
     def gossip_seeds() -> list[bytes]:
-        out = [pack([topic(RUN, k), x]) for x in sealed(peer) for k in TOPIC_TYPES if unpack_type(x) == TOPIC_TYPES[k]]
-        return out + [pack([1, [bytes(32)]]), pack([2, [bytes(32)]]), pack([3, []])]
+        out = [
+            gossip_frames.encode_message(topic(RUN, k), x)
+            for x in sealed(peer)
+            for k in TOPIC_TYPES
+            if unpack_type(x) == TOPIC_TYPES[k]
+        ]
+        return out + [
+            gossip_frames.encode_control(gossip_frames.IHAVE, [bytes(32)]),
+            gossip_frames.encode_control(gossip_frames.GRAFT, [bytes(32)]),
+            gossip_frames.encode_control(gossip_frames.PRUNE),
+        ]
 
     def unpack_type(raw: bytes) -> int:
         from protocol.schema import unpack
@@ -405,10 +408,8 @@ def _define_targets() -> None:
         valid HELLO (flags: bit 1) in front of the rest, so the serving loop is reached."""
         if not data:
             return
-        if data[0] & 1:
-            data = F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, (data[0] >> 1) & 1, tok) + data[1:]
-        else:
-            data = data[1:]
+        rest = data[1:]
+        data = F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, (data[0] >> 1) & 1, tok) + rest if data[0] & 1 else rest
 
         async def run() -> None:
             server = ChunkServer(seed_store, idle_timeout_s=0.5, stall_timeout_s=0.5)

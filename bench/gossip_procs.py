@@ -272,7 +272,7 @@ def timeline(args, shards: list[dict], sent: dict, received: dict) -> list[dict]
     t0 = min(t for t, _ in sent.values())
     lat: dict[int, list[float]] = collections.defaultdict(list)
     for seq, (t_sent, _p) in sent.items():
-        for i, rec in received.items():
+        for rec in received.values():
             r = rec.get(seq)
             if r is not None:
                 lat[int(t_sent - t0)].append((r[0] - t_sent) * 1000)

@@ -83,8 +83,10 @@ sys.path.insert(0, str(REPO))
 
 import trio  # noqa: E402
 
+from node.util import now_ms  # noqa: E402
 from protocol import Heartbeat, NodeKey, RolloutAnnounce, seal  # noqa: E402
-from protocol.schema import pack, unpack  # noqa: E402
+from protocol.gossip import PRUNE, encode_control, encode_frame, encode_message  # noqa: E402
+from protocol.testing import with_signature  # noqa: E402
 
 SCENARIOS = ("invalid", "invalid_noban", "replay", "useless", "connections", "chunks", "unserved")
 ALL_SCENARIOS = ("quiet",) + SCENARIOS
@@ -103,10 +105,6 @@ ATTACK_UNITS = {
     "unserved": "batch announcements",
 }
 UNSERVED_PER_IDENTITY = 4  # node.roles.common.MAX_PENDING_PER_ANNOUNCER: what one identity can queue
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # ===================================================================== attacker process
@@ -133,10 +131,6 @@ class Attack:
         self.stats["last_error"] = f"{type(exc).__name__}: {exc}"[:160]
 
 
-def _frame(x: bytes) -> bytes:
-    return len(x).to_bytes(4, "big") + x
-
-
 def _announce(rnd: random.Random, i: int) -> RolloutAnnounce:
     return RolloutAnnounce(
         batch_id=rnd.randbytes(32), policy_version=0, batch_counter=i % 2**31, num_samples=1, size_bytes=1000
@@ -148,26 +142,27 @@ def _gossip_pool(mode: str, key: NodeKey, run_id: bytes, topics: dict[str, str],
     out = []
     if mode == "invalid":
         for i in range(64):
-            env = unpack(seal(key, run_id, _announce(rnd, i), now_ms(), time.time_ns()))
+            env = seal(key, run_id, _announce(rnd, i), now_ms(), time.time_ns())
             k = i % 4
             if k == 0:
-                env[7] = rnd.randbytes(64)  # bad signature
-                frame = pack([topics["rollout"], pack(env)])
+                frame = encode_message(topics["rollout"], with_signature(env, rnd.randbytes(64)))  # bad signature
             elif k == 1:
-                frame = pack([topics["rollout"], seal(key, b"X" * 32, _announce(rnd, i), now_ms(), time.time_ns())])
+                frame = encode_message(
+                    topics["rollout"], seal(key, b"X" * 32, _announce(rnd, i), now_ms(), time.time_ns())
+                )
             elif k == 2:
                 frame = rnd.randbytes(rnd.randint(1, 200))  # garbage
             else:
-                frame = pack([topics["vote"], pack(env)])  # wrong topic for the type
-            out.append(_frame(frame))
+                frame = encode_message(topics["vote"], env)  # wrong topic for the type
+            out.append(encode_frame(frame))
     elif mode == "replay":
-        same = pack([topics["rollout"], seal(key, run_id, _announce(rnd, 0), now_ms(), 1)])
+        same = encode_message(topics["rollout"], seal(key, run_id, _announce(rnd, 0), now_ms(), 1))
         for i in range(64):
-            if i % 2:
-                frame = same  # exact duplicate
-            else:
-                frame = pack([topics["rollout"], seal(key, run_id, _announce(rnd, i), now_ms(), 1)])  # seq 1 reused
-            out.append(_frame(frame))
+            # odd: an exact duplicate; even: sequence number 1 reused
+            frame = (
+                same if i % 2 else encode_message(topics["rollout"], seal(key, run_id, _announce(rnd, i), now_ms(), 1))
+            )
+            out.append(encode_frame(frame))
     return out
 
 
@@ -194,12 +189,10 @@ async def attack_gossip(a: Attack, idx: int) -> None:
                 while True:
                     if a.args.mode == "useless":  # valid, signed, fresh each time (not duplicates)
                         batch = [
-                            _frame(
-                                pack(
-                                    [
-                                        a.topics["rollout"],
-                                        seal(key, a.run_id, _announce(rnd, i + j), now_ms(), time.time_ns()),
-                                    ]
+                            encode_frame(
+                                encode_message(
+                                    a.topics["rollout"],
+                                    seal(key, a.run_id, _announce(rnd, i + j), now_ms(), time.time_ns()),
                                 )
                             )
                             for j in range(per_tick)
@@ -386,15 +379,19 @@ async def _unserved_identity(a: Attack, target: str) -> None:
                     step=-1,
                     batches=0,
                 )
-                return _frame(pack([a.topics["heartbeat"], seal(key, a.run_id, hb, now_ms(), time.time_ns())]))
+                return encode_frame(
+                    encode_message(a.topics["heartbeat"], seal(key, a.run_id, hb, now_ms(), time.time_ns()))
+                )
 
             await stream.write(heartbeat())
             for j in range(UNSERVED_PER_IDENTITY):
                 a.count("offered")
                 await trio.sleep(1.0 / a.args.unserved_rate)
                 await stream.write(
-                    _frame(
-                        pack([a.topics["rollout"], seal(key, a.run_id, _announce(rnd, j), now_ms(), time.time_ns())])
+                    encode_frame(
+                        encode_message(
+                            a.topics["rollout"], seal(key, a.run_id, _announce(rnd, j), now_ms(), time.time_ns())
+                        )
                     )
                 )
                 a.count("written")
@@ -499,7 +496,7 @@ class Prober:
         try:
             with trio.fail_after(5):
                 out = await self.host.new_stream(peer, [GOSSIP_PROTOCOL])
-                await out.write(_frame(pack([3, []])))  # PRUNE (node/p2p/gossip.py)
+                await out.write(encode_frame(encode_control(PRUNE)))
             while await stream.read(65536):
                 pass
         except Exception:
@@ -1052,7 +1049,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    for name in ("libp2p", "primenode", "multiaddr", "trio"):
+    for name in ("libp2p", "node", "multiaddr", "trio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     if args.honest_child:
         from bench.hostile_nodes import shard_main

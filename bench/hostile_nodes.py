@@ -119,7 +119,7 @@ class ExceptionLog(logging.Handler):
         self.samples: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.name.startswith("primenode"):
+        if record.name == "node" or record.name.startswith("node."):
             if record.exc_info:
                 self.exceptions += 1
                 if len(self.samples) < 5:
@@ -162,7 +162,7 @@ def make_validator_fetcher(node, on_fetched):
     ``on_fetched(announce envelope)`` instead of TOPLOC verification (no model in this bench)."""
     import inspect
 
-    from node.roles.common import AnnounceLanes
+    from node.roles.common import AnnounceIntake
     from node.roles.validator import ValidatorRole
 
     defaults = inspect.signature(ValidatorRole.__init__).parameters
@@ -176,11 +176,9 @@ def make_validator_fetcher(node, on_fetched):
             self.node = node
             self.ctx = types.SimpleNamespace(genesis=node.genesis)
             self.n_fetchers = defaults["fetchers"].default
-            self.lanes = AnnounceLanes(defaults["queue"].default, unproven_slots=max(1, self.n_fetchers // 2))
+            self.intake = AnnounceIntake(defaults["queue"].default, unproven_slots=max(1, self.n_fetchers // 2))
             self._verify_in, self._verify_out = trio.open_memory_channel(16)
-            self.dropped_announces = 0
             self.fetch_failures = 0
-            self._pending = collections.Counter()
             self._seen = collections.OrderedDict()
             self.store = types.SimpleNamespace(versions={})
             self.weights = types.SimpleNamespace(held=lambda version: True)
@@ -213,8 +211,8 @@ def make_validator_fetcher(node, on_fetched):
                 "fetch_failures": self.fetch_failures,
                 "failures_by_code": dict(self.failures_by_code),
                 "bad_batches": self.bad_batches,
-                "queued": len(self.lanes),
-                "pending_announcers": len(self._pending),
+                "queued": len(self.intake),
+                "pending_announcers": len(self.intake.pending),
             }
 
     return BenchValidator()
@@ -243,9 +241,9 @@ class BenchRole:
     def heartbeat_fields(self) -> dict:
         if self.dist is None:
             return {}
-        from node.checkpoints.p2p_overlay import distribution_heartbeat_fields
+        from node.checkpoints.p2p_overlay import checkpoint_heartbeat_fields
 
-        return distribution_heartbeat_fields(self.dist)
+        return checkpoint_heartbeat_fields(self.dist)
 
     def status(self) -> dict:
         return {}
@@ -270,7 +268,7 @@ class BenchRole:
 
     async def _start_distribution(self, node, nursery: trio.Nursery) -> None:
         from node.checkpoints import Checkpoints, ChunkStore
-        from node.checkpoints.p2p_overlay import P2POverlay, serve_distribution
+        from node.checkpoints.p2p_overlay import P2POverlay, serve_checkpoints
 
         root = self.shard.work / f"node-{self.idx}"
         store = ChunkStore(root / "chunks", node.run_id, node.genesis.trainer)
@@ -285,7 +283,7 @@ class BenchRole:
             await original(stream)
 
         server._handle = counting_handle  # looked up when the listener starts
-        await nursery.start(serve_distribution, node, self.dist)
+        await nursery.start(serve_checkpoints, node, self.dist)
         if self.idx == 0:
             await self.publish_checkpoint(node, 0)
             nursery.start_soon(self._reannounce, node)
@@ -427,9 +425,7 @@ class Shard:
             return False
         if any(not ids <= rec.keys() for rec in self.fetched.values()):
             return False
-        if self.cfg["scenario"] == "chunks" and not all(r.holds(1) for r in self.roles.values()):
-            return False
-        return True
+        return not (self.cfg["scenario"] == "chunks" and not all(r.holds(1) for r in self.roles.values()))
 
     async def run(self) -> None:
         from node.p2p.testing import NodeFactory
@@ -559,7 +555,7 @@ class Shard:
 
 def shard_main(workdir: str, shard: int) -> None:
     s = Shard(workdir, shard)
-    for name in ("libp2p", "multiaddr", "trio", "primenode"):
+    for name in ("libp2p", "multiaddr", "trio", "node"):
         logging.getLogger(name).setLevel(logging.ERROR)
         logging.getLogger(name).addHandler(s.exc)
         logging.getLogger(name).propagate = False

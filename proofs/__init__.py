@@ -1,6 +1,8 @@
 """Proofs of honest inference. TOPLOC (build and verify, byte-identical to toploc 0.1.6).
 
-torch only; no I/O; never imports node/.
+torch only; no I/O; never imports node/. The byte layout of a sample's proofs
+(chunking, proof sizes, cutting the blob) is ``protocol.proof_layout``: import
+it from there.
 """
 
 from .errors import ProofError, ProofFormatError
@@ -14,9 +16,7 @@ from .toploc import (
     check_chunks,
     chunk_activations,
     decode_proof,
-    expected_chunks,
     judge,
-    proof_size,
     verify_proofs,
     verify_sequence,
 )
@@ -33,9 +33,7 @@ __all__ = [
     "check_chunks",
     "chunk_activations",
     "decode_proof",
-    "expected_chunks",
     "judge",
-    "proof_size",
     "verify_proofs",
     "verify_sequence",
 ]

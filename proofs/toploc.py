@@ -1,11 +1,11 @@
 """TOPLOC proofs: build them from a generation's final hidden states, check them
 against a validator's own hidden states.
 
-Wire format (byte-identical to the reference, toploc 0.1.6): one proof per chunk,
-big-endian uint16 modulus m, then topk big-endian uint16 polynomial coefficients
-(258 bytes for topk=128). A chunk is the prompt's hidden states (unless
-skip_prefill) or ``chunk_size`` consecutive generated-token rows, flattened; the
-proof interpolates (index mod m, bf16 bit pattern) of its top-k |values| modulo
+Wire format (byte-identical to the reference, toploc 0.1.6; the layout of a
+sample's proofs is ``protocol.proof_layout``): one proof per chunk, big-endian
+uint16 modulus m, then topk big-endian uint16 polynomial coefficients (258 bytes
+for topk=128). A chunk is the prompt's hidden states (unless skip_prefill) or
+``chunk_size`` consecutive generated-token rows, flattened; the proof interpolates (index mod m, bf16 bit pattern) of its top-k |values| modulo
 65497.
 
 Checking mirrors the reference: the validator takes its own top-k indices,
@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from protocol.proof_layout import ProofLayout, proof_size
 
 from . import modarith
 from .errors import ProofError, ProofFormatError
@@ -27,13 +30,11 @@ NO_MATCH = float(2**64)  # mantissa error reported when no exponent matches (ref
 
 
 @dataclasses.dataclass(frozen=True)
-class ProofConfig:
-    """Knobs. Defaults: the reference's chunking and the paper's thresholds
-    (fail a chunk above 38 exponent mismatches, mean 10 or median 8)."""
+class ProofConfig(ProofLayout):
+    """Knobs. Defaults: the reference's chunking (the wire layout,
+    ``protocol.proof_layout``) and the paper's thresholds (fail a chunk above 38
+    exponent mismatches, mean 10 or median 8)."""
 
-    chunk_size: int = 32  # generated tokens per proof ("decode_batching_size")
-    topk: int = 128
-    skip_prefill: bool = False
     max_exp_mismatches: int = 38
     max_mant_err_mean: float = 10.0
     max_mant_err_median: float = 8.0
@@ -44,9 +45,9 @@ class ProofConfig:
         fp32 transformers on CPU): honest runs then give 0 mismatches, and a bf16/fp32
         swap still passes (<= 4 mismatches, mean <= 2.4 measured on SmolLM2-135M), while
         single-token prompt edits that the paper's defaults miss are caught. See docs/proofs.md."""
-        base = dict(max_exp_mismatches=8, max_mant_err_mean=4.0, max_mant_err_median=3.0)
+        base: dict[str, Any] = dict(max_exp_mismatches=8, max_mant_err_mean=4.0, max_mant_err_median=3.0)
         base.update(overrides)
-        return cls(**base)  # type: ignore[arg-type]
+        return cls(**base)
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.topk < 1:
@@ -76,16 +77,6 @@ class Verdict:
     ok: bool
     chunks: tuple[ChunkResult, ...]
     reason: str = ""
-
-
-def proof_size(topk: int = 128) -> int:
-    return 2 + 2 * topk
-
-
-def expected_chunks(prompt_len: int, completion_len: int, config: ProofConfig = ProofConfig()) -> int:
-    """How many proofs a (prompt, completion) pair carries."""
-    decode = -(-completion_len // config.chunk_size)
-    return decode + (0 if config.skip_prefill else (1 if prompt_len > 0 else 0))
 
 
 # ---------------------------------------------------------------- chunking

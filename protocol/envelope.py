@@ -22,8 +22,8 @@ from typing import Any, Generic, TypeVar
 
 from .errors import ProtocolError
 from .identity import NodeKey, verify_signature
-from .messages import ENVELOPE_TYPES, PRE_RUN_TYPES, Message
-from .schema import pack, unpack
+from .messages import ENVELOPE_TYPES, PRE_RUN_TYPES
+from .schema import Message, pack, unpack
 
 WIRE_VERSION = 1
 _DOMAIN = b"primenode/envelope/v1"
@@ -65,6 +65,11 @@ def seal(key: NodeKey, run_id: bytes, message: Message, timestamp_ms: int, seq: 
     body = message.encode()
     if len(body) > type(message).MAX_BYTES:
         raise ValueError(f"{type(message).__name__} body is {len(body)} bytes, cap {type(message).MAX_BYTES}")
+    return _sign(key, run_id, type_id, body, timestamp_ms, seq)
+
+
+def _sign(key: NodeKey, run_id: bytes, type_id: int, body: bytes, timestamp_ms: int, seq: int) -> bytes:
+    """The envelope bytes around ``body``, unchecked (``seal`` checks; ``protocol.testing`` does not)."""
     sig = key.sign(_signed_part(run_id, type_id, key.peer_id, timestamp_ms, seq, body))
     return pack([WIRE_VERSION, run_id, type_id, key.peer_id, timestamp_ms, seq, body, sig])
 

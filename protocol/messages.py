@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .errors import ProtocolError
 from .identity import PEER_ID_MAX_LEN
@@ -28,13 +28,13 @@ MAX_U63 = 2**63 - 1
 HASH_LEN = 32
 ROLES = ("bootstrap", "trainer", "worker", "validator")
 
-# Reusable field bounds.
-_PEER = dict(min_len=40, max_len=PEER_ID_MAX_LEN)
-_HASH = dict(exact_len=HASH_LEN)
-_VERSION = dict(lo=0, hi=2**31 - 1)
-_COUNT = dict(lo=0, hi=MAX_U63)
-_REASON = dict(max_len=256)
-_ADDR = dict(max_len=256)
+# Reusable field bounds (keyword arguments of ``Spec``).
+_PEER: dict[str, Any] = dict(min_len=40, max_len=PEER_ID_MAX_LEN)
+_HASH: dict[str, Any] = dict(exact_len=HASH_LEN)
+_VERSION: dict[str, Any] = dict(lo=0, hi=2**31 - 1)
+_COUNT: dict[str, Any] = dict(lo=0, hi=MAX_U63)
+_REASON: dict[str, Any] = dict(max_len=256)
+_ADDR: dict[str, Any] = dict(max_len=256)
 
 
 def sha256(data: bytes) -> bytes:
@@ -285,7 +285,7 @@ class RolloutBatch(Message):
     worker: str = spec(**_PEER)
     policy_version: int = spec(**_VERSION)
     batch_counter: int = spec(lo=0, hi=2**31 - 1)
-    sampling: SamplingParams
+    sampling: SamplingParams = spec()  # noqa: RUF009 (spec() is a field specifier, not a shared default)
     samples: tuple[Sample, ...] = spec(min_len=1, max_len=MAX_BATCH_SAMPLES)
     created_ms: int = spec(**_COUNT)
 
@@ -314,7 +314,7 @@ class Vote(Message):
     batch_id: bytes = spec(**_HASH)
     worker: str = spec(**_PEER)
     policy_version: int = spec(**_VERSION)
-    accept: bool
+    accept: bool = spec()
     reason: str = spec(**_REASON)
     rewards: tuple[float, ...] = spec(max_len=MAX_BATCH_SAMPLES, item=Spec(lo=-MAX_ABS_REWARD, hi=MAX_ABS_REWARD))
 

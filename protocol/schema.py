@@ -96,7 +96,8 @@ class Message:
 
 
 def pack(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True, use_single_float=False, strict_types=False)
+    packed: bytes = msgpack.packb(value, use_bin_type=True, use_single_float=False, strict_types=False)
+    return packed
 
 
 def unpack(data: bytes) -> Any:

@@ -154,7 +154,7 @@ def test_unserved_counts_batches_a_fetcher_never_fetched():
 
 def test_only_the_projects_tracebacks_count_as_escaped_exceptions():
     h = ExceptionLog()
-    log = logging.getLogger("primenode.test-bench-hostile")
+    log = logging.getLogger("node.test-bench-hostile")
     log.addHandler(h)
     log.propagate = False
     other = logging.getLogger("libp2p.test-bench-hostile")

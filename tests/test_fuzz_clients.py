@@ -40,6 +40,7 @@ from node.checkpoints.wire import recv_exactly, send_all
 from node.p2p.host import parse_peer_addr
 from node.p2p.reqresp import RR_PROTOCOL, RequestError, read_frame
 from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
+from node.util import now_ms
 from protocol import (
     ZERO_RUN_ID,
     BatchRequest,
@@ -59,9 +60,10 @@ from protocol import (
 )
 from protocol import chunk_frames as F
 from protocol import messages as m
-from protocol.envelope import _signed_part
+from protocol import reqresp as rr_frames
 from protocol.genesis import verify_genesis
-from protocol.schema import pack, unpack
+from protocol.schema import unpack
+from protocol.testing import resign
 from tests.support.fuzz import (
     apply_mutations,
     byte_mutations,
@@ -79,27 +81,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module")
 
 _SEQ = itertools.count(time.time_ns())
 OTHER_KEY = NodeKey(b"\x62" * 32)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def resign(key: NodeKey, run_id: bytes, type_id: int, body: bytes, ts: int | None = None) -> bytes:
-    ts = now_ms() if ts is None else ts
-    seq = next(_SEQ)
-    return pack(
-        [
-            1,
-            run_id,
-            type_id,
-            key.peer_id,
-            ts,
-            seq,
-            body,
-            key.sign(_signed_part(run_id, type_id, key.peer_id, ts, seq, body)),
-        ]
-    )
 
 
 # ------------------------------------------------------------------ request/response: a hostile responder
@@ -228,7 +209,7 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                         )
                         if not mine:  # not the test's request (e.g. a node's own peer exchange): refuse it plainly
                             await stream.write(
-                                _framed(
+                                rr_frames.encode_frame(
                                     seal(
                                         hostile.key, run_id, ErrorResponse(code="busy", detail=""), now_ms(), next(_SEQ)
                                     )
@@ -295,11 +276,20 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                 if payload == "mutated_envelope":
                     return apply_mutations(seal(hostile.key, rid, answer, now_ms(), next(_SEQ)), extras["mutations"])
                 if payload == "mutated_body":
-                    return resign(hostile.key, rid, cls.TYPE_ID, extras["body_tree"])
+                    return resign(
+                        hostile.key, rid, cls.TYPE_ID, extras["body_tree"], timestamp_ms=now_ms(), seq=next(_SEQ)
+                    )
                 if payload == "other_signer":
                     return seal(OTHER_KEY, rid, answer, now_ms(), next(_SEQ))
                 if payload == "wrong_type":
-                    return resign(hostile.key, rid, extras["wrong_type"], ErrorResponse(code="x", detail="").encode())
+                    return resign(
+                        hostile.key,
+                        rid,
+                        extras["wrong_type"],
+                        ErrorResponse(code="x", detail="").encode(),
+                        timestamp_ms=now_ms(),
+                        seq=next(_SEQ),
+                    )
                 if payload == "wrong_run":
                     return seal(hostile.key, b"W" * 32, answer, now_ms(), next(_SEQ))
                 if payload == "stale":
@@ -380,10 +370,6 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
             assert isinstance(env.body, PeerExchangeResponse)
             assert client.metrics.req  # the requests were counted
             nursery.cancel_scope.cancel()
-
-
-def _framed(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "big") + data
 
 
 # ------------------------------------------------------------------ data plane: a hostile seed

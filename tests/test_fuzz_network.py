@@ -37,12 +37,13 @@ from libp2p.peer.id import ID
 
 from node.checkpoints import Checkpoints, ChunkStore
 from node.checkpoints.client import DataConnection
-from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
-from node.p2p.gossip import GOSSIP_PROTOCOL, GRAFT, IHAVE, PRUNE
+from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
+from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RR_PROTOCOL, read_frame
 from node.p2p.testing import NodeFactory, overlay_genesis, tagged_announce, wait_until
 from node.roles.worker import WorkerRole
+from node.util import now_ms
 from protocol import (
     ZERO_RUN_ID,
     BatchRequest,
@@ -60,8 +61,10 @@ from protocol import (
 )
 from protocol import chunk_frames as F
 from protocol import messages as m
-from protocol.envelope import _signed_part
+from protocol import reqresp as rr_frames
+from protocol.gossip import GRAFT, IHAVE, PRUNE, encode_message, frame_header
 from protocol.schema import pack, unpack
+from protocol.testing import resign
 from protocol.topics import TOPIC_TYPES
 from tests.support.fuzz import (
     apply_mutations,
@@ -84,18 +87,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Do not use the `random` module")
 _SEQ = itertools.count(time.time_ns())
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def resign(
-    key: NodeKey, run_id: bytes, type_id: int, body: bytes, ts: int | None = None, seq: int | None = None
-) -> bytes:
-    """A correctly signed envelope around arbitrary body bytes (what a malicious peer can send)."""
-    ts = now_ms() if ts is None else ts
-    seq = next(_SEQ) if seq is None else seq
-    sig = key.sign(_signed_part(run_id, type_id, key.peer_id, ts, seq, body))
-    return pack([1, run_id, type_id, key.peer_id, ts, seq, body, sig])
+def fresh_resign(key: NodeKey, run_id: bytes, type_id: int, body: bytes) -> bytes:
+    """A correctly signed, fresh envelope around arbitrary body bytes (what a malicious peer can send)."""
+    return resign(key, run_id, type_id, body, timestamp_ms=now_ms(), seq=next(_SEQ))
 
 
 def fresh_seal(key: NodeKey, run_id: bytes, msg, ts: int | None = None) -> bytes:
@@ -129,14 +123,14 @@ class TargetRole(RoleHook):
         src.mkdir(parents=True, exist_ok=True)
         (src / "model.safetensors").write_bytes(random.Random(1).randbytes(200_000))
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_distribution, node, self.dist)
+            await nursery.start(serve_checkpoints, node, self.dist)
             await self.dist.publish(node.key, 0, src, chunk_size=65536)
             node.reqresp.register(BatchRequest, lambda env, peer: WorkerRole._serve_batch(self.worker, env, peer))
             self.ready.set()
             await trio.sleep_forever()
 
     def heartbeat_fields(self):
-        return distribution_heartbeat_fields(self.dist) if self.dist is not None else {}
+        return checkpoint_heartbeat_fields(self.dist) if self.dist is not None else {}
 
 
 async def start_target(nursery, tmp_path, **overrides):
@@ -183,14 +177,14 @@ def rr_inputs(draw, attacker: NodeKey, other: NodeKey, run_id: bytes):
         return "frame", apply_mutations(fresh_seal(attacker, rid, msg), draw(byte_mutations())), False
     if kind == "mutated_body":  # correctly signed, mutated body: the body decoder and the handlers run
         body = try_pack(draw(mutate_tree(unpack(msg.encode()))))
-        return "frame", resign(attacker, rid, cls.TYPE_ID, body if body is not None else b""), False
+        return "frame", fresh_resign(attacker, rid, cls.TYPE_ID, body if body is not None else b""), False
     if kind == "other_signer":  # signed by someone else than the connection's peer
         return "frame", fresh_seal(other, rid, msg), False
     if kind == "odd_type":  # a type nobody serves, or a response type as a request
         t = draw(st.sampled_from(sorted(m.ENVELOPE_TYPES) + [0, 255]))
         return (
             "frame",
-            resign(attacker, draw(st.sampled_from([rid, ZERO_RUN_ID])), t, draw(st.binary(max_size=40))),
+            fresh_resign(attacker, draw(st.sampled_from([rid, ZERO_RUN_ID])), t, draw(st.binary(max_size=40))),
             False,
         )
     if kind == "lying_prefix":  # a length prefix, then silence or a short write
@@ -218,7 +212,7 @@ async def test_fuzz_request_response_frames(tmp_path):
                 with trio.fail_after(20):  # a hang is a failure
                     stream = await attacker.host.new_stream(ID.from_base58(target.peer_id), [RR_PROTOCOL])
                     try:
-                        await stream.write(data if how == "raw" else len(data).to_bytes(4, "big") + data)
+                        await stream.write(data if how == "raw" else rr_frames.encode_frame(data))
                         if how == "raw":
                             await stream.close()  # half-done frame: the server must give up, not hang
                         raw = await read_frame(stream, 1 << 20)
@@ -290,10 +284,10 @@ def gossip_frames(draw, attacker: NodeKey, run_id: bytes, topics: dict[str, str]
     if kind == "random":
         return draw(st.binary(max_size=300))
     if kind == "mutated_envelope":
-        return pack([topics["rollout"], apply_mutations(good, draw(byte_mutations()))])
+        return encode_message(topics["rollout"], apply_mutations(good, draw(byte_mutations())))
     if kind == "mutated_body":  # correctly signed, mutated body
         body = try_pack(draw(mutate_tree(unpack(ann.encode())))) or b""
-        return pack([topics["rollout"], resign(attacker, run_id, RolloutAnnounce.TYPE_ID, body)])
+        return encode_message(topics["rollout"], fresh_resign(attacker, run_id, RolloutAnnounce.TYPE_ID, body))
     if kind == "wrong_topic":  # a valid envelope on the wrong topic, or an unknown one
         t = draw(
             st.one_of(
@@ -303,18 +297,18 @@ def gossip_frames(draw, attacker: NodeKey, run_id: bytes, topics: dict[str, str]
                 st.text(max_size=30),
             )
         )
-        return pack([t, good])
+        return encode_message(t, good)
     if kind == "mutated_frame":
         return try_pack(draw(mutate_tree([topics["rollout"], good]))) or b""
     if kind == "non_gossip_type":  # requests, batches, responses on a topic
         t = draw(st.sampled_from(sorted(set(m.ENVELOPE_TYPES) - set(m.GOSSIP_TYPES))))
-        return pack([topics["rollout"], resign(attacker, run_id, t, draw(st.binary(max_size=30)))])
+        return encode_message(topics["rollout"], fresh_resign(attacker, run_id, t, draw(st.binary(max_size=30))))
     if kind == "restricted_kind":  # votes, bans, checkpoints from a sender the genesis does not authorise
         k = draw(st.sampled_from(["vote", "ban", "checkpoint"]))
         cls = m.ENVELOPE_TYPES[TOPIC_TYPES[k]]
-        return pack([topics[k], fresh_seal(attacker, run_id, draw(message_strategy(cls)))])
+        return encode_message(topics[k], fresh_seal(attacker, run_id, draw(message_strategy(cls))))
     if kind == "stale":
-        return pack([topics["rollout"], fresh_seal(attacker, run_id, ann, ts=now_ms() - 10 * 60_000)])
+        return encode_message(topics["rollout"], fresh_seal(attacker, run_id, ann, ts=now_ms() - 10 * 60_000))
     if kind == "control":  # IHAVE / GRAFT / PRUNE with odd kinds and ids
         ctl = draw(st.one_of(st.sampled_from([IHAVE, GRAFT, PRUNE]), st.integers(-5, 300)))
         ids = draw(
@@ -330,9 +324,9 @@ def gossip_frames(draw, attacker: NodeKey, run_id: bytes, topics: dict[str, str]
     k = draw(st.sampled_from(["rollout", "heartbeat"]))
     cls = m.ENVELOPE_TYPES[TOPIC_TYPES[k]]
     try:
-        return pack([topics[k], fresh_seal(attacker, run_id, draw(message_strategy(cls)))])
+        return encode_message(topics[k], fresh_seal(attacker, run_id, draw(message_strategy(cls))))
     except ValueError:  # over the type's size cap: seal refuses it
-        return pack([topics[k], good])
+        return encode_message(topics[k], good)
 
 
 def acceptable(genesis, kind: str, raw: bytes) -> bool:
@@ -375,10 +369,10 @@ async def test_fuzz_gossip_frames(tmp_path):
             async def send_and_sync(payload: bytes, marker: bytes, tag: int) -> None:
                 """Write the fuzz frame and a marker frame behind it on one stream; wait until the
                 marker is delivered, so the fuzz frame has been fully processed."""
-                data = len(payload).to_bytes(4, "big") + payload
-                mark = len(marker).to_bytes(4, "big") + marker
+                data = frame_header(len(payload)) + payload
+                mark = frame_header(len(marker)) + marker
                 with trio.fail_after(30):  # a hang is a failure
-                    for attempt in range(3):
+                    for _attempt in range(3):
                         try:
                             if state["stream"] is None:
                                 state["stream"] = await attacker.host.new_stream(
@@ -397,7 +391,7 @@ async def test_fuzz_gossip_frames(tmp_path):
                 tag = next(tags)
                 marker_env = fresh_seal(attacker.key, target.run_id, tagged_announce(tag))
                 before = len(delivered)
-                on_loop(send_and_sync, payload, pack([topics["rollout"], marker_env]), tag)
+                on_loop(send_and_sync, payload, encode_message(topics["rollout"], marker_env), tag)
                 # the fuzz content is signed by SIGNER_KEY (no node runs it), so the nodes' own
                 # traffic (heartbeats) is told apart from what this frame delivered
                 new = [(k, raw) for k, raw in delivered[before:] if unpack(raw)[3] == SIGNER_KEY.peer_id]

@@ -35,8 +35,8 @@ from protocol import (
 from protocol import (
     messages as m,
 )
-from protocol.envelope import _signed_part
-from protocol.schema import pack, unpack
+from protocol.schema import unpack
+from protocol.testing import resign
 from tests.support.fuzz import fuzz_settings, mutate_bytes, mutate_tree, try_pack
 from tests.support.strategies import ALL_MESSAGE_CLASSES, message_strategy
 
@@ -155,12 +155,6 @@ def test_envelope_byte_mutations(msg, data):
         assert mutated == raw
 
 
-def _resign(body: bytes, type_id: int, run_id: bytes, key: NodeKey = KEY, ts: int = NOW, seq: int = 9) -> bytes:
-    """A correctly signed envelope around arbitrary body bytes (what a malicious peer can send)."""
-    sig = key.sign(_signed_part(run_id, type_id, key.peer_id, ts, seq, body))
-    return pack([1, run_id, type_id, key.peer_id, ts, seq, body, sig])
-
-
 @fuzz_settings(300)
 @given(msg=envelope_messages(), data=st.data())
 def test_signed_envelopes_with_mutated_bodies(msg, data):
@@ -170,7 +164,7 @@ def test_signed_envelopes_with_mutated_bodies(msg, data):
     body = try_pack(data.draw(mutate_tree(tree)))
     if body is None:
         return
-    env = open_or_protocol_error(_resign(body, cls.TYPE_ID, run_for(msg)))
+    env = open_or_protocol_error(resign(KEY, run_for(msg), cls.TYPE_ID, body, timestamp_ms=NOW, seq=9))
     if env is not None:
         assert env.body.encode() == body and isinstance(env.body, cls)
 
@@ -182,7 +176,7 @@ def test_signed_envelopes_with_mutated_bodies(msg, data):
     run=st.sampled_from([RUN, ZERO_RUN_ID, b"X" * 32]),
 )
 def test_signed_envelopes_with_random_bodies(type_id, body, run):
-    open_or_protocol_error(_resign(body, type_id, run))
+    open_or_protocol_error(resign(KEY, run, type_id, body, timestamp_ms=NOW, seq=9))
 
 
 @fuzz_settings(200)
@@ -190,7 +184,7 @@ def test_signed_envelopes_with_random_bodies(type_id, body, run):
 def test_envelope_header_integers(ts, seq):
     body = m.GenesisRequest(want=0).encode()
     try:
-        raw = _resign(body, m.GenesisRequest.TYPE_ID, ZERO_RUN_ID, ts=ts, seq=seq)
+        raw = resign(KEY, ZERO_RUN_ID, m.GenesisRequest.TYPE_ID, body, timestamp_ms=ts, seq=seq)
     except Exception:
         return  # msgpack cannot even pack it
     open_or_protocol_error(raw)
@@ -207,7 +201,9 @@ def test_replay_guard_survives_random_sequences():
     for _ in range(2000):
         k = rnd.choice(keys)
         seq = rnd.choice([0, 1, 2**63 - 1, rnd.randrange(0, 2**63), rnd.randrange(0, 64)])
-        open_or_protocol_error(_resign(body, m.GenesisRequest.TYPE_ID, ZERO_RUN_ID, key=k, seq=seq), guard=guard)
+        open_or_protocol_error(
+            resign(k, ZERO_RUN_ID, m.GenesisRequest.TYPE_ID, body, timestamp_ms=NOW, seq=seq), guard=guard
+        )
     assert len(guard._seen) <= 4
     assert all(len(v) <= 16 + 1 for v in guard._seen.values())
 
@@ -231,7 +227,7 @@ def test_checkpoint_announce_with_mutated_manifest(manifest, data):
     body = try_pack(data.draw(mutate_tree(tree)))
     if body is None:
         return
-    raw = _resign(body, CheckpointAnnounce.TYPE_ID, RUN, key=TRAINER)
+    raw = resign(TRAINER, RUN, CheckpointAnnounce.TYPE_ID, body, timestamp_ms=NOW, seq=9)
     try:
         got, _env = verify_announce(raw, RUN, TRAINER.peer_id, now_ms=NOW, guard=ReplayGuard())
     except ProtocolError:

@@ -23,7 +23,8 @@ from node.p2p.swarm import SwarmView
 from node.p2p.testing import NodeFactory, wait_until
 from protocol import ChunkTicketRequest, Envelope, Heartbeat, NodeKey, RolloutAnnounce, seal
 from protocol import chunk_frames as F
-from protocol.schema import pack, unpack
+from protocol.gossip import encode_frame, encode_message
+from protocol.testing import with_signature
 
 from .test_p2p_gossip_adversarial import collect, vote
 
@@ -59,7 +60,7 @@ def test_swarm_view_is_bounded_and_known_peers_keep_refreshing():
     view = SwarmView("me", forget_after=10.0, clock=lambda: t[0], max_peers=50)
     honest = NodeKey(b"\x61" * 32)
     view.on_heartbeat(_hb_env(honest, 1))
-    for i in range(300):
+    for _i in range(300):
         view.on_heartbeat(_hb_env(NodeKey.generate(), 1))
         view.on_heartbeat(_hb_env(honest, 1))  # the honest peer keeps its slot
     assert len(view._peers) <= 50 and view.refused >= 250
@@ -97,7 +98,7 @@ async def _bare_attacker(target_addr: str, frames: list[bytes], sent: list[int],
                 stream = await host.new_stream(info.peer_id, [GOSSIP_PROTOCOL])
             for f in frames:
                 with trio.fail_after(5):
-                    await stream.write(len(f).to_bytes(4, "big") + f)
+                    await stream.write(encode_frame(f))
                 sent[0] += 1
                 await trio.lowlevel.checkpoint()
             await trio.sleep(0.5)
@@ -120,11 +121,8 @@ async def test_fresh_identities_flooding_invalid_gossip_are_banned_and_honest_tr
             def bad_frames(key: NodeKey) -> list[bytes]:
                 out = []
                 for i in range(50):
-                    env = unpack(
-                        seal(key, entry.run_id, vote(500 + i, key.peer_id), int(time.time() * 1000), time.time_ns())
-                    )
-                    env[7] = bytes(64)  # bad signature
-                    out.append(pack([topic, pack(env)]))
+                    env = seal(key, entry.run_id, vote(500 + i, key.peer_id), int(time.time() * 1000), time.time_ns())
+                    out.append(encode_message(topic, with_signature(env, bytes(64))))  # bad signature
                     out.append(b"\xc1garbage")
                 return out
 
@@ -171,23 +169,21 @@ async def test_valid_but_useless_flood_is_rate_limited_then_banned():
             key = NodeKey.generate()
             topic = entry.gossip.topic("rollout")
             frames = [
-                pack(
-                    [
-                        topic,
-                        seal(
-                            key,
-                            entry.run_id,
-                            RolloutAnnounce(
-                                batch_id=i.to_bytes(32, "big"),
-                                policy_version=0,
-                                batch_counter=i,
-                                num_samples=1,
-                                size_bytes=1,
-                            ),
-                            int(time.time() * 1000),
-                            time.time_ns(),
+                encode_message(
+                    topic,
+                    seal(
+                        key,
+                        entry.run_id,
+                        RolloutAnnounce(
+                            batch_id=i.to_bytes(32, "big"),
+                            policy_version=0,
+                            batch_counter=i,
+                            num_samples=1,
+                            size_bytes=1,
                         ),
-                    ]
+                        int(time.time() * 1000),
+                        time.time_ns(),
+                    ),
                 )
                 for i in range(1000, 1600)
             ]
@@ -357,7 +353,7 @@ async def _unserved(role_cls, tmp_path):
                 role._on_announce(_announce(liar, i, ctx.genesis.run_id))
             await trio.sleep(0.5)
             assert node.requests <= n_before + 2  # a banned announcer costs nothing more
-            assert sum(role._pending.values()) <= MAX_PENDING_PER_ANNOUNCER * 2
+            assert sum(role.intake.pending.values()) <= MAX_PENDING_PER_ANNOUNCER * 2
             nursery.cancel_scope.cancel()
     return role, liar
 
@@ -408,11 +404,9 @@ async def test_a_fresh_identity_cannot_push_a_big_valid_burst_but_a_member_can()
             key = NodeKey.generate()
             topic = entry.gossip.topic("rollout")
             frames = [
-                pack(
-                    [
-                        topic,
-                        seal(key, entry.run_id, vote(2000 + i, key.peer_id), int(time.time() * 1000), time.time_ns()),
-                    ]
+                encode_message(
+                    topic,
+                    seal(key, entry.run_id, vote(2000 + i, key.peer_id), int(time.time() * 1000), time.time_ns()),
                 )
                 for i in range(300)
             ]
@@ -481,11 +475,9 @@ async def test_a_fresh_identity_per_message_is_capped_per_forwarder():
             for i in range(400):
                 k = NodeKey.generate()
                 frames.append(
-                    pack(
-                        [
-                            topic,
-                            seal(k, entry.run_id, vote(3000 + i, k.peer_id), int(time.time() * 1000), time.time_ns()),
-                        ]
+                    encode_message(
+                        topic,
+                        seal(k, entry.run_id, vote(3000 + i, k.peer_id), int(time.time() * 1000), time.time_ns()),
                     )
                 )
             await _bare_attacker(entry.full_addrs()[0], frames, [0])

@@ -9,7 +9,8 @@ import trio
 from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.p2p.testing import collect_tags as collect
 from protocol import RolloutAnnounce, seal
-from protocol.schema import pack, unpack
+from protocol.gossip import encode_message
+from protocol.testing import with_signature
 
 
 def vote(tag: int, worker: str) -> RolloutAnnounce:
@@ -18,15 +19,14 @@ def vote(tag: int, worker: str) -> RolloutAnnounce:
 
 def inject(attacker, envelope: bytes) -> None:
     """Push raw envelope bytes on the rollout topic to every peer of ``attacker``, bypassing its own checks."""
-    attacker.gossip._fanout(pack([attacker.gossip.topic("rollout"), envelope]), exclude=())
+    attacker.gossip._fanout(encode_message(attacker.gossip.topic("rollout"), envelope), exclude=())
 
 
 def bad_signatures(attacker, run_id, now):
     out = []
     for i in range(3):
-        env = unpack(seal(attacker.key, run_id, vote(100 + i, attacker.peer_id), now, attacker.seq.next()))
-        env[7] = bytes(64)
-        out.append(pack(env))
+        env = seal(attacker.key, run_id, vote(100 + i, attacker.peer_id), now, attacker.seq.next())
+        out.append(with_signature(env, bytes(64)))
     return out, "signature", {100, 101, 102}
 
 
@@ -62,12 +62,16 @@ async def test_invalid_messages_are_never_relayed_and_their_senders_are_banned()
             for make in (bad_signatures, other_run, replays):
                 # a fresh identity per attack, knowing only the entry node
                 attacker = await net.start(bootstrap=entry.full_addrs(), target_peers=1)
-                await wait_until(lambda: attacker.gossip.has_stream(entry.peer_id), 20, what="attacker's gossip link")
+                await wait_until(
+                    lambda a=attacker: a.gossip.has_stream(entry.peer_id), 20, what="attacker's gossip link"
+                )
                 data, rule, tags = make(attacker, entry.run_id, int(time.time() * 1000))
                 forbidden |= tags
                 for d in data:
                     inject(attacker, d)
-                await wait_until(lambda: entry.policy.is_banned(attacker.peer_id), 30, what=f"{make.__name__} banned")
+                await wait_until(
+                    lambda a=attacker: entry.policy.is_banned(a.peer_id), 30, what=f"{make.__name__} banned"
+                )
                 assert entry.metrics.dropped[rule] >= 1, dict(entry.metrics.dropped)
             assert entry.metrics.dropped["replay"] >= 1
             # Nothing invalid reached an honest node's application or travelled past the entry node.

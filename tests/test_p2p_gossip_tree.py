@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import trio
 
-from node.p2p.gossip import GRAFT, IHAVE, MAX_IDS_PER_FRAME, PRUNE
 from node.p2p.testing import NodeFactory, wait_until
 from node.p2p.testing import collect_tags as collect
 from node.p2p.testing import tagged_announce as announce
+from protocol.gossip import GRAFT, IHAVE, MAX_IDS_PER_FRAME, PRUNE, encode_control
 from protocol.schema import pack
 
 
@@ -65,7 +65,7 @@ async def test_a_node_whose_eager_links_were_all_pruned_still_gets_everything_by
             victim = nodes[-1]
             # Every neighbour is told to stop pushing to the victim: only IHAVE reaches it now.
             for pid in list(victim.gossip._links):
-                victim.gossip._send(pid, pack([PRUNE, []]))
+                victim.gossip._send(pid, encode_control(PRUNE))
             await wait_until(
                 lambda: all(victim.peer_id not in n.gossip._eager for n in nodes if n is not victim),
                 20,
@@ -89,9 +89,9 @@ async def test_malformed_control_frames_are_charged_and_bounded():
             target.gossip.missing_capacity = 50
             for i in range(4):
                 ids = [(i * 1000 + j).to_bytes(32, "big") for j in range(40)]
-                attacker.gossip._send(target.peer_id, pack([IHAVE, ids]))
+                attacker.gossip._send(target.peer_id, encode_control(IHAVE, ids))
             # GRAFT for ids the target never saw: nothing is sent back, nothing breaks.
-            attacker.gossip._send(target.peer_id, pack([GRAFT, [bytes(32)]]))
+            attacker.gossip._send(target.peer_id, encode_control(GRAFT, [bytes(32)]))
             await wait_until(lambda: target.gossip.counters["ihave_received"] >= 160, 20, what="the IHAVEs")
             await wait_until(lambda: target.gossip.counters["graft_received"] >= 1, 20, what="the GRAFT")
             assert len(target.gossip._missing) <= 50

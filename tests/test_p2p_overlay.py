@@ -5,6 +5,7 @@ connected peer."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -192,7 +193,7 @@ async def test_dials_to_unreachable_peers_back_off():
                 lambda: len(attempts[cut_id]) >= 5 and len(attempts[dead_id]) >= 3, 40, what="repeated dials"
             )
             for pid, times in attempts.items():
-                for fails, (t0, t1) in enumerate(zip(times, times[1:]), start=1):
+                for fails, (t0, t1) in enumerate(itertools.pairwise(times), start=1):
                     # a retry waits the back-off (jitter: at least 0.8 of it) after the failure
                     assert t1 - t0 >= 0.8 * backoff_delay(fails, base, cap), (pid == cut_id, fails, times)
             assert node.conns.book[cut_id].fails >= 4 and "cut" in node.conns.book[cut_id].last_error

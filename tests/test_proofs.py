@@ -18,19 +18,15 @@ from proofs import (
     build_proofs,
     build_sequence_proofs,
     decode_proof,
-    expected_chunks,
     judge,
     modarith,
-    proof_size,
     verify_proofs,
     verify_sequence,
 )
+from protocol.proof_layout import ProofLayout, chunk_rows, expected_chunks, proof_size, split_proofs
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "toploc-vectors"
-if not VECTORS.exists():  # the shared tree sits beside the checkout
-    VECTORS = Path("/work/shared/toploc-vectors")
-CASES = json.loads((VECTORS / "index.json").read_text())["cases"] if VECTORS.exists() else []
-needs_vectors = pytest.mark.skipif(not CASES, reason="reference vectors not present")
+VECTORS = Path(__file__).resolve().parent / "toploc_vectors"  # the reference's answers (README.md there)
+CASES = json.loads((VECTORS / "index.json").read_text())["cases"]
 
 
 def _case(name: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -40,7 +36,6 @@ def _case(name: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, load_file(str(VECTORS / f"{name}.safetensors"))
 
 
-@needs_vectors
 @pytest.mark.parametrize("name", CASES)
 def test_proofs_byte_identical_to_reference(name: str) -> None:
     meta, t = _case(name)
@@ -52,7 +47,6 @@ def test_proofs_byte_identical_to_reference(name: str) -> None:
     assert all(len(p) == proof_size(meta["topk"]) for p in with_prefill)
 
 
-@needs_vectors
 @pytest.mark.parametrize("name", CASES)
 def test_verification_equals_reference(name: str) -> None:
     meta, t = _case(name)
@@ -63,7 +57,6 @@ def test_verification_equals_reference(name: str) -> None:
         assert got == [ChunkResult(**r) for r in v["results"]], v["label"]
 
 
-@needs_vectors
 def test_default_thresholds_separate_the_reference_perturbations() -> None:
     meta, t = _case("case0")
     proofs = [bytes.fromhex(h) for h in meta["proofs_with_prefill"]]
@@ -249,3 +242,34 @@ def test_changed_hidden_states_fail() -> None:
     other = _hidden(72, seed=5)
     verdict = verify_sequence(other, 8, proofs)
     assert not verdict.ok and verdict.chunks[0].exp_mismatches > 38
+
+
+# ------------------------------------------------------------------ the proof layout of a sample (protocol.proof_layout)
+
+
+def test_layout_defaults_are_the_wire_format() -> None:
+    """ProofConfig extends the layout: its defaults are the run's chunking."""
+    assert (ProofLayout().chunk_size, ProofLayout().topk, ProofLayout().skip_prefill) == (32, 128, False)
+    assert isinstance(ProofConfig(), ProofLayout) and ProofConfig().topk == ProofLayout().topk
+    assert proof_size() == 258
+
+
+def test_chunk_rows_follow_the_shape() -> None:
+    assert chunk_rows(7, 70) == [7, 32, 32, 6]
+    assert chunk_rows(7, 64) == [7, 32, 32]
+    assert chunk_rows(7, 1) == [7, 1]
+    assert chunk_rows(0, 33) == [32, 1]  # no prompt rows, no prompt chunk
+    assert chunk_rows(7, 70, ProofLayout(skip_prefill=True)) == [32, 32, 6]
+    for prompt, completion in [(7, 70), (1, 1), (0, 5), (40, 33)]:
+        assert len(chunk_rows(prompt, completion)) == expected_chunks(prompt, completion)
+
+
+def test_split_proofs_cuts_by_the_shape() -> None:
+    """A chunk with fewer than topk values carries all of them: its proof is shorter."""
+    blob = bytes(range(256)) * 3
+    sizes = [proof_size(min(128, rows * 32)) for rows in chunk_rows(3, 1)]  # hidden 32: [3 rows, 1 row]
+    assert sizes == [proof_size(96), proof_size(32)]
+    parts = split_proofs(blob[: sum(sizes)], 3, 1, 32)
+    assert parts is not None and [len(p) for p in parts] == sizes and b"".join(parts) == blob[: sum(sizes)]
+    assert split_proofs(b"\0" * 7, 3, 1, 32) is None  # not the expected length
+    assert split_proofs(b"\0" * (sum(sizes) + 1), 3, 1, 32) is None

@@ -8,7 +8,9 @@ ids, manifest roots and the run id are hashes or signatures over them) and the
 same owed prompts, so any change to a value below is a wire-protocol break:
 it needs a new wire/domain version, not an edit of the literal.
 
-The literals were computed once with the code of this commit and checked
+The literals were computed once with the code of the commit that introduced
+them (the gossip and request/response frames and the sample seed before their
+codecs moved into protocol/, so the move is shown to keep the bytes) and checked
 where an outside answer exists: the key is RFC 8032's test vector 1 (its public
 key and the signature of the empty message are the RFC's), its peer id is
 py-libp2p's for the same key, and the msgpack layout of the small messages is
@@ -21,14 +23,19 @@ import pytest
 
 from protocol import (
     NodeKey,
+    ProtocolError,
     ReplayGuard,
     assign_prompts,
     assignment_seed,
+    gossip,
     open_envelope,
     public_bytes_from_peer_id,
+    reqresp,
+    sample_seed,
     seal,
     sha256,
     sign_genesis,
+    topic,
     verify_genesis,
 )
 from protocol import messages as m
@@ -221,3 +228,88 @@ def test_fixed_assignment_seed():
 )
 def test_fixed_inputs_give_fixed_prompts(worker, version, counter, size, count, expected):
     assert assign_prompts(RUN_ID, worker, version, counter, size, count) == expected
+
+
+# ------------------------------------------------------------------ sample seeds
+
+
+@pytest.mark.parametrize(
+    "run_id, worker, version, counter, prompt_index, expected",
+    [
+        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 8758997740110991532),
+        (b"", "", 0, 0, 0, 641818850195848266),
+        (bytes(range(32)), "peer-b", 123456, 99, 0, 2443913817184689491),
+    ],
+    ids=["typical", "empty", "large-version"],
+)
+def test_fixed_inputs_give_fixed_sample_seed(run_id, worker, version, counter, prompt_index, expected):
+    assert sample_seed(run_id, worker, version, counter, prompt_index) == expected
+
+
+# ------------------------------------------------------------------ gossip frames
+
+# length prefix, then fixarray(2) [str8 topic, bin8 ENVELOPE]
+GOSSIP_FRAME = (
+    bytes.fromhex("000000fe92d9252f7072696d656e6f64652f396261633532346434353730376237382f726f6c6c6f75742f31c4d4")
+    + ENVELOPE
+)
+# length prefix, then fixarray(2) [kind, fixarray(1) [bin8 ENVELOPE_ID]]
+IHAVE_FRAME = bytes.fromhex("00000025920191c420") + ENVELOPE_ID
+GRAFT_FRAME = bytes.fromhex("00000025920291c420") + ENVELOPE_ID
+PRUNE_FRAME = bytes.fromhex("00000003920390")  # [3, []]
+
+
+def test_fixed_gossip_message_frame():
+    body = gossip.encode_message(topic(RUN_ID, "rollout"), ENVELOPE)
+    assert gossip.frame_header(len(body)) + body == GOSSIP_FRAME
+    assert gossip.frame_size(GOSSIP_FRAME[:4]) == len(body)
+    assert gossip.decode_frame(GOSSIP_FRAME[4:]) == gossip.GossipMessage(
+        "/primenode/9bac524d45707b78/rollout/1", ENVELOPE
+    )
+    assert gossip.message_id(ENVELOPE) == ENVELOPE_ID
+
+
+@pytest.mark.parametrize(
+    "kind, ids, wire",
+    [
+        (gossip.IHAVE, [ENVELOPE_ID], IHAVE_FRAME),
+        (gossip.GRAFT, [ENVELOPE_ID], GRAFT_FRAME),
+        (gossip.PRUNE, [], PRUNE_FRAME),
+    ],
+    ids=["ihave", "graft", "prune"],
+)
+def test_fixed_gossip_control_frames(kind, ids, wire):
+    body = gossip.encode_control(kind, ids)
+    assert gossip.frame_header(len(body)) + body == wire
+    assert gossip.decode_frame(wire[4:]) == gossip.Control(kind, ids)
+
+
+def test_gossip_protocol_constants():
+    assert (gossip.PROTOCOL_ID, gossip.IHAVE, gossip.GRAFT, gossip.PRUNE) == ("/primenode/gossip/1.1.0", 1, 2, 3)
+    assert (gossip.MAX_GOSSIP_ENVELOPE_BYTES, gossip.FRAME_CAP) == (1044480, 1045504)
+    assert (gossip.MAX_IDS_PER_FRAME, gossip.ID_BYTES) == (4096, 32)
+
+
+# ------------------------------------------------------------------ request/response frames
+
+
+def test_fixed_reqresp_frame():
+    assert reqresp.encode_frame(ENVELOPE) == bytes.fromhex("000000d4") + ENVELOPE
+    assert reqresp.frame_size(bytes.fromhex("000000d4"), cap=212) == 212
+
+
+def test_fixed_reqresp_error_frame():
+    """A responder's own ``bad_request`` answer, sealed and framed."""
+    err = reqresp.bad_request(ProtocolError("signature", "bad"))
+    assert err == m.ErrorResponse(code="bad_request", detail="signature: bad")
+    assert reqresp.encode_frame(seal(TRAINER, RUN_ID, err, T0, 43)) == bytes.fromhex(
+        "000000c59801c4209bac524d45707b78f9600e298037e7db51dee366eaa0469e77efd4dde02550a711d934313244334b6f6f574134"
+        "586f70314a6154334d487877594d6b436570597376346950566f704d5877437a35694859644266655342cf0000018bcfe568002bc4"
+        "1c92ab6261645f72657175657374ae7369676e61747572653a20626164c4402b4f7c3be6afad0a260f559fe4db0b1b594853b697c1"
+        "b4a0c3403a8596d830d4a3c5a5450303120daa8fe90dfc8eaeaa45a1eaf819120bb3f72a9af45eebba05"
+    )
+
+
+def test_reqresp_protocol_constants():
+    assert reqresp.PROTOCOL_ID == "/primenode/rr/1.0.0"
+    assert (reqresp.BAD_REQUEST, reqresp.TIMEOUT, reqresp.INTERNAL) == ("bad_request", "timeout", "internal")

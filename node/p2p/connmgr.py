@@ -16,12 +16,13 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
-from node.errors import NodeError
+from node.errors import NetworkError
 from node.p2p.host import parse_peer_addr, peer_info
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
@@ -33,7 +34,13 @@ PX_PEERS_PER_ROUND = 2
 PX_TIMEOUT_S = 5.0
 LATENCY_EWMA = 0.3  # weight of a new round trip in latency_ms
 
-log = logging.getLogger("primenode.p2p.conn")
+log = logging.getLogger(__name__)
+
+
+class DialError(Exception):
+    """One dial failed; the message names the peer, its addresses and the reason. The manager
+    retries with back-off, so this is control flow; :meth:`ConnectionManager.connect_bootstrap`
+    turns the failure of every bootstrap node into a :class:`NetworkError` for the operator."""
 
 
 def backoff_delay(fails: int, base: float, cap: float) -> float:
@@ -71,8 +78,8 @@ class ConnectionManager:
         backoff_base: float = 1.0,
         backoff_max: float = 60.0,
         forget_after: float = 600.0,
-        my_addrs: callable = lambda: [],
-        has_gossip_stream: callable = lambda peer_id: True,
+        my_addrs: Callable[[], list[str]] = lambda: [],
+        has_gossip_stream: Callable[[str], bool] = lambda peer_id: True,
         gossip_grace: float = 5.0,
         max_connections: int | None = None,
         probe_interval: float = 30.0,
@@ -210,23 +217,23 @@ class ConnectionManager:
 
     # ------------------------------------------------------------- dialing
     async def dial(self, peer_id: str) -> None:
-        """Dial one peer from the book; raises NodeError with the reason on failure."""
+        """Dial one peer from the book; raises DialError with the reason on failure."""
         e = self.book.get(peer_id)
         if e is None:
-            raise NodeError(f"no address known for {peer_id}")
+            raise DialError(f"no address known for {peer_id}")
         if not self.policy.reachable(peer_id):  # fault layer (tests): fails like a dead link
             self._failed(peer_id, "link cut (fault layer)")
-            raise NodeError(f"{peer_id} at {', '.join(e.addrs)}: unreachable (link cut by the fault layer)")
+            raise DialError(f"{peer_id} at {', '.join(e.addrs)}: unreachable (link cut by the fault layer)")
         self._dialing.add(peer_id)
         try:
             with trio.fail_after(self.dial_timeout):
                 await self.host.connect(peer_info(peer_id, e.addrs))
         except trio.TooSlowError:
             self._failed(peer_id, f"no answer within {self.dial_timeout:g} s")
-            raise NodeError(f"{peer_id} at {', '.join(e.addrs)}: no answer within {self.dial_timeout:g} s") from None
+            raise DialError(f"{peer_id} at {', '.join(e.addrs)}: no answer within {self.dial_timeout:g} s") from None
         except Exception as exc:
             self._failed(peer_id, f"{type(exc).__name__}: {exc}")
-            raise NodeError(f"{peer_id} at {', '.join(e.addrs)}: {type(exc).__name__}: {exc}") from None
+            raise DialError(f"{peer_id} at {', '.join(e.addrs)}: {type(exc).__name__}: {exc}") from None
         finally:
             self._dialing.discard(peer_id)
         e.fails, e.next_try, e.last_error = 0, 0.0, ""
@@ -263,11 +270,11 @@ class ConnectionManager:
     async def _try_dial(self, peer_id: str) -> None:
         try:
             await self.dial(peer_id)
-        except NodeError as exc:
+        except DialError as exc:
             log.debug("dial failed: %s", exc)
 
     async def connect_bootstrap(self, attempts: int = 3) -> None:
-        """Dial the bootstrap nodes; NodeError naming each failure if none answers."""
+        """Dial the bootstrap nodes; NetworkError naming each failure if none answers."""
         if not self.bootstrap_ids:
             return
         errors: dict[str, str] = {}
@@ -276,11 +283,11 @@ class ConnectionManager:
                 try:
                     await self.dial(pid)
                     return
-                except NodeError as exc:
+                except DialError as exc:
                     errors[pid] = str(exc)
             if attempt + 1 < attempts:
                 await trio.sleep(self.backoff_base * 2**attempt)
-        raise NodeError(
+        raise NetworkError(
             "cannot reach any bootstrap node ("
             + "; ".join(errors.values())
             + "): is it running, and is the address right?"

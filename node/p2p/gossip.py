@@ -22,18 +22,13 @@ costs ~1 ms of CPU (bench/gossip.py: 20 nodes at 100 msg/s needed 3 cores):
   by a dead node heals itself;
 * recent messages are kept (bounded by count and age) to answer GRAFTs.
 
-Wire: one long-lived outbound stream per connected peer (protocol
-``/primenode/gossip/1.1.0``), fed by a bounded per-peer queue; every frame
-waiting in the queue goes out in one stream write (so under load one Noise +
-yamux frame carries many gossip frames); frames whose write fails are re-sent
-on a fresh stream, and a peer whose queue overflows is disconnected and
-counted (never a silent drop). A frame is ``len(4 bytes) || msgpack(x)`` with
-``x`` one of:
-
-* ``[topic, envelope]``: a message; the topic must be one of this run's and
-  allow exactly the envelope's type;
-* ``[1, [id, ...]]`` IHAVE, ``[2, [id, ...]]`` GRAFT (ids are sha256 of the
-  envelope, at most ``MAX_IDS_PER_FRAME``), ``[3, []]`` PRUNE.
+Wire: one long-lived outbound stream per connected peer, fed by a bounded
+per-peer queue; every frame waiting in the queue goes out in one stream write
+(so under load one Noise + yamux frame carries many gossip frames); frames
+whose write fails are re-sent on a fresh stream, and a peer whose queue
+overflows is disconnected and counted (never a silent drop). The frames
+(``[topic, envelope]`` messages, IHAVE / GRAFT / PRUNE, their caps) are
+``protocol.gossip``; this module is the I/O and the state machine around them.
 
 On arrival of a message: de-duplicate by id (no charge), then the per-peer
 rate limit, then ``protocol.open_envelope`` (size, type for the topic, run id,
@@ -52,7 +47,7 @@ import collections
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -63,35 +58,28 @@ from libp2p.peer.id import ID
 import protocol
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
-from protocol import Envelope, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter, sha256
-from protocol.schema import pack, unpack
+from node.util import aclose_shielded, now_ms
+from protocol import Envelope, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter
+from protocol import gossip as frames
+from protocol.gossip import GRAFT, IHAVE, MAX_IDS_PER_FRAME, PRUNE, Control
 from protocol.topics import TOPIC_TYPES
 from protocol.topics import topic as topic_name
 
-log = logging.getLogger("primenode.p2p.gossip")
+log = logging.getLogger(__name__)
 
-GOSSIP_PROTOCOL = TProtocol("/primenode/gossip/1.1.0")
+GOSSIP_PROTOCOL = TProtocol(frames.PROTOCOL_ID)
 KIND_OF_TYPE = {t: k for k, t in TOPIC_TYPES.items()}
-PUBSUB_CAP = 1024 * 1024 - 4096  # gossip stays under 1 MiB; bulk data is fetched by request
-FRAME_CAP = PUBSUB_CAP + 1024
 WRITE_BATCH_BYTES = 256 * 1024  # frames coalesced into one stream write, at most
 READ_CHUNK_BYTES = 256 * 1024
 PARTIAL_FRAME_TIMEOUT_S = 30.0  # a frame that has started must be complete by then (slow senders are cut)
-IHAVE, GRAFT, PRUNE = 1, 2, 3  # control frame kinds: [kind, [ids]]
-MAX_IDS_PER_FRAME = 4096
 PRUNE_AFTER = 3  # duplicates in a row from an eager peer before it is pruned
 MIN_EAGER = 2  # never prune below this many eager links
-ID_BYTES = 32
 
 Handler = Callable[[Envelope], Any]
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class GossipError(Exception):
-    pass
+    """A message this node tried to publish cannot be gossiped (not a gossip type, or too large)."""
 
 
 class _Link:
@@ -138,7 +126,6 @@ class Gossip:
         cache_max_bytes: int = 64 * 1024 * 1024,
         cache_ttl_s: float = 120.0,
         missing_capacity: int = 20_000,
-        **_ignored: Any,  # GossipSub-era knobs (degree, heartbeat) are accepted and unused
     ) -> None:
         self.host = host
         self.key = key
@@ -203,12 +190,12 @@ class Gossip:
         if kind is None:
             raise GossipError(f"{type(message).__name__} is not a gossip message (fetch it by request)")
         data = protocol.seal(self.key, self.run_id, message, now_ms(), self.seq.next())
-        if len(data) > PUBSUB_CAP:
+        if len(data) > frames.MAX_GOSSIP_ENVELOPE_BYTES:
             raise GossipError(f"{type(message).__name__} envelope is {len(data)} bytes, over the gossip cap")
         await self._ready.wait()
-        msg_id = sha256(data)
+        msg_id = frames.message_id(data)
         self._mark_seen(msg_id)
-        frame = pack([self._kind_topic[kind], data])
+        frame = frames.encode_message(self._kind_topic[kind], data)
         self._remember(msg_id, frame)
         self._pass_on(msg_id, frame, exclude=())
         self.metrics.on_published(kind)
@@ -217,8 +204,6 @@ class Gossip:
     def mesh_peers(self, kind: str) -> set[str]:
         """Peers we currently push gossip to (every topic goes to every connected peer)."""
         return {pid for pid, link in self._links.items() if link.stream_ok}
-
-    topic_peers = mesh_peers
 
     def has_stream(self, peer_id: str) -> bool:
         """Whether gossip can flow to ``peer_id`` (connection watchdog)."""
@@ -263,6 +248,11 @@ class Gossip:
                     log.exception("gossip handler for %s failed", kind)
 
     # ------------------------------------------------------------- outbound
+    def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Start a task in the nursery of :meth:`run` (links exist only while it runs)."""
+        assert self._nursery is not None, "Gossip.run is not running"
+        self._nursery.start_soon(fn, *args)
+
     def _sync_links(self) -> None:
         connected = {p.to_base58() for p in self.host.get_connected_peers()}
         for pid in connected - set(self._links):
@@ -272,7 +262,7 @@ class Gossip:
             self._links[pid] = link
             self._eager.add(pid)  # Plumtree: a new neighbour starts eager
             self._lazy.discard(pid)
-            self._nursery.start_soon(self._sender, link)
+            self._spawn(self._sender, link)
         for pid in set(self._links):
             if pid not in connected or not self.policy.reachable(pid):
                 self._close_link(pid)
@@ -302,7 +292,7 @@ class Gossip:
             self.metrics.on_dropped("peer_queue_full")
             log.warning("gossip queue to %s overflowed; disconnecting it", pid)
             self._close_link(pid)
-            self._nursery.start_soon(self._disconnect, pid)
+            self._spawn(self._disconnect, pid)
 
     def _fanout(self, frame: bytes, exclude: tuple[str, ...]) -> None:
         """Push ``frame`` to every linked peer (tests use it to play a misbehaving relay)."""
@@ -359,7 +349,7 @@ class Gossip:
             for pid, ids in out.items():
                 if ids:
                     self.counters["ihave_sent"] += len(ids)
-                    self._send(pid, pack([IHAVE, ids]))
+                    self._send(pid, frames.encode_control(IHAVE, ids))
 
     async def _graft_loop(self) -> None:
         """Ask an announcer for every id still missing after ``graft_timeout_s``."""
@@ -386,7 +376,7 @@ class Gossip:
                 for i in range(0, len(ids), MAX_IDS_PER_FRAME):
                     self.counters["graft_sent"] += 1
                     self._make_eager(pid)
-                    self._send(pid, pack([GRAFT, ids[i : i + MAX_IDS_PER_FRAME]]))
+                    self._send(pid, frames.encode_control(GRAFT, ids[i : i + MAX_IDS_PER_FRAME]))
 
     async def _disconnect(self, pid: str) -> None:
         try:
@@ -398,15 +388,15 @@ class Gossip:
     @staticmethod
     def _take_batch(link: _Link, first: bytes) -> tuple[bytes, int]:
         """``first`` plus every frame already queued (up to WRITE_BATCH_BYTES), length-prefixed."""
-        parts = [len(first).to_bytes(4, "big"), first]
-        size, count = 4 + len(first), 1
+        parts = [frames.frame_header(len(first)), first]
+        size, count = frames.LEN_BYTES + len(first), 1
         while size < WRITE_BATCH_BYTES:
             try:
                 frame = link.recv.receive_nowait()
             except trio.WouldBlock:
                 break
-            parts += [len(frame).to_bytes(4, "big"), frame]
-            size += 4 + len(frame)
+            parts += [frames.frame_header(len(frame)), frame]
+            size += frames.LEN_BYTES + len(frame)
             count += 1
         return b"".join(parts), count
 
@@ -437,11 +427,7 @@ class Gossip:
                         raise
                 finally:
                     if stream is not None:
-                        with trio.CancelScope(shield=True), trio.move_on_after(1):
-                            try:
-                                await stream.close()
-                            except Exception:
-                                pass
+                        await aclose_shielded(stream.close, 1)
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
@@ -454,15 +440,17 @@ class Gossip:
             while True:
                 # Cut every complete frame out of the buffer, then read more. A frame
                 # that has started must complete within 30 s (a stalled sender is cut).
-                while len(buf) >= 4:
-                    n = int.from_bytes(buf[:4], "big")
-                    if n > FRAME_CAP:
-                        self._drop("size", peer)
+                while len(buf) >= frames.LEN_BYTES:
+                    try:
+                        n = frames.frame_size(bytes(buf[: frames.LEN_BYTES]))
+                    except ProtocolError as exc:
+                        self._drop(exc.rule, peer)
                         return
-                    if len(buf) < 4 + n:
+                    end = frames.LEN_BYTES + n
+                    if len(buf) < end:
                         break
-                    frame = bytes(buf[4 : 4 + n])
-                    del buf[: 4 + n]
+                    frame = bytes(buf[frames.LEN_BYTES : end])
+                    del buf[:end]
                     partial_deadline = None
                     if self.policy.refuses(peer):
                         return
@@ -483,17 +471,13 @@ class Gossip:
         except Exception as exc:
             log.debug("gossip stream from %s ended: %r", peer, exc)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                try:
-                    await stream.close()
-                except Exception:
-                    pass
+            await aclose_shielded(stream.close, 1)
 
     def _mark_seen(self, msg_id: bytes) -> None:
         now = time.monotonic()
         self._seen[msg_id] = now
         while self._seen:
-            oldest_id, t = next(iter(self._seen.items()))
+            _oldest, t = next(iter(self._seen.items()))
             if len(self._seen) > self.seen_capacity or now - t > self.seen_ttl_s:
                 self._seen.popitem(last=False)
             else:
@@ -514,20 +498,16 @@ class Gossip:
 
     def _on_frame_inner(self, fwd: str, frame: bytes) -> bool:
         try:
-            items = unpack(frame)
-        except ProtocolError:
-            return self._drop("encoding", fwd)
-        if not (isinstance(items, list) and len(items) == 2):
-            return self._drop("frame", fwd)
-        if isinstance(items[0], int) and not isinstance(items[0], bool):
-            return self._on_control(fwd, items[0], items[1])
-        if not (isinstance(items[0], str) and isinstance(items[1], bytes)):
-            return self._drop("frame", fwd)
-        topic, data = items
+            decoded = frames.decode_frame(frame)
+        except ProtocolError as exc:  # "encoding" or "frame"
+            return self._drop(exc.rule, fwd)
+        if isinstance(decoded, Control):
+            return self._on_control(fwd, decoded)
+        topic, data = decoded
         if topic not in self._topic_kind:
             return self._drop("topic", fwd)
         kind, type_id = self._topic_kind[topic]
-        msg_id = sha256(data)
+        msg_id = frames.message_id(data)
         if msg_id in self._seen:
             self.duplicates += 1
             if fwd in self._eager:
@@ -540,7 +520,7 @@ class Gossip:
                     self._dup_streak.pop(fwd, None)
                     self._make_lazy(fwd)
                     self.counters["prune_sent"] += 1
-                    self._send(fwd, pack([PRUNE, []]))
+                    self._send(fwd, frames.encode_control(PRUNE))
             return False  # an honest peer relays what we already have: no charge
         self.metrics.on_received(kind)
         if not self.policy.allow(fwd):
@@ -580,11 +560,8 @@ class Gossip:
         self._pass_on(msg_id, frame, exclude=(fwd, env.sender))
         return True
 
-    def _on_control(self, fwd: str, kind: int, ids: Any) -> bool:
-        if kind not in (IHAVE, GRAFT, PRUNE) or not isinstance(ids, list) or len(ids) > MAX_IDS_PER_FRAME:
-            return self._drop("frame", fwd)
-        if not all(isinstance(i, bytes) and len(i) == ID_BYTES for i in ids):
-            return self._drop("frame", fwd)
+    def _on_control(self, fwd: str, control: Control) -> bool:
+        kind, ids = control
         if not self.policy.allow(fwd):
             return self._drop("rate_limit", fwd)
         if kind == PRUNE:

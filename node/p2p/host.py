@@ -1,12 +1,9 @@
-"""libp2p host factory with the fixes measured in ../shared/notes/measured.md.
+"""libp2p host factory with the fixes we measured on py-libp2p 0.8.1.
 
 * ``ConnectionConfig(max_connections_per_peer=1)``: removes the ~250 ms dial delay.
 * :func:`closing_host` closes the host *before* leaving ``host.run()`` (otherwise
   3 fds leak per cycle).
-* :func:`install_libp2p_fixes` raises py-libp2p's silent-drop limits: the
-  per-peer outbound pubsub queue (32 RPCs, overflow dropped) and the
-  subscription queue (32 messages, overflow dropped with a log line).
-* :func:`install_libp2p_fixes` also switches off the library's AutoConnector
+* :func:`install_libp2p_fixes` switches off the library's AutoConnector
   (it would dial the whole peerstore); :class:`ConnectionManager` decides.
 * :func:`install_libp2p_fixes` caps new inbound connections per second
   (closed before the Noise handshake): fresh identities are free, handshakes
@@ -35,34 +32,20 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from node.errors import NodeError
+from node.errors import NetworkError
+from node.util import aclose_shielded
 from protocol import NodeKey
 
-log = logging.getLogger("primenode.p2p")
-
-# Queues py-libp2p drops from when full. Ours are big enough for every burst
-# this project produces (the burst test publishes 500 messages at once).
-OUTBOUND_QUEUE_RPCS = 8192
-SUBSCRIPTION_QUEUE_MESSAGES = 8192
+log = logging.getLogger(__name__)
 
 _fixes_installed = False
 
 
 def install_libp2p_fixes() -> None:
-    """Patch py-libp2p 0.8.1's hard-coded queue sizes (idempotent, process-wide)."""
+    """Patch py-libp2p 0.8.1 where its defaults cost us (idempotent, process-wide)."""
     global _fixes_installed
     if _fixes_installed:
         return
-    from libp2p.pubsub import pubsub as _pubsub_mod
-    from libp2p.pubsub.rpc_queue import RpcQueue
-
-    class _LargeRpcQueue(RpcQueue):
-        def __init__(self, max_size: int = OUTBOUND_QUEUE_RPCS, **kwargs) -> None:
-            super().__init__(max_size=max_size, **kwargs)
-
-    _pubsub_mod.RpcQueue = _LargeRpcQueue  # pubsub.py looks the name up per new peer
-    _pubsub_mod.SUBSCRIPTION_CHANNEL_SIZE = SUBSCRIPTION_QUEUE_MESSAGES
-
     # py-libp2p's AutoConnector dials every peer in the peerstore until the node has
     # ~200 connections. Our ConnectionManager keeps `target_peers` on purpose (and we
     # put heartbeat addresses in the peerstore), so the library's dialler must not run:
@@ -72,7 +55,7 @@ def install_libp2p_fixes() -> None:
     async def _no_auto_connect(self) -> None:
         return None
 
-    AutoConnector.maybe_connect = _no_auto_connect
+    AutoConnector.maybe_connect = _no_auto_connect  # type: ignore[method-assign]  # a deliberate patch
     _batch_yamux_window_updates()
     _limit_inbound_connection_rate()
     _shield_connection_close()
@@ -102,13 +85,9 @@ def _shield_connection_close() -> None:
                 await original(self)
                 return
             if not getattr(self, "_shared_muxed_conn", False):
-                with trio.move_on_after(1):
-                    try:
-                        await self.muxed_conn.secured_conn.close()
-                    except Exception:
-                        pass
+                await aclose_shielded(self.muxed_conn.secured_conn.close, 1)
 
-    SwarmConn.close = _close
+    SwarmConn.close = _close  # type: ignore[method-assign]  # a deliberate patch
 
 
 # New inbound connections a node accepts per second (burst: at once). Joins are rare;
@@ -139,7 +118,7 @@ def _limit_inbound_connection_rate() -> None:
             return
         await original(self, read_write_closer, maddr)
 
-    Swarm._handle_inbound_connection = _rate_limited
+    Swarm._handle_inbound_connection = _rate_limited  # type: ignore[method-assign]  # a deliberate patch
 
 
 def _batch_yamux_window_updates() -> None:
@@ -163,7 +142,7 @@ def _batch_yamux_window_updates() -> None:
             self.recv_window += pending
         await self.send_window_update(pending, skip_lock=True)
 
-    YamuxStream._auto_tune_and_send_window_update = _release_in_batches
+    YamuxStream._auto_tune_and_send_window_update = _release_in_batches  # type: ignore[method-assign]  # a deliberate patch
 
 
 def attach_libp2p_logging(level: int = logging.WARNING) -> None:
@@ -193,7 +172,7 @@ async def closing_host(host: IHost, listen: Sequence[str]) -> AsyncIterator[IHos
     try:
         addrs = [multiaddr.Multiaddr(a) for a in listen]
     except Exception as exc:
-        raise NodeError(f"bad listen address {listen!r}: {exc}") from None
+        raise NetworkError(f"bad listen address {listen!r}: {exc}") from None
     try:
         async with host.run(listen_addrs=addrs):
             try:
@@ -203,7 +182,7 @@ async def closing_host(host: IHost, listen: Sequence[str]) -> AsyncIterator[IHos
                     with trio.move_on_after(5):
                         await host.close()
     except OSError as exc:
-        raise NodeError(f"cannot listen on {', '.join(listen)}: {exc}") from None
+        raise NetworkError(f"cannot listen on {', '.join(listen)}: {exc}") from None
 
 
 def listen_addrs(host: IHost, advertise_host: str | None = None) -> list[str]:
@@ -235,17 +214,17 @@ def full_addrs(host: IHost, advertise_host: str | None = None) -> list[str]:
 
 
 def parse_peer_addr(text: str) -> PeerInfo:
-    """A ``.../p2p/<peer id>`` multiaddr -> PeerInfo, or a NodeError saying what is wrong."""
+    """A ``.../p2p/<peer id>`` multiaddr -> PeerInfo, or a NetworkError saying what is wrong."""
     try:
         ma = multiaddr.Multiaddr(text)
     except Exception as exc:
-        raise NodeError(f"not a multiaddr: {text!r} ({exc})") from None
+        raise NetworkError(f"not a multiaddr: {text!r} ({exc})") from None
     if "/p2p/" not in text:
-        raise NodeError(f"{text!r} lacks /p2p/<peer id>: copy the full address the bootstrap node printed")
+        raise NetworkError(f"{text!r} lacks /p2p/<peer id>: copy the full address the bootstrap node printed")
     try:
         return info_from_p2p_addr(ma)
     except Exception as exc:
-        raise NodeError(f"bad peer address {text!r}: {exc}") from None
+        raise NetworkError(f"bad peer address {text!r}: {exc}") from None
 
 
 def peer_info(peer_id: str, addrs: Sequence[str]) -> PeerInfo:

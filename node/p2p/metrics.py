@@ -44,7 +44,6 @@ class NodeMetrics:
         self.accepted: Counter[str] = Counter()
         self.published: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
-        self.penalty_points: Counter[str] = Counter()
         self.req: defaultdict[str, Counter[str]] = defaultdict(Counter)
 
     def on_received(self, kind: str) -> None:

@@ -21,8 +21,9 @@ import time
 from typing import Any
 
 import trio
+from libp2p.abc import IHost
 
-from node.errors import NodeError
+from node.errors import ConfigError, NetworkError
 from node.p2p.connmgr import ConnectionManager
 from node.p2p.gossip import Gossip
 from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host
@@ -44,7 +45,7 @@ from protocol import (
     verify_genesis,
 )
 
-log = logging.getLogger("primenode.p2p.node")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -113,10 +114,10 @@ class Node:
         self.genesis: RunGenesis | None = verify_genesis(genesis) if genesis is not None else None
         if self.genesis is not None:
             if run_id is not None and run_id != self.genesis.run_id:
-                raise NodeError("the genesis does not hash to the given run id")
+                raise ConfigError("the genesis does not hash to the given run id")
             run_id = self.genesis.run_id
         if run_id is None:
-            raise NodeError("a node needs a run: give a genesis or a run id")
+            raise ConfigError("a node needs a run: give a genesis or a run id")
         self.run_id = run_id
         self.metrics = NodeMetrics()
         self.policy = PeerPolicy(
@@ -128,7 +129,7 @@ class Node:
         self.policy.metrics = self.metrics
         self.seq = SequenceCounter(time.time_ns() // 1000)
         self.started = time.monotonic()
-        self.host = None
+        self.host: IHost | None = None
         self.gossip: Gossip | None = None
         self.reqresp: ReqResp | None = None
         self.swarm = SwarmView(
@@ -166,13 +167,13 @@ class Node:
         and (if bootstrap addresses were given) connected to one of them."""
         cfg = self.config
         with self._cancel:
-            self.host = make_host(self.key, dial_timeout=cfg.dial_timeout_s)
-            async with closing_host(self.host, cfg.listen):
+            self.host = host = make_host(self.key, dial_timeout=cfg.dial_timeout_s)
+            async with closing_host(host, cfg.listen):
                 self.reqresp = ReqResp(
-                    self.host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq
+                    host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq
                 )
                 self.gossip = Gossip(
-                    self.host,
+                    host,
                     self.key,
                     self.run_id,
                     policy=self.policy,
@@ -182,7 +183,7 @@ class Node:
                     is_known_origin=self._is_known_origin,
                 )
                 self.conns = ConnectionManager(
-                    self.host,
+                    host,
                     self.peer_id,
                     self.reqresp,
                     self.swarm,
@@ -232,7 +233,7 @@ class Node:
             from libp2p.peer.id import ID
 
             addrs = [multiaddr.Multiaddr(a) for a in st.heartbeat.addrs]
-            if addrs:
+            if addrs and self.host is not None:
                 self.host.get_peerstore().add_addrs(ID.from_base58(st.peer_id), addrs, 600)
         except Exception:
             log.debug("could not record addresses of %s", st.peer_id, exc_info=True)
@@ -258,9 +259,11 @@ class Node:
         return Heartbeat(**fields)
 
     async def _heartbeat_loop(self) -> None:
+        gossip = self.gossip
+        assert gossip is not None, "started by run() once gossip exists"
         while True:
             try:
-                await self.gossip.publish(self.make_heartbeat())
+                await gossip.publish(self.make_heartbeat())
             except Exception:
                 log.exception("heartbeat failed")
             self.metrics.uptime.set(time.monotonic() - self.started)
@@ -323,7 +326,7 @@ class Node:
 async def fetch_genesis(
     key: NodeKey, bootstrap: list[str], *, timeout: float = 10.0, expected_run_id: bytes | None = None
 ) -> SignedGenesis:
-    """Ask the bootstrap node(s) for the run genesis and verify it (NodeError if none works)."""
+    """Ask the bootstrap node(s) for the run genesis and verify it (NetworkError if none works)."""
     from node.p2p.host import parse_peer_addr
 
     errors = []
@@ -353,4 +356,4 @@ async def fetch_genesis(
                 errors.append(f"{text}: {exc}")
             except Exception as exc:
                 errors.append(f"{text}: {type(exc).__name__}: {exc}")
-    raise NodeError("could not get the run genesis from any bootstrap node: " + "; ".join(errors))
+    raise NetworkError("could not get the run genesis from any bootstrap node: " + "; ".join(errors))

@@ -13,7 +13,9 @@ import logging
 import time
 from collections.abc import Callable
 
-log = logging.getLogger("primenode.p2p.policy")
+from node.p2p.metrics import NodeMetrics
+
+log = logging.getLogger(__name__)
 
 # Default cost of each protocol rule broken (ProtocolError.rule prefixes).
 PENALTIES = {
@@ -112,7 +114,7 @@ class PeerPolicy:
         self._unknown_origin_buckets: dict[str, RateBucket] = {}
         self._origin_buckets: dict[str, RateBucket] = {}
         self.ban_listeners: list[Callable[[str, str], None]] = []
-        self.metrics = None  # NodeMetrics, set by the node
+        self.metrics: NodeMetrics | None = None  # set by the node
         # Transport fault layer (node/p2p/faults.py, tests and benchmarks only): peer id ->
         # may this node exchange traffic with it. None (production): every link is up.
         self.link_filter: Callable[[str], bool] | None = None
@@ -136,7 +138,6 @@ class PeerPolicy:
         s = self._scores.setdefault(peer_id, _Score(updated=self.clock()))
         s.points = cur + pts
         if self.metrics is not None:
-            self.metrics.penalty_points[reason.split(":")[0]] += pts
             self.metrics.penalties.labels(reason.split(":")[0]).inc(pts)
         log.debug("penalise %s %.1f for %s (now %.1f/%.1f)", peer_id, pts, reason, s.points, self.budget)
         if s.points > self.budget and not self.is_banned(peer_id):
@@ -162,10 +163,6 @@ class PeerPolicy:
                 cb(peer_id, reason)
             except Exception:  # a listener must never break the caller
                 log.exception("ban listener failed")
-
-    def unban(self, peer_id: str) -> None:
-        self._bans.pop(peer_id, None)
-        self._scores.pop(peer_id, None)
 
     def is_banned(self, peer_id: str) -> bool:
         b = self._bans.get(peer_id)

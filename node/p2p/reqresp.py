@@ -1,14 +1,11 @@
 """Request/response over libp2p streams: "ask peer X for object H".
 
-Wire: one stream per exchange on ``/primenode/rr/1.0.0``; the requester writes
-one frame, the responder writes one frame and closes. A frame is a 4-byte
-big-endian length followed by a signed envelope (``protocol.seal``). Both
+One stream per exchange: the requester writes one frame, the responder writes
+one frame and closes. The frames, their caps, the pre-run rule and the error
+codes on the wire are ``protocol.reqresp``; this module owns the streams. Both
 sides verify the envelope and require its signer to be the peer at the other
 end of the authenticated (Noise) connection. Every read and write has a
 deadline; frames over the cap are refused before they are read.
-
-A request whose type is pre-run (``GenesisRequest``) travels with the zero run
-id and its answer too, so a joiner can ask before it knows the run.
 """
 
 from __future__ import annotations
@@ -27,23 +24,13 @@ from libp2p.peer.id import ID
 import protocol
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
-from protocol import (
-    ZERO_RUN_ID,
-    Envelope,
-    ErrorResponse,
-    Message,
-    NodeKey,
-    ProtocolError,
-    ReplayGuard,
-    SequenceCounter,
-)
-from protocol.envelope import ENVELOPE_OVERHEAD
-from protocol.messages import PRE_RUN_TYPES
+from node.util import aclose_shielded, now_ms
+from protocol import Envelope, ErrorResponse, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter
+from protocol import reqresp as frames
 
-log = logging.getLogger("primenode.p2p.reqresp")
+log = logging.getLogger(__name__)
 
-RR_PROTOCOL = TProtocol("/primenode/rr/1.0.0")
-LEN_BYTES = 4
+RR_PROTOCOL = TProtocol(frames.PROTOCOL_ID)
 
 # handler(envelope, peer_id) -> response message (or ErrorResponse); may be async
 RequestHandler = Callable[[Envelope, str], Any]
@@ -59,12 +46,8 @@ class RequestError(Exception):
         super().__init__(f"{code}: {detail}" if detail else code)
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 async def write_frame(stream: INetStream, data: bytes) -> None:
-    await stream.write(len(data).to_bytes(LEN_BYTES, "big") + data)
+    await stream.write(frames.encode_frame(data))
 
 
 async def read_exactly(stream: INetStream, n: int) -> bytes:
@@ -78,9 +61,10 @@ async def read_exactly(stream: INetStream, n: int) -> bytes:
 
 
 async def read_frame(stream: INetStream, max_bytes: int) -> bytes:
-    n = int.from_bytes(await read_exactly(stream, LEN_BYTES), "big")
-    if n > max_bytes:
-        raise RequestError("too_large", f"frame of {n} bytes, cap {max_bytes}")
+    try:
+        n = frames.frame_size(await read_exactly(stream, frames.LEN_BYTES), max_bytes)
+    except ProtocolError as exc:
+        raise RequestError("too_large", exc.detail) from None
     return await read_exactly(stream, n)
 
 
@@ -163,16 +147,15 @@ class ReqResp:
     ) -> Envelope:
         expected = (expect,) if isinstance(expect, type) else tuple(expect)
         allowed = {c.TYPE_ID for c in expected} | {ErrorResponse.TYPE_ID}
-        cap = max_bytes or max(c.MAX_BYTES for c in expected) + ENVELOPE_OVERHEAD
-        cap = max(cap, ErrorResponse.MAX_BYTES + ENVELOPE_OVERHEAD)
+        cap = frames.response_cap(expected, max_bytes)
         tname = type(message).__name__
         if self.policy.is_banned(peer_id):
             raise RequestError("refused", f"{peer_id} is banned")
         if not self.policy.reachable(peer_id):
             self.metrics.on_request(tname, "client", "unreachable")
             raise RequestError("unreachable", f"{peer_id}: link cut (fault layer)")
-        run_id = ZERO_RUN_ID if type(message).TYPE_ID in PRE_RUN_TYPES else self.run_id
-        data = protocol.seal(self.key, run_id, message, _now_ms(), self.seq.next())
+        run_id = frames.exchange_run_id(type(message), self.run_id)
+        data = protocol.seal(self.key, run_id, message, now_ms(), self.seq.next())
         t0 = time.monotonic()
         stream = None
         try:
@@ -195,15 +178,10 @@ class ReqResp:
             raise
         finally:
             if stream is not None:
-                with trio.move_on_after(2) as cs:
-                    cs.shield = True
-                    try:
-                        await stream.close()
-                    except Exception:
-                        pass
+                await aclose_shielded(stream.close, 2)
         try:
             env = protocol.open_envelope(
-                raw, run_id=self.run_id, now_ms=_now_ms(), guard=self._guard_out, allowed_types=allowed
+                raw, run_id=self.run_id, now_ms=now_ms(), guard=self._guard_out, allowed_types=allowed
             )
         except ProtocolError as exc:
             self.metrics.on_request(tname, "client", "bad_response")
@@ -226,9 +204,7 @@ class ReqResp:
 
     # ---------------------------------------------------------------- server
     def _max_request_bytes(self) -> int:
-        if not self._handlers:
-            return 0
-        return max(c.MAX_BYTES for c, _ in self._handlers.values()) + ENVELOPE_OVERHEAD
+        return frames.request_cap(c for c, _ in self._handlers.values())
 
     async def _serve(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
@@ -242,12 +218,7 @@ class ReqResp:
         except Exception as exc:
             log.debug("request from %s failed: %s", peer, exc)
         finally:
-            with trio.move_on_after(2) as cs:
-                cs.shield = True
-                try:
-                    await stream.close()
-                except Exception:
-                    pass
+            await aclose_shielded(stream.close, 2)
 
     async def _serve_one(self, stream: INetStream, peer: str) -> None:
         tname = "?"
@@ -255,14 +226,14 @@ class ReqResp:
             raw = await read_frame(stream, self._max_request_bytes())
         try:
             env = protocol.open_envelope(
-                raw, run_id=self.run_id, now_ms=_now_ms(), guard=self._guard_in, allowed_types=set(self._handlers)
+                raw, run_id=self.run_id, now_ms=now_ms(), guard=self._guard_in, allowed_types=set(self._handlers)
             )
             if env.sender != peer:
                 raise ProtocolError("sender_mismatch", "request signed by another peer than the connection's")
         except ProtocolError as exc:
             self.metrics.on_request(tname, "server", "bad_request")
             self.policy.penalise(peer, exc.rule)
-            reply: Message = ErrorResponse(code="bad_request", detail=f"{exc.rule}: {exc.detail}"[:256])
+            reply: Message = frames.bad_request(exc)
             run_id = self.run_id
         else:
             cls, handler = self._handlers[env.type_id]
@@ -275,11 +246,11 @@ class ReqResp:
                         reply = await reply
                 outcome = "ok" if not isinstance(reply, ErrorResponse) else "error"
             except trio.TooSlowError:
-                reply, outcome = ErrorResponse(code="timeout", detail="handler timed out"), "timeout"
+                reply, outcome = frames.handler_timeout(), "timeout"
             except Exception as exc:
                 log.exception("handler for %s failed", tname)
-                reply, outcome = ErrorResponse(code="internal", detail=f"{type(exc).__name__}"[:256]), "internal"
+                reply, outcome = frames.internal_error(exc), "internal"
             self.metrics.on_request(tname, "server", outcome)
-        data = protocol.seal(self.key, run_id, reply, _now_ms(), self.seq.next())
+        data = protocol.seal(self.key, run_id, reply, now_ms(), self.seq.next())
         with trio.fail_after(self.io_timeout):
             await write_frame(stream, data)

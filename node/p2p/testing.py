@@ -14,13 +14,14 @@ Example::
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
 from node.p2p.node import BootstrapRole, Node, P2PConfig, RoleHook
-from protocol import NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
+from node.util import now_ms
+from protocol import Envelope, NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
 
 
 def overlay_genesis(
@@ -33,10 +34,10 @@ def overlay_genesis(
     owner = owner or NodeKey.generate()
     trainer = trainer or owner
     validators = validators or [trainer]
-    fields = dict(
+    fields: dict[str, Any] = dict(
         name=name,
         owner=owner.peer_id,
-        created_ms=time.time_ns() // 1_000_000,
+        created_ms=now_ms(),
         model="tiny-llama",
         dataset="synthetic",
         dataset_size=64,
@@ -72,10 +73,13 @@ def fast_config(**overrides) -> P2PConfig:
 async def wait_until(
     pred: Callable[[], bool], timeout: float = 30.0, poll: float = 0.05, what: str = "condition"
 ) -> None:
-    """Poll ``pred`` until true; raises ``trio.TooSlowError`` naming ``what`` after ``timeout``."""
+    """Poll ``pred`` until true; raises ``trio.TooSlowError`` naming ``what`` after ``timeout``.
+
+    For conditions over live libp2p nodes on real sockets (connections, meshes, bans), which
+    raise no event and run on the wall clock, so a MockClock cannot stand in."""
     try:
         with trio.fail_after(timeout):
-            while not pred():
+            while not pred():  # noqa: ASYNC110 (no event to wait on; see the docstring)
                 await trio.sleep(poll)
     except trio.TooSlowError:
         raise trio.TooSlowError(f"timed out after {timeout} s waiting for {what}") from None
@@ -136,7 +140,7 @@ class NodeFactory:
                     return False
                 if not (ids - {n.peer_id}) <= set(n.swarm.peers()):
                     return False
-                if any(not n.gossip.mesh_peers(k) for k in ("heartbeat", "vote", "rollout")):
+                if n.gossip is None or any(not n.gossip.mesh_peers(k) for k in ("heartbeat", "vote", "rollout")):
                     return False
             return True
 
@@ -153,6 +157,11 @@ def tagged_announce(tag: int) -> RolloutAnnounce:
 def collect_tags(nodes: list[Node], kind: str = "rollout") -> dict[str, list[int]]:
     """Record, per node, the tags of the ``kind`` messages its handlers receive (in order)."""
     got: dict[str, list[int]] = {n.peer_id: [] for n in nodes}
+
+    def recorder(tags: list[int]) -> Callable[[Envelope[Any]], None]:
+        return lambda env: tags.append(int.from_bytes(env.body.batch_id, "big"))
+
     for n in nodes:
-        n.gossip.on(kind, lambda env, pid=n.peer_id: got[pid].append(int.from_bytes(env.body.batch_id, "big")))
+        assert n.gossip is not None, "collect_tags needs started nodes"
+        n.gossip.on(kind, recorder(got[n.peer_id]))
     return got
