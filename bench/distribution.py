@@ -78,6 +78,16 @@ def make_checkpoint(d: Path, size_mib: int) -> list[Path]:
 
 
 # --------------------------------------------------------------------------- our node process
+async def _wait_for_file(path: Path, poll_s: float) -> None:
+    """Until another process creates ``path``: the node processes of this benchmark share no
+    event, a file in the work folder is their signal."""
+    import trio
+
+    # a stat every few ms is what the poll costs; no trio event crosses processes
+    while not path.exists():
+        await trio.sleep(poll_s)
+
+
 def run_node(a) -> None:
     import trio
 
@@ -112,7 +122,7 @@ def run_node(a) -> None:
             pass
 
     store = ChunkStore(Path(a.home), RUN_ID, trainer, durable=not a.no_fsync, direct_io=not a.buffered_io)
-    dist = Checkpoints(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
+    checkpoints = Checkpoints(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
     guard = ReplayGuard()
     result = {"index": a.index}
 
@@ -133,7 +143,7 @@ def run_node(a) -> None:
                     guard=guard,
                     allowed_types={ChunkTicketRequest.TYPE_ID},
                 )
-                t = dist.grant_ticket(env.sender, env.body).encode()
+                t = checkpoints.grant_ticket(env.sender, env.body).encode()
                 await stream.send_all(len(t).to_bytes(4, "big") + t)
             except Exception:
                 return
@@ -141,47 +151,44 @@ def run_node(a) -> None:
     timeline = []  # (seconds since go, bytes served so far), every 0.5 s
 
     async def sample():
-        while not (work / "go").exists():
-            await trio.sleep(0.005)
+        await _wait_for_file(work / "go", 0.005)
         t0 = time.time()
         while True:
-            timeline.append((round(time.time() - t0, 2), dist.server.bytes_served))
+            timeline.append((round(time.time() - t0, 2), checkpoints.server.bytes_served))
             await trio.sleep(0.5)
 
     async def main():
         async with trio.open_nursery() as n:
-            await n.start(dist.run)
+            await n.start(checkpoints.run)
             n.start_soon(sample)
             n.start_soon(trio.serve_tcp, serve_tickets, peers[key.peer_id])
             if a.index == 0:
-                raw = await dist.publish(key, 1, a.src, chunk_size=a.chunk_mib * 2**20)
+                raw = await checkpoints.publish(key, 1, a.src, chunk_size=a.chunk_mib * 2**20)
                 (work / "announce").write_bytes(raw)
                 (work / "ready-0").write_text("")
             else:
                 (work / f"ready-{a.index}").write_text("")
-                while not (work / "go").exists():
-                    await trio.sleep(0.005)
+                await _wait_for_file(work / "go", 0.005)
 
                 def on_progress(p):
                     if p.done and "fetched_at" not in result:
                         result["fetched_at"] = time.time()
 
-                dist.progress_callbacks.append(on_progress)
+                checkpoints.progress_callbacks.append(on_progress)
                 for pid in peers:
                     if pid != key.peer_id:
-                        dist.add_peer(pid)
-                dist.on_announce((work / "announce").read_bytes(), guard=None)
-                await dist.wait_version(1)
+                        checkpoints.add_peer(pid)
+                checkpoints.on_announce((work / "announce").read_bytes(), guard=None)
+                await checkpoints.wait_version(1)
                 result["assembled_at"] = time.time()
-                result["fetch"] = dist.fetch_history.get(1, {})
+                result["fetch"] = checkpoints.fetch_history.get(1, {})
                 result["fetch"].pop("peers", None)
                 (work / f"done-{a.index}.json").write_text(json.dumps(result))
-            while not (work / "stop").exists():
-                await trio.sleep(0.05)
+            await _wait_for_file(work / "stop", 0.05)
             ru = resource.getrusage(resource.RUSAGE_SELF)
             result["cpu_user_s"], result["cpu_sys_s"] = round(ru.ru_utime, 2), round(ru.ru_stime, 2)
-            result["bytes_served"] = dist.server.bytes_served
-            result["chunks_elsewhere"] = dist.server.chunks_elsewhere
+            result["bytes_served"] = checkpoints.server.bytes_served
+            result["chunks_elsewhere"] = checkpoints.server.chunks_elsewhere
             result["served_timeline"] = timeline
             (work / f"final-{a.index}.json").write_text(json.dumps(result))
             n.cancel_scope.cancel()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import tomli_w
 
-from node.errors import NodeError
+from node.errors import ConfigError
+from node.util import atomic_write_text
 
 
 @dataclasses.dataclass
@@ -38,22 +39,22 @@ class NodeConfig:
         try:
             raw = tomllib.loads(path.read_text())
         except FileNotFoundError:
-            raise NodeError(f"no config at {path}: run `primenode init --home {path.parent}` first") from None
+            raise ConfigError(f"no config at {path}: run `primenode init --home {path.parent}` first") from None
         except tomllib.TOMLDecodeError as exc:
-            raise NodeError(f"{path}: not valid TOML: {exc}") from None
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = set(raw) - set(known)
         if unknown:
-            raise NodeError(f"{path}: unknown setting(s): {', '.join(sorted(unknown))}")
+            raise ConfigError(f"{path}: unknown setting(s): {', '.join(sorted(unknown))}")
         cfg = cls()
         for key, value in raw.items():
             default = getattr(cfg, key)
             if type(default) is float and isinstance(value, int):
                 value = float(value)
             if type(value) is not type(default):
-                raise NodeError(f"{path}: {key} must be {type(default).__name__}, got {type(value).__name__}")
+                raise ConfigError(f"{path}: {key} must be {type(default).__name__}, got {type(value).__name__}")
             setattr(cfg, key, value)
         return cfg
 
     def save(self, path: Path) -> None:
-        path.write_text(tomli_w.dumps(dataclasses.asdict(self)))
+        atomic_write_text(path, tomli_w.dumps(dataclasses.asdict(self)))

@@ -18,14 +18,14 @@ result hashes to ``run_id`` and carries the owner's signature.
 from __future__ import annotations
 
 import dataclasses
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
-from node.errors import NodeError
+from node.errors import ConfigError
+from node.util import atomic_write_text, now_ms
 from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
 
 _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
@@ -34,14 +34,14 @@ _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "conf
 def make_genesis(owner: NodeKey, config: dict[str, Any], **fields: Any) -> SignedGenesis:
     """Build and sign a genesis. ``fields`` are RunGenesis fields (owner/created_ms filled in)."""
     fields.setdefault("owner", owner.peer_id)
-    fields.setdefault("created_ms", int(time.time() * 1000))
+    fields.setdefault("created_ms", now_ms())
     if "validators" in fields:
         fields["validators"] = tuple(fields["validators"])
     genesis = RunGenesis(config_toml=tomli_w.dumps(config), **fields)
     try:
         RunGenesis.decode(genesis.encode())  # run every protocol rule now, with a clear error
     except ProtocolError as exc:
-        raise NodeError(f"invalid genesis: {exc}") from None
+        raise ConfigError(f"invalid genesis: {exc}") from None
     return sign_genesis(owner, genesis)
 
 
@@ -57,24 +57,24 @@ def write_genesis(signed: SignedGenesis, path: Path) -> None:
         "run": {name: (list(v) if isinstance(v := getattr(g, name), tuple) else v) for name in _RUN_FIELDS},
         "config": genesis_config(g),
     }
-    path.write_text(tomli_w.dumps(doc))
+    atomic_write_text(path, tomli_w.dumps(doc))
 
 
 def read_genesis(path: Path) -> SignedGenesis:
-    """Load a genesis file and verify hash and signature; NodeError says what is wrong."""
+    """Load a genesis file and verify hash and signature; ConfigError says what is wrong."""
     try:
         doc = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise NodeError(f"genesis file {path} does not exist") from None
+        raise ConfigError(f"genesis file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
-        raise NodeError(f"{path}: not valid TOML: {exc}") from None
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
-        raise NodeError(f"{path}: not UTF-8 text: {exc}") from None
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
     except OSError as exc:
-        raise NodeError(f"{path}: cannot read: {exc}") from None
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
     try:
         if not isinstance(doc.get("run", {}), dict) or not isinstance(doc.get("config", {}), dict):
-            raise NodeError(f"{path}: [run] and [config] must be tables")
+            raise ConfigError(f"{path}: [run] and [config] must be tables")
         run = dict(doc["run"])
         run["validators"] = tuple(run.get("validators", ()))
         genesis = RunGenesis(config_toml=tomli_w.dumps(doc.get("config", {})), **run)
@@ -82,11 +82,11 @@ def read_genesis(path: Path) -> SignedGenesis:
         signed = SignedGenesis.decode(signed.encode())  # every field rule
         verify_genesis(signed, bytes.fromhex(doc["run_id"]))
     except KeyError as exc:
-        raise NodeError(f"{path}: missing {exc.args[0]!r}") from None
+        raise ConfigError(f"{path}: missing {exc.args[0]!r}") from None
     except (
         TypeError,
         ValueError,
         OverflowError,
     ) as exc:  # ProtocolError is a ValueError; ints beyond msgpack's range overflow
-        raise NodeError(f"{path}: invalid genesis: {exc}") from None
+        raise ConfigError(f"{path}: invalid genesis: {exc}") from None
     return signed

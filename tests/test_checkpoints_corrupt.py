@@ -44,7 +44,7 @@ async def test_corrupt_server_is_banned_and_everyone_completes(tmp_path):
         # the corrupt node holds the whole checkpoint (so it advertises everything)
         raw = await dists[0].publish(trainer, 1, src, chunk_size=1 << 20)
         dists[1].store.add_announce(raw)
-        for h, idxs in dists[0].store.get(1).by_hash.items():
+        for h in dists[0].store.get(1).by_hash:
             dists[1].store.write_object_blocking(h, dists[0].store.object_path(h).read_bytes())
             dists[1].store.mark_held(h)
         for d, k in zip(dists[2:], ks[2:]):

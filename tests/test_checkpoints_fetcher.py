@@ -77,32 +77,34 @@ async def test_six_nodes_one_seeder(tmp_path):
 async def test_libp2p_overlay_end_to_end(tmp_path):
     from node.checkpoints.p2p_overlay import (
         P2POverlay,
-        distribution_heartbeat_fields,
+        checkpoint_heartbeat_fields,
         publish_checkpoint,
-        serve_distribution,
+        serve_checkpoints,
     )
     from node.p2p.node import RoleHook
     from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
 
-    class DistHook(RoleHook):
+    class CheckpointsHook(RoleHook):
         def __init__(self, home, role):
-            self.home, self.role, self.dist = home, role, None
+            self.home, self.role, self.checkpoints = home, role, None
             self.started = trio.Event()
 
         async def run(self, node):
             store = ChunkStore(self.home, node.run_id, node.genesis.trainer)
-            self.dist = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async, max_upload_mbps=CAP_MBPS)
+            self.checkpoints = Checkpoints(
+                store, P2POverlay(node), max_async=node.genesis.max_async, max_upload_mbps=CAP_MBPS
+            )
             async with trio.open_nursery() as n:
-                await n.start(serve_distribution, node, self.dist)
+                await n.start(serve_checkpoints, node, self.checkpoints)
                 self.started.set()
 
         def heartbeat_fields(self):
-            return distribution_heartbeat_fields(self.dist) if self.dist is not None else {}
+            return checkpoint_heartbeat_fields(self.checkpoints) if self.checkpoints is not None else {}
 
     src = make_checkpoint(tmp_path / "ckpt", 16, seed=2)
     trainer_key = keys(1)[0]
     genesis = overlay_genesis(owner=trainer_key, trainer=trainer_key, chunk_size=1 << 20)
-    hooks = [DistHook(tmp_path / f"node{i}", "trainer" if i == 0 else "worker") for i in range(3)]
+    hooks = [CheckpointsHook(tmp_path / f"node{i}", "trainer" if i == 0 else "worker") for i in range(3)]
     async with trio.open_nursery() as nursery:
         net = NodeFactory(nursery, genesis=genesis)
         nodes = [await net.start(hook=hooks[0], key=trainer_key)]
@@ -111,14 +113,14 @@ async def test_libp2p_overlay_end_to_end(tmp_path):
         await net.wait_connected(min_peers=2, timeout=60)
         for h in hooks:
             await h.started.wait()
-        await publish_checkpoint(nodes[0], hooks[0].dist, 1, src)  # gossip announce
+        await publish_checkpoint(nodes[0], hooks[0].checkpoints, 1, src)  # gossip announce
         with trio.fail_after(120):
             for h in hooks[1:]:
-                await h.dist.wait_version(1)
+                await h.checkpoints.wait_version(1)
         for h in hooks:
-            assert same_files(src, h.dist.store.files_dir(1))
+            assert same_files(src, h.checkpoints.store.files_dir(1))
         # tickets went over libp2p request/response
-        assert hooks[0].dist.server.tickets_granted >= 2
+        assert hooks[0].checkpoints.server.tickets_granted >= 2
         await wait_until(
             lambda: all(
                 (s := nodes[0].swarm.get(n.peer_id)) is not None and s.heartbeat.policy_version == 1 for n in nodes[1:]

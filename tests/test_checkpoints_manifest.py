@@ -11,6 +11,7 @@ from node.checkpoints import (
     ChunkRejected,
     ChunkStore,
     DataConnection,
+    DataPlaneError,
     LocalOverlay,
     VersionFetcher,
     build_manifest,
@@ -100,8 +101,9 @@ async def test_wrong_size_chunk_on_the_wire_is_refused(tmp_path):
         # a ticket for an unknown version is refused; a garbage ticket is refused on the wire
         t = server.grant_ticket(fetcher_key.peer_id, ChunkTicketRequest(version=9, root=bytes(32), chunk_indices=(0,)))
         assert not t.ok
-        with pytest.raises(Exception):
+        with pytest.raises(DataPlaneError) as refused:
             await DataConnection.open("127.0.0.1", server.port, b"\x01" * 32)
+        assert refused.value.status == F.BAD_TICKET
         f = VersionFetcher(store, 1, overlay, max_strikes=2)
         f.add_peer(trainer.peer_id)
         with trio.move_on_after(5):

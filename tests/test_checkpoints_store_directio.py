@@ -68,7 +68,7 @@ def test_import_and_assemble_are_byte_identical_either_way(tmp_path, direct):
     trainer = NodeKey.generate()
     _checkpoint(tmp_path / "src", [70_001, 5, 16_384])
     store = ChunkStore(tmp_path / "store", RUN, trainer.peer_id, direct_io=direct)
-    manifest, raw = store.import_directory_blocking(trainer, 1, tmp_path / "src", chunk_size=64 * 1024)
+    _, raw = store.import_directory_blocking(trainer, 1, tmp_path / "src", chunk_size=64 * 1024)
     store.add_announce(raw)
     files = store.assemble_blocking(store.versions[1])
     for f in (tmp_path / "src").iterdir():

@@ -9,11 +9,15 @@
 * End game: a fetcher whose remaining chunks are all stuck at a peer that
   never sends them completes from the seed without waiting for the stall
   timeout.
+
+The hold-offs run on trio's clock: the tests that wait one out use pytest-trio's
+``mock_clock`` (time stands still unless the test jumps it) instead of sleeping.
 """
 
 from __future__ import annotations
 
 import trio
+import trio.testing
 
 from node.checkpoints import ChunkStore, DataConnection, LocalOverlay, VersionFetcher
 from node.checkpoints.server import ChunkServer
@@ -51,7 +55,7 @@ async def _get(conn: DataConnection, idx: int) -> tuple[int, bytes]:
         return status, bytes(buf)
 
 
-async def test_seed_refuses_a_second_peer_then_serves_after_the_hold_off(tmp_path):
+async def test_seed_refuses_a_second_peer_then_serves_after_the_hold_off(tmp_path, mock_clock):
     _, _, store, st, _ = await _seeded_store(tmp_path)
     a, b = (k.peer_id for k in keys(3)[1:])
     server = ChunkServer(store, reseed_after_s=0.3, reseed_after_all_s=0.3)
@@ -63,7 +67,8 @@ async def test_seed_refuses_a_second_peer_then_serves_after_the_hold_off(tmp_pat
         assert (await _get(cb, 0))[0] == F.ELSEWHERE  # b should get chunk 0 from a
         assert (await _get(cb, 1))[0] == F.OK  # an unsent chunk is served
         assert (await _get(ca, 0))[0] == F.OK  # the recipient itself may ask again
-        await trio.sleep(0.5)  # past the hold-off: served again (a recipient may have vanished)
+        await trio.testing.wait_all_tasks_blocked()  # the server has logged the send to a as finished
+        mock_clock.jump(0.5)  # past the hold-off: served again (a recipient may have vanished)
         status, data = await _get(cb, 0)
         assert status == F.OK and data == store.read_chunk_blocking(st, 0)
         assert server.chunks_elsewhere == 1
@@ -154,7 +159,7 @@ async def test_end_game_takes_stuck_chunks_from_the_seed(tmp_path):
     me, stuck = (k.peer_id for k in keys(3)[1:])
     # the stuck peer holds every chunk but the last (so it is not a seed and fetchers prefer it)
     stuck_store = ChunkStore(tmp_path / "stuck", RUN_ID, trainer.peer_id)
-    stuck_st, _ = stuck_store.add_announce(raw)
+    stuck_store.add_announce(raw)
     for i in range(seed_st.bitmap.n - 1):
         h = seed_st.chunks[i][3]
         stuck_store.write_object_blocking(h, seed_store.read_chunk_blocking(seed_st, i))
@@ -179,7 +184,7 @@ async def test_end_game_takes_stuck_chunks_from_the_seed(tmp_path):
     assert same_files(src, store.files_dir(1))
 
 
-async def test_a_peer_that_never_reads_pins_no_chunk_beyond_the_hold_off(tmp_path):
+async def test_a_peer_that_never_reads_pins_no_chunk_beyond_the_hold_off(tmp_path, mock_clock):
     """A hoarder asks the seed for every chunk and reads none: the send that blocks on its
     full socket must not keep the chunk refused (ELSEWHERE) to everyone else."""
     _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=32, chunk=512 * 1024)
@@ -191,9 +196,10 @@ async def test_a_peer_that_never_reads_pins_no_chunk_beyond_the_hold_off(tmp_pat
         n = st.bitmap.n
         for i in range(n):
             await ch.send(F.OP_GET, i)  # never read
-        # the server is now stuck mid-send on the hoarder's full socket
-        await trio.sleep(1.0)
+        # the server gets stuck mid-send on the hoarder's full socket
+        await trio.testing.wait_all_tasks_blocked(cushion=0.2)
         assert 0 < server.bytes_served < st.manifest.total_bytes
+        mock_clock.jump(1.0)
         for i in range(n):  # past the hold-off: every chunk, the one stuck mid-send too
             status, data = await _get(cb, i)
             assert status == F.OK, f"chunk {i} still refused to others"

@@ -53,12 +53,12 @@ async def test_wanted_older_version_is_fetched_beside_the_newest(tmp_path):
         node.on_announce(raws[2])  # v1's fetch is abandoned for the newest ...
         with trio.fail_after(60):
             await node.wait_assembled(2)
-        assert not node.checkpoints.get(1).assembled
+        assert not node.store.get(1).assembled
         assert node.want_version(1)  # ... until a role asks for it
         with trio.fail_after(60):
             await node.wait_assembled(1)
     for v in (1, 2):
-        assert same_files(srcs[v], node.checkpoints.files_dir(v))
+        assert same_files(srcs[v], node.store.files_dir(v))
 
 
 async def test_wanted_fetch_survives_a_newer_announce(tmp_path):
@@ -66,7 +66,7 @@ async def test_wanted_fetch_survives_a_newer_announce(tmp_path):
         node.on_announce(raws[1])
         assert node.want_version(1)
         node.on_announce(raws[2])
-        assert 1 in node.fetchers or node.checkpoints.get(1).assembled  # not cancelled
+        assert 1 in node.fetchers or node.store.get(1).assembled  # not cancelled
         with trio.fail_after(60):
             await node.wait_assembled(1)
             await node.wait_assembled(2)

@@ -22,9 +22,8 @@ def _node_processes(out: Path) -> list[str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "node.ops.cli join" in cmd or "node.ops.cli bootstrap" in cmd:
-            if str(out) in cmd:
-                found.append(cmd)
+        if ("node.ops.cli join" in cmd or "node.ops.cli bootstrap" in cmd) and str(out) in cmd:
+            found.append(cmd)
     return found
 
 

@@ -256,7 +256,7 @@ def test_fetch_progress_logs_without_a_terminal(caplog):
     from node.ops.daemon import _FetchReporter
 
     rep = _FetchReporter(tty=False, every_s=3600)
-    with caplog.at_level("INFO", logger="primenode.daemon"):
+    with caplog.at_level("INFO", logger="node.ops.daemon"):
         rep.update(
             FetchProgress(version=2, held=1, total=8, bytes_fetched=2**20, mib_per_s=5.0, elapsed_s=0.2, done=False)
         )

@@ -1,14 +1,22 @@
-"""Fetcher side of one data-plane connection (see frames.py for the format)."""
+"""Fetcher side of one data-plane connection (``protocol.chunk_frames`` has the format)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import trio
 
 from node.checkpoints.wire import recv_exactly, recv_exactly_into, send_all, tune
+from node.util import aclose_shielded
 from protocol import chunk_frames as F
 
 
 class DataPlaneError(Exception):
+    """A data-plane exchange with one peer failed (refused ticket, bad frame, status not OK).
+
+    Control flow inside the fetcher (the peer cools down and its chunks go back to the
+    pool), never shown to an operator: not a :class:`node.errors.NodeError`."""
+
     def __init__(self, status: int, detail: str = "") -> None:
         self.status = status
         super().__init__(f"{F.STATUS_NAMES.get(status, status)}{': ' + detail if detail else ''}")
@@ -58,7 +66,7 @@ class DataConnection:
             if status != F.OK:
                 raise DataPlaneError(status)
         except BaseException:
-            await stream.aclose()
+            await aclose_shielded(stream.aclose)
             raise
         return cls(stream, n, stall_timeout)
 
@@ -74,10 +82,10 @@ class DataConnection:
         await recv_exactly_into(self.sock, view, self.stall_timeout)
 
     async def aclose(self) -> None:
-        with trio.move_on_after(1) as cs:
-            cs.shield = True
-            try:
-                await send_all(self.sock, F.REQUEST.pack(F.OP_BYE, 0, 0), 1)
-            except Exception:
-                pass
-            await self.stream.aclose()
+        """Say BYE (best effort) and close, within a second, even while being cancelled."""
+        await aclose_shielded(self._bye_and_close, timeout=1.0)
+
+    async def _bye_and_close(self) -> None:
+        with contextlib.suppress(Exception):
+            await send_all(self.sock, F.REQUEST.pack(F.OP_BYE, 0, 0), 1)
+        await self.stream.aclose()

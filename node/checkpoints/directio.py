@@ -31,6 +31,10 @@ import mmap
 import os
 import threading
 
+# What chunk bytes arrive as (a received buffer, a view of one, or bytes) and how paths are given.
+Buffer = bytes | bytearray | memoryview
+StrPath = str | os.PathLike[str]
+
 ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -65,7 +69,7 @@ def _unsupported(exc: OSError) -> bool:
     return exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
-def open_direct(path, flags: int, mode: int = 0o644) -> int:
+def open_direct(path: StrPath, flags: int, mode: int = 0o644) -> int:
     """``os.open`` with ``O_DIRECT``; :class:`DirectIOUnsupported` where it cannot be had."""
     if not _O_DIRECT:
         raise DirectIOUnsupported(errno.EINVAL, "O_DIRECT is not available on this platform")
@@ -81,7 +85,7 @@ def _clear_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-def pwrite_direct(fd: int, data, offset: int) -> None:
+def pwrite_direct(fd: int, data: Buffer, offset: int) -> None:
     """Write ``data`` at ``offset`` on a descriptor opened with :func:`open_direct`.
 
     The aligned prefix goes direct from the scratch buffer; an unaligned tail clears
@@ -117,7 +121,7 @@ def pwrite_direct(fd: int, data, offset: int) -> None:
             done += os.pwrite(fd, tail[done:], offset + body + done)
 
 
-def write_new_file(path, data, *, durable: bool) -> None:
+def write_new_file(path: StrPath, data: Buffer, *, durable: bool) -> None:
     """Create ``path`` (which must not exist) holding exactly ``data``, bypassing the page cache.
 
     Raises :class:`DirectIOUnsupported` (having removed any partial file) where O_DIRECT
@@ -138,7 +142,7 @@ def write_new_file(path, data, *, durable: bool) -> None:
     os.close(fd)
 
 
-def read_file_into(path, length: int) -> memoryview:
+def read_file_into(path: StrPath, length: int) -> memoryview:
     """The first ``length`` bytes of ``path``, read with O_DIRECT into this thread's "read" scratch.
 
     The view is valid until the next read on this thread (release it before then). Raises

@@ -1,4 +1,4 @@
-"""The swarm fetcher: get every chunk of one checkpoint version from many peers at once.
+"""The version fetcher: get every chunk of one checkpoint version from many peers at once.
 
 * One worker task per useful peer (up to ``max_peers``): it gets a ticket over
   the overlay, opens one TCP connection and keeps ``depth`` GETs pipelined.
@@ -37,7 +37,9 @@ import dataclasses
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -48,11 +50,14 @@ from protocol import ChunkTicketRequest
 from protocol import chunk_frames as F
 from protocol.bitmap import Bitmap
 
-log = logging.getLogger("primenode.swarm")
+log = logging.getLogger(__name__)
 
 
 class TicketError(Exception):
-    """No ticket from a peer (timeout, unreachable over the overlay, refused)."""
+    """No ticket from a peer (timeout, unreachable over the overlay, refused).
+
+    Control flow inside the fetcher (the peer cools down briefly and is tried again),
+    never shown to an operator: not a :class:`node.errors.NodeError`."""
 
 
 # Peers one fetch keeps track of: heartbeats from any identity add peers while a fetch runs.
@@ -84,7 +89,7 @@ class FetchPeer:
     def score(self) -> float:
         return (self.ewma_bps + 1.0) / (1 + self.failures + 3 * self.strikes)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "peer_id": self.peer_id,
             "bytes": self.bytes,
@@ -287,6 +292,8 @@ class VersionFetcher:
         """End game: nothing is left to pick, every missing chunk is on its way from some peer.
         A seed with a free slot also asks for the chunk requested longest ago (at least
         ``endgame_after_s``), so the tail does not wait on one slow, busy peer."""
+        if self.endgame_after_s is None:
+            return None
         now = trio.current_time()
         held, verifying, owner = self.st.bitmap, self._verifying, self._inflight
         best, oldest = None, now - self.endgame_after_s
@@ -402,7 +409,7 @@ class VersionFetcher:
                 await conn.aclose()
             self._poke()
 
-    async def _session(self, p: FetchPeer, conn: DataConnection, outstanding) -> None:
+    async def _session(self, p: FetchPeer, conn: DataConnection, outstanding: deque[tuple[int, int]]) -> None:
         await conn.send(F.OP_HAVE)
         outstanding.append((F.OP_HAVE, 0))
         last_have = trio.current_time()
@@ -478,6 +485,7 @@ class VersionFetcher:
             p.refused.pop(idx, None)
             p.inflight.discard(idx)
             self._verifying.add(idx)
+            assert self._nursery is not None  # set by run(), which runs every session
             self._nursery.start_soon(self._verify, p, idx, buf)
 
     def _strike(self, p: FetchPeer, reason: str) -> None:
@@ -543,7 +551,7 @@ class VersionFetcher:
             except Exception:
                 log.exception("progress callback failed")
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "chunks_held": self.st.bitmap.count,

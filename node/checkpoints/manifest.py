@@ -8,11 +8,12 @@ trainer's signature from disk instead of trusting its own files.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import node.util
 from protocol import (
     CheckpointAnnounce,
     CheckpointManifest,
@@ -86,7 +87,7 @@ def build_manifest(
         version=version,
         chunk_size=chunk_size,
         files=files_t,
-        created_ms=int(time.time() * 1000) if created_ms is None else created_ms,
+        created_ms=node.util.now_ms() if created_ms is None else created_ms,
         root=CheckpointManifest.compute_root(run_id, version, chunk_size, files_t),
     )
 
@@ -95,12 +96,12 @@ def sign_announce(
     key: NodeKey, manifest: CheckpointManifest, seq: int | None = None, now_ms: int | None = None
 ) -> bytes:
     """The trainer's signed ``CheckpointAnnounce`` envelope for ``manifest``."""
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    when = node.util.now_ms() if now_ms is None else now_ms
     seq = time.time_ns() if seq is None else seq
-    return seal(key, manifest.run_id, CheckpointAnnounce(manifest=manifest), now_ms, seq)
+    return seal(key, manifest.run_id, CheckpointAnnounce(manifest=manifest), when, seq)
 
 
-def accept_announce(env: Envelope, run_id: bytes, trainer: str) -> CheckpointManifest:
+def accept_announce(env: Envelope[Any], run_id: bytes, trainer: str) -> CheckpointManifest:
     """Check an opened envelope: a CheckpointAnnounce of this run, signed by the trainer."""
     if not isinstance(env.body, CheckpointAnnounce):
         raise ProtocolError("envelope.type", "not a CheckpointAnnounce")
@@ -118,7 +119,7 @@ def verify_announce(
     trainer: str,
     now_ms: int | None = None,
     guard: ReplayGuard | None = None,
-) -> tuple[CheckpointManifest, Envelope]:
+) -> tuple[CheckpointManifest, Envelope[Any]]:
     """Open and check announce envelope bytes; raise ProtocolError if anything is off.
 
     ``guard=None`` skips the timestamp/replay checks (re-reading stored bytes).
@@ -126,16 +127,8 @@ def verify_announce(
     env = open_envelope(
         raw,
         run_id=run_id,
-        now_ms=int(time.time() * 1000) if now_ms is None else now_ms,
+        now_ms=node.util.now_ms() if now_ms is None else now_ms,
         guard=guard,
         allowed_types={CheckpointAnnounce.TYPE_ID},
     )
     return accept_announce(env, run_id, trainer), env
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -9,16 +9,28 @@ the same process (unit tests, benchmarks of the data plane alone).
 from __future__ import annotations
 
 import collections
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from protocol import ChunkTicket, ChunkTicketRequest
 
+if TYPE_CHECKING:
+    from node.checkpoints.server import ChunkServer
+
 
 class ChunkOverlay(Protocol):
+    """What every implementation promises (tests/test_checkpoints_overlay_conformance.py):
+
+    * a peer that serves the version answers a ticket with ``ok`` (host, port, token);
+      one that does not hold it answers ``ok=False`` with the chunk server's reason;
+    * a peer the overlay cannot reach, or one it banned, makes ``request_ticket`` raise;
+    * ``penalise`` and ``ban`` are charged to the peer named, and a banned peer is not
+      asked for tickets again.
+    """
+
     async def request_ticket(self, peer_id: str, req: ChunkTicketRequest, timeout: float) -> ChunkTicket:
-        """Ask ``peer_id`` for a data-plane ticket; raise on timeout or refusal."""
+        """Ask ``peer_id`` for a data-plane ticket; raise on timeout or when the peer cannot be asked."""
 
     def penalise(self, peer_id: str, reason: str) -> None:
         """Misbehaviour points for ``peer_id`` (a bad chunk, a stall)."""
@@ -30,7 +42,7 @@ class ChunkOverlay(Protocol):
 class LocalOverlay:
     """In-process overlay: ``servers`` maps peer id -> ChunkServer. For tests and benches."""
 
-    def __init__(self, my_id: str, servers: dict) -> None:
+    def __init__(self, my_id: str, servers: dict[str, ChunkServer]) -> None:
         self.my_id = my_id
         self.servers = servers
         self.penalties: collections.Counter[tuple[str, str]] = collections.Counter()

@@ -22,16 +22,21 @@ import logging
 import os
 import secrets
 import time
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from node.checkpoints.ratelimit import UploadLimiter
-from node.checkpoints.store import ChunkStore
+from node.checkpoints.store import ChunkStore, VersionState
 from node.checkpoints.wire import recv_exactly, send_all, tune
+from node.util import aclose_shielded
 from protocol import ChunkTicket, ChunkTicketRequest
 from protocol import chunk_frames as F
 
-log = logging.getLogger("primenode.dataplane")
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+log = logging.getLogger(__name__)
 
 
 class SeedLog:
@@ -160,7 +165,7 @@ class ChunkServer:
                 del self.tickets[k]
 
     # ------------------------------------------------------------ serving
-    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host, backlog=256)
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started(self.port)
@@ -206,9 +211,9 @@ class ChunkServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
             log.debug("data connection from %s ended: %r", peer, exc)
         finally:
-            await stream.aclose()
+            await aclose_shielded(stream.aclose)
 
-    def _seed_log(self, st) -> SeedLog | None:
+    def _seed_log(self, st: VersionState) -> SeedLog | None:
         if not self.superseed or not st.bitmap.complete:
             return None
         key = (st.version, st.root)
@@ -219,7 +224,7 @@ class ChunkServer:
             sl = self._seeding[key] = SeedLog(st.bitmap.n)
         return sl
 
-    async def _serve(self, sock, t: Ticket, flags: int = 0) -> None:
+    async def _serve(self, sock: trio.socket.SocketType, t: Ticket, flags: int = 0) -> None:
         push = bool(flags & F.FLAG_PUSH_HAVE)
         pushed = b""
         while True:
@@ -272,7 +277,7 @@ class ChunkServer:
                 await send_all(sock, F.REPLY.pack(op, F.BAD_REQUEST, idx, 0), self.stall_timeout_s)
                 return
 
-    async def _send_chunk(self, sock, st, idx: int, peer: str) -> None:
+    async def _send_chunk(self, sock: trio.socket.SocketType, st: VersionState, idx: int, peer: str) -> None:
         length = st.chunks[idx][2]
         path = self.store.object_path(st.chunks[idx][3])
         fd = os.open(path, os.O_RDONLY)
@@ -289,7 +294,7 @@ class ChunkServer:
                         w = os.sendfile(out, fd, off, end - off)
                     except BlockingIOError:
                         with trio.fail_after(self.stall_timeout_s):
-                            await trio.lowlevel.wait_writable(sock)
+                            await trio.lowlevel.wait_writable(out)
                         continue
                     if w == 0:
                         raise trio.BrokenResourceError("sendfile wrote nothing")
@@ -302,7 +307,7 @@ class ChunkServer:
         finally:
             os.close(fd)
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return {
             "port": self.port,
             "connections": self.connections,

@@ -1,19 +1,20 @@
 """``Checkpoints``: the one object the roles use for checkpoints.
 
-    dist = Checkpoints(store, overlay, max_async=genesis.max_async, max_upload_mbps=...)
+    checkpoints = Checkpoints(store, overlay, max_async=genesis.max_async, max_upload_mbps=...)
     async with trio.open_nursery() as n:
-        await n.start(dist.run)                      # chunk server + fetch manager
-        # wiring from the P2P layer:
-        reqresp.register(ChunkTicketRequest, lambda env, peer: dist.grant_ticket(peer, env.body))
-        dist.on_announce_envelope(env)               # gossip: CheckpointAnnounce (already opened)
-        dist.on_heartbeat(peer_id, heartbeat)        # gossip: Heartbeat (have-sets)
-        heartbeat(have=dist.have_entries(), data_port=dist.data_port, policy_version=dist.newest_version())
+        await n.start(checkpoints.run)                    # chunk server + fetch manager
+        # wiring from the P2P layer (p2p_overlay.serve_checkpoints does this):
+        reqresp.register(ChunkTicketRequest, lambda env, peer: checkpoints.grant_ticket(peer, env.body))
+        checkpoints.on_announce_envelope(env)             # gossip: CheckpointAnnounce (already opened)
+        checkpoints.on_heartbeat(peer_id, heartbeat)      # gossip: Heartbeat (have-sets)
+        heartbeat(have=checkpoints.have_entries(), data_port=checkpoints.data_port,
+                  policy_version=checkpoints.newest_version())
         # trainer:
-        raw = await dist.publish(key, version, "ckpt/dir")   # gossip ``raw`` as the announce
+        raw = await checkpoints.publish(key, version, "ckpt/dir")   # gossip ``raw`` as the announce
         # worker / validator:
-        v = await dist.wait_version(min_version)      # newest complete, assembled version >= min_version
-        with dist.open_version(v) as files: ...       # pinned: GC will not touch it while loading
-        dist.status()                                  # for ``primenode status``
+        v = await checkpoints.wait_version(min_version)   # newest complete, assembled version >= min_version
+        with checkpoints.open_version(v) as files: ...    # pinned: GC will not touch it while loading
+        checkpoints.status()                              # for ``primenode status``
 
 A node fetches the newest version it knows of; an older incomplete fetch is
 abandoned when a newer version is announced (its chunks stay in the store
@@ -25,10 +26,12 @@ the newest and never abandoned for it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -37,9 +40,13 @@ from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE
 from node.checkpoints.overlay import ChunkOverlay
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.store import ChunkStore
-from protocol import ChunkTicket, ChunkTicketRequest, Envelope, Heartbeat, NodeKey
+from protocol import ChunkTicket, ChunkTicketRequest, Envelope, HaveEntry, Heartbeat, NodeKey, ReplayGuard
+from protocol.rules import is_stale, window_floor
 
-log = logging.getLogger("primenode.distribution")
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+log = logging.getLogger(__name__)
 
 
 # Bounds (docs/security.md): finished fetches whose status is kept (the status JSON shows
@@ -51,6 +58,8 @@ MAX_BANNED = 10_000
 
 
 class Checkpoints:
+    """A node's checkpoints: its chunk store, the chunk server and the fetches of new versions."""
+
     def __init__(
         self,
         store: ChunkStore,
@@ -62,7 +71,7 @@ class Checkpoints:
         advertise_host: str | None = None,
         max_upload_mbps: float = 0.0,
         auto_fetch: bool = True,
-        fetcher_options: dict | None = None,
+        fetcher_options: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.overlay = overlay
@@ -77,10 +86,10 @@ class Checkpoints:
         self.auto_fetch = auto_fetch
         self.fetcher_options = fetcher_options or {}
         self.fetchers: dict[int, VersionFetcher] = {}
-        self.fetch_history: dict[int, dict] = {}
+        self.fetch_history: dict[int, dict[str, Any]] = {}
         self.banned: set[str] = set()
         self.progress_callbacks: list[Callable[[FetchProgress], None]] = []
-        self._have: dict[str, tuple[float, tuple]] = {}  # peer -> (time, have entries)
+        self._have: dict[str, tuple[float, tuple[HaveEntry, ...]]] = {}  # peer -> (time, have entries)
         self._static_peers: set[str] = set()
         self._nursery: trio.Nursery | None = None
         self._fetch_scopes: dict[int, trio.CancelScope] = {}
@@ -93,7 +102,7 @@ class Checkpoints:
     def data_port(self) -> int:
         return self.server.port
 
-    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.server.run)
@@ -110,14 +119,14 @@ class Checkpoints:
             return ChunkTicket(ok=False, reason="banned", ticket=b"", host="", port=0, expires_ms=0)
         return self.server.grant_ticket(peer_id, req)
 
-    def on_announce(self, raw: bytes, guard=None) -> int:
+    def on_announce(self, raw: bytes, guard: ReplayGuard | None = None) -> int:
         """Announce envelope bytes (verified here). Returns the version; raises ProtocolError."""
         st, new = self.store.add_announce(raw, guard=guard)
         if new:
             self._maybe_fetch()
         return st.version
 
-    def on_announce_envelope(self, env: Envelope) -> int:
+    def on_announce_envelope(self, env: Envelope[Any]) -> int:
         """An announce the gossip layer already opened; raises ProtocolError if not from the trainer."""
         st, new = self.store.add_envelope(env)
         if new:
@@ -139,18 +148,15 @@ class Checkpoints:
             # just heard of it too: try it (its HAVE replies tell us what it holds)
             f.add_peer(peer_id)
         for e in hb.have:
-            f = self.fetchers.get(e.version)
-            if f is not None and f.st.root == e.root:
-                f.update_have(peer_id, e.bitmap)
+            fetcher = self.fetchers.get(e.version)
+            if fetcher is not None and fetcher.st.root == e.root:
+                fetcher.update_have(peer_id, e.bitmap)
 
     def add_peer(self, peer_id: str) -> None:
         """A peer to try even without a heartbeat (static peer lists, benchmarks)."""
         self._static_peers.add(peer_id)
         for f in self.fetchers.values():
             f.add_peer(peer_id)
-
-    def forget_peer(self, peer_id: str) -> None:
-        self._have.pop(peer_id, None)
 
     # ------------------------------------------------------------ fetching
     def _maybe_fetch(self) -> None:
@@ -159,7 +165,7 @@ class Checkpoints:
         newest = self.store.newest()
         if newest is None:
             return
-        floor = newest.version - self.max_async
+        floor = window_floor(newest.version, self.max_async)
         self._wanted = {v for v in self._wanted if v >= floor}
         for v, scope in list(self._fetch_scopes.items()):
             if v < newest.version and v not in self._wanted:
@@ -175,7 +181,7 @@ class Checkpoints:
         if st.complete:
             if version not in self._finishing:
                 self._finishing.add(version)
-                self._nursery.start_soon(self._finish, version)
+                self._started_nursery().start_soon(self._finish, version)
             return
         self._start_fetch(version)
 
@@ -185,12 +191,17 @@ class Checkpoints:
         batch claims, so it never waits for a checkpoint nobody is fetching. Returns
         False if the version is outside the window (the caller should not wait for it)."""
         newest = self.store.newest()
-        if newest is not None and version < newest.version - self.max_async:
+        if newest is not None and is_stale(version, newest.version, self.max_async):
             return False
         if version in self.store.versions:  # a version not announced yet is fetched as the newest once it is
             self._wanted.add(version)
             self._maybe_fetch()
         return True
+
+    def _started_nursery(self) -> trio.Nursery:
+        if self._nursery is None:
+            raise RuntimeError("Checkpoints.run() has not started")
+        return self._nursery
 
     def _start_fetch(self, version: int) -> VersionFetcher:
         f = VersionFetcher(
@@ -207,7 +218,7 @@ class Checkpoints:
             f.add_peer(pid)
         # the scope exists before the task runs, so a newer announce can cancel it at once
         scope = self._fetch_scopes[version] = trio.CancelScope()
-        self._nursery.start_soon(self._fetch, f, scope)
+        self._started_nursery().start_soon(self._fetch, f, scope)
         return f
 
     async def _fetch(self, f: VersionFetcher, scope: trio.CancelScope) -> None:
@@ -254,7 +265,7 @@ class Checkpoints:
 
     async def wait_version(self, min_version: int = 0, timeout: float | None = None) -> int:
         """Wait until a complete, assembled version >= ``min_version`` is here; return the newest."""
-        with trio.fail_after(timeout) if timeout else _nullcontext():
+        with trio.fail_after(timeout) if timeout else contextlib.nullcontext():
             while self.newest_version() < min_version:
                 await self._changed.wait()
         return self.newest_version()
@@ -267,7 +278,7 @@ class Checkpoints:
                 return
             await self._changed.wait()
 
-    def open_version(self, version: int):
+    def open_version(self, version: int) -> contextlib.AbstractContextManager[dict[str, Path]]:
         """Context manager: ``{path: file}`` of an assembled version, pinned against GC."""
         return self.store.open_version(version)
 
@@ -278,7 +289,7 @@ class Checkpoints:
         self._trim_tables()
         return removed
 
-    def _remember_fetch(self, version: int, status: dict) -> None:
+    def _remember_fetch(self, version: int, status: dict[str, Any]) -> None:
         self.fetch_history[version] = status
         while len(self.fetch_history) > FETCH_HISTORY_VERSIONS:  # one entry per version ever fetched otherwise
             del self.fetch_history[min(self.fetch_history)]
@@ -303,10 +314,10 @@ class Checkpoints:
                 self.banned.pop()
         self.banned.add(peer_id)
 
-    def have_entries(self):
+    def have_entries(self) -> tuple[HaveEntry, ...]:
         return self.store.have_entries()
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         out = []
         for v in self.store.status():
             ver = v["version"]
@@ -331,11 +342,3 @@ class Checkpoints:
             "max_upload_mbps": self.server.bucket.rate * 8 / 1e6,
             "banned": sorted(self.banned),
         }
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

@@ -39,25 +39,32 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import trio
 
 from node.checkpoints import directio
-from node.checkpoints.directio import DirectIOUnsupported
+from node.checkpoints.directio import Buffer, DirectIOUnsupported
 from node.checkpoints.manifest import (
     DEFAULT_CHUNK_SIZE,
     accept_announce,
     build_manifest,
-    fsync_dir,
     sign_announce,
     verify_announce,
 )
-from protocol import CheckpointManifest, Envelope, HaveEntry, NodeKey, ProtocolError
+from node.util import fsync_dir
+from protocol import CheckpointManifest, Envelope, HaveEntry, NodeKey, ProtocolError, ReplayGuard
 from protocol.bitmap import Bitmap
+from protocol.rules import is_stale
 
-log = logging.getLogger("primenode.store")
+log = logging.getLogger(__name__)
 
 
 class ChunkRejected(Exception):
-    """A chunk from a peer that does not match the manifest (size or hash)."""
+    """A chunk from a peer that does not match the manifest (size or hash).
+
+    Control flow between the store and the fetcher (the sender gets a strike), never
+    shown to an operator: not a :class:`node.errors.NodeError`."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -152,7 +159,9 @@ class ChunkStore:
         self.versions[manifest.version] = st
         return st
 
-    def add_announce(self, raw: bytes, now_ms: int | None = None, guard=None) -> tuple[VersionState, bool]:
+    def add_announce(
+        self, raw: bytes, now_ms: int | None = None, guard: ReplayGuard | None = None
+    ) -> tuple[VersionState, bool]:
         """Verify the trainer's announce bytes and remember the version. Returns (state, is_new).
 
         Raises ProtocolError for anything not signed by the run's trainer, or a
@@ -161,7 +170,7 @@ class ChunkStore:
         manifest, _ = verify_announce(raw, self.run_id, self.trainer, now_ms=now_ms, guard=guard)
         return self._add(manifest, raw)
 
-    def add_envelope(self, env: Envelope) -> tuple[VersionState, bool]:
+    def add_envelope(self, env: Envelope[Any]) -> tuple[VersionState, bool]:
         """Same as :meth:`add_announce` for an envelope the P2P layer already opened."""
         return self._add(accept_announce(env, self.run_id, self.trainer), env.raw)
 
@@ -205,7 +214,7 @@ class ChunkStore:
                     newly.append((st.version, i))
         return newly
 
-    def check_chunk_blocking(self, st: VersionState, index: int, data) -> bytes:
+    def check_chunk_blocking(self, st: VersionState, index: int, data: Buffer) -> bytes:
         """Size and hash check of a received chunk (blocking: hashes). Returns the hash."""
         _, _, length, h = st.chunks[index]
         if len(data) != length:
@@ -214,7 +223,7 @@ class ChunkStore:
             raise ChunkRejected(f"chunk {index}: sha256 does not match the manifest")
         return h
 
-    def write_object_blocking(self, h: bytes, data) -> None:
+    def write_object_blocking(self, h: bytes, data: Buffer) -> None:
         """Atomically store a verified chunk (temp + fsync + rename). Idempotent."""
         final = self.object_path(h)
         if final.exists():
@@ -222,19 +231,11 @@ class ChunkStore:
         final.parent.mkdir(exist_ok=True)
         self._atomic_write(final, data)
 
-    def put_chunk_blocking(self, st: VersionState, index: int, data) -> bytes:
+    def put_chunk_blocking(self, st: VersionState, index: int, data: Buffer) -> bytes:
         """Check and store one chunk (blocking). Raise ChunkRejected if it is wrong."""
         h = self.check_chunk_blocking(st, index, data)
         self.write_object_blocking(h, data)
         return h
-
-    async def put_chunk(self, version: int, index: int, data) -> list[tuple[int, int]]:
-        """Verify and store a chunk off the event loop, then mark it held everywhere it occurs."""
-        import trio
-
-        st = self.versions[version]
-        h = await trio.to_thread.run_sync(self.put_chunk_blocking, st, index, data)
-        return self.mark_held(h)
 
     def read_chunk_blocking(self, st: VersionState, index: int) -> bytes:
         return self.object_path(st.chunks[index][3]).read_bytes()
@@ -244,7 +245,7 @@ class ChunkStore:
             self.direct_io = False
             log.info("chunk store %s: %s; using buffered writes", self.root, exc)
 
-    def _atomic_write(self, final: Path, data) -> None:
+    def _atomic_write(self, final: Path, data: Buffer) -> None:
         with self._tmp_lock:
             n = next(self._tmp_counter)
         tmp = self.tmp / f"{final.name}.{os.getpid()}.{n}"
@@ -352,8 +353,6 @@ class ChunkStore:
             os.close(src)
 
     async def assemble(self, version: int) -> Path:
-        import trio
-
         st = self.versions[version]
         with self.pin(version):
             path = await trio.to_thread.run_sync(self.assemble_blocking, st)
@@ -383,7 +382,7 @@ class ChunkStore:
 
     # ------------------------------------------------------------ garbage collection
     def gc(self, max_async: int) -> list[int]:
-        """Drop versions older than ``newest - max_async`` unless pinned; delete unreferenced chunks.
+        """Drop versions behind the ``max_async`` window unless pinned; delete unreferenced chunks.
 
         The window is counted from the newest version known (complete or not).
         Returns the versions removed.
@@ -391,16 +390,15 @@ class ChunkStore:
         newest = self.newest()
         if newest is None:
             return []
-        floor = newest.version - max_async
         removed = []
         for v, st in sorted(self.versions.items()):
-            if v < floor and st.pins == 0:
+            if is_stale(v, newest.version, max_async) and st.pins == 0:
                 del self.versions[v]  # from now on nobody can pin it
                 removed.append((v, st))
-        for v, st in removed:
+        for _v, st in removed:
             shutil.rmtree(self.versions_dir / st.dirname, ignore_errors=True)
         if removed:
-            live = set()
+            live: set[bytes] = set()
             for st in self.versions.values():
                 live.update(st.by_hash)
             for sub in self.objects.iterdir():
@@ -414,7 +412,7 @@ class ChunkStore:
         return [v for v, _ in removed]
 
     # ------------------------------------------------------------ status
-    def status(self) -> list[dict]:
+    def status(self) -> list[dict[str, Any]]:
         return [
             {
                 "version": st.version,

@@ -9,7 +9,7 @@ import trio
 SOCK_BUF = 4 * 1024 * 1024
 
 
-def tune(sock) -> None:
+def tune(sock: trio.socket.SocketType) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
@@ -21,7 +21,7 @@ def tune(sock) -> None:
         pass
 
 
-async def recv_exactly_into(sock, view: memoryview, stall_timeout: float) -> None:
+async def recv_exactly_into(sock: trio.socket.SocketType, view: memoryview, stall_timeout: float) -> None:
     """Fill ``view`` from ``sock``; raise TooSlowError if no byte arrives for ``stall_timeout`` s."""
     got = 0
     n = len(view)
@@ -33,13 +33,13 @@ async def recv_exactly_into(sock, view: memoryview, stall_timeout: float) -> Non
         got += r
 
 
-async def recv_exactly(sock, n: int, stall_timeout: float) -> bytes:
+async def recv_exactly(sock: trio.socket.SocketType, n: int, stall_timeout: float) -> bytes:
     buf = bytearray(n)
     await recv_exactly_into(sock, memoryview(buf), stall_timeout)
     return bytes(buf)
 
 
-async def send_all(sock, data: bytes, stall_timeout: float) -> None:
+async def send_all(sock: trio.socket.SocketType, data: bytes, stall_timeout: float) -> None:
     view = memoryview(data)
     while view:
         with trio.fail_after(stall_timeout):

@@ -62,7 +62,7 @@ class LedgerAudit:
         if rows is None:
             return False
         self.samples += 1
-        for b, (status, reason, _t) in rows.items():
+        for b, (status, _reason, _t) in rows.items():
             if status == "admitted":
                 self.seen_admitted.add(b)
         for b in self.seen_admitted:

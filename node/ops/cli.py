@@ -1,7 +1,9 @@
 """The ``primenode`` command line.
 
 Every command turns a :class:`NodeError` (or any other failure) into one line on
-stderr and a non-zero exit; ``--debug`` shows the traceback instead.
+stderr and a non-zero exit; ``--debug`` shows the traceback instead. ``--debug`` is
+kept on the click context and passed down to the daemon's entry points as an
+argument (the daemon never reads it back from this module).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from node.errors import NodeError
+from node.errors import ConfigError, ModelError, NodeError
 from node.home import NodeHome
 
 app = typer.Typer(
@@ -28,24 +30,25 @@ dataset_app = typer.Typer(help="Prepare datasets.", no_args_is_help=True)
 app.add_typer(run_app, name="run")
 app.add_typer(dataset_app, name="dataset")
 
-_state = {"debug": False}
-
 HomeOpt = Annotated[Path, typer.Option("--home", help="Node home directory (key, config, store, database).")]
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     trainer = "trainer"
     worker = "worker"
     validator = "validator"
 
 
 @app.callback()
-def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
-    _state["debug"] = debug
+def _main(
+    ctx: typer.Context, debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False
+) -> None:
+    ctx.obj = {"debug": debug}
 
 
-def not_implemented(what: str) -> None:
-    raise NodeError(f"{what} is not implemented yet")
+def _debug(ctx: typer.Context) -> bool:
+    """The global ``--debug`` flag, as the app callback left it on the click context."""
+    return bool((ctx.find_root().obj or {}).get("debug"))
 
 
 @app.command()
@@ -67,10 +70,12 @@ def show_id(home: HomeOpt) -> None:
 
 @app.command()
 def bootstrap(
+    ctx: typer.Context,
     home: HomeOpt,
     listen: Annotated[
-        list[str], typer.Option("--listen", help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4001 (repeatable).")
-    ] = [],
+        list[str] | None,
+        typer.Option("--listen", help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/4001 (repeatable)."),
+    ] = None,
     genesis: Annotated[
         Path | None, typer.Option("--genesis", help="Signed run genesis file to serve to joiners.")
     ] = None,
@@ -81,17 +86,19 @@ def bootstrap(
     """Run a rendezvous node: others dial it first; it serves the genesis and peer addresses."""
     from node.ops.daemon import run_bootstrap
 
-    run_bootstrap(home=home, listen=listen, genesis=genesis, status_port=status_port)
+    run_bootstrap(home=home, listen=listen, genesis=genesis, status_port=status_port, debug=_debug(ctx))
 
 
 @app.command()
 def join(
+    ctx: typer.Context,
     home: HomeOpt,
     role: Annotated[Role, typer.Option("--role", help="What this node does in the run.")],
     bootstrap: Annotated[
-        list[str], typer.Option("--bootstrap", help="Multiaddr of a bootstrap node, with /p2p/<peer id> (repeatable).")
-    ] = [],
-    listen: Annotated[list[str], typer.Option("--listen", help="Multiaddr to listen on (repeatable).")] = [],
+        list[str] | None,
+        typer.Option("--bootstrap", help="Multiaddr of a bootstrap node, with /p2p/<peer id> (repeatable)."),
+    ] = None,
+    listen: Annotated[list[str] | None, typer.Option("--listen", help="Multiaddr to listen on (repeatable).")] = None,
     run_id: Annotated[
         str | None, typer.Option("--run-id", help="Hex run id to join; refuses a bootstrap serving another run.")
     ] = None,
@@ -131,6 +138,7 @@ def join(
         device=device,
         engine=engine,
         tamper=tamper,
+        debug=_debug(ctx),
     )
 
 
@@ -165,19 +173,19 @@ def run_init(
     group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (GRPO group).")] = 8,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Checkpoint chunk size in bytes.")] = 4 << 20,
     config: Annotated[
-        list[str], typer.Option("--set", help="Hyper-parameter KEY=VALUE (TOML value), repeatable.")
-    ] = [],
+        list[str] | None, typer.Option("--set", help="Hyper-parameter KEY=VALUE (TOML value), repeatable.")
+    ] = None,
 ) -> None:
     """Write a signed run genesis; its hash is the run id."""
     import tomllib
 
     from node.genesis_file import make_genesis, write_genesis
 
-    cfg: dict = {}
-    for item in config:
+    cfg: dict[str, object] = {}
+    for item in config or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise NodeError(f"--set expects KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         try:
             cfg[key.strip()] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
@@ -258,7 +266,7 @@ def dataset_filter(
             progress=lambda done, total: typer.echo(f"\r{done}/{total} problems", nl=False, err=True),
         )
     except (FileNotFoundError, ValueError) as exc:
-        raise NodeError(str(exc)) from exc
+        raise ModelError(str(exc)) from exc
     typer.echo("", err=True)
     typer.echo(f"kept {summary.kept}/{summary.total} problems with pass rate in [{lo}, {hi}] -> {summary.output}")
 

@@ -28,17 +28,28 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.errors import NodeError
+from node.errors import ConfigError, NodeError
 from node.home import NodeHome
 from node.memory import limit_malloc_arenas
+from node.util import atomic_write_text
+from protocol import NodeKey
 
-log = logging.getLogger("primenode.daemon")
+if TYPE_CHECKING:
+    from node.checkpoints import FetchProgress
+    from node.ops.progress import CheckpointProgress
+    from node.p2p.node import Node, P2PConfig
 
-ENGINES = ("transformers", "vllm")
+log = logging.getLogger(__name__)
+
+# The loggers the daemon shows at INFO (DEBUG with --debug): every module of ours logs under
+# its own name (``logging.getLogger(__name__)``), so the package name covers them all.
+OUR_LOGGERS = ("node",)
+
 GENESIS_TIMEOUT_S = 10.0
 
 
@@ -69,7 +80,7 @@ class _QuietTracebacks(logging.Filter):
 
 
 def setup_logging(debug: bool = False) -> None:
-    """INFO lines with timestamps on stderr for primenode, WARNING for libraries."""
+    """INFO lines with timestamps on stderr for our loggers, WARNING for libraries."""
     from node.p2p.host import attach_libp2p_logging
 
     fmt = logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
@@ -77,17 +88,18 @@ def setup_logging(debug: bool = False) -> None:
     for h in list(root.handlers):
         if getattr(h, "_primenode", False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(_CurrentStderr())  # type: ignore[arg-type]
+    handler = logging.StreamHandler(_CurrentStderr())
     handler.setFormatter(fmt)
     handler._primenode = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
-    logging.getLogger("primenode").setLevel(logging.DEBUG if debug else logging.INFO)
+    for name in OUR_LOGGERS:
+        logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.INFO)
 
     attach_libp2p_logging(logging.DEBUG if debug else logging.WARNING)
     for h in logging.getLogger("libp2p").handlers:
-        if getattr(h, "_primenode", False):
-            h.setStream(_CurrentStderr())  # type: ignore[arg-type]
+        if getattr(h, "_primenode", False) and isinstance(h, logging.StreamHandler):
+            h.setStream(_CurrentStderr())
             # py-libp2p sets INFO on some of its own child loggers: filter at the handler too.
             h.setLevel(logging.DEBUG if debug else logging.WARNING)
             h.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
@@ -95,22 +107,11 @@ def setup_logging(debug: bool = False) -> None:
                 h.addFilter(_QuietTracebacks())
 
 
-def _debug() -> bool:
-    try:
-        from node.ops.cli import _state
-
-        return bool(_state.get("debug"))
-    except Exception:  # pragma: no cover - imported without the CLI
-        return "--debug" in sys.argv[1:]
-
-
 # --------------------------------------------------------------------------- runtime file
 def write_runtime(home: NodeHome, info: dict[str, Any]) -> None:
-    """Atomically (tmp + rename) write HOME/runtime.json."""
-    path = home.runtime_path
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    os.replace(tmp, path)
+    """Atomically (tmp + rename) write HOME/runtime.json. Not fsynced: it only describes
+    the running process, and a crash makes it stale anyway."""
+    atomic_write_text(home.runtime_path, json.dumps(info, indent=1) + "\n", durable=False)
 
 
 def remove_runtime(home: NodeHome) -> None:
@@ -154,7 +155,7 @@ def run_trio(fn: Callable[[trio.Nursery], Awaitable[Any]]) -> tuple[Any, bool]:
 
     Returns ``(result, stopped_by_signal)``. A NodeError raised anywhere inside
     (even wrapped in exception groups) comes out as itself, so the CLI prints one line."""
-    stopped = {"sig": None}
+    stopped: dict[str, int | None] = {"sig": None}
 
     async def main() -> Any:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -194,7 +195,7 @@ def run_trio(fn: Callable[[trio.Nursery], Awaitable[Any]]) -> tuple[Any, bool]:
 @dataclasses.dataclass
 class _Settings:
     home: NodeHome
-    key: Any
+    key: NodeKey
     listen: list[str]
     bootstrap: list[str]
     target_peers: int
@@ -209,12 +210,12 @@ class _Settings:
 def _settings(
     home: Path,
     *,
-    listen=None,
-    bootstrap=None,
-    target_peers=None,
-    max_upload_mbps=None,
-    data_port=None,
-    status_port=None,
+    listen: list[str] | None = None,
+    bootstrap: list[str] | None = None,
+    target_peers: int | None = None,
+    max_upload_mbps: float | None = None,
+    data_port: int | None = None,
+    status_port: int | None = None,
 ) -> _Settings:
     h = NodeHome(home)
     key = h.load_key()
@@ -233,15 +234,15 @@ def _settings(
         direct_io=cfg.direct_io,
     )
     if s.target_peers < 1:
-        raise NodeError("--target-peers must be at least 1")
+        raise ConfigError("--target-peers must be at least 1")
     if s.max_upload_mbps < 0:
-        raise NodeError("--max-upload-mbps must be >= 0 (0 = no cap)")
+        raise ConfigError("--max-upload-mbps must be >= 0 (0 = no cap)")
     for name in ("data_port", "status_port"):
         port = getattr(s, name)
         if not 0 <= port <= 65535:
-            raise NodeError(f"{name.replace('_', '-')} {port} is not a TCP port (0-65535)")
+            raise ConfigError(f"{name.replace('_', '-')} {port} is not a TCP port (0-65535)")
     if not s.listen:
-        raise NodeError("no listen address: pass --listen /ip4/0.0.0.0/tcp/4001 or set listen in config.toml")
+        raise ConfigError("no listen address: pass --listen /ip4/0.0.0.0/tcp/4001 or set listen in config.toml")
     from node.p2p.host import parse_peer_addr
 
     for a in s.bootstrap:
@@ -249,7 +250,7 @@ def _settings(
     return s
 
 
-def _p2p_config(s: _Settings):
+def _p2p_config(s: _Settings) -> P2PConfig:
     from node.p2p.node import P2PConfig
 
     return P2PConfig(
@@ -269,7 +270,7 @@ class _FetchReporter:
     def __init__(self, tty: bool, every_s: float = 2.0) -> None:
         self.tty = tty
         self.every_s = every_s
-        self.bar = None
+        self.bar: CheckpointProgress | None = None
         self.active: set[int] = set()
         self.last_log: dict[int, float] = {}
         self.done: set[int] = set()
@@ -278,7 +279,7 @@ class _FetchReporter:
     # bounded for a run of any length.
     KEEP_VERSIONS = 64
 
-    def update(self, p) -> None:
+    def update(self, p: FetchProgress) -> None:
         if p.version in self.done:
             return  # the fetcher may report completion more than once
         if p.done:
@@ -294,7 +295,7 @@ class _FetchReporter:
         except Exception:  # never let display break a fetch
             log.debug("progress display failed", exc_info=True)
 
-    def _bar(self, p) -> None:
+    def _bar(self, p: FetchProgress) -> None:
         from rich.console import Console
 
         from node.ops.progress import CheckpointProgress
@@ -318,7 +319,7 @@ class _FetchReporter:
         if self.bar is not None and not self.active:
             self.close()
 
-    def _log(self, p) -> None:
+    def _log(self, p: FetchProgress) -> None:
         now = time.monotonic()
         if p.done:
             self.last_log.pop(p.version, None)
@@ -341,17 +342,17 @@ class _FetchReporter:
             bar.__exit__(None, None, None)
 
 
-async def _attach_progress(hook, reporter: _FetchReporter) -> None:
-    """Roles create their distribution service when they start; hook in then."""
-    while getattr(hook, "dist", None) is None:
-        if not hasattr(hook, "dist"):
+async def _attach_progress(hook: Any, reporter: _FetchReporter) -> None:
+    """Roles create their ``Checkpoints`` when they start; hook in then."""
+    while getattr(hook, "checkpoints", None) is None:
+        if not hasattr(hook, "checkpoints"):
             return  # a role without checkpoints (bootstrap)
         await trio.sleep(0.2)
-    hook.dist.progress_callbacks.append(reporter.update)
+    hook.checkpoints.progress_callbacks.append(reporter.update)
 
 
 # --------------------------------------------------------------------------- the daemon
-async def _serve(s: _Settings, node, nursery: trio.Nursery) -> None:
+async def _serve(s: _Settings, node: Node, nursery: trio.Nursery) -> None:
     from node.ops.status_server import serve_status
 
     status_port = await nursery.start(serve_status, node, s.status_port)
@@ -389,7 +390,7 @@ async def _serve(s: _Settings, node, nursery: trio.Nursery) -> None:
         remove_runtime(s.home)
 
 
-def _run_node(s: _Settings, node) -> None:
+def _run_node(s: _Settings, node: Node) -> None:
     try:
         run_trio(lambda nursery: _serve(s, node, nursery))
     finally:
@@ -400,7 +401,7 @@ def _run_node(s: _Settings, node) -> None:
 def _install_early_stop() -> None:
     """Until trio takes signals over, SIGTERM stops the process cleanly (exit 0)."""
 
-    def handler(signum, frame):
+    def handler(signum: int, frame: FrameType | None) -> None:
         raise _Stopped()
 
     signal.signal(signal.SIGTERM, handler)
@@ -418,10 +419,15 @@ def _guard_early(fn: Callable[[], None]) -> None:
 
 
 def run_bootstrap(
-    home: Path, listen: list[str] | None = None, genesis: Path | None = None, status_port: int | None = None
+    home: Path,
+    listen: list[str] | None = None,
+    genesis: Path | None = None,
+    status_port: int | None = None,
+    debug: bool = False,
 ) -> None:
-    """``primenode bootstrap``: serve the genesis and peer addresses; hold no model."""
-    setup_logging(_debug())
+    """``primenode bootstrap``: serve the genesis and peer addresses; hold no model.
+    ``debug``: DEBUG log lines and libp2p's tracebacks (the CLI's ``--debug``)."""
+    setup_logging(debug)
     _install_early_stop()
 
     def go() -> None:
@@ -431,7 +437,7 @@ def run_bootstrap(
         s = _settings(home, listen=listen, status_port=status_port)
         s.bootstrap = []  # a bootstrap dials nobody first
         if genesis is None:
-            raise NodeError("bootstrap needs --genesis FILE (write one with `primenode run init`)")
+            raise ConfigError("bootstrap needs --genesis FILE (write one with `primenode run init`)")
         signed = read_genesis(genesis)
         g = signed.genesis
         log.info("bootstrap for run %s (%s), peer id %s", g.run_id.hex(), g.name, s.key.peer_id)
@@ -455,20 +461,20 @@ def run_join(
     device: str = "cpu",
     engine: str = "transformers",
     tamper: str | None = None,
+    debug: bool = False,
 ) -> None:
-    """``primenode join --role R``: get the genesis, build the role, run until stopped."""
-    setup_logging(_debug())
+    """``primenode join --role R``: get the genesis, build the role, run until stopped.
+    ``debug``: DEBUG log lines and libp2p's tracebacks (the CLI's ``--debug``)."""
+    setup_logging(debug)
     _install_early_stop()
 
     def go() -> None:
         from node.genesis_file import read_genesis
         from node.p2p.node import Node, fetch_genesis
+        from node.roles.engines import check_engine_choice
         from node.roles.factory import make_role
 
-        if engine not in ENGINES:
-            raise NodeError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
-        if engine != "transformers" and role not in ("worker", "validator"):
-            raise NodeError(f"--engine {engine} is for workers and validators; the {role} runs transformers")
+        check_engine_choice(engine, role)
         s = _settings(
             home,
             listen=listen,
@@ -483,16 +489,16 @@ def run_join(
             try:
                 expected = bytes.fromhex(run_id)
             except ValueError:
-                raise NodeError(f"--run-id {run_id!r} is not hex") from None
+                raise ConfigError(f"--run-id {run_id!r} is not hex") from None
             if len(expected) != 32:
-                raise NodeError(f"--run-id must be 64 hex digits (a sha256), got {len(run_id)}")
+                raise ConfigError(f"--run-id must be 64 hex digits (a sha256), got {len(run_id)}")
         if genesis is not None:
             signed = read_genesis(genesis)
             if expected is not None and signed.genesis.run_id != expected:
-                raise NodeError(f"{genesis} is run {signed.genesis.run_id.hex()}, not --run-id {run_id}")
+                raise ConfigError(f"{genesis} is run {signed.genesis.run_id.hex()}, not --run-id {run_id}")
         else:
             if not s.bootstrap:
-                raise NodeError("join needs --bootstrap /ip4/.../p2p/<peer id> (or --genesis FILE to start alone)")
+                raise ConfigError("join needs --bootstrap /ip4/.../p2p/<peer id> (or --genesis FILE to start alone)")
             log.info("asking %s for the run genesis", ", ".join(s.bootstrap))
             signed, stopped = run_trio(
                 lambda nursery: fetch_genesis(s.key, s.bootstrap, timeout=GENESIS_TIMEOUT_S, expected_run_id=expected)

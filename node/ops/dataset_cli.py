@@ -13,11 +13,15 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from node.errors import ModelError
 from node.rl.filters import INTELLECT2_PASS_WINDOW, in_pass_window, pass_rate
 from node.rl.rewards import compute_reward
 from node.rl.tasks import CharTokenizer, Problem, load_dataset, save_dataset
+
+if TYPE_CHECKING:
+    from node.engines.transformers_engine import TransformersEngine
 
 
 @dataclasses.dataclass
@@ -34,7 +38,9 @@ def problem_seed(seed: int, problem_id: str) -> int:
     return int.from_bytes(h[:8], "big") >> 1
 
 
-def load_model_for_sampling(model: str, device: str = "cpu", cache_dir: str | Path | None = None):
+def load_model_for_sampling(
+    model: str, device: str = "cpu", cache_dir: str | Path | None = None
+) -> tuple[TransformersEngine, Callable[[str], list[int]], Callable[[list[int]], str]]:
     """(engine, encode, decode) for ``tiny[:seed]``, ``smollm2`` or a local Hugging Face model folder."""
     import torch
 
@@ -56,10 +62,9 @@ def load_model_for_sampling(model: str, device: str = "cpu", cache_dir: str | Pa
 
         path = Path(model)
         if not path.is_dir():
-            from node.errors import NodeError
-
-            raise NodeError(f"model {model!r}: use tiny, smollm2 or a local model folder")
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            raise ModelError(f"model {model!r}: use tiny, smollm2 or a local model folder")
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        torch.nn.Module.eval(m)
         hf_tok = AutoTokenizer.from_pretrained(path)
 
     def encode(text: str) -> list[int]:
@@ -73,7 +78,8 @@ def load_model_for_sampling(model: str, device: str = "cpu", cache_dir: str | Pa
         return list(hf_tok.encode(text))
 
     def decode(ids: list[int]) -> str:
-        return hf_tok.decode(ids, skip_special_tokens=True)
+        text: str = hf_tok.decode(ids, skip_special_tokens=True)
+        return text
 
     return TransformersEngine(m, device=device, eos_token_id=hf_tok.eos_token_id), encode, decode
 

@@ -20,10 +20,14 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
-from node.errors import NodeError
+from node.errors import ConfigError, NodeError
 from node.home import NodeHome
+from node.util import atomic_write_text
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @dataclasses.dataclass
@@ -56,14 +60,15 @@ class NodeProc:
     role: str
     home: NodeHome
     args: list[str]
-    proc: subprocess.Popen | None = None
-    log: Any = None
+    proc: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
 
     def status(self, timeout: float = 1.0) -> dict[str, Any] | None:
         try:
             port = json.loads(self.home.runtime_path.read_text())["status_port"]
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout) as r:
-                return json.loads(r.read())
+                st: dict[str, Any] = json.loads(r.read())
+                return st
         except Exception:
             return None
 
@@ -71,7 +76,8 @@ class NodeProc:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def primenode_cmd() -> list[str]:
@@ -91,12 +97,12 @@ class Devnet:
     # ------------------------------------------------------------- set-up
     def prepare(self) -> None:
         from node.genesis_file import make_genesis, write_genesis
+        from node.roles.engines import check_engine_choice
 
         o = self.opts
         if o.workers < 1 or o.validators < 1:
-            raise NodeError("a devnet needs at least one worker and one validator")
-        if o.engine not in ("transformers", "vllm"):
-            raise NodeError(f"unknown engine {o.engine!r}: use transformers or vllm")
+            raise ConfigError("a devnet needs at least one worker and one validator")
+        check_engine_choice(o.engine)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
 
@@ -181,7 +187,8 @@ class Devnet:
             n.args += self.opts.node_args.get(n.name, [])
 
     def start(self, node: NodeProc) -> None:
-        node.log = open(self.out / "logs" / f"{node.name}.log", "ab")
+        # open for the process's whole life; stop_all() and a restart close it
+        node.log = open(self.out / "logs" / f"{node.name}.log", "ab")  # noqa: SIM115
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         node.proc = subprocess.Popen(
             primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -207,7 +214,7 @@ class Devnet:
             if n.proc and n.proc.poll() is None:
                 n.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        codes = {}
+        codes: dict[str, int | None] = {}
         for n in self.nodes:
             if n.proc is None:
                 continue
@@ -245,7 +252,7 @@ class Devnet:
         return {n.name: n.status() for n in self.nodes}
 
 
-def render_table(devnet: Devnet, snap: dict[str, Any], started: float):
+def render_table(devnet: Devnet, snap: dict[str, Any], started: float) -> Table:
     metrics = devnet.trainer_metrics()
     last = metrics[-1] if metrics else {}
     title = (
@@ -259,7 +266,7 @@ def render_table(devnet: Devnet, snap: dict[str, Any], started: float):
 TABLE_COLUMNS = ("node", "alive", "peers", "version", "step", "reward", "produced", "accepted", "rejected", "reasons")
 
 
-def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet"):
+def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet") -> Table:
     """One row per node (``nodes``: name, role, whether its process lives; devnet names
     say the role, so it gets no column), from its status object (``snap[name]``; None
     while it does not answer). Columns: the policy version each learning node holds; the
@@ -363,9 +370,7 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
     finally:
         codes = devnet.stop_all()
     rows = devnet.trainer_metrics()
-    with open(devnet.out / "metrics.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    atomic_write_text(devnet.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows), durable=False)
     if rows:
         plot_rewards(rows, devnet.out / "reward_curve.png")
     summary = {

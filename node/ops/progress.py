@@ -1,19 +1,22 @@
 """The CLI's checkpoint progress bar (rich): version, chunks held/total, MiB/s.
 
 with CheckpointProgress() as bar:
-    dist.progress_callbacks.append(bar.update)
+    checkpoints.progress_callbacks.append(bar.update)
     ...
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from node.checkpoints.fetcher import FetchProgress
 
 
 class CheckpointProgress:
-    def __init__(self, console=None) -> None:
+    def __init__(self, console: Console | None = None) -> None:
         self.progress = Progress(
             TextColumn("checkpoint v{task.fields[version]}"),
             BarColumn(),
@@ -33,7 +36,7 @@ class CheckpointProgress:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.progress.__exit__(*exc)
 
     def update(self, p: FetchProgress) -> None:

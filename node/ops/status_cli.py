@@ -11,32 +11,36 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from node.errors import NodeError
+from node.errors import ConfigError, NetworkError
 from node.home import NodeHome
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
 
 TIMEOUT_S = 5.0
 
 
 def fetch_status(home: Path | str, timeout: float = TIMEOUT_S) -> dict[str, Any]:
-    """The node's status object; NodeError (one line) when no node runs in ``home``."""
+    """The node's status object; NetworkError (one line) when no node runs in ``home``."""
     h = NodeHome(home)
-    not_running = NodeError(f"no running node in {h.path} (start it with primenode join/bootstrap)")
+    not_running = NetworkError(f"no running node in {h.path} (start it with primenode join/bootstrap)")
     try:
         runtime = json.loads(h.runtime_path.read_text())
         port = int(runtime["status_port"])
     except FileNotFoundError:
         raise not_running from None
     except (ValueError, KeyError, TypeError, OSError):
-        raise NodeError(f"{h.runtime_path} is unreadable; is a node starting? (else delete it)") from None
+        raise ConfigError(f"{h.runtime_path} is unreadable; is a node starting? (else delete it)") from None
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout) as r:
-            st = json.loads(r.read())
+            st: dict[str, Any] = json.loads(r.read())
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         raise not_running from None
     except ValueError:
-        raise NodeError(f"127.0.0.1:{port} did not answer with status JSON; is it a primenode?") from None
+        raise NetworkError(f"127.0.0.1:{port} did not answer with status JSON; is it a primenode?") from None
     st.setdefault("addrs", runtime.get("addrs", []))
     st.setdefault("pid", runtime.get("pid"))
     return st
@@ -74,7 +78,7 @@ def _mib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def _kv_table(title: str, rows: list[tuple[str, Any]]):
+def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     from rich.table import Table
 
     t = Table(title=title, show_header=False, title_justify="left")
@@ -85,11 +89,11 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]):
     return t
 
 
-def render(st: dict[str, Any]) -> list:
+def render(st: dict[str, Any]) -> list[RenderableType]:
     """The status object as a list of rich renderables."""
     from rich.table import Table
 
-    out: list = []
+    out: list[RenderableType] = []
     out.append(
         _kv_table(
             "node",
@@ -149,12 +153,12 @@ def render(st: dict[str, Any]) -> list:
     swt = Table(title=f"swarm view ({sw.get('size', 0)} peers heard from)", title_justify="left")
     for col in ("role", "peers", "policy versions", "batches"):
         swt.add_column(col)
-    by_role: dict[str, list[dict]] = {}
+    by_role: dict[str, list[dict[str, Any]]] = {}
     for p in sw.get("peers") or []:
         by_role.setdefault(str(p.get("role")), []).append(p)
     for role in sorted(set(by_role) | set(sw.get("by_role", {}))):
         ps = by_role.get(role, [])
-        versions = sorted({p.get("policy_version") for p in ps if p.get("policy_version", -1) >= 0})
+        versions = sorted({int(p["policy_version"]) for p in ps if p.get("policy_version", -1) >= 0})
         swt.add_row(
             role,
             str(sw.get("by_role", {}).get(role, len(ps))),
@@ -193,12 +197,12 @@ def _fed_from(fed: Any, fed_bytes: Any = None) -> str:
     return "\n".join(lines)
 
 
-def render_role_state(role: str, rs: dict[str, Any]) -> list:
+def render_role_state(role: str, rs: dict[str, Any]) -> list[RenderableType]:
     from rich.table import Table
 
-    out: list = []
+    out: list[RenderableType] = []
     rs = dict(rs)
-    dist = rs.pop("distribution", None)
+    checkpoints = rs.pop("distribution", None)
     if role == "trainer":
         rows = [
             (k, rs.get(k))
@@ -248,17 +252,17 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list:
             )
         )
 
-    if dist:
+    if checkpoints:
         t = Table(
             title=(
-                f"checkpoint distribution (data port {dist.get('data_port', '-')}, "
-                f"served {_mib(dist.get('bytes_served'))})"
+                f"checkpoint distribution (data port {checkpoints.get('data_port', '-')}, "
+                f"served {_mib(checkpoints.get('bytes_served'))})"
             ),
             title_justify="left",
         )
         for col in ("version", "chunks", "complete", "served", "fetched", "fed from", "rate"):
             t.add_column(col)
-        for v in dist.get("versions") or []:
+        for v in checkpoints.get("versions") or []:
             fed_s = _fed_from(v.get("fed_from"), v.get("fed_from_bytes"))
             t.add_row(
                 str(v.get("version")),
@@ -269,7 +273,7 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list:
                 fed_s,
                 f"{v.get('mib_per_s', 0.0):.1f} MiB/s" if v.get("fetching") else "-",
             )
-        if not dist.get("versions"):
+        if not checkpoints.get("versions"):
             t.add_row("-", "no checkpoint yet", "", "", "", "", "")
         out.append(t)
     return out

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.errors import NodeError
+from node.errors import NetworkError
 
-log = logging.getLogger("primenode.status")
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+    from node.p2p.node import Node
+
+log = logging.getLogger(__name__)
 
 BIND_HOST = "127.0.0.1"
 MAX_REQUEST_BYTES = 8192
@@ -56,7 +61,7 @@ def _response(code: int, reason: str, body: bytes, content_type: str) -> bytes:
     return head.encode() + body
 
 
-def status_json(node) -> bytes:
+def status_json(node: Node) -> bytes:
     try:
         st: dict[str, Any] = node.status()
     except Exception as exc:  # a role's status() must never take the endpoint down
@@ -72,13 +77,13 @@ def status_json(node) -> bytes:
     return json.dumps(st, default=str).encode()
 
 
-def metrics_text(node) -> bytes:
+def metrics_text(node: Node) -> bytes:
     from prometheus_client import generate_latest
 
     return generate_latest(node.metrics.registry)
 
 
-def route(node, method: str, path: str) -> bytes:
+def route(node: Node, method: str, path: str) -> bytes:
     path = path.split("?", 1)[0]
     if method not in ("GET", "HEAD"):
         return _response(405, "Method Not Allowed", b"GET only\n", "text/plain; charset=utf-8")
@@ -95,7 +100,7 @@ def route(node, method: str, path: str) -> bytes:
     return out
 
 
-async def _handle(node, stream: trio.SocketStream, limit: trio.CapacityLimiter) -> None:
+async def _handle(node: Node, stream: trio.SocketStream, limit: trio.CapacityLimiter) -> None:
     async with limit:
         try:
             try:
@@ -127,12 +132,12 @@ async def _handle(node, stream: trio.SocketStream, limit: trio.CapacityLimiter) 
                 await stream.aclose()
 
 
-async def serve_status(node, port: int = 0, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_status(node: Node, port: int = 0, *, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started(port)`` with the bound port."""
     try:
         listeners = await trio.open_tcp_listeners(port, host=BIND_HOST)
     except OSError as exc:
-        raise NodeError(
+        raise NetworkError(
             f"cannot serve status on {BIND_HOST}:{port}: {exc.strerror or exc}"
             f" (pick another --status-port, or 0 for a free one)"
         ) from None

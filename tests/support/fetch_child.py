@@ -5,15 +5,14 @@ usage: python -m tests.support.fetch_child STORE_DIR TRAINER_ID ANNOUNCE_FILE PE
 
 from __future__ import annotations
 
-import hashlib
 import sys
+from pathlib import Path
 
 import trio
 
 from node.checkpoints import ChunkStore, VersionFetcher
 from protocol import ChunkTicket
-
-RUN_ID = hashlib.sha256(b"distribution-test-run").digest()
+from tests.support.checkpoints import RUN_ID
 
 
 class StaticTicketOverlay:
@@ -30,10 +29,10 @@ class StaticTicketOverlay:
         pass
 
 
-async def main(argv: list[str]) -> None:
-    store_dir, trainer, ann, peer, host, port, tok = argv
+async def main(argv: list[str], announce: bytes) -> None:
+    store_dir, trainer, _, peer, host, port, tok = argv
     store = ChunkStore(store_dir, RUN_ID, trainer)
-    st, _ = store.add_announce(open(ann, "rb").read(), guard=None)
+    st, _ = store.add_announce(announce, guard=None)
     ticket = ChunkTicket(ok=True, reason="", ticket=bytes.fromhex(tok), host=host, port=int(port), expires_ms=0)
     f = VersionFetcher(store, st.version, StaticTicketOverlay(ticket), depth=2)
     f.add_peer(peer)
@@ -41,4 +40,4 @@ async def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main, sys.argv[1:])
+    trio.run(main, sys.argv[1:], Path(sys.argv[3]).read_bytes())
