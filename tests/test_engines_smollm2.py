@@ -57,12 +57,15 @@ def prompt(smol: tuple[Any, Any]) -> list[int]:
     return _chat(smol[1], QUESTION)
 
 
+PAPER = ProofConfig()  # the paper's thresholds
+
+
 def _verdict(
     validator: TransformersEngine,
     claimed_prompt: list[int],
     c: Completion,
     tokens: list[int] | None = None,
-    config: ProofConfig = ProofConfig(),
+    config: ProofConfig = PAPER,
 ) -> Any:
     proofs = build_sequence_proofs(c.hidden, len(c.prompt_tokens), config)
     hidden = validator.prefill_hidden(claimed_prompt, c.tokens if tokens is None else tokens)

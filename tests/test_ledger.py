@@ -6,7 +6,9 @@ import time
 
 import trio
 import trio.lowlevel
+import trio.testing
 
+from node.roles import ledger as ledger_module
 from node.roles.ledger import Ledger
 
 V = ["val-a", "val-b", "val-c"]
@@ -86,7 +88,7 @@ def test_crash_recovery_loses_nothing_admitted(tmp_path):
     lg.mark_trained([b"\x00", b"\x01"], step=1)
     lg.commit_checkpoint(step=1, policy_version=1)
     lg.mark_trained([b"\x02", b"\x03"], step=2)  # step 2 trained but its checkpoint never landed
-    lg.db.close()  # "kill -9": nothing more is written
+    lg.close()  # "kill -9": nothing more is written
 
     again = ledger(tmp_path)
     assert again.admitted_ids() == {bytes([i]) for i in range(4)}
@@ -95,11 +97,19 @@ def test_crash_recovery_loses_nothing_admitted(tmp_path):
     assert again.policy_version == 1
 
 
-# ------------------------------------------------------------------ retention (issue 8)
+# ------------------------------------------------------------------ retention
 
 
-def stored_bytes(lg) -> int:
-    return lg.db.execute("SELECT COALESCE(SUM(length(envelope)), 0) FROM batches").fetchone()[0]
+def stored_bytes(lg, batch_ids) -> int:
+    """Envelope bytes the ledger holds for ``batch_ids`` (the test's every batch)."""
+    records = [lg.batch(b) for b in batch_ids]
+    return sum(len(r.envelope) for r in records if r is not None and r.envelope is not None)
+
+
+def rows_total(lg) -> int:
+    """Batches the ledger holds a row for, whatever their status."""
+    c = lg.counts()
+    return c["pending"] + c["admitted"] + c["rejected"]
 
 
 def test_rejected_batches_lose_their_bytes_but_keep_their_record(tmp_path):
@@ -108,21 +118,19 @@ def test_rejected_batches_lose_their_bytes_but_keep_their_record(tmp_path):
     for v in V[:2]:
         lg.record_vote(b"bad", v, False, "toploc: exponent mismatches", [])
     assert lg.try_admit(b"bad") == "rejected"
-    worker, status, reason, env = lg.db.execute(
-        "SELECT worker, status, reason, envelope FROM batches WHERE batch_id = ?", (b"bad",)
-    ).fetchone()
-    assert (worker, status, env) == ("w", "rejected", None) and "toploc" in reason
-    assert len(lg.db.execute("SELECT * FROM votes WHERE batch_id = ?", (b"bad",)).fetchall()) == 2
+    rec = lg.batch(b"bad")
+    assert (rec.worker, rec.status, rec.envelope) == ("w", "rejected", None) and "toploc" in rec.reason
+    assert len(lg.votes(b"bad")) == 2
     # fetched and recorded again (re-announced): a decided batch takes no bytes
     lg.record_batch(b"bad", "w", 0, 0, 1, b"x" * 1000)
-    assert stored_bytes(lg) == 0 and not lg.needs_fetch(b"bad")
+    assert stored_bytes(lg, [b"bad"]) == 0 and not lg.needs_fetch(b"bad")
     # a duplicate slot: the second batch's bytes go too; the admitted one keeps its bytes
     for b in (b"x", b"y"):
         lg.record_batch(b, "w", 1, 7, 1, b"env-" + b)
         for v in V[:2]:
             lg.record_vote(b, v, True, "", [1.0])
     assert [lg.try_admit(b) for b in (b"x", b"y")] == ["admitted", "rejected"]
-    assert lg.db.execute("SELECT envelope FROM batches WHERE batch_id = ?", (b"y",)).fetchone()[0] is None
+    assert lg.batch(b"y").envelope is None
     assert [b.envelope for b in lg.untrained()] == [b"env-x"]
 
 
@@ -135,7 +143,8 @@ def test_pending_bytes_are_capped_unvouched_oldest_first_and_an_evicted_batch_is
         lg.record_batch(b"flood%d" % i, f"fresh-{i}", 0, 0, 1, b"f" * 100)
         s = lg.storage()
         assert s["pending_with_bytes"] <= 3 and s["pending_bytes"] <= 10_000
-    held = {r[0] for r in lg.db.execute("SELECT batch_id FROM batches WHERE envelope IS NOT NULL")}
+    ids = [b"old", b"vouched", *(b"flood%d" % i for i in range(20))]
+    held = {b for b in ids if lg.batch(b).envelope is not None}
     assert held == {b"vouched", b"flood18", b"flood19"}  # the vouched one outlived every unvouched one
     assert lg.evicted == 20 - 2 + 1
     # the byte cap, too
@@ -155,7 +164,7 @@ def test_pending_bytes_are_capped_unvouched_oldest_first_and_an_evicted_batch_is
     assert [b.envelope for b in lg.untrained()] == [b"o" * 100]
 
 
-def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tmp_path):
+def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tmp_path, monkeypatch):
     lg = Ledger(tmp_path / "node.db", V, 2, 1, max_unadmitted_rows=10, orphan_vote_ttl_s=60)
     for i in range(6):  # admitted batches at versions 0..5: one trained, one aged out, the rest waiting
         b = b"adm%d" % i
@@ -175,14 +184,17 @@ def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tm
     lg.commit_checkpoint(step=5, policy_version=5)  # max_async 1: versions below 4 are stale
     assert lg.drop_stale() == 4  # adm0..adm3 admitted but never trained: aged out (they keep their bytes)
     now = int(time.time() * 1000)
-    lg.record_vote(b"never-recorded", "val-a", True, "", [1.0])
-    lg.db.execute("UPDATE votes SET received_ms = ? WHERE batch_id = ?", (now - 120_000, b"never-recorded"))
+    with monkeypatch.context() as m:  # a vote received two minutes ago, for a batch never recorded
+        m.setattr(ledger_module, "now_ms", lambda: now - 120_000)
+        lg.record_vote(b"never-recorded", "val-a", True, "", [1.0])
     lg.record_vote(b"not-yet-fetched", "val-a", True, "", [1.0])  # recent: may still be fetched
 
-    out = lg.prune(now_ms=now)
+    out = lg.prune(now=now)
     assert out["stale"] == 1 and out["orphan_votes_deleted"] == 1
-    rows = {r[0]: r[1:] for r in lg.db.execute("SELECT batch_id, status, envelope FROM batches")}
-    assert rows[b"pend-old"][:2] == ("rejected", None)
+    ids = [b"adm%d" % i for i in range(6)] + [b"rej%02d" % i for i in range(30)] + [b"pend-old", b"pend-new"]
+    records = {b: lg.batch(b) for b in ids}
+    rows = {b: (r.status, r.envelope) for b, r in records.items() if r is not None}
+    assert rows[b"pend-old"] == ("rejected", None)
     assert rows[b"pend-new"] == ("pending", b"P" * 50)
     # every batch ever admitted is still there with its bytes (aged-out ones included)
     for i in range(6):
@@ -191,11 +203,13 @@ def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tm
     # at most 10 rows of batches never admitted, the newest kept; their votes went with them
     unadmitted = sorted(b for b in rows if b.startswith((b"rej", b"pend-old")))
     assert len(unadmitted) == 10 and b"rej29" in unadmitted and b"rej00" not in unadmitted
-    assert lg.db.execute("SELECT COUNT(*) FROM votes WHERE batch_id = ?", (b"rej00",)).fetchone()[0] == 0
-    assert lg.db.execute("SELECT COUNT(*) FROM votes WHERE batch_id = ?", (b"rej29",)).fetchone()[0] == 2
-    assert lg.db.execute("SELECT COUNT(*) FROM votes WHERE batch_id = ?", (b"not-yet-fetched",)).fetchone()[0] == 1
-    assert stored_bytes(lg) == 7 * 50  # six admitted batches and the one pending: nothing else
-    assert lg.prune(now_ms=now) == {"stale": 0, "bytes_dropped": 0, "rows_deleted": 0, "orphan_votes_deleted": 0}
+    assert len(lg.votes(b"rej00")) == 0
+    assert len(lg.votes(b"rej29")) == 2
+    assert len(lg.votes(b"not-yet-fetched")) == 1
+    assert len(lg.votes(b"never-recorded")) == 0
+    assert rows_total(lg) == len(rows)  # nothing the test did not name
+    assert stored_bytes(lg, ids) == 7 * 50  # six admitted batches and the one pending: nothing else
+    assert lg.prune(now=now) == {"stale": 0, "bytes_dropped": 0, "rows_deleted": 0, "orphan_votes_deleted": 0}
 
 
 def test_a_flood_of_fresh_identities_cannot_fill_the_disk(tmp_path):
@@ -203,13 +217,14 @@ def test_a_flood_of_fresh_identities_cannot_fill_the_disk(tmp_path):
     holds stay under its cap however many arrive, and they age out as versions advance."""
     lg = Ledger(tmp_path / "node.db", V, 2, 1, max_pending=8, max_pending_bytes=64 * 1024, max_unadmitted_rows=50)
     envelope = b"E" * 16 * 1024
-    for i in range(400):
-        lg.record_batch(i.to_bytes(32, "big"), f"fresh-{i}", i // 100, 0, 1, envelope)
-        assert stored_bytes(lg) <= 64 * 1024
+    ids = [i.to_bytes(32, "big") for i in range(400)]
+    for i, b in enumerate(ids):
+        lg.record_batch(b, f"fresh-{i}", i // 100, 0, 1, envelope)
+        assert stored_bytes(lg, ids[: i + 1]) <= 64 * 1024
         if i % 100 == 99:
             lg.commit_checkpoint(step=i // 100 + 1, policy_version=i // 100 + 1)
             lg.prune()
-    assert lg.db.execute("SELECT COUNT(*) FROM batches").fetchone()[0] <= 50 + 8
+    assert rows_total(lg) <= 50 + 8
 
 
 class _ServingNode:
@@ -262,7 +277,6 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
     loses its bytes to the cap, and once a quorum of validators accepts it the trainer fetches
     it again and admits it: the cap costs an honest batch a second fetch, not its admission."""
     from node.home import NodeHome
-    from node.p2p.testing import wait_until
     from node.roles.trainer import TrainerRole
     from protocol import Envelope, NodeKey, RolloutAnnounce, Vote
     from tests.support.roles import VALIDATORS, tiny_context
@@ -285,18 +299,16 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
             raw, ann = _signed_batch(honest, run_id, 0)
             node.batches[ann.batch_id] = raw
             role._on_announce(announce(honest, ann))
-            await wait_until(lambda: not role.ledger.needs_fetch(ann.batch_id), 10, what="the honest batch stored")
-            for i in range(30):  # the flood: each from a fresh identity, each served
+            await trio.testing.wait_all_tasks_blocked()  # every fetch task idle again: the batch is stored
+            assert not role.ledger.needs_fetch(ann.batch_id)
+            for _ in range(30):  # the flood: each from a fresh identity, each served
                 key = NodeKey.generate()
                 fraw, fann = _signed_batch(key, run_id, 0)
                 node.batches[fann.batch_id] = fraw
                 role._on_announce(announce(key, fann))
                 await trio.lowlevel.checkpoint()
-            await wait_until(
-                lambda: role.ledger.db.execute("SELECT COUNT(*) FROM batches").fetchone()[0] == 31,
-                20,
-                what="every flood batch fetched",
-            )
+            await trio.testing.wait_all_tasks_blocked()
+            assert rows_total(role.ledger) == 31  # every flood batch fetched
             s = role.ledger.storage()
             assert s["pending_with_bytes"] <= 4 and s["pending_bytes"] <= 1 << 20
             assert role.ledger.needs_fetch(ann.batch_id), "the honest batch's bytes were not evicted"
@@ -320,7 +332,8 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
                         b"",
                     )
                 )
-            await wait_until(lambda: ann.batch_id in role.ledger.admitted_ids(), 10, what="the honest batch admitted")
+            await trio.testing.wait_all_tasks_blocked()  # the second fetch, queued by the votes
+            assert ann.batch_id in role.ledger.admitted_ids()
             assert node.requests.count(ann.batch_id) == fetched + 1 and role.refetches == 1
             assert [b.envelope for b in role.ledger.untrained()] == [raw]
             assert role.status()["ledger"]["refetches"] == 1

@@ -7,7 +7,6 @@ import json
 
 import trio
 
-from node.genesis_file import make_genesis
 from node.p2p.faults import Partition
 from node.p2p.reqresp import RequestError
 from node.p2p.testing import NodeFactory, collect_tags, tagged_announce, wait_until
@@ -16,9 +15,7 @@ from node.roles.trainer import TrainerRole
 from node.roles.validator import ValidatorRole
 from node.roles.worker import WorkerRole
 from protocol import NodeKey, PeerExchangeRequest, PeerExchangeResponse, RolloutBatch, open_envelope, sha256
-from tests.support.roles import OWNER, TRAINER
-
-from .test_roles_network import homes
+from tests.support.roles import TRAINER, homes, tiny_genesis
 
 VALIDATORS = [NodeKey(bytes([0x31 + i]) * 32) for i in range(3)]
 WORKERS = [NodeKey(bytes([0x35 + i]) * 32) for i in range(3)]
@@ -95,35 +92,11 @@ async def test_a_cut_stops_dials_requests_and_gossip_and_a_heal_reconnects_even_
 
 
 def genesis_3x3(steps: int):
-    cfg = {
-        "task": "target-length",
-        "max_tokens": 24,
-        "temperature": 1.0,
-        "seed": 0,
-        "tiny_hidden_size": 64,
-        "tiny_layers": 2,
-        "steps": steps,
-        "batches_per_step": 1,
-    }
-    return make_genesis(
-        OWNER,
-        cfg,
-        name="partition",
-        model="tiny",
-        dataset="builtin:target-length",
-        dataset_size=64,
-        trainer=TRAINER.peer_id,
-        validators=[v.peer_id for v in VALIDATORS],
-        quorum=2,
-        max_async=2,
-        prompts_per_batch=2,
-        group_size=4,
-        chunk_size=1 << 20,
-    )
+    return tiny_genesis(fields={"name": "partition", "validators": VALIDATORS}, steps=steps, batches_per_step=1)
 
 
 def newest(role) -> int:
-    return role.dist.newest_version() if role.dist is not None else -1
+    return role.checkpoints.newest_version() if role.checkpoints is not None else -1
 
 
 async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):

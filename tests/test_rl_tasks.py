@@ -112,18 +112,18 @@ def test_cached_hf_dataset_resolves_refs_main(hub):
         assert cached_hf_files("org/mathset", revision=rev) == [Path(theirs)], rev
     with pytest.raises(FileNotFoundError, match="names split 'validation'"):
         load_dataset("hf:org/mathset", split="validation")
-    with pytest.raises(FileNotFoundError, match="revision 'v3'.*not in the local Hugging Face cache"):
+    with pytest.raises(FileNotFoundError, match=r"revision 'v3'.*not in the local Hugging Face cache"):
         load_dataset("hf:org/mathset@v3")
     with pytest.raises(ValueError):
         load_dataset("hf:org/mathset@../../etc")
 
 
 def test_cached_hf_dataset_missing_or_ambiguous_is_a_clear_error(hub):
-    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache.*nothing is downloaded"):
+    with pytest.raises(FileNotFoundError, match=r"not in the local Hugging Face cache.*nothing is downloaded"):
         load_dataset("hf:org/missing")
     # refs/main names a commit whose snapshot is gone: an error, not another snapshot
     fake_hub_dataset(hub, "org/partial", {NEWER: {"train.jsonl": prob("5")}}, {"main": MAIN})
-    with pytest.raises(FileNotFoundError, match="refs/main.*not cached"):
+    with pytest.raises(FileNotFoundError, match=r"refs/main.*not cached"):
         load_dataset("hf:org/partial")
     # hand-copied: no refs folder, a single snapshot serves main; with two, nothing is guessed
     fake_hub_dataset(hub, "org/copied", {NEWER: {"train.jsonl": prob("5")}}, None)

@@ -42,7 +42,7 @@ def test_engine_choice_is_checked_before_anything_runs(tmp_path):
 def test_vllm_engine_without_vllm_is_a_clear_error(tmp_path):
     worker = make_role("worker", _home(tmp_path, "w"), tiny_genesis(), key_peer_id=W, engine="vllm")
     with pytest.raises(NodeError, match="--engine vllm needs vLLM"):
-        worker._make_engine()
+        worker.make_engine()
 
 
 def test_the_tiny_models_folder_is_version_0_and_written_once(tmp_path):
@@ -77,7 +77,7 @@ def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path
     async def as_the_role_does():
         # the roles build, reload and run their engine in trio worker threads (not always
         # the same thread): vLLM's in-process engine must work that way
-        engine = await trio.to_thread.run_sync(worker._make_engine)
+        engine = await trio.to_thread.run_sync(worker.make_engine)
         await trio.to_thread.run_sync(engine.load_weights, ctx.initial_model().state_dict())
         batch = await trio.to_thread.run_sync(lambda: produce_batch(ctx, engine, W, 0, 0))
         return engine, batch

@@ -4,7 +4,7 @@ refuses a bootstrap serving another, with one clear line and exit 1, before star
 
 from __future__ import annotations
 
-from .test_daemon_cli import cli, init_home, start, stop
+from tests.support.processes import cli, init_home, start, stop
 
 
 def test_join_with_another_run_id_is_refused_with_one_clear_line(tmp_path):

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import trio
 
-from node.home import NodeHome
 from node.p2p.testing import NodeFactory, wait_until
 from node.roles.context import RunContext
 from node.roles.trainer import TrainerRole
 from node.roles.validator import ValidatorRole
 from node.roles.worker import WorkerRole
-from tests.support.roles import TRAINER, VALIDATORS, WORKERS, tiny_genesis
-
-
-def homes(tmp_path, name):
-    h = NodeHome(tmp_path / name)
-    h.path.mkdir(parents=True, exist_ok=True)
-    return h
+from tests.support.roles import TRAINER, VALIDATORS, WORKERS, homes, tiny_genesis
 
 
 async def start_network(nursery, tmp_path, genesis, worker_tamper=(None, None), steps=3):
@@ -45,7 +38,7 @@ async def test_network_advances_versions_with_quorum_admission(tmp_path):
     genesis = tiny_genesis(steps=3, batches_per_step=1)
     with trio.fail_after(240):
         async with trio.open_nursery() as nursery:
-            net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis)
+            _net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis)
             await wait_until(lambda: trainer.version >= 3, 200, poll=0.2, what="three trainer steps")
             admitted = trainer.ledger.admitted_ids()
             assert admitted
@@ -82,10 +75,9 @@ def votes_on(trainer, batch_ids):
     """(batch, validator, accept, rule) of every vote the trainer's ledger holds on ``batch_ids``."""
     out = []
     for b in batch_ids:
-        for validator, accept, reason in trainer.ledger.db.execute(
-            "SELECT validator, accept, reason FROM votes WHERE batch_id = ?", (b,)
-        ):
-            out.append((b, validator, bool(accept), reason.split(":", 1)[0] if reason else ""))
+        for v in trainer.ledger.votes(b):
+            # the wire carries the reason as "rule: detail" text; the rule is its first word
+            out.append((b, v.validator, v.accept, v.reason.split(":", 1)[0] if v.reason else ""))
     return out
 
 
@@ -133,16 +125,14 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
             )
             # Banned cheats would keep generating for nobody, on the two cores the honest
             # nodes share: stop them, then training must go on.
-            for mode, (pid, w) in cheats.items():
+            for mode, (_pid, w) in cheats.items():
                 assert w.stats["batches_produced"] >= 1, mode
                 net.kill(w.node)
             await wait_until(lambda: trainer.version >= 3, 240, poll=0.5, what="three honest trainer steps")
 
-            admitted_workers = {
-                row[0] for row in trainer.ledger.db.execute("SELECT worker FROM batches WHERE status = 'admitted'")
-            }
+            admitted_workers = {trainer.ledger.batch(b).worker for b in trainer.ledger.admitted_ids()}
             assert admitted_workers == {workers[0].node.peer_id}
-            for mode, (pid, w) in cheats.items():
+            for mode, (_pid, w) in cheats.items():
                 votes = votes_on(trainer, list(w.batches))
                 assert not any(accept for _, _, accept, _ in votes), (mode, votes)
                 rules = {rule for *_, rule in votes}
@@ -164,7 +154,7 @@ async def test_rollouts_older_than_max_async_are_refused_as_stale(tmp_path):
     max_async = genesis.genesis.max_async
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:
-            net, trainer, validators, workers = await start_network(
+            _net, trainer, validators, workers = await start_network(
                 nursery, tmp_path, genesis, worker_tamper=(None, "stale")
             )
             honest, stuck = workers
@@ -195,27 +185,24 @@ async def test_rollouts_older_than_max_async_are_refused_as_stale(tmp_path):
             )
             assert stuck.loaded_version == pinned
 
-            def ledger_row(b: bytes):
-                return trainer.ledger.db.execute(
-                    "SELECT status, reason, policy_version FROM batches WHERE batch_id = ?", (b,)
-                ).fetchone()
+            def ledger_status(b: bytes) -> str | None:
+                rec = trainer.ledger.batch(b)
+                return rec.status if rec is not None else None
 
             refused = refused_by_all()
             await wait_until(
-                lambda: all(ledger_row(b) is not None and ledger_row(b)[0] == "rejected" for b in refused),
+                lambda: all(ledger_status(b) == "rejected" for b in refused),
                 30,
                 poll=0.2,
                 what="the trainer's ledger to reject the stale batches",
             )
             for b in refused:
-                status, reason, version = ledger_row(b)
-                assert version == pinned and "stale" in reason, (status, reason, version)
-            for b, validator, accept, rule in votes_on(trainer, list(stuck.batches)):
+                rec = trainer.ledger.batch(b)
+                assert rec.policy_version == pinned and "stale" in rec.reason, rec
+            for b, _validator, _accept, rule in votes_on(trainer, list(stuck.batches)):
                 if rule == "stale":
-                    assert (ledger_row(b) or ("pending",))[0] != "admitted"
-            vote_reasons = [
-                r for (r,) in trainer.ledger.db.execute("SELECT reason FROM votes WHERE batch_id = ?", (refused[0],))
-            ]
+                    assert (ledger_status(b) or "pending") != "admitted"
+            vote_reasons = [v.reason for v in trainer.ledger.votes(refused[0])]
             assert all(
                 r.startswith(f"stale: policy version {pinned},") and f"max_async {max_async}" in r for r in vote_reasons
             )

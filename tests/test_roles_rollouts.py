@@ -30,7 +30,7 @@ def test_honest_batch_is_accepted_with_rule_rewards(setup):
     assert len(batch.samples) == ctx.genesis.prompts_per_batch * ctx.genesis.group_size
     v = verify_batch(ctx, prefill_with(engine), batch, W)
     assert v.accept, v.reason
-    assert v.rewards == [s.claimed_reward for s in batch.samples]
+    assert list(v.rewards) == [s.claimed_reward for s in batch.samples]
 
 
 @pytest.mark.parametrize("tamper,rule", [("tokens", "toploc"), ("prompts", "prompts"), ("rewards", "reward")])

@@ -7,14 +7,14 @@ import contextlib
 import types
 
 import trio
+import trio.testing
 
-from node.genesis_file import make_genesis
 from node.home import NodeHome
 from node.roles import common
 from node.roles.context import RunContext
 from node.roles.worker import WorkerRole
 from protocol import NodeKey, Vote
-from tests.support.roles import OWNER, TRAINER, VALIDATORS, WORKERS, tiny_genesis
+from tests.support.roles import VALIDATORS, WORKERS, tiny_genesis
 
 W = WORKERS[0].peer_id
 
@@ -60,21 +60,7 @@ def test_batches_accepted_counts_batches_with_a_quorum_not_votes(tmp_path):
 
 def test_with_quorum_below_the_validators_one_reject_does_not_decide(tmp_path):
     validators = [*VALIDATORS, NodeKey(b"\x27" * 32)]
-    signed = make_genesis(
-        OWNER,
-        {"task": "target-length", "tiny_hidden_size": 64, "tiny_layers": 2},
-        name="q",
-        model="tiny",
-        dataset="builtin:target-length",
-        dataset_size=64,
-        trainer=TRAINER.peer_id,
-        validators=[v.peer_id for v in validators],
-        quorum=2,
-        max_async=2,
-        prompts_per_batch=2,
-        group_size=4,
-        chunk_size=1 << 20,
-    )
+    signed = tiny_genesis(fields={"name": "q", "validators": validators})
     w = make_worker(tmp_path, signed)
     a, b = bytes([1]) * 32, bytes([2]) * 32
     w._my_batches |= {a, b}
@@ -119,23 +105,22 @@ async def test_the_next_version_is_read_while_the_current_one_generates(tmp_path
         w = make_worker(tmp_path / str(tamper), tiny_genesis(), tamper=tamper)
         w.weights = _FakeWeights()
         w.loaded_version = 0  # generating with version 0
-        newest = {"v": 0}
-        changed = trio.Event()
+        newest = types.SimpleNamespace(v=0, changed=trio.Event())
 
-        async def wait_version(n, timeout=None):
-            while newest["v"] < n:
-                await changed.wait()
-            return newest["v"]
+        async def wait_version(n, timeout=None, newest=newest):
+            while newest.v < n:
+                await newest.changed.wait()
+            return newest.v
 
-        w.dist = types.SimpleNamespace(wait_version=wait_version)
+        w.checkpoints = types.SimpleNamespace(wait_version=wait_version)
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(w._read_ahead_loop)
                 for v in (1, 2):
-                    newest["v"] = v
-                    changed.set()
-                    changed = trio.Event()
-                    await trio.sleep(0.05)
+                    newest.v = v
+                    newest.changed.set()
+                    newest.changed = trio.Event()
+                    await trio.testing.wait_all_tasks_blocked()  # the read-ahead took it and waits again
                 nursery.cancel_scope.cancel()
         assert w.weights.got == expect, tamper
 
@@ -155,7 +140,7 @@ async def test_weight_cache_shares_one_read_between_concurrent_gets(monkeypatch)
         yield {"v": version}
 
     monkeypatch.setattr(common, "load_state_dict", slow_load)
-    role = types.SimpleNamespace(dist=types.SimpleNamespace(open_version=open_version), store=None)
+    role = types.SimpleNamespace(checkpoints=types.SimpleNamespace(open_version=open_version), store=None)
     cache = common.WeightCache(role, capacity=2)
     results = []
 

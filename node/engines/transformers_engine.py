@@ -64,7 +64,7 @@ class TransformersEngine:
             if eos is None:
                 eos = getattr(model.config, "eos_token_id", None)
         self._eos_ids: set[int] = set([eos] if isinstance(eos, int) else (eos or []))
-        self._eos: int | None = eos if isinstance(eos, int) else (list(eos)[0] if eos else None)
+        self._eos: int | None = eos if isinstance(eos, int) else (next(iter(eos)) if eos else None)
         self.pad_token_id = pad_token_id if pad_token_id is not None else (self._eos if self._eos is not None else 0)
         self.max_batch = max_batch
         self._captured: list[torch.Tensor] | None = None

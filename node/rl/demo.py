@@ -23,7 +23,7 @@ from node.rl.tasks import CharTokenizer, Problem, length_problems
 
 def demo_config(**overrides: Any) -> GRPOConfig:
     """The settings that taught the tiny Llama the target-length task here (see docs/rl.md)."""
-    base = dict(
+    base: dict[str, Any] = dict(
         lr=1e-4,
         weight_decay=0.0,
         warmup_steps=0,

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.metrics import StepMetrics, reward_stats
+from protocol.rules import within_window
 
 
 @dataclasses.dataclass
@@ -174,7 +175,7 @@ class GRPOTrainer:
     ) -> None:
         self.config = config
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        self.model: Any = model.to(self.device)  # a transformers causal LM (save_pretrained, config)
         self.model.eval()
         self.pad_token_id = pad_token_id
         self.version = 0
@@ -206,7 +207,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ step
     def admissible(self, policy_version: int) -> bool:
         """The staleness bound: at most ``max_async`` versions behind (never ahead)."""
-        return self.version - self.config.max_async <= policy_version <= self.version
+        return within_window(policy_version, self.version, self.config.max_async)
 
     def step(self, groups: Sequence[Group]) -> StepMetrics:
         """One GRPO update on ``groups`` (each: rollouts of one prompt). Returns the step's metrics."""
@@ -226,8 +227,8 @@ class GRPOTrainer:
             stats = reward_stats(
                 [r.reward for r in rollouts_all], passed, [len(r.completion_tokens) for r in rollouts_all]
             )
-            for k, v in stats.items():
-                setattr(m, k, v)
+            for name, value in stats.items():
+                setattr(m, name, value)
         advs = [group_advantages([r.reward for r in g], cfg.adv_eps) for g in fresh]
         kept, kept_adv, m.filtered_groups = filter_zero_advantage(fresh, advs)
         items = [(r, a) for g, adv in zip(kept, kept_adv) for r, a in zip(g, adv)]

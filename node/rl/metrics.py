@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 
@@ -74,16 +71,3 @@ def reward_stats(rewards: Sequence[float], passed: Sequence[bool], lengths: Sequ
         "length_min": min(lengths),
         "length_max": max(lengths),
     }
-
-
-class MetricsLog:
-    """Append-only JSONL log of step metrics (one line per step, flushed)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, metrics: StepMetrics | dict[str, Any]) -> None:
-        rec = metrics.as_dict() if isinstance(metrics, StepMetrics) else metrics
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(rec) + "\n")

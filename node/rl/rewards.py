@@ -158,9 +158,7 @@ def looks_dangerous(expr: str) -> bool:
     for m in re.finditer(r"(\d+)\s*\)?\s*!", expr):
         if int(m.group(1)) > 1000:
             return True
-    if "!" in expr and _BIGNUM.search(expr):
-        return True
-    return False
+    return bool("!" in expr and _BIGNUM.search(expr))
 
 
 # The symbolic check runs in a helper process: math-verify's own timeout is a SIGALRM, which only

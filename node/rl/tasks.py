@@ -35,6 +35,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from node.util import atomic_write_bytes, atomic_write_text
+
 TASK_TYPES = ("math", "code", "length")
 
 
@@ -228,10 +230,10 @@ def load_dataset(source: str | os.PathLike[str], split: str = "train", limit: in
 
 
 def save_dataset(problems: Iterable[Problem | dict[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Write problems (or raw records) as JSONL or Parquet, chosen by the file suffix; atomic."""
+    """Write problems (or raw records) as JSONL or Parquet, chosen by the file suffix; atomic
+    (readers see the old file or the new one), not fsynced (a dataset can be written again)."""
     out = Path(path)
     records = [p.to_record() if isinstance(p, Problem) else dict(p) for p in problems]
-    tmp = out.with_name(out.name + ".tmp")
     if out.suffix.lower() == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -239,12 +241,12 @@ def save_dataset(problems: Iterable[Problem | dict[str, Any]], path: str | os.Pa
         keys: list[str] = []
         for rec in records:  # from_pylist takes its columns from the first row only
             keys += [k for k in rec if k not in keys]
-        pq.write_table(pa.Table.from_pylist([{k: rec.get(k) for k in keys} for rec in records]), tmp)
+        buf = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist([{k: rec.get(k) for k in keys} for rec in records]), buf)
+        atomic_write_bytes(out, buf.getvalue().to_pybytes(), durable=False)
     else:
-        with tmp.open("w", encoding="utf-8") as fh:
-            for rec in records:
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+        text = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+        atomic_write_text(out, text, durable=False)
     return out
 
 

@@ -1,22 +1,25 @@
-"""What every learning role shares: the checkpoint distribution, policy weights by
-version, honouring ban notices, and fetching announced rollout batches."""
+"""What every learning role shares: the checkpoint subsystem, policy weights by
+version, honouring ban notices, fetching announced rollout batches (trainer and
+validator) and running the policy in an inference engine (worker and validator)."""
 
 from __future__ import annotations
 
 import collections
 import logging
-import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from node.checkpoints import Checkpoints, ChunkStore
-from node.checkpoints.p2p_overlay import P2POverlay, distribution_heartbeat_fields, serve_distribution
+from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from node.home import NodeHome
+from node.memory import release_free_memory
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RequestError
 from node.roles.context import RunContext
+from node.util import now_ms
 from protocol import (
     BanNotice,
     BatchRequest,
@@ -29,7 +32,7 @@ from protocol import (
     sha256,
 )
 
-log = logging.getLogger("primenode.roles")
+log = logging.getLogger(__name__)
 
 BAN_SECONDS_DEFAULT = 3600.0
 MAX_PENDING_PER_ANNOUNCER = 4  # announcements of one sender waiting in a fetch queue
@@ -40,7 +43,7 @@ UNPROVEN_FETCH_SLOTS = 2  # of those, at most this many for announcers with no b
 
 
 class LearningRole(RoleHook):
-    """Base of trainer, worker and validator: owns the node's checkpoint distribution."""
+    """Base of trainer, worker and validator: owns the node's checkpoint subsystem."""
 
     def __init__(
         self,
@@ -56,11 +59,11 @@ class LearningRole(RoleHook):
         self.ctx = ctx
         g = ctx.genesis
         self.store = ChunkStore(home.chunks_dir, g.run_id, g.trainer, direct_io=direct_io)
-        self.dist: Checkpoints | None = None
+        self.checkpoints: Checkpoints | None = None
         # The data plane listens where peers can reach it: loopback for a one-machine
         # network, every interface when the node advertises a routable address.
         listen_host = "127.0.0.1" if advertise_host.startswith("127.") or advertise_host == "localhost" else "0.0.0.0"
-        self._dist_args = dict(
+        self._checkpoints_args: dict[str, Any] = dict(
             max_async=g.max_async,
             data_port=data_port,
             advertise_host=advertise_host,
@@ -69,21 +72,26 @@ class LearningRole(RoleHook):
         )
         self.node: Any = None
         self.weights = WeightCache(self, capacity=g.max_async + 2)
-        # fetch queue of announced batches (validator, trainer); see AnnounceLanes
-        self.lanes = AnnounceLanes(size=ANNOUNCE_QUEUE, unproven_slots=UNPROVEN_FETCH_SLOTS)
+        # announced batches on their way to being fetched (trainer and validator size their own)
+        self.intake = AnnounceIntake(ANNOUNCE_QUEUE, UNPROVEN_FETCH_SLOTS)
         self.bans_honoured = 0
 
-    async def start_common(self, node, nursery: trio.Nursery) -> None:
+    async def start_common(self, node: Any, nursery: trio.Nursery) -> None:
         self.node = node
-        self.dist = Checkpoints(self.store, P2POverlay(node), **self._dist_args)
-        await nursery.start(serve_distribution, node, self.dist)
+        self.checkpoints = Checkpoints(self.store, P2POverlay(node), **self._checkpoints_args)
+        await nursery.start(serve_checkpoints, node, self.checkpoints)
         node.gossip.on("ban", self._on_ban)
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        return distribution_heartbeat_fields(self.dist) if self.dist is not None else {}
+        return checkpoint_heartbeat_fields(self.checkpoints) if self.checkpoints is not None else {}
 
-    def distribution_status(self) -> dict[str, Any]:
-        return self.dist.status() if self.dist is not None else {}
+    def checkpoints_status(self) -> dict[str, Any]:
+        return self.checkpoints.status() if self.checkpoints is not None else {}
+
+    @property
+    def dropped_announces(self) -> int:
+        """Announces not queued: per-announcer cap, full lane, or (trainer) nothing to fetch."""
+        return self.intake.dropped
 
     # ------------------------------------------------------------ bans
     def _on_ban(self, env: Envelope) -> None:
@@ -94,37 +102,31 @@ class LearningRole(RoleHook):
             return
         if notice.peer_id in (self.node.peer_id, g.trainer):
             return  # never ban ourselves or the trainer on someone's word
-        seconds = max(1.0, (notice.until_ms - time.time() * 1000) / 1000)
+        seconds = max(1.0, (notice.until_ms - now_ms()) / 1000)
         self.node.policy.ban(notice.peer_id, f"ban notice from {env.sender[:12]}: {notice.reason}", seconds)
         self.bans_honoured += 1
 
     async def publish_ban(self, peer_id: str, reason: str, seconds: float = BAN_SECONDS_DEFAULT) -> None:
         self.node.policy.ban(peer_id, reason, seconds)
         await self.node.gossip.publish(
-            BanNotice(peer_id=peer_id, reason=reason[:256], until_ms=int((time.time() + seconds) * 1000))
+            BanNotice(peer_id=peer_id, reason=reason[:256], until_ms=now_ms() + int(seconds * 1000))
         )
 
     # ------------------------------------------------------------ batches
-    def admit_announce(self, pending: collections.Counter[str], sender: str) -> bool:
-        """Per-announcer fairness: at most ``MAX_PENDING_PER_ANNOUNCER`` of one sender's
-        announcements wait in a fetch queue, so one identity cannot fill it."""
-        if pending[sender] >= MAX_PENDING_PER_ANNOUNCER:
-            return False
-        pending[sender] += 1
-        return True
+    async def _fetch_loop(self) -> None:
+        """One fetch task of the announce intake (the role starts as many as it fetches at once)."""
+        await self.intake.fetch_loop(self._fetch_one)
 
-    @staticmethod
-    def release_announce(pending: collections.Counter[str], sender: str) -> None:
-        pending[sender] -= 1
-        if pending[sender] <= 0:
-            del pending[sender]
+    async def _fetch_one(self, env: Envelope) -> None:
+        """What the role does with a queued announce (trainer and validator)."""
+        raise NotImplementedError
 
     def charge_unserved(self, sender: str, exc: Exception) -> None:
         """An announcer that does not serve its batch (timeout, unreachable, not found) is
         charged: a few failures ban it, so announcing batches one never serves stops costing
         fetchers time (see docs/security.md)."""
         self.node.policy.penalise(sender, "batch_unserved", UNSERVED_POINTS)
-        self.lanes.mark_unserved(sender)
+        self.intake.lanes.mark_unserved(sender)
 
     async def fetch_batch(self, announce: Envelope, timeout: float = 30.0) -> tuple[bytes, RolloutBatch]:
         """Fetch an announced batch from its announcer and check it against the announced hash.
@@ -144,14 +146,15 @@ class LearningRole(RoleHook):
         inner = open_envelope(
             raw,
             run_id=self.ctx.genesis.run_id,
-            now_ms=int(time.time() * 1000),
+            now_ms=now_ms(),
             guard=None,
             allowed_types={RolloutBatch.TYPE_ID},
         )
         if inner.sender != announce.sender:
             self.node.policy.penalise(announce.sender, "batch_sender")
             raise ProtocolError("batch_sender", "batch signed by another peer than its announcer")
-        batch: RolloutBatch = inner.body
+        batch = inner.body
+        assert isinstance(batch, RolloutBatch)
         if (batch.policy_version, batch.batch_counter, len(batch.samples)) != (
             ann.policy_version,
             ann.batch_counter,
@@ -159,8 +162,91 @@ class LearningRole(RoleHook):
         ):
             self.node.policy.penalise(announce.sender, "batch_mismatch")
             raise ProtocolError("batch_mismatch", "batch does not match its announcement")
-        self.lanes.mark_served(announce.sender)
+        self.intake.lanes.mark_served(announce.sender)
         return raw, batch
+
+
+class EngineRole(LearningRole):
+    """Base of worker and validator: runs the policy in an inference engine (``--engine``),
+    built on first use and reloaded in place with each policy version it needs."""
+
+    def __init__(self, *args: Any, device: str = "cpu", engine: str = "transformers", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine_kind = engine
+        self.device = device
+        self.engine: Any = None
+        self.loaded_version = -1
+
+    def make_engine(self) -> Any:
+        """The role's engine on version 0 of the policy (blocking: run it in a thread)."""
+        from node.roles.engines import build_engine
+
+        return build_engine(self.ctx, self.engine_kind, self.device)
+
+    async def load_policy(self, version: int) -> None:
+        """Put the weights of ``version`` into the engine (building it first if needed), then hand
+        the transient memory back (node/memory.py). The caller records ``loaded_version``."""
+        state = await self.weights.get(version)
+        if self.engine is None:
+            self.engine = await trio.to_thread.run_sync(self.make_engine)
+        await trio.to_thread.run_sync(self.engine.load_weights, state)
+        await trio.to_thread.run_sync(release_free_memory)
+
+
+class AnnounceIntake:
+    """Announced rollout batches on their way to being fetched (trainer and validator): the
+    per-announcer cap, the two-lane queue (:class:`AnnounceLanes`) and the fetch tasks' loop.
+
+    Per-announcer fairness: at most ``MAX_PENDING_PER_ANNOUNCER`` of one sender's announces
+    wait, so one identity cannot fill the queue. ``hold_while_fetching`` keeps an announce
+    counted against its sender until its fetch is over (the trainer: a slow announcer holds
+    its own share, not a fetch task more), else until a fetch task takes it (the validator).
+    """
+
+    def __init__(self, size: int, unproven_slots: int, *, hold_while_fetching: bool = False) -> None:
+        self.lanes = AnnounceLanes(size, unproven_slots)
+        self.pending: collections.Counter[str] = collections.Counter()  # queued announces per sender
+        self.hold_while_fetching = hold_while_fetching
+        self.dropped = 0  # announces not queued (see LearningRole.dropped_announces)
+
+    def __len__(self) -> int:
+        return len(self.lanes)
+
+    def offer(self, env: Envelope, *, on_admitted: Callable[[], None] | None = None, count_drops: bool = True) -> bool:
+        """Queue ``env`` for a fetch task. False when its sender already has its share waiting
+        or its lane is full (counted in ``dropped`` unless ``count_drops`` is false).
+        ``on_admitted`` runs once the sender's share admits it, before the lane is tried."""
+        if self.pending[env.sender] >= MAX_PENDING_PER_ANNOUNCER:
+            self.dropped += count_drops
+            return False
+        self.pending[env.sender] += 1
+        if on_admitted is not None:
+            on_admitted()
+        try:
+            self.lanes.send_nowait(env)
+        except trio.WouldBlock:
+            self._release(env.sender)
+            self.dropped += count_drops  # bounded queue: shed load rather than grow without limit
+            return False
+        return True
+
+    def _release(self, sender: str) -> None:
+        self.pending[sender] -= 1
+        if self.pending[sender] <= 0:
+            del self.pending[sender]
+
+    async def fetch_loop(self, handle: Callable[[Envelope], Awaitable[None]]) -> None:
+        """One fetch task: take the next announce and ``await handle(env)``, forever."""
+        while True:
+            env, unproven = await self.lanes.receive()
+            if not self.hold_while_fetching:
+                self._release(env.sender)
+            try:
+                await handle(env)
+            finally:
+                self.lanes.done(unproven)
+                if self.hold_while_fetching:
+                    self._release(env.sender)
 
 
 class AnnounceLanes:
@@ -214,7 +300,7 @@ class AnnounceLanes:
         """Announces queued before their sender proved itself move to the proven lane."""
         unproven = self._queues[False]
         if any(self.proven(e.sender) for e in unproven):
-            keep = collections.deque()
+            keep: collections.deque[Envelope] = collections.deque()
             for e in unproven:
                 (self._queues[True] if self.proven(e.sender) else keep).append(e)
             self._queues[False] = keep
@@ -259,8 +345,10 @@ class WeightCache:
             self._cache.move_to_end(version)
             return self._cache[version]
         done = self._loading[version] = trio.Event()
+        checkpoints = self.role.checkpoints
+        assert checkpoints is not None, "the role has not started"
         try:
-            with self.role.dist.open_version(version) as files:
+            with checkpoints.open_version(version) as files:
                 state = await trio.to_thread.run_sync(load_state_dict, files)
         finally:
             del self._loading[version]

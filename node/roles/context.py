@@ -8,11 +8,10 @@ rewards are.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Any
 
-from node.errors import NodeError
+from node.errors import ConfigError, ModelError, RoleError
 from node.genesis_file import genesis_config
 from proofs import ProofConfig
 from protocol import RunGenesis, SamplingParams
@@ -41,7 +40,7 @@ def proof_config_for(config: dict[str, Any]) -> ProofConfig:
     default = "tight" if config.get("numerics") else "paper"
     name = config.get("toploc_thresholds", default)
     if name not in TOPLOC_PRESETS:
-        raise NodeError(f"genesis toploc_thresholds must be one of {sorted(TOPLOC_PRESETS)}, got {name!r}")
+        raise ConfigError(f"genesis toploc_thresholds must be one of {sorted(TOPLOC_PRESETS)}, got {name!r}")
     base = TOPLOC_PRESETS[name]
     overrides: dict[str, Any] = {}
     for key, kind in _THRESHOLD_KEYS.items():
@@ -53,7 +52,7 @@ def proof_config_for(config: dict[str, Any]) -> ProofConfig:
                 or value < 0
                 or (kind is int and not isinstance(value, int))
             ):
-                raise NodeError(f"genesis {key} must be a non-negative {kind.__name__}, got {value!r}")
+                raise ConfigError(f"genesis {key} must be a non-negative {kind.__name__}, got {value!r}")
             overrides[key.removeprefix("toploc_")] = kind(value)
     return dataclasses.replace(base, **overrides)
 
@@ -100,7 +99,7 @@ class RunContext:
         want = self.numerics
         have = getattr(engine, "numerics", None)
         if want and have != want:
-            raise NodeError(f"this run requires the numerics stack {want!r}; this node's engine is {have!r}")
+            raise RoleError(f"this run requires the numerics stack {want!r}; this node's engine is {have!r}")
 
     @property
     def eos_token_id(self) -> int | None:
@@ -114,8 +113,8 @@ class RunContext:
     def grpo_config(self):
         from node.rl.grpo import GRPOConfig
 
-        # Tiny-model demo values (notes: "GRPO demo settings that worked here"), overridable
-        # by the genesis [config]; GRPOConfig's own defaults are INTELLECT-2's.
+        # Tiny-model demo values (what trained the devnet's tiny model on two CPU cores),
+        # overridable by the genesis [config]; GRPOConfig's own defaults are INTELLECT-2's.
         base = dict(
             lr=1e-4,
             weight_decay=0.0,
@@ -185,7 +184,7 @@ class RunContext:
             from transformers import AutoModelForCausalLM
 
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        raise NodeError(f"unknown model {self.genesis.model!r}: use tiny, smollm2 or a local model folder")
+        raise ModelError(f"unknown model {self.genesis.model!r}: use tiny, smollm2 or a local model folder")
 
 
 def make_tokenizer(model: str, cache_dir: Path):
@@ -203,7 +202,7 @@ def make_tokenizer(model: str, cache_dir: Path):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
-    raise NodeError(f"unknown model {model!r}: use tiny, smollm2 or a local model folder")
+    raise ModelError(f"unknown model {model!r}: use tiny, smollm2 or a local model folder")
 
 
 def load_problems(spec: str, size: int, seed: int) -> list[Any]:
@@ -216,11 +215,5 @@ def load_problems(spec: str, size: int, seed: int) -> list[Any]:
     else:
         problems = tasks.load_dataset(spec)
     if len(problems) != size:
-        raise NodeError(f"dataset {spec} has {len(problems)} problems, the genesis says {size}")
+        raise ModelError(f"dataset {spec} has {len(problems)} problems, the genesis says {size}")
     return problems
-
-
-def sample_seed(run_id: bytes, worker: str, version: int, counter: int, prompt_index: int) -> int:
-    """The seed a worker uses for one prompt's group (recorded in the signed batch)."""
-    h = hashlib.sha256(b"%s|%s|%d|%d|%d" % (run_id, worker.encode(), version, counter, prompt_index)).digest()
-    return int.from_bytes(h[:8], "big") >> 1

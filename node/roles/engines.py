@@ -16,31 +16,44 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from node.errors import NodeError
+from node.errors import ConfigError, ModelError
 from node.roles.context import RunContext
 
 ENGINES = ("transformers", "vllm")
 
 
+def check_engine_choice(engine: str, role: str | None = None, tamper: str | None = None) -> None:
+    """Refuse an ``--engine`` choice before anything runs: a name no backend has, an engine
+    for a role that runs no engine (``role``; None skips that check), or a ``--tamper`` mode
+    (those exist for the transformers engine only). The one check the CLI, the daemon, the
+    devnet and the role factory all apply."""
+    if engine not in ENGINES:
+        raise ConfigError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine != "transformers" and role is not None and role not in ("worker", "validator"):
+        raise ConfigError(f"--engine {engine} is for workers and validators; the {role} runs transformers")
+    if engine != "transformers" and tamper:
+        raise ConfigError("--tamper modes exist for the transformers engine only")
+
+
 def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
     """The engine of ``kind`` on version 0 of the policy (blocking: run it in a thread)."""
+    check_engine_choice(kind)
+    engine: Any
     if kind == "transformers":
         from node.engines.transformers_engine import TransformersEngine
 
         engine = TransformersEngine(
             ctx.initial_model(), device=device, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id
         )
-    elif kind == "vllm":
+    else:
         from node.engines.vllm_engine import VLLMEngine, vllm_available
 
         if not vllm_available():
-            raise NodeError(
+            raise ModelError(
                 "--engine vllm needs vLLM in this Python environment "
                 "(`pip install -e '.[vllm]'` on a GPU box; docs/proofs.md, section vLLM)"
             )
         engine = VLLMEngine(model_folder(ctx), eos_token_id=ctx.eos_token_id)
-    else:
-        raise NodeError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
     ctx.check_engine(engine)
     return engine
 

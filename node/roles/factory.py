@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from node.errors import NodeError
+from node.errors import RoleError
 from node.home import NodeHome
 from node.p2p.node import RoleHook
 from node.roles.context import RunContext
@@ -26,19 +26,14 @@ def make_role(
     engine: str = "transformers",
 ) -> RoleHook:
     """The hook for ``role``; refuses a trainer/validator whose key the genesis does not name."""
-    from node.roles.engines import ENGINES
+    from node.roles.engines import check_engine_choice
 
-    if engine not in ENGINES:
-        raise NodeError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if engine != "transformers" and role not in ("worker", "validator"):
-        raise NodeError(f"--engine {engine} is for workers and validators; the {role} runs transformers")
-    if engine != "transformers" and tamper:
-        raise NodeError("--tamper modes exist for the transformers engine only")
+    check_engine_choice(engine, role, tamper)
     g = genesis.genesis
     if role == "trainer" and key_peer_id != g.trainer:
-        raise NodeError(f"this node ({key_peer_id}) is not the run's trainer ({g.trainer})")
+        raise RoleError(f"this node ({key_peer_id}) is not the run's trainer ({g.trainer})")
     if role == "validator" and key_peer_id not in g.validators:
-        raise NodeError(f"this node ({key_peer_id}) is not one of the run's validators")
+        raise RoleError(f"this node ({key_peer_id}) is not one of the run's validators")
     ctx = RunContext.from_genesis(g, home.cache_dir)
     common: dict[str, Any] = dict(
         max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host, direct_io=direct_io
@@ -55,4 +50,4 @@ def make_role(
         from node.roles.worker import WorkerRole
 
         return WorkerRole(home, ctx, device=device, tamper=tamper, engine=engine, **common)
-    raise NodeError(f"unknown role {role!r}")
+    raise RoleError(f"unknown role {role!r}")

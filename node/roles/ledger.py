@@ -11,8 +11,8 @@ the trainer's current version, and the signed batch itself is held. Each
 worker cannot get the same owed prompts counted twice. Rewards come from the
 accepting validators (median per sample), never from the worker.
 
-Retention (issue 8: identities are free, so batches from announcers nobody
-vouches for must not fill the disk). Nothing admitted is ever deleted, and an
+Retention (identities are free, so batches from announcers nobody vouches for
+must not fill the disk). Nothing admitted is ever deleted, and an
 admitted batch keeps its bytes. For everything else:
 
 * a batch that is rejected (by votes, as stale, as a duplicate slot) loses its
@@ -37,11 +37,13 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 import statistics
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgpack
+
+from node.util import now_ms
+from protocol.rules import Quorum, is_stale, quorum_outcome, window_floor
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -82,6 +84,29 @@ class AdmittedBatch:
     batch_counter: int
     envelope: bytes
     rewards: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRecord:
+    """What the ledger holds on one batch: the decision (``status``: pending, admitted or
+    rejected, with its ``reason``) and the signed bytes, if still held."""
+
+    batch_id: bytes
+    worker: str
+    policy_version: int
+    batch_counter: int
+    status: str
+    reason: str
+    envelope: bytes | None
+
+
+@dataclasses.dataclass(frozen=True)
+class VoteRecord:
+    """One genesis validator's vote on a batch, as the ledger recorded it."""
+
+    validator: str
+    accept: bool
+    reason: str
 
 
 # Retention defaults (see the module docstring; the trainer reads overrides from the run config).
@@ -198,9 +223,11 @@ class Ledger:
             "WHERE batch_id = ? AND status = 'pending' AND envelope IS NULL",
             (batch_id,),
         ).fetchone()
-        if row is None or len(self.accept_voters(batch_id) & self.validators) < self.quorum:
+        if row is None:
             return None
-        if row[1] < self.policy_version - self.max_async:
+        if quorum_outcome(self.accept_voters(batch_id), (), self.validators, self.quorum) is not Quorum.ACCEPTED:
+            return None
+        if is_stale(row[1], self.policy_version, self.max_async):
             return None
         return row
 
@@ -216,7 +243,7 @@ class Ledger:
         self.db.execute(
             "INSERT OR IGNORE INTO votes(batch_id, validator, accept, reason, rewards, received_ms) "
             "VALUES(?, ?, ?, ?, ?, ?)",
-            (batch_id, validator, int(accept), reason, msgpack.packb(list(rewards)), int(time.time() * 1000)),
+            (batch_id, validator, int(accept), reason, msgpack.packb(list(rewards)), now_ms()),
         )
         return True
 
@@ -235,17 +262,22 @@ class Ledger:
         worker, version, counter, n, envelope, status = row
         if status != "pending":
             return status
-        votes = self.db.execute("SELECT accept, reason, rewards FROM votes WHERE batch_id = ?", (batch_id,)).fetchall()
-        accepts = [msgpack.unpackb(r) for a, _, r in votes if a]
-        rejects = [reason for a, reason, _ in votes if not a]
-        if version < self.policy_version - self.max_async:
+        votes = self.db.execute(
+            "SELECT validator, accept, reason, rewards FROM votes WHERE batch_id = ?", (batch_id,)
+        ).fetchall()
+        accepts = [msgpack.unpackb(r) for _, a, _, r in votes if a]
+        rejects = [reason for _, a, reason, _ in votes if not a]
+        if is_stale(version, self.policy_version, self.max_async):
             return self._reject(
                 batch_id,
                 f"stale: policy version {version}, trainer at {self.policy_version}, max_async {self.max_async}",
             )
-        if len(rejects) > len(self.validators) - self.quorum:
+        outcome = quorum_outcome(
+            [v for v, a, _, _ in votes if a], [v for v, a, _, _ in votes if not a], self.validators, self.quorum
+        )
+        if outcome is Quorum.REJECTED:
             return self._reject(batch_id, f"rejected by validators: {rejects[0]}")
-        if len(accepts) < self.quorum or envelope is None:
+        if outcome is Quorum.PENDING or envelope is None:
             return "pending"
         accepts = [r for r in accepts if len(r) == n]
         if len(accepts) < self.quorum:
@@ -266,7 +298,7 @@ class Ledger:
                 return "rejected"
             self.db.execute(
                 "UPDATE batches SET status = 'admitted', rewards = ?, admitted_ms = ? WHERE batch_id = ?",
-                (msgpack.packb(rewards), int(time.time() * 1000), batch_id),
+                (msgpack.packb(rewards), now_ms(), batch_id),
             )
             self.db.execute("COMMIT")
         except BaseException:
@@ -282,11 +314,11 @@ class Ledger:
         return "rejected"
 
     # ------------------------------------------------------------ retention
-    def prune(self, now_ms: int | None = None) -> dict[str, int]:
-        """Apply the retention rules (module docstring). Never touches a batch that was ever
-        admitted. Its queries use the status index and a moving window over the votes, so its
-        cost follows the rows not admitted, not the ledger's size. Returns what it did."""
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    def prune(self, now: int | None = None) -> dict[str, int]:
+        """Apply the retention rules (module docstring) as of ``now`` (wall-clock ms). Never touches
+        a batch that was ever admitted. Its queries use the status index and a moving window over the
+        votes, so its cost follows the rows not admitted, not the ledger's size. Returns what it did."""
+        now = now_ms() if now is None else now
         unadmitted = f"status IN ('pending', 'rejected') AND envelope IS NULL AND NOT ({_EVER_ADMITTED})"
         out = {}
         self.db.execute("BEGIN IMMEDIATE")
@@ -296,7 +328,7 @@ class Ledger:
                 "WHERE status = 'pending' AND policy_version < ?",
                 (
                     f"stale: fell out of the max_async window ({self.max_async}) while pending",
-                    self.policy_version - self.max_async,
+                    window_floor(self.policy_version, self.max_async),
                 ),
             ).rowcount
             # rows rejected before this policy existed (older ledgers) lose their bytes too
@@ -320,7 +352,7 @@ class Ledger:
                 self.db.executemany("DELETE FROM batches WHERE batch_id = ?", gone)
                 out["rows_deleted"] = len(gone)
             # votes for batches never recorded, older than the TTL; each vote is looked at once
-            cutoff = now_ms - int(self.orphan_vote_ttl_s * 1000)
+            cutoff = now - int(self.orphan_vote_ttl_s * 1000)
             since = self.get_state("orphan_votes_checked_ms", 0)
             out["orphan_votes_deleted"] = self.db.execute(
                 "DELETE FROM votes WHERE received_ms >= ? AND received_ms < ? "
@@ -372,7 +404,7 @@ class Ledger:
         cur = self.db.execute(
             "UPDATE batches SET status = 'rejected', reason = 'stale before training' "
             "WHERE status = 'admitted' AND trained_step IS NULL AND policy_version < ?",
-            (self.policy_version - self.max_async,),
+            (window_floor(self.policy_version, self.max_async),),
         )
         return cur.rowcount
 
@@ -405,6 +437,22 @@ class Ledger:
             "SELECT COUNT(*) FROM batches WHERE status = 'admitted' AND trained_step IS NULL"
         ).fetchone()[0]
         return out
+
+    def batch(self, batch_id: bytes) -> BatchRecord | None:
+        """The ledger's record of one batch, or None if it holds none."""
+        row = self.db.execute(
+            "SELECT batch_id, worker, policy_version, batch_counter, status, reason, envelope FROM batches "
+            "WHERE batch_id = ?",
+            (batch_id,),
+        ).fetchone()
+        return BatchRecord(*row) if row is not None else None
+
+    def votes(self, batch_id: bytes) -> list[VoteRecord]:
+        """The votes recorded on one batch (recorded before the batch itself, too), oldest first."""
+        rows = self.db.execute(
+            "SELECT validator, accept, reason FROM votes WHERE batch_id = ? ORDER BY received_ms, rowid", (batch_id,)
+        )
+        return [VoteRecord(v, bool(a), r) for v, a, r in rows]
 
     def admitted_ids(self) -> set[bytes]:
         return {r[0] for r in self.db.execute("SELECT batch_id FROM batches WHERE status = 'admitted'")}

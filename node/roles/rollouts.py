@@ -26,38 +26,14 @@ from typing import Any
 
 import torch
 
-from node.roles.context import RunContext, sample_seed
-from proofs import ProofConfig, ProofError, build_many, expected_chunks, proof_size, verify_sequence
-from protocol import RolloutBatch, Sample, assign_prompts
+from node.roles.context import RunContext
+from node.util import now_ms
+from proofs import ProofConfig, ProofError, build_many, verify_sequence
+from protocol import RolloutBatch, Sample, assign_prompts, expected_chunks, sample_seed, split_proofs
 
 PROOF = ProofConfig()  # chunking (the wire format); the thresholds come from the run (ctx.proof_config)
 REWARD_TOLERANCE = 1e-6
-
-
-def chunk_rows(prompt_len: int, completion_len: int, config: ProofConfig = PROOF) -> list[int]:
-    """Hidden-state rows per proof chunk: the whole prompt (unless skipped), then
-    ``chunk_size`` generated tokens at a time (the last chunk may be shorter)."""
-    rows = [] if config.skip_prefill or prompt_len == 0 else [prompt_len]
-    rows += [min(config.chunk_size, completion_len - i) for i in range(0, completion_len, config.chunk_size)]
-    return rows
-
-
-def split_proofs(
-    blob: bytes, prompt_len: int, completion_len: int, hidden_size: int, config: ProofConfig = PROOF
-) -> list[bytes] | None:
-    """Cut a sample's concatenated proofs into per-chunk proofs. A chunk with fewer than
-    ``topk`` values carries a shorter proof (all its values), so the sizes follow from the
-    shape; None if the blob does not have exactly the expected length."""
-    sizes = [
-        proof_size(min(config.topk, rows * hidden_size)) for rows in chunk_rows(prompt_len, completion_len, config)
-    ]
-    if sum(sizes) != len(blob):
-        return None
-    out, pos = [], 0
-    for n in sizes:
-        out.append(blob[pos : pos + n])
-        pos += n
-    return out
+REASON_LIMIT = 250  # characters of a verdict's reason that may echo peer-controlled text
 
 
 def owed_prompts(ctx: RunContext, worker: str, version: int, counter: int) -> list[int]:
@@ -111,7 +87,7 @@ def produce_batch(
         batch_counter=counter,
         sampling=sp,
         samples=tuple(samples),
-        created_ms=int(time.time() * 1000),
+        created_ms=now_ms(),
     )
 
 
@@ -120,41 +96,53 @@ def _vocab(ctx: RunContext) -> int:
     return int(getattr(tok, "vocab_size", None) or len(tok))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class BatchVerdict:
+    """A validator's decision on one batch, as data from the point it is decided: accepted
+    (with the rules' rewards), or the first rule the batch broke (``rule``: the metrics and
+    strike label, e.g. "toploc") and what exactly broke it (``detail``)."""
+
     accept: bool
-    reason: str
-    rewards: list[float]
+    rule: str = ""  # "" when accepted
+    detail: str = ""
+    rewards: tuple[float, ...] = ()
     seconds: float = 0.0
 
+    @classmethod
+    def reject(cls, rule: str, detail: str, seconds: float = 0.0, *, limit: int | None = None) -> BatchVerdict:
+        """A rejection; ``limit`` caps the length of :attr:`reason` (the detail is cut to fit)."""
+        if limit is not None:
+            detail = detail[: max(0, limit - len(rule) - 2)]
+        return cls(False, rule, detail, (), seconds)
+
     @property
-    def rule(self) -> str:
-        """The reason's first word (metrics label)."""
-        return self.reason.split(":", 1)[0] if self.reason else "accept"
+    def reason(self) -> str:
+        """The reason a Vote carries on the wire: ``"rule: detail"``, or "" when accepted."""
+        return f"{self.rule}: {self.detail}" if not self.accept else ""
 
 
-def check_batch_rules(ctx: RunContext, batch: RolloutBatch, announcer: str) -> str:
-    """Rules 1-3 (cheap, no model). Returns "" or the reason to reject."""
+def check_batch_rules(ctx: RunContext, batch: RolloutBatch, announcer: str) -> BatchVerdict | None:
+    """Rules 1-3 (cheap, no model). Returns None or the rejection."""
     g = ctx.genesis
     if batch.run_id != g.run_id:
-        return "run: batch belongs to another run"
+        return BatchVerdict.reject("run", "batch belongs to another run")
     if batch.worker != announcer:
-        return "worker: batch signed for another worker than the one that announced it"
+        return BatchVerdict.reject("worker", "batch signed for another worker than the one that announced it")
     if batch.sampling != ctx.sampling:
-        return f"sampling: parameters {batch.sampling} differ from the run's {ctx.sampling}"
+        return BatchVerdict.reject("sampling", f"parameters {batch.sampling} differ from the run's {ctx.sampling}")
     owed = owed_prompts(ctx, batch.worker, batch.policy_version, batch.batch_counter)
     expected = [i for i in owed for _ in range(g.group_size)]
     got = [s.prompt_index for s in batch.samples]
     if got != expected:
-        return "prompts: not the prompts owed at this version and counter"
+        return BatchVerdict.reject("prompts", "not the prompts owed at this version and counter")
     vocab = _vocab(ctx)
     for k, s in enumerate(batch.samples):
         toks = s.token_ids()
         if len(toks) > ctx.sampling.max_tokens:
-            return f"tokens: sample {k} has {len(toks)} tokens, max {ctx.sampling.max_tokens}"
+            return BatchVerdict.reject("tokens", f"sample {k} has {len(toks)} tokens, max {ctx.sampling.max_tokens}")
         if any(t >= vocab for t in toks):
-            return f"tokens: sample {k} has a token id outside the vocabulary"
-    return ""
+            return BatchVerdict.reject("tokens", f"sample {k} has a token id outside the vocabulary")
+    return None
 
 
 def verify_batch(
@@ -166,35 +154,35 @@ def verify_batch(
     """All five rules. ``prefill`` maps (prompt, completion) pairs to the validator's own
     final hidden states with the weights of ``batch.policy_version``."""
     t0 = time.perf_counter()
-    reason = check_batch_rules(ctx, batch, announcer)
-    if reason:
-        return BatchVerdict(False, reason, [], time.perf_counter() - t0)
+    broken = check_batch_rules(ctx, batch, announcer)
+    if broken is not None:
+        return dataclasses.replace(broken, seconds=time.perf_counter() - t0)
     pairs = [(ctx.prompt_tokens(s.prompt_index), s.token_ids()) for s in batch.samples]
     hiddens = prefill(pairs)
     config = ctx.proof_config
     for k, (s, (prompt, comp), hidden) in enumerate(zip(batch.samples, pairs, hiddens)):
         proofs = split_proofs(s.proof, len(prompt), len(comp), int(hidden.shape[-1]))
         if proofs is None:
-            return BatchVerdict(
-                False,
-                f"proof: sample {k} carries {len(s.proof)} proof bytes, expected "
+            return BatchVerdict.reject(
+                "proof",
+                f"sample {k} carries {len(s.proof)} proof bytes, expected "
                 f"{expected_chunks(len(prompt), len(comp), PROOF)} chunk proofs",
-                [],
                 time.perf_counter() - t0,
             )
         try:
             verdict = verify_sequence(hidden, len(prompt), proofs, config)
         except ProofError as exc:
-            return BatchVerdict(False, f"proof: sample {k}: {exc}", [], time.perf_counter() - t0)
+            return BatchVerdict.reject("proof", f"sample {k}: {exc}", time.perf_counter() - t0)
         if not verdict.ok:
-            return BatchVerdict(False, f"toploc: sample {k}: {verdict.reason}"[:250], [], time.perf_counter() - t0)
+            return BatchVerdict.reject(
+                "toploc", f"sample {k}: {verdict.reason}", time.perf_counter() - t0, limit=REASON_LIMIT
+            )
     rewards = [ctx.reward(s.prompt_index, toks) for s, (_, toks) in zip(batch.samples, pairs)]
     for k, (s, r) in enumerate(zip(batch.samples, rewards)):
         if abs(s.claimed_reward - r) > REWARD_TOLERANCE:
-            return BatchVerdict(
-                False,
-                f"reward: sample {k} claims {s.claimed_reward:.4f}, the rules give {r:.4f}",
-                [],
+            return BatchVerdict.reject(
+                "reward",
+                f"sample {k} claims {s.claimed_reward:.4f}, the rules give {r:.4f}",
                 time.perf_counter() - t0,
             )
-    return BatchVerdict(True, "", rewards, time.perf_counter() - t0)
+    return BatchVerdict(True, rewards=tuple(rewards), seconds=time.perf_counter() - t0)

@@ -1,13 +1,12 @@
 """The trainer: owns the policy. Admits batches on a quorum of validator votes
 (durably, in SQLite, before anything else), trains GRPO steps on the validators'
-rewards, and publishes each new version to the swarm. Two-step async: workers
+rewards, and publishes each new version to the run's peers. Two-step async: workers
 keep generating with older versions (up to ``max_async`` behind) while the next
 one travels.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import time
@@ -17,7 +16,7 @@ import trio
 
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
-from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceLanes, LearningRole, export_weights
+from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake, LearningRole, export_weights
 from node.roles.ledger import (
     MAX_PENDING,
     MAX_PENDING_BYTES,
@@ -28,9 +27,9 @@ from node.roles.ledger import (
 )
 from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
 
-log = logging.getLogger("primenode.trainer")
+log = logging.getLogger(__name__)
 
-LEDGER_LIMITS = {
+LEDGER_LIMITS: dict[str, Any] = {
     "max_pending": MAX_PENDING,
     "max_pending_bytes": MAX_PENDING_BYTES,
     "max_unadmitted_rows": MAX_UNADMITTED_ROWS,
@@ -67,10 +66,8 @@ class TrainerRole(LearningRole):
         self.last_metrics: dict[str, Any] = {}
         self.restored = 0
         self._admitted = trio.Event()
-        self.lanes = AnnounceLanes(1024, unproven_slots=UNPROVEN_FETCH_SLOTS)
-        self.dropped_announces = 0
+        self.intake = AnnounceIntake(1024, unproven_slots=UNPROVEN_FETCH_SLOTS, hold_while_fetching=True)
         self.fetch_failures = 0
-        self._pending: collections.Counter[str] = collections.Counter()  # queued announces per sender
         self._queued_ids: set[bytes] = set()
 
     # ------------------------------------------------------------ lifecycle
@@ -115,7 +112,8 @@ class TrainerRole(LearningRole):
             return
         out = self.export_root / f"v{self.version}"
         await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
-        await publish_checkpoint(self.node, self.dist, self.version, out)
+        assert self.checkpoints is not None
+        await publish_checkpoint(self.node, self.checkpoints, self.version, out)
         log.info("published policy version %d", self.version)
 
     async def _reannounce_loop(self) -> None:
@@ -141,32 +139,20 @@ class TrainerRole(LearningRole):
         # Nothing is written to the ledger before the batch is fetched: announces from free
         # identities must not grow the database (the row is written with the bytes below).
         # A batch already decided or held is not fetched again (a rejected batch stores nothing).
-        if (
-            env.body.batch_id in self._queued_ids
-            or not self.ledger.needs_fetch(env.body.batch_id)
-            or not self.admit_announce(self._pending, env.sender)
-        ):
-            self.dropped_announces += 1
+        if env.body.batch_id in self._queued_ids or not self.ledger.needs_fetch(env.body.batch_id):
+            self.intake.dropped += 1
             return
-        try:
-            self.lanes.send_nowait(env)
+        if self.intake.offer(env):
             self._queued_ids.add(env.body.batch_id)
-        except trio.WouldBlock:
-            self.release_announce(self._pending, env.sender)
-            self.dropped_announces += 1
-
-    async def _fetch_loop(self) -> None:
-        while True:
-            env, unproven = await self.lanes.receive()
-            try:
-                await self._fetch_one(env)
-            finally:
-                self.lanes.done(unproven)
-                self.release_announce(self._pending, env.sender)
-                self._queued_ids.discard(env.body.batch_id)
-                self._refetching.discard(env.body.batch_id)
 
     async def _fetch_one(self, env: Envelope) -> None:
+        try:
+            await self._fetch_and_record(env)
+        finally:
+            self._queued_ids.discard(env.body.batch_id)
+            self._refetching.discard(env.body.batch_id)
+
+    async def _fetch_and_record(self, env: Envelope) -> None:
         last: Exception | None = None
         for attempt in range(2):
             if self.node.policy.is_banned(env.sender):
@@ -220,16 +206,11 @@ class TrainerRole(LearningRole):
             batch_id=batch_id, policy_version=version, batch_counter=counter, num_samples=num_samples, size_bytes=1
         )
         env = Envelope(self.ctx.genesis.run_id, RolloutAnnounce.TYPE_ID, worker, 0, 0, ann, b"")
-        if not self.admit_announce(self._pending, worker):
-            return
-        try:
-            self.lanes.send_nowait(env)
+        if self.intake.offer(env, count_drops=False):
             self._queued_ids.add(batch_id)
             self._refetching.add(batch_id)
             self.refetches += 1
             log.info("fetching evicted batch %s again: a quorum accepts it", batch_id.hex()[:12])
-        except trio.WouldBlock:
-            self.release_announce(self._pending, worker)
 
     # ------------------------------------------------------------ training
     def _groups(self, batches: list[AdmittedBatch]):
@@ -239,7 +220,8 @@ class TrainerRole(LearningRole):
         groups = []
         for b in batches:
             env = open_envelope(b.envelope, run_id=g.run_id, now_ms=0, guard=None, allowed_types={RolloutBatch.TYPE_ID})
-            batch: RolloutBatch = env.body
+            batch = env.body
+            assert isinstance(batch, RolloutBatch)
             rollouts = [
                 Rollout(
                     self.ctx.prompt_tokens(s.prompt_index), s.token_ids(), reward, policy_version=batch.policy_version
@@ -285,8 +267,7 @@ class TrainerRole(LearningRole):
                 "step_wall_s": round(time.monotonic() - t0, 3),
                 "time": time.time(),
             }
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(self.last_metrics) + "\n")
+            await trio.to_thread.run_sync(self._append_metrics, json.dumps(self.last_metrics))
             log.info(
                 "step %d%s: reward %.3f over %d rollouts",
                 self.version,
@@ -294,9 +275,15 @@ class TrainerRole(LearningRole):
                 metrics.reward_mean,
                 metrics.num_rollouts,
             )
-            self.dist.gc()
+            assert self.checkpoints is not None
+            self.checkpoints.gc()
         log.info("reached %s steps; serving until stopped", self.steps)
         await trio.sleep_forever()
+
+    def _append_metrics(self, line: str) -> None:
+        """One JSON line per step (blocking: runs in a thread)."""
+        with open(self.metrics_path, "a") as f:
+            f.write(line + "\n")
 
     # ------------------------------------------------------------ status
     def heartbeat_fields(self) -> dict[str, Any]:
@@ -332,5 +319,5 @@ class TrainerRole(LearningRole):
                 )
                 if k in m
             },
-            "distribution": self.distribution_status(),
+            "distribution": self.checkpoints_status(),
         }

@@ -5,6 +5,7 @@ and ban workers that keep cheating."""
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from typing import Any
 
@@ -12,11 +13,12 @@ import trio
 
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
-from node.roles.common import AnnounceLanes, LearningRole
-from node.roles.rollouts import BatchVerdict, verify_batch
+from node.roles.common import AnnounceIntake, EngineRole
+from node.roles.rollouts import REASON_LIMIT, BatchVerdict, verify_batch
 from protocol import Envelope, ProtocolError, RolloutBatch, Vote
+from protocol.rules import is_stale
 
-log = logging.getLogger("primenode.validator")
+log = logging.getLogger(__name__)
 
 # How long a batch may wait for the checkpoint version it claims (fetched on demand) ...
 VERSION_WAIT_S = 60
@@ -31,40 +33,32 @@ MAX_PARKED = 32
 CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "sampling", "run", "version"}
 
 
-class ValidatorRole(LearningRole):
+class ValidatorRole(EngineRole):
     role = "validator"
 
     def __init__(
         self,
         *args: Any,
-        device: str = "cpu",
         fetchers: int = 4,
         queue: int = 256,
-        engine: str = "transformers",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.engine_kind = engine
-        self.device = device
         self.n_fetchers = fetchers
         self.ban_after = int(self.ctx.config.get("ban_after_rejections", 2))
-        self.lanes = AnnounceLanes(queue, unproven_slots=max(1, fetchers // 2))
+        self.intake = AnnounceIntake(queue, unproven_slots=max(1, fetchers // 2))
         self._verify_in, self._verify_out = trio.open_memory_channel[tuple[Envelope, RolloutBatch]](16)
-        self.engine: Any = None
-        self.loaded_version = -1
         self.verdicts: collections.Counter[str] = collections.Counter()
         self.reasons: collections.Counter[str] = collections.Counter()
         self.strikes: collections.Counter[str] = collections.Counter()
         self.last_reasons: collections.deque[str] = collections.deque(maxlen=10)
-        self.dropped_announces = 0
         self.fetch_failures = 0
-        self._pending: collections.Counter[str] = collections.Counter()  # queued announces per sender
         self.verify_s = 0.0
         self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._parking = trio.Semaphore(MAX_PARKED)
         self._nursery: trio.Nursery | None = None
 
-    async def run(self, node) -> None:
+    async def run(self, node: Any) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await self.start_common(node, nursery)
@@ -76,28 +70,14 @@ class ValidatorRole(LearningRole):
     def _on_announce(self, env: Envelope) -> None:
         if self.node.policy.is_banned(env.sender) or env.body.batch_id in self._seen:
             return
-        if not self.admit_announce(self._pending, env.sender):
-            self.dropped_announces += 1  # one announcer may not fill the queue
-            return
-        self._seen[env.body.batch_id] = None
+        self.intake.offer(env, on_admitted=lambda: self._remember(env.body.batch_id))
+
+    def _remember(self, batch_id: bytes) -> None:
+        self._seen[batch_id] = None
         while len(self._seen) > 10_000:
             self._seen.popitem(last=False)
-        try:
-            self.lanes.send_nowait(env)
-        except trio.WouldBlock:
-            self.release_announce(self._pending, env.sender)
-            self.dropped_announces += 1  # bounded queue: shed load rather than grow without limit
-
-    async def _fetch_loop(self) -> None:
-        while True:
-            env, unproven = await self.lanes.receive()
-            try:
-                await self._fetch_one(env)
-            finally:
-                self.lanes.done(unproven)
 
     async def _fetch_one(self, env: Envelope) -> None:
-        self.release_announce(self._pending, env.sender)
         if self.node.policy.is_banned(env.sender):
             return
         try:
@@ -105,29 +85,31 @@ class ValidatorRole(LearningRole):
         except (RequestError, ProtocolError) as exc:
             log.info("could not fetch batch %s from %s: %s", env.body.batch_id.hex()[:12], env.sender[:12], exc)
             if isinstance(exc, ProtocolError):
-                await self._vote(env, BatchVerdict(False, f"batch: {exc}"[:250], []))
+                await self._vote(env, BatchVerdict.reject("batch", str(exc), limit=REASON_LIMIT))
             else:
                 self.fetch_failures += 1
                 self.charge_unserved(env.sender, exc)
             return
-        stale = self._stale_reason(batch.policy_version)
-        if stale:
-            await self._vote(env, BatchVerdict(False, stale, []))
+        stale = self._stale(batch.policy_version)
+        if stale is not None:
+            await self._vote(env, stale)
         elif self.weights.held(batch.policy_version):
             await self._verify_in.send((env, batch))
         else:
             await self._parking.acquire()
+            assert self._nursery is not None
             self._nursery.start_soon(self._park, env, batch)
 
     def _newest_known(self) -> int:
         """Newest version whose signed manifest we hold (complete or not)."""
         return max(self.store.versions, default=-1)
 
-    def _stale_reason(self, version: int) -> str:
-        newest = self._newest_known()
-        if version < newest - self.ctx.genesis.max_async:
-            return f"stale: policy version {version}, newest {newest}, max_async {self.ctx.genesis.max_async}"
-        return ""
+    def _stale(self, version: int) -> BatchVerdict | None:
+        """The "stale" verdict when ``version`` fell out of the window of the newest known one."""
+        newest, max_async = self._newest_known(), self.ctx.genesis.max_async
+        if is_stale(version, newest, max_async):
+            return BatchVerdict.reject("stale", f"policy version {version}, newest {newest}, max_async {max_async}")
+        return None
 
     async def _park(self, env: Envelope, batch: RolloutBatch) -> None:
         """Wait (in its own task) for the checkpoint ``batch`` claims, fetching it on demand,
@@ -135,20 +117,22 @@ class ValidatorRole(LearningRole):
         v = batch.policy_version
         try:
             with trio.move_on_after(ANNOUNCE_GRACE_S):
-                while v not in self.store.versions and self._newest_known() < v:
+                # the store has no event for "a manifest arrived": a manifest lands within a gossip hop
+                while v not in self.store.versions and self._newest_known() < v:  # noqa: ASYNC110
                     await trio.sleep(0.25)
             if v > self._newest_known():
                 await self._vote(
                     env,
-                    BatchVerdict(
-                        False, f"version: policy version {v} was never announced (newest {self._newest_known()})", []
+                    BatchVerdict.reject(
+                        "version", f"policy version {v} was never announced (newest {self._newest_known()})"
                     ),
                 )
                 return
             # (an older version we never heard announced, having joined after it, stays unverifiable)
             with trio.move_on_after(VERSION_WAIT_S if v in self.store.versions else 0):
-                if self.dist.want_version(v):
-                    await self.dist.wait_assembled(v)
+                assert self.checkpoints is not None
+                if self.checkpoints.want_version(v):
+                    await self.checkpoints.wait_assembled(v)
             if not self.weights.held(v):
                 self.verdicts["unverifiable"] += 1
                 log.info(
@@ -165,16 +149,16 @@ class ValidatorRole(LearningRole):
     async def _verify_loop(self) -> None:
         async for env, batch in self._verify_out:
             v = batch.policy_version
-            stale = self._stale_reason(v)
-            if stale:  # a newer version arrived while the batch waited
-                await self._vote(env, BatchVerdict(False, stale, []))
+            stale = self._stale(v)
+            if stale is not None:  # a newer version arrived while the batch waited
+                await self._vote(env, stale)
                 continue
             if not self.weights.held(v):
                 self.verdicts["unverifiable"] += 1  # collected since it was queued
                 continue
             await self._ensure_version(v)
             verdict = await trio.to_thread.run_sync(
-                lambda: verify_batch(self.ctx, self.engine.prefill_hidden_batch, batch, env.sender)
+                functools.partial(verify_batch, self.ctx, self.engine.prefill_hidden_batch, batch, env.sender)
             )
             await trio.to_thread.run_sync(release_free_memory)  # the prefill's transient tensors
             self.verify_s = round(verdict.seconds, 3)
@@ -183,19 +167,11 @@ class ValidatorRole(LearningRole):
     async def _ensure_version(self, version: int) -> None:
         if self.loaded_version == version:
             return
-        state = await self.weights.get(version)
-        if self.engine is None:
-            self.engine = await trio.to_thread.run_sync(self._make_engine)
-        await trio.to_thread.run_sync(self.engine.load_weights, state)
-        await trio.to_thread.run_sync(release_free_memory)
+        await self.load_policy(version)
         self.loaded_version = version
 
-    def _make_engine(self):
-        from node.roles.engines import build_engine
-
-        return build_engine(self.ctx, self.engine_kind, self.device)
-
     async def _vote(self, env: Envelope, verdict: BatchVerdict) -> None:
+        """Gossip the signed vote; a rejection for a cheating rule is a strike against the worker."""
         ann = env.body
         vote = Vote(
             batch_id=ann.batch_id,
@@ -214,7 +190,7 @@ class ValidatorRole(LearningRole):
         log.warning("rejected batch %s from %s: %s", ann.batch_id.hex()[:12], env.sender, verdict.reason)
         if verdict.rule in CHEATING_RULES or verdict.rule == "batch":
             if env.sender not in self.strikes and len(self.strikes) >= 10_000:
-                del self.strikes[min(self.strikes, key=self.strikes.get)]  # bounded: forget the mildest
+                del self.strikes[min(self.strikes, key=lambda peer: self.strikes[peer])]  # bounded: forget the mildest
             self.strikes[env.sender] += 1
             if self.strikes[env.sender] >= self.ban_after and not self.node.policy.is_banned(env.sender):
                 await self.publish_ban(
@@ -231,8 +207,8 @@ class ValidatorRole(LearningRole):
             "reasons": dict(self.reasons),
             "recent_rejections": list(self.last_reasons),
             "strikes": dict(self.strikes),
-            "queued": len(self.lanes),
+            "queued": len(self.intake),
             "dropped_announces": self.dropped_announces,
             "last_verify_s": self.verify_s,
-            "distribution": self.distribution_status(),
+            "distribution": self.checkpoints_status(),
         }

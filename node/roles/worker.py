@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -12,11 +13,13 @@ from typing import Any
 import trio
 
 from node.memory import release_free_memory
-from node.roles.common import LearningRole
+from node.roles.common import EngineRole
 from node.roles.rollouts import produce_batch
+from node.util import now_ms
 from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
+from protocol.rules import Quorum, is_stale, quorum_outcome
 
-log = logging.getLogger("primenode.worker")
+log = logging.getLogger(__name__)
 
 # Adversarial test modes. "weights": generate with perturbed weights; "tokens", "prompts",
 # "rewards": lie in the batch (rollouts.produce_batch); "version": sign batches as a policy
@@ -37,18 +40,14 @@ class _Tally:
     decided: bool = False
 
 
-class WorkerRole(LearningRole):
+class WorkerRole(EngineRole):
     role = "worker"
 
-    def __init__(
-        self, *args: Any, tamper: str | None = None, device: str = "cpu", engine: str = "transformers", **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, tamper: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.engine_kind = engine
         if tamper is not None and tamper not in TAMPER_MODES:
             raise ValueError(f"unknown tamper mode {tamper!r}")
         self.tamper = tamper
-        self.device = device
         self.per_version = int(self.ctx.config.get("worker_batches_per_version", 2))
         # With no new version for this long (trainer restarting, batches lost with it), the
         # worker produces one more batch for the version it holds instead of idling forever.
@@ -57,8 +56,6 @@ class WorkerRole(LearningRole):
         self.batches: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.keep_batches = 64
         self.produced: collections.Counter[int] = collections.Counter()
-        self.loaded_version = -1
-        self.engine: Any = None
         # batches_accepted: our batches with accept votes from a quorum of genesis validators;
         # batches_rejected: ours with so many reject votes that no quorum of accepts is possible
         # (with quorum == validators, one reject). accept_votes / reject_votes count single votes.
@@ -105,10 +102,11 @@ class WorkerRole(LearningRole):
         if tally.decided:
             return
         # the trainer's rule (ledger.try_admit), seen from the votes alone
-        if len(tally.accepts) >= g.quorum:
+        outcome = quorum_outcome(tally.accepts, tally.rejects, g.validators, g.quorum)
+        if outcome is Quorum.ACCEPTED:
             tally.decided = True
             self.stats["batches_accepted"] += 1
-        elif len(tally.rejects) > len(set(g.validators)) - g.quorum:
+        elif outcome is Quorum.REJECTED:
             tally.decided = True
             self.stats["batches_rejected"] += 1
 
@@ -119,9 +117,11 @@ class WorkerRole(LearningRole):
     async def _read_ahead_loop(self) -> None:
         """Read (and deserialise) each new version's weights while the current batch still
         generates, so the swap between batches is only the copy into the engine."""
+        checkpoints = self.checkpoints
+        assert checkpoints is not None
         ahead = -1
         while True:
-            newest = await self.dist.wait_version(max(self.loaded_version, ahead) + 1)
+            newest = await checkpoints.wait_version(max(self.loaded_version, ahead) + 1)
             if self._pinned():
                 return
             try:
@@ -132,11 +132,7 @@ class WorkerRole(LearningRole):
 
     async def _load(self, version: int) -> None:
         t0 = time.perf_counter()
-        state = await self.weights.get(version)
-        if self.engine is None:
-            self.engine = await trio.to_thread.run_sync(self._make_engine)
-        await trio.to_thread.run_sync(self.engine.load_weights, state)
-        await trio.to_thread.run_sync(release_free_memory)
+        await self.load_policy(version)
         if self.tamper == "weights":
             await trio.to_thread.run_sync(_perturb, self.engine.model, 0.1)
         self.loaded_version = version
@@ -146,21 +142,18 @@ class WorkerRole(LearningRole):
 
     def _trim_counters(self) -> None:
         """Versions more than max_async behind the loaded one are never produced for again."""
-        floor = self.loaded_version - self.ctx.genesis.max_async
+        max_async = self.ctx.genesis.max_async
         for counter in (self.produced, self.allowance):
-            for v in [v for v in counter if v < floor]:
+            for v in [v for v in counter if is_stale(v, self.loaded_version, max_async)]:
                 del counter[v]
-
-    def _make_engine(self):
-        from node.roles.engines import build_engine
-
-        return build_engine(self.ctx, self.engine_kind, self.device)
 
     async def _loop(self) -> None:
         node = self.node
         g = self.ctx.genesis
+        checkpoints = self.checkpoints
+        assert checkpoints is not None
         while True:
-            newest = await self.dist.wait_version(0)
+            newest = await checkpoints.wait_version(0)
             if newest != self.loaded_version and not self._pinned():
                 # hot reload between batches; the weights were read ahead meanwhile, and the
                 # next version keeps fetching
@@ -171,7 +164,7 @@ class WorkerRole(LearningRole):
                 budget += newest - version
             if self.produced[version] >= budget:
                 with trio.move_on_after(self.idle_s) as idle:
-                    await self.dist.wait_version(newest + 1)
+                    await checkpoints.wait_version(newest + 1)
                 if idle.cancelled_caught:
                     self.allowance[version] += 1
                 continue
@@ -180,7 +173,8 @@ class WorkerRole(LearningRole):
             claimed = version + VERSION_LIE if self.tamper == "version" else version
             t0 = time.perf_counter()
             batch = await trio.to_thread.run_sync(
-                lambda: produce_batch(
+                functools.partial(
+                    produce_batch,
                     self.ctx,
                     self.engine,
                     node.peer_id,
@@ -191,7 +185,7 @@ class WorkerRole(LearningRole):
             )
             await trio.to_thread.run_sync(release_free_memory)  # generation's transient tensors
             self.stats["generate_s"] = round(time.perf_counter() - t0, 2)
-            raw = seal(node.key, g.run_id, batch, int(time.time() * 1000), node.seq.next())
+            raw = seal(node.key, g.run_id, batch, now_ms(), node.seq.next())
             batch_id = sha256(raw)
             self.batches[batch_id] = raw
             self._my_batches.add(batch_id)
@@ -219,7 +213,7 @@ class WorkerRole(LearningRole):
             "policy_version": self.loaded_version,
             **self.stats,
             "tamper": self.tamper,
-            "distribution": self.distribution_status(),
+            "distribution": self.checkpoints_status(),
         }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from node.genesis_file import make_genesis
+from node.home import NodeHome
 from node.roles.context import RunContext
 from protocol import NodeKey
 
@@ -16,7 +17,9 @@ VALIDATORS = [NodeKey(b"\x23" * 32), NodeKey(b"\x24" * 32)]
 WORKERS = [NodeKey(b"\x25" * 32), NodeKey(b"\x26" * 32)]
 
 
-def tiny_genesis(**config):
+def tiny_genesis(*, fields: dict | None = None, **config):
+    """The tiny test run's signed genesis: ``config`` overrides the ``[config]`` table,
+    ``fields`` the genesis fields (name, validators as keys, quorum, ...)."""
     cfg = {
         "task": "target-length",
         "max_tokens": 24,
@@ -26,21 +29,22 @@ def tiny_genesis(**config):
         "tiny_layers": 2,
     }
     cfg.update(config)
-    return make_genesis(
-        OWNER,
-        cfg,
-        name="test",
-        model="tiny",
-        dataset="builtin:target-length",
-        dataset_size=64,
-        trainer=TRAINER.peer_id,
-        validators=[v.peer_id for v in VALIDATORS],
-        quorum=2,
-        max_async=2,
-        prompts_per_batch=2,
-        group_size=4,
-        chunk_size=1 << 20,
-    )
+    run = {
+        "name": "test",
+        "model": "tiny",
+        "dataset": "builtin:target-length",
+        "dataset_size": 64,
+        "trainer": TRAINER.peer_id,
+        "validators": VALIDATORS,
+        "quorum": 2,
+        "max_async": 2,
+        "prompts_per_batch": 2,
+        "group_size": 4,
+        "chunk_size": 1 << 20,
+    }
+    run.update(fields or {})
+    run["validators"] = [v.peer_id for v in run["validators"]]
+    return make_genesis(OWNER, cfg, **run)
 
 
 def tiny_context(tmp_path: Path, **config) -> RunContext:
@@ -53,3 +57,10 @@ def engine_for(ctx: RunContext, model=None):
 
     model = model or ctx.initial_model()
     return TransformersEngine(model, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id)
+
+
+def homes(tmp_path: Path, name: str) -> NodeHome:
+    """A node home folder for one in-process role (no key: roles get theirs from the test)."""
+    h = NodeHome(tmp_path / name)
+    h.path.mkdir(parents=True, exist_ok=True)
+    return h
