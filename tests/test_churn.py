@@ -8,8 +8,8 @@ import pytest
 
 from node.ops.churn import LedgerAudit, churn, trained_steps, trainer_step
 from node.ops.devnet import Devnet
-
-from .test_devnet_processes import small_options, wait_for
+from tests.support.processes import small_options
+from tests.support.processes import wait_for_devnet as wait_for
 
 
 @pytest.mark.slow

@@ -10,87 +10,22 @@ Time limits here are hang guards, not performance thresholds.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-PRIMENODE = shutil.which("primenode")
-BASE = [PRIMENODE] if PRIMENODE else [sys.executable, "-m", "node.ops.cli"]
-ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-HANG_GUARD_S = 120
-
-
-def cli(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
-    return subprocess.run([*BASE, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
-def start(*args: str, log: Path) -> subprocess.Popen:
-    f = open(log, "wb")
-    try:
-        return subprocess.Popen([*BASE, *args], stdout=subprocess.PIPE, stderr=f, env=ENV, start_new_session=True)
-    finally:
-        f.close()
-
-
-def init_home(path: Path) -> str:
-    res = cli("init", "--home", str(path))
-    assert res.returncode == 0, res.stderr
-    return cli("id", "--home", str(path)).stdout.strip()
-
-
-def wait_for(pred, timeout: float, what: str, logs: list[Path] = (), procs: list[subprocess.Popen] = ()):
-    """Poll ``pred``; fail (with the logs) on timeout or as soon as one of ``procs`` exits."""
-    deadline = time.monotonic() + timeout
-    problem = f"timed out after {timeout}s waiting for {what}"
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            problem = f"{dead[0].args[len(BASE)]} exited with {dead[0].returncode} while waiting for {what}"
-            break
-        time.sleep(0.3)
-    text = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
-    raise AssertionError(f"{problem}{text}")
-
-
-def status_json(home: Path) -> dict | None:
-    res = cli("status", "--json", "--home", str(home), timeout=60)
-    if res.returncode != 0:
-        return None
-    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stdout  # one JSON object
-    return json.loads(lines[0])
-
-
-def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"process {proc.args} did not stop within {timeout}s of signal {sig}")
-
-
-def outgoing_ip() -> str | None:
-    """A non-loopback address of this machine, if it has one."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            ip = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+from tests.support.processes import (
+    HANG_GUARD_S,
+    cli,
+    init_home,
+    outgoing_ip,
+    start,
+    status_json,
+    stop,
+    wait_for,
+)
 
 
 @pytest.fixture

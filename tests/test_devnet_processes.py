@@ -3,51 +3,16 @@
 from __future__ import annotations
 
 import signal
-import time
 
 from node.ops.churn import LedgerAudit
-from node.ops.devnet import Devnet, DevnetOptions
-
-
-def wait_for(pred, timeout: float, what: str, devnet: Devnet | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.5)
-    logs = ""
-    if devnet is not None:
-        for p in sorted((devnet.out / "logs").glob("*.log")):
-            logs += f"\n--- {p.name}\n" + p.read_text()[-3000:]
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{logs}")
+from node.ops.devnet import Devnet
+from tests.support.processes import small_options
+from tests.support.processes import wait_for_devnet as wait_for
 
 
 def trainer_step(devnet: Devnet) -> int:
     rows = devnet.trainer_metrics()
     return max((r["step"] for r in rows), default=0)
-
-
-def small_options(tmp_path, **kw) -> DevnetOptions:
-    opts = DevnetOptions(
-        out=tmp_path / "devnet",
-        workers=2,
-        validators=3,
-        quorum=2,
-        steps=1000,
-        prompts_per_batch=2,
-        group_size=4,
-        max_tokens=16,
-        extra_config={
-            "tiny_hidden_size": 64,
-            "tiny_layers": 2,
-            "batches_per_step": 1,
-            "worker_batches_per_version": 2,
-            "worker_idle_s": 5.0,
-        },
-    )
-    for k, v in kw.items():
-        setattr(opts, k, v)
-    return opts
 
 
 def test_kill9_worker_validator_and_trainer(tmp_path):
