@@ -92,6 +92,7 @@ def run_node(a) -> None:
     import trio
 
     from node.checkpoints import Checkpoints, ChunkStore
+    from node.util import atomic_write_text
     from protocol import ChunkTicket, ChunkTicketRequest, ReplayGuard, SequenceCounter, open_envelope, seal
 
     key = node_key(a.index)
@@ -183,14 +184,15 @@ def run_node(a) -> None:
                 result["assembled_at"] = time.time()
                 result["fetch"] = checkpoints.fetch_history.get(1, {})
                 result["fetch"].pop("peers", None)
-                (work / f"done-{a.index}.json").write_text(json.dumps(result))
+                # atomic: the parent reads the file as soon as it exists
+                atomic_write_text(work / f"done-{a.index}.json", json.dumps(result), durable=False)
             await _wait_for_file(work / "stop", 0.05)
             ru = resource.getrusage(resource.RUSAGE_SELF)
             result["cpu_user_s"], result["cpu_sys_s"] = round(ru.ru_utime, 2), round(ru.ru_stime, 2)
             result["bytes_served"] = checkpoints.server.bytes_served
             result["chunks_elsewhere"] = checkpoints.server.chunks_elsewhere
             result["served_timeline"] = timeline
-            (work / f"final-{a.index}.json").write_text(json.dumps(result))
+            atomic_write_text(work / f"final-{a.index}.json", json.dumps(result), durable=False)
             n.cancel_scope.cancel()
 
     trio.run(main)
