@@ -92,7 +92,7 @@ def run_node(a) -> None:
     import trio
 
     from node.checkpoints import Checkpoints, ChunkStore
-    from node.util import atomic_write_text
+    from node.util import atomic_write_text, now_ms
     from protocol import ChunkTicket, ChunkTicketRequest, ReplayGuard, SequenceCounter, open_envelope, seal
 
     key = node_key(a.index)
@@ -106,7 +106,7 @@ def run_node(a) -> None:
             with trio.fail_after(timeout):
                 s = await trio.open_tcp_stream("127.0.0.1", peers[peer_id])
                 async with s:
-                    data = seal(key, RUN_ID, req, int(time.time() * 1000), seq.next())
+                    data = seal(key, RUN_ID, req, now_ms(), seq.next())
                     await s.send_all(len(data).to_bytes(4, "big") + data)
                     buf = b""
                     while True:
@@ -140,7 +140,7 @@ def run_node(a) -> None:
                 env = open_envelope(
                     buf[4:],
                     run_id=RUN_ID,
-                    now_ms=int(time.time() * 1000),
+                    now_ms=now_ms(),
                     guard=guard,
                     allowed_types={ChunkTicketRequest.TYPE_ID},
                 )

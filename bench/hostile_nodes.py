@@ -42,6 +42,7 @@ from pathlib import Path
 
 import trio
 
+from node.util import now_ms
 from protocol import (
     BatchRequest,
     BatchResponse,
@@ -58,10 +59,6 @@ from protocol import (
 POLL = 0.05
 CKPT_BYTES = 512 * 1024  # a small checkpoint: 32 chunks of 16 KiB
 CKPT_CHUNK = 16 * 1024
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def seeded_keys(seed: str, n: int) -> list[NodeKey]:

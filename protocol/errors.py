@@ -19,3 +19,16 @@ class ProtocolError(ValueError):
         self.rule = rule
         self.detail = detail
         super().__init__(f"{rule}: {detail}" if detail else rule)
+
+
+def rule_label(rule: str) -> str:
+    """A rule identifier without its specifics: ``"field:Sample.completion"`` -> ``"field"``,
+    ``"envelope.type"`` stays. Rule identifiers are hierarchical data (a label, then ``:``
+    and specifics); metrics count by label, and this is the one place that reads them."""
+    return rule.split(":", 1)[0]
+
+
+def rule_family(rule: str) -> str:
+    """The family of a rule: its label up to the first dot (``"envelope.type"`` -> ``"envelope"``);
+    penalties default by family."""
+    return rule_label(rule).split(".", 1)[0]

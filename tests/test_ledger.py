@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import trio
 import trio.lowlevel
 import trio.testing
 
 from node.roles import ledger as ledger_module
 from node.roles.ledger import Ledger
+from node.util import now_ms
 
 V = ["val-a", "val-b", "val-c"]
 
@@ -183,7 +182,7 @@ def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tm
     lg.record_batch(b"pend-new", "w", 5, 1, 1, b"P" * 50)
     lg.commit_checkpoint(step=5, policy_version=5)  # max_async 1: versions below 4 are stale
     assert lg.drop_stale() == 4  # adm0..adm3 admitted but never trained: aged out (they keep their bytes)
-    now = int(time.time() * 1000)
+    now = now_ms()
     with monkeypatch.context() as m:  # a vote received two minutes ago, for a batch never recorded
         m.setattr(ledger_module, "now_ms", lambda: now - 120_000)
         lg.record_vote(b"never-recorded", "val-a", True, "", [1.0])
@@ -265,7 +264,7 @@ def _signed_batch(key, run_id: bytes, counter: int, size: int = 1000):
         ),
         created_ms=1,
     )
-    raw = seal(key, run_id, batch, int(time.time() * 1000), counter + 1)
+    raw = seal(key, run_id, batch, now_ms(), counter + 1)
     ann = RolloutAnnounce(
         batch_id=sha256(raw), policy_version=0, batch_counter=counter, num_samples=1, size_bytes=len(raw)
     )
@@ -290,7 +289,7 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
     honest = NodeKey(b"\x71" * 32)
 
     def announce(key, ann) -> Envelope:
-        return Envelope(run_id, RolloutAnnounce.TYPE_ID, key.peer_id, int(time.time() * 1000), 0, ann, b"")
+        return Envelope(run_id, RolloutAnnounce.TYPE_ID, key.peer_id, now_ms(), 0, ann, b"")
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:

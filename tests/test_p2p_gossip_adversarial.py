@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import trio
 
 from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.p2p.testing import collect_tags as collect
+from node.util import now_ms
 from protocol import RolloutAnnounce, seal
 from protocol.gossip import encode_message
 from protocol.testing import with_signature
@@ -65,7 +64,7 @@ async def test_invalid_messages_are_never_relayed_and_their_senders_are_banned()
                 await wait_until(
                     lambda a=attacker: a.gossip.has_stream(entry.peer_id), 20, what="attacker's gossip link"
                 )
-                data, rule, tags = make(attacker, entry.run_id, int(time.time() * 1000))
+                data, rule, tags = make(attacker, entry.run_id, now_ms())
                 forbidden |= tags
                 for d in data:
                     inject(attacker, d)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from node.p2p.metrics import NodeMetrics
+from protocol.errors import rule_family, rule_label
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ DEFAULT_PENALTY = 5.0
 def penalty_for(rule: str) -> float:
     if rule in PENALTIES:
         return PENALTIES[rule]
-    head = rule.split(":")[0].split(".")[0]
-    return PENALTIES.get(head, DEFAULT_PENALTY)
+    return PENALTIES.get(rule_family(rule), DEFAULT_PENALTY)
 
 
 @dataclasses.dataclass
@@ -138,7 +138,7 @@ class PeerPolicy:
         s = self._scores.setdefault(peer_id, _Score(updated=self.clock()))
         s.points = cur + pts
         if self.metrics is not None:
-            self.metrics.penalties.labels(reason.split(":")[0]).inc(pts)
+            self.metrics.penalties.labels(rule_label(reason)).inc(pts)
         log.debug("penalise %s %.1f for %s (now %.1f/%.1f)", peer_id, pts, reason, s.points, self.budget)
         if s.points > self.budget and not self.is_banned(peer_id):
             self.ban(peer_id, f"misbehaviour budget exceeded (last: {reason})")
