@@ -40,6 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from node.ops.devnet import free_port  # noqa: E402
+
 RUN_ID = hashlib.sha256(b"bench-distribution").digest()
 
 
@@ -47,14 +49,6 @@ def node_key(i: int):
     from protocol import NodeKey
 
     return NodeKey(hashlib.sha256(b"bench-node-%d" % i).digest())
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def make_checkpoint(d: Path, size_mib: int) -> list[Path]:

@@ -39,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from node.ops.churn import trainer_step  # noqa: E402
 from node.ops.devnet import Devnet, DevnetOptions  # noqa: E402
 
 MIB = 1024 * 1024
@@ -90,10 +91,6 @@ def admitted_count(devnet: Devnet) -> int:
             con.close()
     except sqlite3.Error:
         return -1
-
-
-def trainer_step(devnet: Devnet) -> int:
-    return max((r.get("step", 0) for r in devnet.trainer_metrics()), default=0)
 
 
 def summarise(samples: list[dict], names: list[str], warmup_s: float, args) -> dict:

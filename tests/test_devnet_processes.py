@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import signal
 
-from node.ops.churn import LedgerAudit
+from node.ops.churn import LedgerAudit, trainer_step
 from node.ops.devnet import Devnet
 from tests.support.processes import small_options
 from tests.support.processes import wait_for_devnet as wait_for
-
-
-def trainer_step(devnet: Devnet) -> int:
-    rows = devnet.trainer_metrics()
-    return max((r["step"] for r in rows), default=0)
 
 
 def test_kill9_worker_validator_and_trainer(tmp_path):

@@ -5,8 +5,6 @@ $PRIMENODE_MODEL_CACHE). Skipped when the package is not installed."""
 from __future__ import annotations
 
 import copy
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +16,7 @@ from node.models import load_smollm2, smollm2_available
 from node.roles.context import proof_config_for
 from proofs import ProofConfig, build_many, build_sequence_proofs, verify_sequence
 from protocol.messages import SamplingParams
+from tests.support.engines import model_cache
 
 pytestmark = [
     pytest.mark.slow,  # ~2-5 min on 2 shared cores
@@ -38,7 +37,7 @@ DECLARED = proof_config_for({"numerics": "transformers-fp32-cpu"})
 
 @pytest.fixture(scope="session")
 def smol() -> tuple[Any, Any]:
-    cache = Path(os.environ.get("PRIMENODE_MODEL_CACHE", Path.home() / ".cache" / "primenode"))
+    cache = model_cache()
     return load_smollm2(cache)
 
 

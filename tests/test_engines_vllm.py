@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from node.engines.vllm_engine import vllm_available
-from tests.support.engines import PROMPTS, reference_model
+from tests.support.engines import PROMPTS, model_cache, reference_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason="vllm not installed")]
 
@@ -58,7 +58,7 @@ def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]
     from proofs import build_sequence_proofs, verify_sequence
     from protocol.messages import SamplingParams
 
-    cache = Path(os.environ.get("PRIMENODE_MODEL_CACHE", Path.home() / ".cache" / "primenode"))
+    cache = model_cache()
     model, tok = load_smollm2(cache)
     engine = VLLMEngine(cache / SMOLLM2_DIRNAME)
     assert engine.eos_token_id == model.generation_config.eos_token_id

@@ -375,7 +375,7 @@ async def test_trainer_moves_on_from_batches_that_are_never_served(tmp_path, mon
     monkeypatch.setattr(trainer_mod.trio, "sleep", fast_sleep)
     role, liar = await _unserved(trainer_mod.TrainerRole, tmp_path)
     # nothing from the liar reached the ledger (rows are written only for fetched batches)
-    assert role.ledger.db.execute("SELECT COUNT(*) FROM batches WHERE worker = ?", (liar.peer_id,)).fetchone()[0] == 0
+    assert role.ledger.records(worker=liar.peer_id) == []
 
 
 def test_unknown_origins_get_a_small_burst_known_ones_the_full_one():

@@ -174,30 +174,32 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
             # No duplicate admission. The ledger's unique index covers only its own columns of the
             # rows admitted now, so judge from the bytes instead: open every batch ever admitted
             # (aged-out ones too; the ledger keeps their bytes) and read the slot its worker signed.
-            db = trainer.ledger.db
-            admitted = db.execute(
-                "SELECT batch_id, worker, policy_version, batch_counter, envelope FROM batches "
-                "WHERE admitted_ms IS NOT NULL"
-            ).fetchall()
+            admitted = trainer.ledger.records(ever_admitted=True)
             assert admitted
             signed_slots = []
-            for batch_id, worker, version, counter, raw in admitted:
-                assert raw is not None and sha256(raw) == batch_id, "an admitted batch lost its bytes"
+            for rec in admitted:
+                assert rec.envelope is not None and sha256(rec.envelope) == rec.batch_id, (
+                    "an admitted batch lost its bytes"
+                )
                 env = open_envelope(
-                    raw, run_id=genesis.genesis.run_id, now_ms=0, guard=None, allowed_types={RolloutBatch.TYPE_ID}
+                    rec.envelope,
+                    run_id=genesis.genesis.run_id,
+                    now_ms=0,
+                    guard=None,
+                    allowed_types={RolloutBatch.TYPE_ID},
                 )
                 batch = env.body
                 slot = (env.sender, batch.policy_version, batch.batch_counter)
-                assert slot == (worker, version, counter), "the ledger's slot is not the one the worker signed"
+                assert slot == (rec.worker, rec.policy_version, rec.batch_counter), (
+                    "the ledger's slot is not the one the worker signed"
+                )
                 signed_slots.append(slot)
-                assert len(trainer.ledger.accept_voters(batch_id)) >= genesis.genesis.quorum
+                assert len(trainer.ledger.accept_voters(rec.batch_id)) >= genesis.genesis.quorum
             assert len(signed_slots) == len(set(signed_slots)), "the same owed prompts were admitted twice"
             # every refusal as a duplicate names a slot that is admitted exactly once
-            for worker, version, counter in db.execute(
-                "SELECT worker, policy_version, batch_counter FROM batches "
-                "WHERE status = 'rejected' AND reason LIKE 'duplicate slot%'"
-            ).fetchall():
-                assert signed_slots.count((worker, version, counter)) == 1
+            for rec in trainer.ledger.records(status="rejected"):
+                if rec.reason.startswith("duplicate slot"):
+                    assert signed_slots.count((rec.worker, rec.policy_version, rec.batch_counter)) == 1
             # every step trained once, in order
             rows = [json.loads(line) for line in (trainer.home.metrics_path).read_text().splitlines()]
             steps = [r["step"] for r in rows if not r.get("skipped")]

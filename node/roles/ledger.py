@@ -447,6 +447,26 @@ class Ledger:
         ).fetchone()
         return BatchRecord(*row) if row is not None else None
 
+    def records(
+        self, *, worker: str | None = None, status: str | None = None, ever_admitted: bool = False
+    ) -> list[BatchRecord]:
+        """Every batch the ledger holds, optionally only one ``worker``'s, only those with
+        ``status``, or only those ``ever_admitted`` (admitted now or aged out after admission),
+        in arrival order: the read seam for audits and tests (no SQL outside this module)."""
+        where, args = [], []
+        if worker is not None:
+            where.append("worker = ?")
+            args.append(worker)
+        if status is not None:
+            where.append("status = ?")
+            args.append(status)
+        if ever_admitted:
+            where.append(_EVER_ADMITTED)
+        sql = "SELECT batch_id, worker, policy_version, batch_counter, status, reason, envelope FROM batches"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return [BatchRecord(*row) for row in self.db.execute(sql + " ORDER BY rowid", args)]
+
     def votes(self, batch_id: bytes) -> list[VoteRecord]:
         """The votes recorded on one batch (recorded before the batch itself, too), oldest first."""
         rows = self.db.execute(

