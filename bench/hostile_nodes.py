@@ -226,7 +226,7 @@ class BenchRole:
         scen = shard.cfg["scenario"]
         self.fetcher = scen == "unserved" and 1 <= idx <= shard.cfg["fetchers"]
         self.role = "trainer" if idx == 0 else ("validator" if self.fetcher else "worker")
-        self.dist = None
+        self.checkpoints = None
         self.validator = None
         self.batches: dict[bytes, bytes] = {}
         self.served = 0
@@ -236,11 +236,11 @@ class BenchRole:
 
     # RoleHook interface
     def heartbeat_fields(self) -> dict:
-        if self.dist is None:
+        if self.checkpoints is None:
             return {}
         from node.checkpoints.p2p_overlay import checkpoint_heartbeat_fields
 
-        return checkpoint_heartbeat_fields(self.dist)
+        return checkpoint_heartbeat_fields(self.checkpoints)
 
     def status(self) -> dict:
         return {}
@@ -269,8 +269,8 @@ class BenchRole:
 
         root = self.shard.work / f"node-{self.idx}"
         store = ChunkStore(root / "chunks", node.run_id, node.genesis.trainer)
-        self.dist = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async)
-        server = self.dist.server
+        self.checkpoints = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async)
+        server = self.checkpoints.server
         original = server._handle
 
         async def counting_handle(stream) -> None:  # data-plane connections refused at the global cap
@@ -280,7 +280,7 @@ class BenchRole:
             await original(stream)
 
         server._handle = counting_handle  # looked up when the listener starts
-        await nursery.start(serve_checkpoints, node, self.dist)
+        await nursery.start(serve_checkpoints, node, self.checkpoints)
         if self.idx == 0:
             await self.publish_checkpoint(node, 0)
             nursery.start_soon(self._reannounce, node)
@@ -289,7 +289,7 @@ class BenchRole:
         """As the trainer does (every 5 s): nodes that joined after an announce learn the newest version."""
         while True:
             await trio.sleep(2.0)
-            st = self.dist.store.newest()
+            st = self.checkpoints.store.newest()
             if st is not None and st.complete:
                 await node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
 
@@ -297,15 +297,15 @@ class BenchRole:
         src = self.shard.work / f"ckpt-v{version}"
         src.mkdir(parents=True, exist_ok=True)
         (src / "model.safetensors").write_bytes(random.Random(version).randbytes(CKPT_BYTES))
-        await self.dist.publish(node.key, version, src, chunk_size=CKPT_CHUNK)
-        await node.gossip.publish(CheckpointAnnounce(manifest=self.dist.store.get(version).manifest))
+        await self.checkpoints.publish(node.key, version, src, chunk_size=CKPT_CHUNK)
+        await node.gossip.publish(CheckpointAnnounce(manifest=self.checkpoints.store.get(version).manifest))
 
     def holds(self, version: int) -> bool:
-        st = self.dist.store.get(version) if self.dist is not None else None
+        st = self.checkpoints.store.get(version) if self.checkpoints is not None else None
         return st is not None and st.assembled
 
     def missing_chunks(self, version: int) -> int:
-        st = self.dist.store.get(version) if self.dist is not None else None
+        st = self.checkpoints.store.get(version) if self.checkpoints is not None else None
         if st is None:
             return -1  # never heard of the version
         return st.bitmap.n - st.bitmap.count
@@ -341,8 +341,8 @@ def node_snapshot(node, role: BenchRole) -> dict:
     }
     if role.validator is not None:
         d["fetcher"] = role.validator.stats()
-    if role.dist is not None:
-        srv = role.dist.server
+    if role.checkpoints is not None:
+        srv = role.checkpoints.server
         d["dataplane"] = {
             "connections": srv.connections,
             "peak_connections": role.dp_peak_connections,
@@ -478,7 +478,7 @@ class Shard:
                 "rss_mib": proc_mem_mib()[0],
             }
             if self.shard == 0 and cfg["scenario"] == "chunks":
-                st = self.roles[0].dist.store.get(0)
+                st = self.roles[0].checkpoints.store.get(0)
                 ready["ckpt"] = {"version": 0, "root": st.root.hex(), "chunks": st.bitmap.n}
             write_json(self.work / f"ready-{self.shard}.json", ready)
 
@@ -513,8 +513,8 @@ class Shard:
             ckpt = {}
             if cfg["scenario"] == "chunks":
                 for i, r in self.roles.items():
-                    f = r.dist.fetchers.get(1)
-                    fs = f.status() if f is not None else r.dist.fetch_history.get(1, {})
+                    f = r.checkpoints.fetchers.get(1)
+                    fs = f.status() if f is not None else r.checkpoints.fetch_history.get(1, {})
                     ckpt[i] = {
                         "holds_v1": r.holds(1),
                         "done_at": self.v1_done.get(i),

@@ -112,25 +112,25 @@ class TargetRole(RoleHook):
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.dist: Checkpoints | None = None
+        self.checkpoints: Checkpoints | None = None
         self.ready = trio.Event()
         self.worker = types.SimpleNamespace(batches={}, stats={"batches_served": 0})
 
     async def run(self, node) -> None:
         store = ChunkStore(self.root / "chunks", node.run_id, node.genesis.trainer)
-        self.dist = Checkpoints(store, P2POverlay(node), max_async=2, auto_fetch=False)
+        self.checkpoints = Checkpoints(store, P2POverlay(node), max_async=2, auto_fetch=False)
         src = self.root / "ckpt"
         src.mkdir(parents=True, exist_ok=True)
         (src / "model.safetensors").write_bytes(random.Random(1).randbytes(200_000))
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_checkpoints, node, self.dist)
-            await self.dist.publish(node.key, 0, src, chunk_size=65536)
+            await nursery.start(serve_checkpoints, node, self.checkpoints)
+            await self.checkpoints.publish(node.key, 0, src, chunk_size=65536)
             node.reqresp.register(BatchRequest, lambda env, peer: WorkerRole._serve_batch(self.worker, env, peer))
             self.ready.set()
             await trio.sleep_forever()
 
     def heartbeat_fields(self):
-        return checkpoint_heartbeat_fields(self.dist) if self.dist is not None else {}
+        return checkpoint_heartbeat_fields(self.checkpoints) if self.checkpoints is not None else {}
 
 
 async def start_target(nursery, tmp_path, **overrides):
@@ -251,7 +251,7 @@ async def test_fuzz_request_response_frames(tmp_path):
             assert isinstance(env.body, PeerExchangeResponse)
             ticket = await honest.reqresp.request(
                 target.peer_id,
-                ChunkTicketRequest(version=0, root=target.hook.dist.store.get(0).root, chunk_indices=(0,)),
+                ChunkTicketRequest(version=0, root=target.hook.checkpoints.store.get(0).root, chunk_indices=(0,)),
                 ChunkTicket,
             )
             assert ticket.body.ok
@@ -426,7 +426,7 @@ async def test_fuzz_gossip_frames(tmp_path):
 
 
 async def _honest_fetch(node, target, role) -> bytes:
-    st = role.dist.store.get(0)
+    st = role.checkpoints.store.get(0)
     env = await node.reqresp.request(
         target.peer_id, ChunkTicketRequest(version=0, root=st.root, chunk_indices=(0,)), ChunkTicket
     )
@@ -544,10 +544,10 @@ async def test_fuzz_chunk_data_plane(tmp_path):
     with trio.fail_after(90 + n * 1.0):
         async with trio.open_nursery() as nursery:
             net, target, role = await start_target(nursery, tmp_path)
-            server = role.dist.server
+            server = role.checkpoints.server
             server.stall_timeout_s = 1.0  # a silent attacker is cut quickly (keeps the test short)
             client = await net.start()
-            st_ = role.dist.store.get(0)
+            st_ = role.checkpoints.store.get(0)
             # a real ticket for the attacker, so requests after HELLO reach the serving loop too
             env = await client.reqresp.request(
                 target.peer_id, ChunkTicketRequest(version=0, root=st_.root, chunk_indices=(0,)), ChunkTicket

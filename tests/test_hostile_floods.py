@@ -248,10 +248,10 @@ async def test_data_connections_per_identity_are_capped(tmp_path):
     with trio.fail_after(90):
         async with trio.open_nursery() as nursery:
             net, target, role = await start_target(nursery, tmp_path)
-            server = role.dist.server
+            server = role.checkpoints.server
             server.reseed_after_s = 1.0  # super-seeding hold-off on what the hoarder took (keeps the test short)
             hoarder = await net.start()
-            st = role.dist.store.get(0)
+            st = role.checkpoints.store.get(0)
             env = await hoarder.reqresp.request(
                 target.peer_id,
                 ChunkTicketRequest(version=0, root=st.root, chunk_indices=(0,)),

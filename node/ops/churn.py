@@ -1,4 +1,4 @@
-"""Churn for a local devnet (issue 8): kill -9 random nodes and restart them, and audit
+"""Churn for a local devnet: kill -9 random nodes and restart them, and audit
 the trainer's ledger so that nothing admitted is ever lost.
 
 Used by ``tests/test_churn.py`` (a bounded run) and ``bench/churn.py`` (minutes).
