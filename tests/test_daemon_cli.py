@@ -19,7 +19,7 @@ import pytest
 from tests.support.processes import (
     HANG_GUARD_S,
     cli,
-    init_home,
+    init_run,
     outgoing_ip,
     start,
     status_json,
@@ -30,26 +30,7 @@ from tests.support.processes import (
 
 @pytest.fixture
 def run_setup(tmp_path):
-    boot, joiner = tmp_path / "boot", tmp_path / "joiner"
-    init_home(boot)
-    joiner_id = init_home(joiner)
-    genesis = tmp_path / "run.toml"
-    res = cli(
-        "run",
-        "init",
-        "--home",
-        str(boot),
-        "--out",
-        str(genesis),
-        "--trainer",
-        joiner_id,
-        "--validator",
-        joiner_id,
-        "--name",
-        "cli-test",
-    )
-    assert res.returncode == 0, res.stderr
-    return boot, joiner, genesis
+    return init_run(tmp_path, "cli-test")
 
 
 def test_bootstrap_and_join_see_each_other_and_stop_cleanly(tmp_path, run_setup):

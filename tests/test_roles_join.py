@@ -4,29 +4,11 @@ refuses a bootstrap serving another, with one clear line and exit 1, before star
 
 from __future__ import annotations
 
-from tests.support.processes import cli, init_home, start, stop
+from tests.support.processes import cli, init_run, start, stop
 
 
 def test_join_with_another_run_id_is_refused_with_one_clear_line(tmp_path):
-    boot, joiner = tmp_path / "boot", tmp_path / "joiner"
-    init_home(boot)
-    joiner_id = init_home(joiner)
-    genesis = tmp_path / "run.toml"
-    res = cli(
-        "run",
-        "init",
-        "--home",
-        str(boot),
-        "--out",
-        str(genesis),
-        "--trainer",
-        joiner_id,
-        "--validator",
-        joiner_id,
-        "--name",
-        "served-run",
-    )
-    assert res.returncode == 0, res.stderr
+    boot, joiner, genesis = init_run(tmp_path, "served-run")
     served_id = cli("run", "show", str(genesis)).stdout
     other = "ab" * 32
     assert other not in served_id

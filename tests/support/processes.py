@@ -122,3 +122,18 @@ def small_options(tmp_path, **kw) -> DevnetOptions:
     for k, v in kw.items():
         setattr(opts, k, v)
     return opts
+
+
+def init_run(tmp_path: Path, name: str) -> tuple[Path, Path, Path]:
+    """Two homes made with ``primenode init`` (a bootstrap's and a joiner's) and a signed genesis
+    written by ``primenode run init`` that names the joiner as trainer and validator."""
+    boot, joiner = tmp_path / "boot", tmp_path / "joiner"
+    init_home(boot)
+    joiner_id = init_home(joiner)
+    genesis = tmp_path / "run.toml"
+    res = cli(
+        "run", "init", "--home", str(boot), "--out", str(genesis),
+        "--trainer", joiner_id, "--validator", joiner_id, "--name", name,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return boot, joiner, genesis
