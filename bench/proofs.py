@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from node.engines.base import group_seeds
 from node.engines.transformers_engine import TransformersEngine
 from node.models import load_smollm2, tiny_llama
 from proofs import ChunkResult, ProofConfig, build_many, check_chunks, chunk_activations
@@ -91,7 +92,9 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     seeds = list(range(len(prompts)))
     cfg = ProofConfig()
-    engine.generate(prompts[:2], 1, SamplingParams(max_tokens=4), [0, 1], capture_hidden=True)  # warm-up
+    engine.generate(
+        prompts[:2], 1, SamplingParams(max_tokens=4), group_seeds([0, 1], 1), capture_hidden=True
+    )  # warm-up
     engine.prefill_hidden_batch([(prompts[0], prompts[1])])
 
     def check(hidden: list[torch.Tensor], config: ProofConfig) -> tuple[float, list[ChunkResult]]:
@@ -107,7 +110,7 @@ def main() -> None:
     gen_s, plain_s, build_s, prefill_s, check_s = [], [], [], [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        groups = engine.generate(prompts, args.n, params, seeds, capture_hidden=True)
+        groups = engine.generate(prompts, args.n, params, group_seeds(seeds, args.n), capture_hidden=True)
         gen_s.append(time.perf_counter() - t0)
         completions = [c for g in groups for c in g]
         t0 = time.perf_counter()
@@ -121,7 +124,7 @@ def main() -> None:
         check_s.append(seconds)
         if args.plain:
             t0 = time.perf_counter()
-            engine.generate(prompts, args.n, params, seeds, capture_hidden=False)
+            engine.generate(prompts, args.n, params, group_seeds(seeds, args.n), capture_hidden=False)
             plain_s.append(time.perf_counter() - t0)
 
     gen_tokens = sum(len(c.tokens) for c in completions)

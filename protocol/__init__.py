@@ -40,13 +40,14 @@ from .proof_layout import ProofLayout, chunk_rows, expected_chunks, proof_size, 
 from .rules import Quorum, is_stale, quorum_outcome, window_floor, within_window
 from .schema import Message
 from .seeds import sample_seed
-from .topics import all_topics, topic
+from .topics import PROTOCOL_VERSION, all_topics, topic
 
 __all__ = [
     "ENVELOPE_TYPES",
     "GOSSIP_TYPES",
     "MAX_ENVELOPE_BYTES",
     "PRE_RUN_TYPES",
+    "PROTOCOL_VERSION",
     "ZERO_RUN_ID",
     "Bitmap",
     "Envelope",

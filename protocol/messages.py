@@ -242,6 +242,7 @@ class SamplingParams(Message):
     temperature: float = spec(lo=0.0, hi=10.0, default=1.0)
     top_p: float = spec(lo=0.0, hi=1.0, default=1.0)
     max_tokens: int = spec(lo=1, hi=1 << 20, default=64)
+    top_k: int = spec(lo=0, hi=1 << 20, default=0)  # 0: no top-k cut
 
 
 @dataclasses.dataclass(frozen=True)

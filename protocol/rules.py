@@ -1,12 +1,13 @@
 """Rules every role applies alike, as pure functions of genesis values.
 
 A worker, a validator, the trainer and the checkpoint store must agree exactly
-on which policy versions are still usable and on when validators' votes decide
-a batch; writing the comparison once keeps them from drifting apart by one.
+on which policy versions are still usable, on when validators' votes decide
+a batch and on how many batch slots a worker has; writing the comparison once keeps them from drifting apart by one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Collection
 
@@ -49,3 +50,25 @@ def quorum_outcome(
     if no > len(members) - quorum:
         return Quorum.REJECTED
     return Quorum.PENDING
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRule:
+    """How many batches a worker may produce per policy version (genesis ``[config]``).
+
+    An honest worker produces ``per_version`` batches for each version, then one more
+    each ``idle_s`` seconds that no newer version arrives (the trainer may be
+    restarting). ``slack`` covers clock skew between a validator and the trainer's
+    manifest timestamp."""
+
+    per_version: int
+    idle_s: float
+    slack: int
+
+
+def counter_limit(rule: SlotRule, elapsed_ms: int) -> int:
+    """The number of batch counters (0 .. limit-1) a worker may have used for a version
+    published ``elapsed_ms`` ago. A counter at or past it is grinding: a worker that tries
+    counter after counter to pick the prompts it finds easiest."""
+    idle_ms = max(1, int(rule.idle_s * 1000))
+    return rule.per_version + rule.slack + max(0, elapsed_ms) // idle_ms

@@ -1,8 +1,15 @@
-"""Gossip topic names: one topic per run and message type."""
+"""Gossip topic names: one topic per run and message type, suffixed with the protocol
+version, so nodes that disagree on what a message means never share a topic.
+
+Version history: 1, the first network; 2, seeded Gumbel-max sampling (the sample
+seed hashes the member and the manifest root; ``SamplingParams.top_k``; the rules
+``sampling``, ``termination``, ``counter``, ``slot``)."""
 
 from __future__ import annotations
 
 from .messages import BanNotice, CheckpointAnnounce, Heartbeat, RolloutAnnounce, Vote
+
+PROTOCOL_VERSION = 2
 
 TOPIC_TYPES = {
     "heartbeat": Heartbeat.TYPE_ID,
@@ -14,10 +21,10 @@ TOPIC_TYPES = {
 
 
 def topic(run_id: bytes, kind: str) -> str:
-    """``/primenode/<first 16 hex of run id>/<kind>/1``."""
+    """``/primenode/<first 16 hex of run id>/<kind>/<PROTOCOL_VERSION>``."""
     if kind not in TOPIC_TYPES:
         raise ValueError(f"unknown topic kind {kind!r}")
-    return f"/primenode/{run_id.hex()[:16]}/{kind}/1"
+    return f"/primenode/{run_id.hex()[:16]}/{kind}/{PROTOCOL_VERSION}"
 
 
 def all_topics(run_id: bytes) -> dict[str, int]:

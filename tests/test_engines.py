@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from node.engines.transformers_engine import completion_seed
+from node.engines.base import group_seeds
 from node.engines.vllm_engine import vllm_available
 from node.models import tiny_llama
 from proofs import build_many, build_sequence_proofs, verify_sequence
@@ -65,11 +65,14 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_shapes_and_group_layout(setup: dict[str, Any]) -> None:
     engine, eos = setup["engine"], setup["eos"]
     assert engine.eos_token_id == eos
-    out = engine.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_tokens=20), [1, 2], capture_hidden=True)
+    out = engine.generate(
+        PROMPTS, 3, SamplingParams(temperature=1.0, max_tokens=20), group_seeds([1, 2], 3), capture_hidden=True
+    )
     assert [len(g) for g in out] == [3, 3]
-    for prompt, seed, group in zip(PROMPTS, (1, 2), out):
+    for prompt, seeds, group in zip(PROMPTS, group_seeds([1, 2], 3), out):
+        assert [c.seed for c in group] == seeds
         for c in group:
-            assert c.prompt_tokens == prompt and 1 <= len(c.tokens) <= 20 and c.seed == seed
+            assert c.prompt_tokens == prompt and 1 <= len(c.tokens) <= 20
             assert len(c.logprobs) == len(c.tokens) and all(lp <= 0 for lp in c.logprobs)
             assert tuple(c.hidden.shape) == (len(prompt) + len(c.tokens), HIDDEN) and c.hidden.dtype == torch.float32
             assert c.finish_reason == ("stop" if c.tokens[-1] == eos else "length")
@@ -80,17 +83,17 @@ def test_shapes_and_group_layout(setup: dict[str, Any]) -> None:
 def test_seeded_sampling_is_reproducible_and_batch_independent(setup: dict[str, Any]) -> None:
     engine = setup["engine"]
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24)
-    a = engine.generate(PROMPTS, 2, params, [7, 8])
-    b = engine.generate(PROMPTS, 2, params, [7, 8])
-    alone = engine.generate(PROMPTS[1:], 2, params, [8])
+    a = engine.generate(PROMPTS, 2, params, group_seeds([7, 8], 2))
+    b = engine.generate(PROMPTS, 2, params, group_seeds([7, 8], 2))
+    alone = engine.generate(PROMPTS[1:], 2, params, group_seeds([8], 2))
     assert [c.tokens for g in a for c in g] == [c.tokens for g in b for c in g]
     assert [c.tokens for c in a[1]] == [c.tokens for c in alone[0]]
     assert a[0][0].tokens != a[0][1].tokens  # siblings draw from independent streams
-    other = engine.generate(PROMPTS, 2, params, [70, 80])
+    other = engine.generate(PROMPTS, 2, params, group_seeds([70, 80], 2))
     assert [c.tokens for g in a for c in g] != [c.tokens for g in other for c in g]
-    assert completion_seed(7, 0) != completion_seed(7, 1)
+    assert group_seeds([7], 2)[0][0] != group_seeds([7], 2)[0][1]
     # capturing hidden states must not change the tokens drawn
-    captured = engine.generate(PROMPTS, 2, params, [7, 8], capture_hidden=True)
+    captured = engine.generate(PROMPTS, 2, params, group_seeds([7, 8], 2), capture_hidden=True)
     assert [c.tokens for g in a for c in g] == [c.tokens for g in captured for c in g]
 
 
@@ -98,7 +101,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(setup: dict[str, 
 def test_logprobs_match_a_full_forward_with_temperature(setup: dict[str, Any], temp: float, top_p: float) -> None:
     """log p(token) under the temperature-scaled distribution, before top-p truncation."""
     params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=16)
-    for g in setup["engine"].generate(PROMPTS, 1, params, [3, 4]):
+    for g in setup["engine"].generate(PROMPTS, 1, params, group_seeds([3, 4], 1)):
         c = g[0]
         with torch.no_grad():
             logits = setup["model"](torch.tensor([c.prompt_tokens + c.tokens])).logits[0]
@@ -109,7 +112,7 @@ def test_logprobs_match_a_full_forward_with_temperature(setup: dict[str, Any], t
 
 
 def test_greedy_is_argmax_and_stops_on_eos(setup: dict[str, Any]) -> None:
-    out = setup["engine"].generate([PROMPTS[0]], 2, SamplingParams(temperature=0.0, max_tokens=12), [0])
+    out = setup["engine"].generate([PROMPTS[0]], 2, SamplingParams(temperature=0.0, max_tokens=12), group_seeds([0], 2))
     want = greedy_reference(setup["model"], PROMPTS[0], 12)
     want = want[: want.index(setup["eos"]) + 1]
     for c in out[0]:
@@ -120,9 +123,13 @@ def test_captured_hidden_equals_prefill_and_proofs_verify(setup: dict[str, Any])
     """What a worker captures while generating is what a validator's prefill computes, and
     the proofs built from it verify; includes a completion ending on EOS and one of length 1."""
     engine, atol = setup["engine"], setup["atol"]
-    sampled = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=40), [5, 6], capture_hidden=True)
-    greedy = engine.generate([PROMPTS[0]], 1, SamplingParams(temperature=0.0, max_tokens=40), [0], capture_hidden=True)
-    single = engine.generate([PROMPTS[1]], 1, SamplingParams(temperature=1.0, max_tokens=1), [9], capture_hidden=True)
+    sampled = engine.generate(
+        PROMPTS, 2, SamplingParams(temperature=1.0, max_tokens=40), group_seeds([5, 6], 2), capture_hidden=True
+    )
+    greedy = engine.generate(
+        [PROMPTS[0]], 1, SamplingParams(temperature=0.0, max_tokens=40), [[0]], capture_hidden=True
+    )
+    single = engine.generate([PROMPTS[1]], 1, SamplingParams(temperature=1.0, max_tokens=1), [[9]], capture_hidden=True)
     assert greedy[0][0].finish_reason == "stop" and len(single[0][0].tokens) == 1
     completions = [c for g in sampled + greedy + single for c in g]
     proofs = build_many([(c.hidden, len(c.prompt_tokens)) for c in completions])
@@ -140,6 +147,40 @@ def test_captured_hidden_equals_prefill_and_proofs_verify(setup: dict[str, Any])
         assert pr == build_sequence_proofs(c.hidden, len(c.prompt_tokens))
         assert verify_sequence(h, len(c.prompt_tokens), pr).ok
     assert len(build_sequence_proofs(single[0][0].hidden, len(PROMPTS[1]))) == 2  # prompt chunk + one token
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_tokens=32),
+        SamplingParams(temperature=0.6, top_p=0.8, max_tokens=32),
+        SamplingParams(temperature=1.3, top_k=20, max_tokens=32),
+    ],
+    ids=["t1", "t0.6-top_p", "t1.3-top_k"],
+)
+def test_every_token_is_the_seeded_gumbel_sample_a_validator_replays(setup: dict[str, Any], params) -> None:
+    """Seeded sampling (proofs.sampling): each token is the argmax of logits / T + the seeded
+    noise, so replaying it from the reference model's logits finds every token, with no gap;
+    the output matrix and EOS ids the engine reports are the model's."""
+    from proofs.sampling import completion_logits, replay
+
+    engine, model = setup["engine"], setup["model"]
+    seeds = [[101, 102, 103], [201, 202, 203]]
+    head = model.get_output_embeddings().weight.detach()
+    assert torch.equal(engine.lm_head_weight().float().cpu(), head)
+    assert engine.vocab_size == head.shape[0] and setup["eos"] in engine.eos_token_ids
+    for group, row in zip(engine.generate(PROMPTS, 3, params, seeds), seeds):
+        for c, seed in zip(group, row):
+            assert c.seed == seed
+            with torch.no_grad():
+                hidden = model.model(input_ids=torch.tensor([c.prompt_tokens + c.tokens])).last_hidden_state[0]
+            result = replay(completion_logits(hidden, len(c.prompt_tokens), head), c.tokens, seed, params, 1e-3)
+            assert result.first_bad < 0 and result.near_ties == 0 and result.max_gap < 1e-4, result
+    # another seed replays to other tokens: the seed, not the engine, chooses
+    c = engine.generate([PROMPTS[0]], 1, params, [[999]])[0][0]
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([c.prompt_tokens + c.tokens])).last_hidden_state[0]
+    assert replay(completion_logits(hidden, len(c.prompt_tokens), head), c.tokens, 101, params, 1e-3).first_bad >= 0
 
 
 def test_prefill_hidden_batch_keeps_the_input_order(setup: dict[str, Any]) -> None:
@@ -162,11 +203,11 @@ def test_prefill_hidden_batch_keeps_the_input_order(setup: dict[str, Any]) -> No
 def test_empty_prompt_and_bad_arguments_are_rejected(setup: dict[str, Any]) -> None:
     engine = setup["engine"]
     with pytest.raises(ValueError, match="empty"):
-        engine.generate([[]], 1, SamplingParams(), [0])
+        engine.generate([[]], 1, SamplingParams(), [[0]])
     with pytest.raises(ValueError):
-        engine.generate(PROMPTS, 1, SamplingParams(), [0])
+        engine.generate(PROMPTS, 1, SamplingParams(), group_seeds([0], 1))
     with pytest.raises(ValueError):
-        engine.generate(PROMPTS, 1, SamplingParams(top_p=0.0), [0, 1])
+        engine.generate(PROMPTS, 1, SamplingParams(top_p=0.0), group_seeds([0, 1], 1))
 
 
 def test_load_weights_hot_reload(setup: dict[str, Any]) -> None:
@@ -179,7 +220,9 @@ def test_load_weights_hot_reload(setup: dict[str, Any]) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=24)
 
     def run() -> list[Any]:
-        return [c for g in engine.generate(PROMPTS, 2, params, [11, 12], capture_hidden=True) for c in g]
+        return [
+            c for g in engine.generate(PROMPTS, 2, params, group_seeds([11, 12], 2), capture_hidden=True) for c in g
+        ]
 
     first = run()
     engine.load_weights(other.state_dict())

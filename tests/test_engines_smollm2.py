@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from node.engines.base import Completion
+from node.engines.base import Completion, group_seeds
 from node.engines.transformers_engine import TransformersEngine
 from node.models import load_smollm2, smollm2_available
 from node.roles.context import proof_config_for
@@ -81,9 +81,9 @@ def _perturbed(model: Any, rel: float, seed: int = 0) -> Any:
 
 
 def test_honest_rollouts_pass_sampled_and_greedy(honest: TransformersEngine, prompt: list[int]) -> None:
-    sampled = honest.generate([prompt], 1, SAMPLED, [11], capture_hidden=True)[0][0]
+    sampled = honest.generate([prompt], 1, SAMPLED, group_seeds([11], 1), capture_hidden=True)[0][0]
     greedy = honest.generate(
-        [prompt], 1, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), [0], capture_hidden=True
+        [prompt], 1, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), group_seeds([0], 1), capture_hidden=True
     )[0][0]
     for c in (sampled, greedy):
         for config in (ProofConfig(), ProofConfig.tight()):
@@ -93,7 +93,7 @@ def test_honest_rollouts_pass_sampled_and_greedy(honest: TransformersEngine, pro
 
 
 def test_claimed_continuation_other_than_generated_fails(honest: TransformersEngine, prompt: list[int]) -> None:
-    first, second = honest.generate([prompt], 2, SAMPLED, [21], capture_hidden=True)[0]
+    first, second = honest.generate([prompt], 2, SAMPLED, group_seeds([21], 2), capture_hidden=True)[0]
     assert first.tokens != second.tokens
     assert not _verdict(honest, prompt, first, tokens=second.tokens).ok
     half = len(first.tokens) // 2
@@ -103,7 +103,7 @@ def test_claimed_continuation_other_than_generated_fails(honest: TransformersEng
 
 def test_perturbed_weights_fail(smol: tuple[Any, Any], honest: TransformersEngine, prompt: list[int]) -> None:
     worker = TransformersEngine(_perturbed(smol[0], 0.05))
-    c = worker.generate([prompt], 1, SAMPLED, [11], capture_hidden=True)[0][0]
+    c = worker.generate([prompt], 1, SAMPLED, group_seeds([11], 1), capture_hidden=True)[0][0]
     v = _verdict(honest, prompt, c)
     assert not v.ok, v.chunks
 
@@ -118,7 +118,7 @@ def test_different_models_fail(smol: tuple[Any, Any], honest: TransformersEngine
         torch.manual_seed(0)
         random_init = LlamaForCausalLM(smol[0].config).eval()
     for model in (shallow, random_init):
-        c = TransformersEngine(model).generate([prompt], 1, SAMPLED, [11], capture_hidden=True)[0][0]
+        c = TransformersEngine(model).generate([prompt], 1, SAMPLED, group_seeds([11], 1), capture_hidden=True)[0][0]
         v = _verdict(honest, prompt, c)
         assert not v.ok, v.chunks
 
@@ -135,7 +135,7 @@ def test_changed_prompt_token_fails(honest: TransformersEngine, prompt: list[int
         p = list(prompt)
         p[where] = (p[where] + 17) % 49152
         edited.append(p)
-    outs = honest.generate(edited, 1, SAMPLED, [11, 11, 11], capture_hidden=True)
+    outs = honest.generate(edited, 1, SAMPLED, group_seeds([11, 11, 11], 1), capture_hidden=True)
     first, middle, last = (g[0] for g in outs)
     assert not _verdict(honest, prompt, first).ok
     for c in (first, middle, last):
@@ -155,7 +155,7 @@ def test_honest_batches_pass_tight_whatever_the_batch_composition(
     pass the declared-stack (tight) thresholds."""
     prompts = [prompt] + [_chat(smol[1], q) for q in OTHER_QUESTIONS]
     assert len({len(p) for p in prompts}) == 4  # really padded
-    outs = [g[0] for g in honest.generate(prompts, 1, params, [3, 4, 5, 6], capture_hidden=True)]
+    outs = [g[0] for g in honest.generate(prompts, 1, params, group_seeds([3, 4, 5, 6], 1), capture_hidden=True)]
     proofs = build_many([(c.hidden, len(c.prompt_tokens)) for c in outs])
     pairs = [(c.prompt_tokens, c.tokens) for c in outs]
     views = [[honest.prefill_hidden(p, t)] for p, t in pairs]  # the validator's batch of 1
@@ -174,5 +174,5 @@ def test_honest_batches_pass_tight_whatever_the_batch_composition(
 def test_bf16_swap_is_not_seen(smol: tuple[Any, Any], honest: TransformersEngine, prompt: list[int]) -> None:
     """A known blind spot (documented): a worker running bf16 weights passes."""
     worker = TransformersEngine(copy.deepcopy(smol[0]).to(torch.bfloat16))
-    c = worker.generate([prompt], 1, SAMPLED, [11], capture_hidden=True)[0][0]
+    c = worker.generate([prompt], 1, SAMPLED, group_seeds([11], 1), capture_hidden=True)[0][0]
     assert _verdict(honest, prompt, c).ok

@@ -234,23 +234,42 @@ def test_fixed_inputs_give_fixed_prompts(worker, version, counter, size, count, 
 
 
 @pytest.mark.parametrize(
-    "run_id, worker, version, counter, prompt_index, expected",
+    "run_id, worker, version, counter, prompt_index, member, root, expected",
     [
-        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 8758997740110991532),
-        (b"", "", 0, 0, 0, 641818850195848266),
-        (bytes(range(32)), "peer-b", 123456, 99, 0, 2443913817184689491),
+        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 0, b"\x02" * 32, 1452858699267749763),
+        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 1, b"\x02" * 32, 8149341757765004815),
+        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 0, b"\x03" * 32, 3794216918674568705),
+        (b"", "", 0, 0, 0, 0, b"", 5020637130966879035),
     ],
-    ids=["typical", "empty", "large-version"],
+    ids=["typical", "next-member", "other-manifest-root", "empty"],
 )
-def test_fixed_inputs_give_fixed_sample_seed(run_id, worker, version, counter, prompt_index, expected):
-    assert sample_seed(run_id, worker, version, counter, prompt_index) == expected
+def test_fixed_inputs_give_fixed_sample_seed(run_id, worker, version, counter, prompt_index, member, root, expected):
+    """Protocol 2: the seed hashes the group member and the checkpoint's manifest root too."""
+    assert sample_seed(run_id, worker, version, counter, prompt_index, member, root) == expected
+
+
+def test_fixed_seed_gives_fixed_gumbel_noise():
+    """The noise stream (Philox4x32-10, counter (v // 4, position, DOMAIN, 0)) is wire-visible:
+    worker and validator must draw the same words for (seed, position, vocabulary id)."""
+    import torch
+
+    from proofs.sampling import gumbel, philox4x32_reference, uniform_words
+
+    seed, position = 8758997740110991532, 5
+    words = uniform_words(torch.tensor(seed), torch.tensor(position), torch.arange(6)).tolist()
+    assert words == [381387475, 2345175059, 2660519845, 1243979928, 2944840526, 3234930382]
+    assert list(philox4x32_reference([0, 5, 0x50524E31, 0], [seed & 0xFFFFFFFF, seed >> 32])) == words[:4]
+    noise = gumbel(torch.tensor(seed), torch.tensor(position), torch.arange(3)).tolist()
+    assert noise == pytest.approx([-0.8843390155043088, 0.5023881700329854, 0.7362166850203936], abs=1e-15)
 
 
 # ------------------------------------------------------------------ gossip frames
 
 # length prefix, then fixarray(2) [str8 topic, bin8 ENVELOPE]
 GOSSIP_FRAME = (
-    bytes.fromhex("000000fe92d9252f7072696d656e6f64652f396261633532346434353730376237382f726f6c6c6f75742f31c4d4")
+    bytes.fromhex(
+        "000000fe92d9252f7072696d656e6f64652f396261633532346434353730376237382f726f6c6c6f75742f32c4d4"
+    )  # .../rollout/2: protocol 2
     + ENVELOPE
 )
 # length prefix, then fixarray(2) [kind, fixarray(1) [bin8 ENVELOPE_ID]]
@@ -264,7 +283,7 @@ def test_fixed_gossip_message_frame():
     assert gossip.frame_header(len(body)) + body == GOSSIP_FRAME
     assert gossip.frame_size(GOSSIP_FRAME[:4]) == len(body)
     assert gossip.decode_frame(GOSSIP_FRAME[4:]) == gossip.GossipMessage(
-        "/primenode/9bac524d45707b78/rollout/1", ENVELOPE
+        "/primenode/9bac524d45707b78/rollout/2", ENVELOPE
     )
     assert gossip.message_id(ENVELOPE) == ENVELOPE_ID
 

@@ -74,7 +74,7 @@ def test_non_canonical_encoding_is_refused():
         (m.PeerExchangeRequest, [], "field:PeerExchangeRequest"),
         (m.BatchRequest, [b"short"], "field:BatchRequest.batch_id"),
         (m.BanNotice, ["x" * 50, "r", -1], "field:BanNotice.until_ms"),
-        (m.SamplingParams, [float("nan"), 1.0, 5], "field:SamplingParams.temperature"),
+        (m.SamplingParams, [float("nan"), 1.0, 5, 0], "field:SamplingParams.temperature"),
         (m.Vote, [b"\0" * 32, "p" * 52, 0, True, "should be empty", ()], "field:Vote.reason"),
         (m.Vote, [b"\0" * 32, "p" * 52, 0, False, "", ()], "field:Vote.reason"),
     ],

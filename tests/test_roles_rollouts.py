@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.roles.rollouts import produce_batch, verify_batch
+from node.roles.rollouts import PolicyFacts, produce_batch, verify_batch
+from node.util import now_ms
 from protocol import RolloutBatch
 from tests.support.roles import WORKERS, engine_for, tiny_context
 
@@ -19,16 +20,29 @@ def setup(tmp_path_factory):
     return ctx, engine
 
 
-def prefill_with(engine):
-    return lambda pairs: engine.prefill_hidden_batch(pairs)
+# The checkpoint facts the batches claim: version 0, some manifest root, published just now.
+POLICY = PolicyFacts(0, b"\x07" * 32, now_ms())
+
+
+class OneByOne:
+    """The engine, prefilling each sequence alone (no shared-prompt batching)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill_hidden_batch(self, pairs):
+        return [h for p in pairs for h in self.engine.prefill_hidden_batch([p])]
 
 
 def test_honest_batch_is_accepted_with_rule_rewards(setup):
     ctx, engine = setup
-    batch = produce_batch(ctx, engine, W, 0, 0)
+    batch = produce_batch(ctx, engine, W, POLICY, 0)
     assert RolloutBatch.decode(batch.encode()) == batch
     assert len(batch.samples) == ctx.genesis.prompts_per_batch * ctx.genesis.group_size
-    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    v = verify_batch(ctx, engine, batch, W, POLICY)
     assert v.accept, v.reason
     assert list(v.rewards) == [s.claimed_reward for s in batch.samples]
 
@@ -36,8 +50,8 @@ def test_honest_batch_is_accepted_with_rule_rewards(setup):
 @pytest.mark.parametrize("tamper,rule", [("tokens", "toploc"), ("prompts", "prompts"), ("rewards", "reward")])
 def test_tampered_batches_are_rejected(setup, tamper, rule):
     ctx, engine = setup
-    batch = produce_batch(ctx, engine, W, 0, 1, tamper=tamper)
-    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    batch = produce_batch(ctx, engine, W, POLICY, 1, tamper=tamper)
+    v = verify_batch(ctx, engine, batch, W, POLICY)
     assert not v.accept and v.rule == rule, v.reason
 
 
@@ -47,15 +61,15 @@ def test_other_weights_are_rejected(setup):
     with torch.no_grad():
         for p in other.parameters():
             p.add_(torch.randn_like(p) * p.std() * 0.1)
-    batch = produce_batch(ctx, engine_for(ctx, other), W, 0, 2)
-    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    batch = produce_batch(ctx, engine_for(ctx, other), W, POLICY, 2)
+    v = verify_batch(ctx, engine, batch, W, POLICY)
     assert not v.accept and v.rule == "toploc", v.reason
 
 
 def test_batch_announced_by_someone_else_is_rejected(setup):
     ctx, engine = setup
-    batch = produce_batch(ctx, engine, W, 0, 3)
-    v = verify_batch(ctx, prefill_with(engine), batch, WORKERS[1].peer_id)
+    batch = produce_batch(ctx, engine, W, POLICY, 3)
+    v = verify_batch(ctx, engine, batch, WORKERS[1].peer_id, POLICY)
     assert not v.accept and v.rule == "worker"
 
 
@@ -65,9 +79,9 @@ def test_one_token_completions_with_a_narrow_model_verify(tmp_path):
 
     ctx = tiny_context(tmp_path, max_tokens=1, tiny_hidden_size=32)
     engine = engine_for(ctx)
-    batch = produce_batch(ctx, engine, W, 0, 0)
+    batch = produce_batch(ctx, engine, W, POLICY, 0)
     assert all(len(s.token_ids()) == 1 for s in batch.samples)
-    v = verify_batch(ctx, prefill_with(engine), batch, W)
+    v = verify_batch(ctx, engine, batch, W, POLICY)
     assert v.accept, v.reason
     assert split_proofs(b"\0" * 7, 3, 1, 32) is None
 
@@ -107,13 +121,12 @@ def test_declared_numerics_stack_tight_thresholds_and_engine_check(tmp_path):
     engine = engine_for(ctx)
     ctx.check_engine(engine)
     for counter in range(3):
-        batch = produce_batch(ctx, engine, W, 0, counter)
-        v = verify_batch(ctx, prefill_with(engine), batch, W)
+        batch = produce_batch(ctx, engine, W, POLICY, counter)
+        v = verify_batch(ctx, engine, batch, W, POLICY)
         assert v.accept, v.reason
-        alone = lambda pairs: [h for p in pairs for h in engine.prefill_hidden_batch([p])]  # noqa: E731
-        assert verify_batch(ctx, alone, batch, W).accept
-    bad = produce_batch(ctx, engine, W, 0, 5, tamper="tokens")
-    assert verify_batch(ctx, prefill_with(engine), bad, W).rule == "toploc"
+        assert verify_batch(ctx, OneByOne(engine), batch, W, POLICY).accept
+    bad = produce_batch(ctx, engine, W, POLICY, 2, tamper="tokens")
+    assert verify_batch(ctx, engine, bad, W, POLICY).rule == "toploc"
     low = engine_for(ctx, ctx.initial_model().to(torch.bfloat16))
     assert low.numerics == "transformers-bf16-cpu"
     with pytest.raises(NodeError, match="numerics"):

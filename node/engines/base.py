@@ -1,6 +1,8 @@
 """The inference-engine interface every backend implements.
 
-Workers generate groups of completions with seeded sampling and keep the final
+Workers generate groups of completions with seeded Gumbel-max sampling
+(``proofs.sampling``: a completion's tokens follow from its seed, the weights and
+the prompt alone, so a validator can replay them) and keep the final
 hidden states (after the model's final norm) for TOPLOC proofs; validators
 prefill prompt + claimed tokens once to get the same hidden states back; the
 trainer and workers reload weights in place when a new policy version lands.
@@ -9,6 +11,7 @@ trainer and workers reload weights in place when a new policy version lands.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -41,16 +44,31 @@ class InferenceEngine(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a completion (a model may have several)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer: the bound on token ids the model can emit."""
+        ...
+
+    def lm_head_weight(self) -> Any:
+        """The (V, H) output matrix: logits = final hidden states @ lm_head.T."""
+        ...
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         n: int,
         params: SamplingParams,
-        seeds: Sequence[int],
+        seeds: Sequence[Sequence[int]],
         capture_hidden: bool = False,
     ) -> list[list[Completion]]:
-        """``n`` completions per prompt; ``seeds[i]`` seeds prompt i's group, so a
-        (prompt, seed, weights) triple reproduces the same tokens."""
+        """``n`` completions per prompt; ``seeds[i][j]`` seeds completion j of prompt i
+        (``protocol.sample_seed``), so a (prompt, seed, weights) triple gives the same
+        tokens on any engine, device and batch shape (up to numerics near-ties)."""
         ...
 
     def prefill_hidden(self, prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> Any:
@@ -61,3 +79,23 @@ class InferenceEngine(Protocol):
     def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         """Replace the weights in place (hot reload of a new policy version)."""
         ...
+
+
+def check_seeds(prompts: Sequence[Sequence[int]], n: int, seeds: Sequence[Sequence[int]]) -> None:
+    """One seed per completion: ``seeds[i]`` has ``n`` entries for each prompt ``i``."""
+    if len(seeds) != len(prompts) or any(len(s) != n for s in seeds):
+        raise ValueError(f"{len(prompts)} prompts x {n} completions need as many seeds, got {[len(s) for s in seeds]}")
+
+
+def group_seeds(seeds: Sequence[int], n: int) -> list[list[int]]:
+    """Per-completion seeds from one seed per prompt, for callers outside the protocol
+    (the GRPO demo, dataset filtering, tests): member j of prompt i gets its own stream,
+    so a completion does not depend on how many siblings were sampled with it."""
+    out = []
+    for seed in seeds:
+        row = []
+        for j in range(n):
+            digest = hashlib.blake2b(f"{int(seed)}:{j}".encode(), digest_size=8).digest()
+            row.append(int.from_bytes(digest, "big") >> 1)
+        out.append(row)
+    return out

@@ -1,5 +1,6 @@
-"""InferenceEngine on Hugging Face transformers: batched, KV-cached sampling with
-per-completion seeded generators, and capture of the final-norm hidden states for
+"""InferenceEngine on Hugging Face transformers: batched, KV-cached seeded Gumbel-max
+sampling (``proofs.sampling``: each completion's tokens follow from its seed alone,
+whatever the batch), and capture of the final-norm hidden states for
 TOPLOC proofs during that same generation (a forward hook on the final norm, so
 no second pass).
 
@@ -12,21 +13,14 @@ fp32 proofs: docs/benchmarks.md); proofs cast the captured states to bf16.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from node.engines.base import Completion
+from node.engines.base import Completion, check_seeds
+from proofs.sampling import seeded_choice
 from protocol.messages import SamplingParams
-
-
-def completion_seed(group_seed: int, index: int) -> int:
-    """Seed of completion ``index`` in a group: independent streams per completion,
-    so a completion does not depend on how many siblings were sampled with it."""
-    digest = hashlib.blake2b(f"{group_seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 def final_norm(model: Any) -> torch.nn.Module:
@@ -77,6 +71,22 @@ class TransformersEngine:
         return self._eos
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self._eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer: every token id the model can emit."""
+        return int(self.lm_head_weight().shape[0])
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The (V, H) output matrix a validator multiplies final hidden states with."""
+        head = self.model.get_output_embeddings()
+        if head is None or getattr(head, "bias", None) is not None:
+            raise ValueError(f"{type(self.model).__name__} has no bias-free output layer to replay sampling with")
+        return head.weight.detach()
+
+    @property
     def numerics(self) -> str:
         """The numerics stack, as a run genesis names it: "transformers-fp32-cpu"."""
         dtype = next(self.model.parameters()).dtype
@@ -88,11 +98,10 @@ class TransformersEngine:
         prompts: Sequence[Sequence[int]],
         n: int,
         params: SamplingParams,
-        seeds: Sequence[int],
+        seeds: Sequence[Sequence[int]],
         capture_hidden: bool = False,
     ) -> list[list[Completion]]:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        check_seeds(prompts, n, seeds)
         if n < 1 or params.max_tokens < 1:
             raise ValueError("n and max_tokens must be >= 1")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
@@ -105,9 +114,8 @@ class TransformersEngine:
         done: list[Completion] = []
         for start in range(0, len(rows), self.max_batch):
             part = rows[start : start + self.max_batch]
-            gens = [self._generator(completion_seed(seeds[i], j)) for i, _, j in part]
             done += self._generate_batch(
-                [p for _, p, _ in part], [seeds[i] for i, _, _ in part], gens, params, capture_hidden
+                [p for _, p, _ in part], [seeds[i][j] for i, _, j in part], params, capture_hidden
             )
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -238,9 +246,6 @@ class TransformersEngine:
         if self._captured is not None:
             self._captured.append((output[0] if isinstance(output, tuple) else output).detach())
 
-    def _generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
-
     def _left_pad(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
@@ -252,29 +257,20 @@ class TransformersEngine:
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
     def _sample(
-        self, logits: torch.Tensor, gens: list[torch.Generator], params: SamplingParams
+        self, logits: torch.Tensor, seeds: list[int], position: int, params: SamplingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token and its log-probability under the temperature-scaled distribution
-        (top-p truncation changes what can be drawn, not the reported log-probability)."""
+        """Next token (seeded Gumbel-max at completion ``position``) and its log-probability
+        under the temperature-scaled distribution (top-p/top-k change what can be drawn,
+        not the reported log-probability)."""
         logits = logits.float()
-        if params.temperature == 0:
-            logp = torch.log_softmax(logits, dim=-1)
-            tokens = logits.argmax(dim=-1)
-            return tokens, logp.gather(-1, tokens[:, None])[:, 0]
-        logp = torch.log_softmax(logits / params.temperature, dim=-1)
-        probs = logp.exp()
-        if params.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = (sorted_p.cumsum(-1) - sorted_p) > params.top_p  # keeps at least the top token
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        tokens = torch.stack([torch.multinomial(probs[b], 1, generator=g)[0] for b, g in enumerate(gens)])
+        tokens = seeded_choice(logits, seeds, [position] * len(seeds), params)
+        logp = torch.log_softmax(logits / params.temperature if params.temperature > 0 else logits, dim=-1)
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
     def _generate_batch(
         self,
         prompts: list[list[int]],
         seeds: list[int],
-        gens: list[torch.Generator],
         params: SamplingParams,
         capture: bool,
     ) -> list[Completion]:
@@ -297,7 +293,7 @@ class TransformersEngine:
                         rows[b].append(prefill[b, width - len(p) :].float().cpu())
                 cache, logits = out.past_key_values, out.logits[:, -1, :]
                 for step in range(params.max_tokens):
-                    new, lps = self._sample(logits, gens, params)
+                    new, lps = self._sample(logits, seeds, step, params)
                     fed = list(active)
                     new_list, lp_list = new.tolist(), lps.tolist()
                     for b in range(batch):

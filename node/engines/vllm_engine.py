@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from node.engines.base import Completion
-from node.engines.transformers_engine import completion_seed
 from protocol.messages import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -198,7 +197,7 @@ class VLLMEngine:
         prompts: Sequence[Sequence[int]],
         n: int,
         params: SamplingParams,
-        seeds: Sequence[int],
+        seeds: Sequence[Sequence[int]],
         capture_hidden: bool = False,
     ) -> list[list[Completion]]:
         from vllm import SamplingParams as VllmSamplingParams
@@ -223,14 +222,14 @@ class VLLMEngine:
                         temperature=params.temperature,
                         top_p=params.top_p,
                         max_tokens=params.max_tokens + extra,
-                        seed=completion_seed(seeds[i], j),
+                        seed=seeds[i][j],
                         logprobs=0,
                         ignore_eos=True,  # EOS is ours: stop_token_ids, as the transformers engine reads them
                         stop_token_ids=list(self._eos_ids),
                         detokenize=False,
                     )
                 )
-                owners.append(i)
+                owners.append((i, j))
         temp = params.temperature if params.temperature > 0 else None
         cap = self._capture = _Capture(capture_hidden, temp)
         try:
@@ -239,7 +238,7 @@ class VLLMEngine:
             self._capture = None
         result: list[list[Completion]] = [[] for _ in prompts]
         missing: list[Completion] = []
-        for req, out, owner in zip(requests, outputs, owners):
+        for req, out, (owner, member) in zip(requests, outputs, owners):
             seq = out.outputs[0]
             tokens = [int(t) for t in seq.token_ids][: params.max_tokens]
             raw = [float(d[t].logprob) for d, t in zip(seq.logprobs or [], tokens)]
@@ -255,7 +254,7 @@ class VLLMEngine:
                     lse, lse_t = stats[len(prompt) + k]
                     logprobs.append((lp + lse) / temp - lse_t)
             finish = "stop" if tokens and tokens[-1] in self._eos_ids else "length"
-            c = Completion(prompt, tokens, logprobs, seeds[owner], finish, None)
+            c = Completion(prompt, tokens, logprobs, seeds[owner][member], finish, None)
             if capture_hidden:
                 want = len(prompt) + len(tokens)
                 fed = min(want, len(prompt) + len(seq.token_ids) - 1)  # the last sampled token is never fed

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node.engines.base import group_seeds
 from node.errors import ModelError
 from node.rl.filters import INTELLECT2_PASS_WINDOW, in_pass_window, pass_rate
 from node.rl.rewards import compute_reward
@@ -105,7 +106,9 @@ def pass_rates(
     rates: list[float] = []
     for start in range(0, len(problems), batch_prompts):
         chunk = list(problems[start : start + batch_prompts])
-        out = engine.generate([encode(p.prompt) for p in chunk], k, params, [problem_seed(seed, p.id) for p in chunk])
+        out = engine.generate(
+            [encode(p.prompt) for p in chunk], k, params, group_seeds([problem_seed(seed, p.id) for p in chunk], k)
+        )
         for prob, comps in zip(chunk, out):
             passes = [
                 compute_reward(prob, decode(c.tokens), c.tokens, eos_token_id=engine.eos_token_id).passed for c in comps

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from node.engines.base import group_seeds
 from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
 from node.rl.metrics import StepMetrics
 from node.rl.rewards import compute_reward
@@ -53,7 +54,7 @@ def collect_groups(
 
     prompts = [encode(p.prompt) for p in problems]
     params = SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens)
-    out = engine.generate(prompts, config.group_size, params, list(seeds))
+    out = engine.generate(prompts, config.group_size, params, group_seeds(list(seeds), config.group_size))
     groups = []
     for prob, prompt, comps in zip(problems, prompts, out):
         group = []

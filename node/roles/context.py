@@ -15,6 +15,7 @@ from node.errors import ConfigError, ModelError, RoleError
 from node.genesis_file import genesis_config
 from proofs import ProofConfig
 from protocol import RunGenesis, SamplingParams
+from protocol.rules import SlotRule
 
 # The devnet's tiny model (genesis [config] tiny_hidden_size / tiny_layers / tiny_heads override): big enough to learn the target-length task in minutes on 2 cores.
 TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
@@ -57,6 +58,59 @@ def proof_config_for(config: dict[str, Any]) -> ProofConfig:
     return dataclasses.replace(base, **overrides)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+    """How exactly a validator's replay of seeded sampling must match (``proofs.sampling``).
+
+    ``delta``: the largest score gap (scaled logit + noise) by which a claimed token may
+    trail the validator's seeded argmax; ``max_near_ties``: how many tokens of one
+    completion may trail by a gap in (0, delta]. Calibrated by bench/verify.py
+    (docs/proofs.md): on one numerics stack honest gaps are 0 or ~1e-6, across stacks
+    (bf16 worker, fp32 validator) they reach the preset "mixed" values; every attack
+    measured misses by 0.4 or more."""
+
+    delta: float
+    max_near_ties: int
+
+
+# [config] sampling_tolerance presets; "same" is the default when the genesis declares
+# one numerics stack, else "mixed".
+REPLAY_PRESETS = {"same": ReplayConfig(delta=1e-3, max_near_ties=1), "mixed": ReplayConfig(delta=0.25, max_near_ties=2)}
+
+
+def replay_config_for(config: dict[str, Any]) -> ReplayConfig:
+    """The run's replay tolerance from its genesis [config]: ``sampling_tolerance`` ("same"
+    or "mixed"), then explicit ``sampling_delta`` / ``sampling_max_near_ties``."""
+    default = "same" if config.get("numerics") else "mixed"
+    name = config.get("sampling_tolerance", default)
+    if name not in REPLAY_PRESETS:
+        raise ConfigError(f"genesis sampling_tolerance must be one of {sorted(REPLAY_PRESETS)}, got {name!r}")
+    base = REPLAY_PRESETS[name]
+    delta = config.get("sampling_delta", base.delta)
+    ties = config.get("sampling_max_near_ties", base.max_near_ties)
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < 100:
+        raise ConfigError(f"genesis sampling_delta must be a number in [0, 100), got {delta!r}")
+    if isinstance(ties, bool) or not isinstance(ties, int) or ties < 0:
+        raise ConfigError(f"genesis sampling_max_near_ties must be a non-negative integer, got {ties!r}")
+    return ReplayConfig(float(delta), ties)
+
+
+def slot_rule_for(config: dict[str, Any]) -> SlotRule:
+    """Batch slots per version: ``worker_batches_per_version`` (default 2), ``worker_idle_s``
+    (default 20) and ``counter_slack`` (default 1)."""
+    try:
+        rule = SlotRule(
+            per_version=int(config.get("worker_batches_per_version", 2)),
+            idle_s=float(config.get("worker_idle_s", 20.0)),
+            slack=int(config.get("counter_slack", 1)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"genesis batch slot settings: {exc}") from None
+    if rule.per_version < 1 or rule.idle_s <= 0 or rule.slack < 0:
+        raise ConfigError(f"genesis batch slot settings out of range: {rule}")
+    return rule
+
+
 @dataclasses.dataclass
 class RunContext:
     genesis: RunGenesis
@@ -71,6 +125,8 @@ class RunContext:
         problems = load_problems(genesis.dataset, genesis.dataset_size, int(config.get("seed", 0)))
         tokenizer = make_tokenizer(genesis.model, cache_dir)
         proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
+        replay_config_for(config)
+        slot_rule_for(config)
         return cls(genesis, config, problems, tokenizer, Path(cache_dir))
 
     # ------------------------------------------------------------ knobs
@@ -80,6 +136,7 @@ class RunContext:
             temperature=float(self.config.get("temperature", 1.0)),
             top_p=float(self.config.get("top_p", 1.0)),
             max_tokens=int(self.config.get("max_tokens", 48)),
+            top_k=int(self.config.get("top_k", 0)),
         )
 
     @property
@@ -92,6 +149,26 @@ class RunContext:
     @property
     def proof_config(self) -> ProofConfig:
         return proof_config_for(self.config)
+
+    @property
+    def replay_config(self) -> ReplayConfig:
+        return replay_config_for(self.config)
+
+    @property
+    def slot_rule(self) -> SlotRule:
+        return slot_rule_for(self.config)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added special tokens included (``len(tokenizer)``:
+        an HF ``vocab_size`` leaves out added tokens, such as Qwen's and Llama 3's EOS).
+        A validator bounds ids by its model's output rows, which are at least this."""
+        tok = self.tokenizer
+        try:
+            n = len(tok)
+        except TypeError:
+            n = 0
+        return max(n, int(getattr(tok, "vocab_size", 0) or 0))
 
     def check_engine(self, engine: Any) -> None:
         """Refuse to work or validate on another stack than the genesis declares: tight
@@ -151,10 +228,15 @@ class RunContext:
             return self.tokenizer.decode(tokens)
 
     def reward(self, index: int, tokens: list[int]) -> float:
+        return self.reward_checked(index, tokens)[0]
+
+    def reward_checked(self, index: int, tokens: list[int]) -> tuple[float, bool]:
+        """The rules' reward and whether computing it was deterministic: a code test that
+        timed out may pass on a faster machine, so its reward is no proof of a lie."""
         from node.rl.rewards import compute_reward
 
         res = compute_reward(self.problems[index], self.decode(tokens), tokens, eos_token_id=self.eos_token_id)
-        return float(res.reward)
+        return float(res.reward), res.details.get("status") != "timeout"
 
     # ------------------------------------------------------------ models
     def initial_model(self):

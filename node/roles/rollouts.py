@@ -4,36 +4,82 @@ Both functions are synchronous (run them with ``trio.to_thread.run_sync``) and
 free of network I/O, so they are tested directly and reused by the roles.
 
 A validator accepts a batch only if *all* of these hold, and otherwise names
-the first rule that failed in its vote:
+the first rule that failed in its vote. The rules that need no model run first,
+so a malformed batch costs no prefill:
 
-1. run, worker and sampling parameters are the run's;
-2. the prompts are exactly the ones the deterministic assignment owed the
-   worker at (policy version, batch counter), each ``group_size`` times;
-3. every completion is well-formed (token ids in the vocabulary, length within
-   ``max_tokens``);
-4. every TOPLOC proof verifies against the validator's own prefill of prompt +
-   claimed tokens with the weights of the claimed policy version, under the
-   run's thresholds (``RunContext.proof_config``: the genesis picks them);
-5. the rewards the worker claims equal the rules' rewards.
+1. ``run``, ``worker``, ``sampling``: run, worker and sampling parameters are the run's;
+2. ``counter``: the batch counter is inside the slots the run's production rate
+   allows for that version so far (``protocol.rules.counter_limit``);
+3. ``prompts``: the prompts are exactly the ones the deterministic assignment owed
+   the worker at (policy version, batch counter), each ``group_size`` times;
+4. ``tokens``: every completion is well-formed (token ids below the model's output
+   rows, length within ``max_tokens``);
+5. ``termination``: a completion ends at its first EOS or at ``max_tokens``;
+6. ``proof``: each sample carries exactly the proof bytes its shape implies.
+
+Then, one prompt's group at a time (a prefill of the group, stopping at the first
+sample that fails):
+
+7. ``toploc``: every TOPLOC proof verifies against the validator's own prefill of
+   prompt + claimed tokens with the weights of the claimed policy version, under
+   the run's thresholds (``RunContext.proof_config``);
+8. ``sampling`` / ``termination``: every token is the seeded Gumbel-max sample
+   (``proofs.sampling``) of the validator's own logits, with the seed the validator
+   derives itself (``protocol.sample_seed``: never the batch's ``seed`` field), up to
+   the run's ``delta`` and near-tie budget (``RunContext.replay_config``); a
+   mismatch at an EOS (claimed or owed) is a ``termination`` failure;
+9. ``reward``: the rewards the worker claims equal the rules' rewards (a reward
+   whose computation timed out is not deterministic and is not held against it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from node.roles.context import RunContext
 from node.util import now_ms
 from proofs import ProofConfig, ProofError, build_many, verify_sequence
+from proofs.sampling import completion_logits, replay
 from protocol import RolloutBatch, Sample, assign_prompts, expected_chunks, sample_seed, split_proofs
+from protocol.rules import counter_limit
 
 PROOF = ProofConfig()  # chunking (the wire format); the thresholds come from the run (ctx.proof_config)
 REWARD_TOLERANCE = 1e-6
 REASON_LIMIT = 250  # characters of a verdict's reason that may echo peer-controlled text
+
+
+class Replayer(Protocol):
+    """What checking a batch needs from the validator's engine (TransformersEngine has it)."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+    def prefill_hidden_batch(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyFacts:
+    """What the rules need to know of the checkpoint version a batch claims, from the
+    trainer-signed manifest: its ``root`` (an input of every sample seed) and when it
+    was published (``created_ms``: the start of its production slots)."""
+
+    version: int
+    root: bytes
+    published_ms: int
+
+    @classmethod
+    def of(cls, manifest: Any) -> PolicyFacts:
+        return cls(int(manifest.version), bytes(manifest.root), int(manifest.created_ms))
 
 
 def owed_prompts(ctx: RunContext, worker: str, version: int, counter: int) -> list[int]:
@@ -41,41 +87,54 @@ def owed_prompts(ctx: RunContext, worker: str, version: int, counter: int) -> li
     return assign_prompts(g.run_id, worker, version, counter, g.dataset_size, g.prompts_per_batch)
 
 
+def owed_seeds(
+    ctx: RunContext, worker: str, policy: PolicyFacts, counter: int, indices: Sequence[int]
+) -> list[list[int]]:
+    """The seed of every completion a batch owes: ``[prompt][member]``."""
+    g = ctx.genesis
+    return [
+        [sample_seed(g.run_id, worker, policy.version, counter, i, m, policy.root) for m in range(g.group_size)]
+        for i in indices
+    ]
+
+
 def produce_batch(
     ctx: RunContext,
     engine: Any,
     worker: str,
-    version: int,
+    policy: PolicyFacts,
     counter: int,
     *,
     tamper: str | None = None,
 ) -> RolloutBatch:
-    """Generate the owed prompts' groups with proofs. ``tamper`` exists for the
-    adversarial tests: "tokens" (claim other tokens), "prompts" (answer other
-    prompts), "rewards" (claim reward 1); "weights" is applied to the engine by the caller."""
+    """Generate the owed prompts' groups with proofs, sampling with the owed seeds.
+    ``tamper`` exists for the adversarial tests: "tokens" (claim other tokens), "prompts"
+    (answer other prompts), "rewards" (claim reward 1), "greedy" (decode at temperature 0
+    and claim the run's temperature); "weights" is applied to the engine by the caller."""
     g = ctx.genesis
-    indices = owed_prompts(ctx, worker, version, counter)
+    indices = owed_prompts(ctx, worker, policy.version, counter)
+    seeds = owed_seeds(ctx, worker, policy, counter, indices)
     if tamper == "prompts":  # answer prompts it was not assigned
         indices = [(i + 1) % g.dataset_size for i in indices]
     prompts = [ctx.prompt_tokens(i) for i in indices]
-    seeds = [sample_seed(g.run_id, worker, version, counter, i) for i in indices]
     sp = ctx.sampling
-    groups = engine.generate(prompts, g.group_size, sp, seeds, capture_hidden=True)
-    flat = [(i, seed, c) for i, seed, group in zip(indices, seeds, groups) for c in group]
-    proofs = build_many([(c.hidden, len(c.prompt_tokens)) for _, _, c in flat], PROOF)
+    run_params = dataclasses.replace(sp, temperature=0.0) if tamper == "greedy" else sp
+    groups = engine.generate(prompts, g.group_size, run_params, seeds, capture_hidden=True)
+    flat = [(i, c) for i, group in zip(indices, groups) for c in group]
+    proofs = build_many([(c.hidden, len(c.prompt_tokens)) for _, c in flat], PROOF)
     samples = []
-    for (i, seed, c), pr in zip(flat, proofs):
+    for (i, c), pr in zip(flat, proofs):
         tokens = list(c.tokens)
         reward = ctx.reward(i, tokens)
-        if tamper == "tokens":  # claim a continuation it did not generate
-            tokens = [(t + 1) % _vocab(ctx) for t in tokens]
+        if tamper == "tokens":  # claim a continuation it did not generate (same length, same EOS)
+            tokens = [t if t in engine.eos_token_ids else _other_token(t, engine) for t in tokens]
         if tamper == "rewards":
             reward = 1.0
         samples.append(
             Sample(
                 prompt_index=i,
                 completion=Sample.pack_tokens(tokens),
-                seed=seed,
+                seed=c.seed,
                 proof=b"".join(pr),
                 claimed_reward=float(reward),
             )
@@ -83,7 +142,7 @@ def produce_batch(
     return RolloutBatch(
         run_id=g.run_id,
         worker=worker,
-        policy_version=version,
+        policy_version=policy.version,
         batch_counter=counter,
         sampling=sp,
         samples=tuple(samples),
@@ -91,9 +150,11 @@ def produce_batch(
     )
 
 
-def _vocab(ctx: RunContext) -> int:
-    tok = ctx.tokenizer
-    return int(getattr(tok, "vocab_size", None) or len(tok))
+def _other_token(token: int, engine: Any) -> int:
+    other = (token + 1) % engine.vocab_size
+    while other in engine.eos_token_ids:
+        other = (other + 1) % engine.vocab_size
+    return other
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +182,30 @@ class BatchVerdict:
         return f"{self.rule}: {self.detail}" if not self.accept else ""
 
 
-def check_batch_rules(ctx: RunContext, batch: RolloutBatch, announcer: str) -> BatchVerdict | None:
-    """Rules 1-3 (cheap, no model). Returns None or the rejection."""
+def check_termination(tokens: Sequence[int], eos_ids: Collection[int], max_tokens: int) -> str | None:
+    """Why a completion's end is impossible for an honest sampler (or None): tokens after an
+    EOS, or a stop short of ``max_tokens`` without one."""
+    for k, t in enumerate(tokens[:-1]):
+        if t in eos_ids:
+            return f"EOS at position {k} is followed by {len(tokens) - k - 1} more tokens"
+    if tokens and tokens[-1] not in eos_ids and len(tokens) < max_tokens:
+        return f"stops after {len(tokens)} of {max_tokens} tokens without an EOS"
+    return None
+
+
+def check_batch_rules(
+    ctx: RunContext,
+    batch: RolloutBatch,
+    announcer: str,
+    policy: PolicyFacts,
+    *,
+    vocab_size: int,
+    eos_ids: Collection[int],
+    hidden_size: int | None = None,
+    now: int | None = None,
+) -> BatchVerdict | None:
+    """The rules that need no model (1-6 of the module docstring). Returns None or the
+    rejection. ``hidden_size`` None skips the proof-size rule (the caller has no model)."""
     g = ctx.genesis
     if batch.run_id != g.run_id:
         return BatchVerdict.reject("run", "batch belongs to another run")
@@ -130,59 +213,104 @@ def check_batch_rules(ctx: RunContext, batch: RolloutBatch, announcer: str) -> B
         return BatchVerdict.reject("worker", "batch signed for another worker than the one that announced it")
     if batch.sampling != ctx.sampling:
         return BatchVerdict.reject("sampling", f"parameters {batch.sampling} differ from the run's {ctx.sampling}")
+    if batch.policy_version != policy.version:
+        raise ValueError(f"policy facts of version {policy.version} for a batch of version {batch.policy_version}")
+    elapsed = (now_ms() if now is None else now) - policy.published_ms
+    limit = counter_limit(ctx.slot_rule, elapsed)
+    if batch.batch_counter >= limit:
+        return BatchVerdict.reject(
+            "counter",
+            f"batch counter {batch.batch_counter} of version {policy.version}: only {limit} slots "
+            f"{max(0, elapsed) // 1000} s after it was published",
+        )
     owed = owed_prompts(ctx, batch.worker, batch.policy_version, batch.batch_counter)
     expected = [i for i in owed for _ in range(g.group_size)]
     got = [s.prompt_index for s in batch.samples]
     if got != expected:
         return BatchVerdict.reject("prompts", "not the prompts owed at this version and counter")
-    vocab = _vocab(ctx)
+    max_tokens = ctx.sampling.max_tokens
     for k, s in enumerate(batch.samples):
         toks = s.token_ids()
-        if len(toks) > ctx.sampling.max_tokens:
-            return BatchVerdict.reject("tokens", f"sample {k} has {len(toks)} tokens, max {ctx.sampling.max_tokens}")
-        if any(t >= vocab for t in toks):
-            return BatchVerdict.reject("tokens", f"sample {k} has a token id outside the vocabulary")
+        if len(toks) > max_tokens:
+            return BatchVerdict.reject("tokens", f"sample {k} has {len(toks)} tokens, max {max_tokens}")
+        if any(t >= vocab_size for t in toks):
+            return BatchVerdict.reject("tokens", f"sample {k} has a token id outside the model's {vocab_size}")
+        why = check_termination(toks, eos_ids, max_tokens)
+        if why is not None:
+            return BatchVerdict.reject("termination", f"sample {k}: {why}")
+        if hidden_size is not None:
+            prompt_len = len(ctx.prompt_tokens(s.prompt_index))
+            if split_proofs(s.proof, prompt_len, len(toks), hidden_size) is None:
+                return BatchVerdict.reject(
+                    "proof",
+                    f"sample {k} carries {len(s.proof)} proof bytes, expected "
+                    f"{expected_chunks(prompt_len, len(toks), PROOF)} chunk proofs",
+                )
     return None
 
 
 def verify_batch(
     ctx: RunContext,
-    prefill: Callable[[list[tuple[list[int], list[int]]]], list[torch.Tensor]],
+    engine: Replayer,
     batch: RolloutBatch,
     announcer: str,
+    policy: PolicyFacts,
+    *,
+    now: int | None = None,
 ) -> BatchVerdict:
-    """All five rules. ``prefill`` maps (prompt, completion) pairs to the validator's own
-    final hidden states with the weights of ``batch.policy_version``."""
+    """All the rules. ``engine`` holds the weights of ``batch.policy_version``; ``policy``
+    is that version's manifest facts. One prompt's group is prefilled at a time and the
+    check stops at the first sample that fails, so a bad batch costs at most one group."""
     t0 = time.perf_counter()
-    broken = check_batch_rules(ctx, batch, announcer)
+
+    def reject(rule: str, detail: str) -> BatchVerdict:
+        return BatchVerdict.reject(rule, detail, time.perf_counter() - t0, limit=REASON_LIMIT)
+
+    lm_head = engine.lm_head_weight()
+    eos_ids = engine.eos_token_ids
+    hidden_size = int(lm_head.shape[1])
+    broken = check_batch_rules(
+        ctx, batch, announcer, policy, vocab_size=engine.vocab_size, eos_ids=eos_ids, hidden_size=hidden_size, now=now
+    )
     if broken is not None:
         return dataclasses.replace(broken, seconds=time.perf_counter() - t0)
-    pairs = [(ctx.prompt_tokens(s.prompt_index), s.token_ids()) for s in batch.samples]
-    hiddens = prefill(pairs)
-    config = ctx.proof_config
-    for k, (s, (prompt, comp), hidden) in enumerate(zip(batch.samples, pairs, hiddens)):
-        proofs = split_proofs(s.proof, len(prompt), len(comp), int(hidden.shape[-1]))
-        if proofs is None:
-            return BatchVerdict.reject(
-                "proof",
-                f"sample {k} carries {len(s.proof)} proof bytes, expected "
-                f"{expected_chunks(len(prompt), len(comp), PROOF)} chunk proofs",
-                time.perf_counter() - t0,
-            )
-        try:
-            verdict = verify_sequence(hidden, len(prompt), proofs, config)
-        except ProofError as exc:
-            return BatchVerdict.reject("proof", f"sample {k}: {exc}", time.perf_counter() - t0)
-        if not verdict.ok:
-            return BatchVerdict.reject(
-                "toploc", f"sample {k}: {verdict.reason}", time.perf_counter() - t0, limit=REASON_LIMIT
-            )
-    rewards = [ctx.reward(s.prompt_index, toks) for s, (_, toks) in zip(batch.samples, pairs)]
-    for k, (s, r) in enumerate(zip(batch.samples, rewards)):
-        if abs(s.claimed_reward - r) > REWARD_TOLERANCE:
-            return BatchVerdict.reject(
-                "reward",
-                f"sample {k} claims {s.claimed_reward:.4f}, the rules give {r:.4f}",
-                time.perf_counter() - t0,
-            )
+    g = ctx.genesis
+    config, replay_config, params = ctx.proof_config, ctx.replay_config, ctx.sampling
+    indices = [s.prompt_index for s in batch.samples[:: g.group_size]]
+    seeds = [seed for group in owed_seeds(ctx, batch.worker, policy, batch.batch_counter, indices) for seed in group]
+    for start in range(0, len(batch.samples), g.group_size):
+        members = list(range(start, start + g.group_size))
+        pairs = [(ctx.prompt_tokens(batch.samples[k].prompt_index), batch.samples[k].token_ids()) for k in members]
+        hiddens = engine.prefill_hidden_batch(pairs)
+        for k, (prompt, toks), hidden in zip(members, pairs, hiddens):
+            proofs = split_proofs(batch.samples[k].proof, len(prompt), len(toks), hidden_size)
+            assert proofs is not None  # sizes checked by check_batch_rules
+            try:
+                verdict = verify_sequence(hidden, len(prompt), proofs, config)
+            except ProofError as exc:
+                return reject("proof", f"sample {k}: {exc}")
+            if not verdict.ok:
+                return reject("toploc", f"sample {k}: {verdict.reason}")
+            logits = completion_logits(hidden, len(prompt), lm_head)
+            result = replay(logits, toks, seeds[k], params, replay_config.delta)
+            if not result.ok(replay_config.max_near_ties):
+                pos = result.first_bad
+                if pos < 0:
+                    return reject(
+                        "sampling",
+                        f"sample {k}: {result.near_ties} tokens are not the seeded sample "
+                        f"(each within delta {replay_config.delta:g}; at most {replay_config.max_near_ties} tolerated)",
+                    )
+                gap = f"misses the seeded sample by {result.gaps[pos]:.3g} (delta {replay_config.delta:g})"
+                if toks[pos] in eos_ids:
+                    return reject("termination", f"sample {k}: the EOS at position {pos} was not sampled: {gap}")
+                if result.best_tokens[pos] in eos_ids:
+                    return reject("termination", f"sample {k}: the model's sample at position {pos} is EOS; {gap}")
+                return reject("sampling", f"sample {k}: the token at position {pos} {gap}")
+    rewards: list[float] = []
+    for k, s in enumerate(batch.samples):
+        reward, deterministic = ctx.reward_checked(s.prompt_index, s.token_ids())
+        if deterministic and abs(s.claimed_reward - reward) > REWARD_TOLERANCE:
+            return reject("reward", f"sample {k} claims {s.claimed_reward:.4f}, the rules give {reward:.4f}")
+        rewards.append(reward)
     return BatchVerdict(True, rewards=tuple(rewards), seconds=time.perf_counter() - t0)

@@ -14,7 +14,7 @@ import trio
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import AnnounceIntake, EngineRole
-from node.roles.rollouts import REASON_LIMIT, BatchVerdict, verify_batch
+from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, verify_batch
 from protocol import Envelope, ProtocolError, RolloutBatch, Vote
 from protocol.rules import is_stale
 
@@ -30,7 +30,23 @@ ANNOUNCE_GRACE_S = 10
 MAX_PARKED = 32
 
 # Rejections that only a dishonest worker produces; "stale" and "unverifiable" are not held against it.
-CHEATING_RULES = {"toploc", "proof", "prompts", "tokens", "reward", "worker", "sampling", "run", "version"}
+CHEATING_RULES = {
+    "toploc",
+    "proof",
+    "prompts",
+    "tokens",
+    "termination",
+    "reward",
+    "worker",
+    "sampling",
+    "counter",
+    "slot",
+    "run",
+    "version",
+}
+# Accepted slots (worker, version, batch counter) remembered, so a second batch for one slot
+# is refused: a slot is worth one batch, not a choice among several.
+MAX_SLOTS = 100_000
 
 
 class ValidatorRole(EngineRole):
@@ -55,6 +71,7 @@ class ValidatorRole(EngineRole):
         self.fetch_failures = 0
         self.verify_s = 0.0
         self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._slots: collections.OrderedDict[tuple[str, int, int], bytes] = collections.OrderedDict()
         self._parking = trio.Semaphore(MAX_PARKED)
         self._nursery: trio.Nursery | None = None
 
@@ -156,10 +173,29 @@ class ValidatorRole(EngineRole):
             if not self.weights.held(v):
                 self.verdicts["unverifiable"] += 1  # collected since it was queued
                 continue
+            slot = (batch.worker, v, batch.batch_counter)
+            used = self._slots.get(slot)
+            if used is not None and used != env.body.batch_id:
+                await self._vote(
+                    env,
+                    BatchVerdict.reject(
+                        "slot", f"version {v} counter {batch.batch_counter} was used by batch {used.hex()[:12]}"
+                    ),
+                )
+                continue
+            state = self.store.versions.get(v)
+            if state is None:  # its manifest was collected while the batch waited
+                self.verdicts["unverifiable"] += 1
+                continue
             await self._ensure_version(v)
+            policy = PolicyFacts.of(state.manifest)
             verdict = await trio.to_thread.run_sync(
-                functools.partial(verify_batch, self.ctx, self.engine.prefill_hidden_batch, batch, env.sender)
+                functools.partial(verify_batch, self.ctx, self.engine, batch, env.sender, policy)
             )
+            if verdict.accept:
+                self._slots[slot] = env.body.batch_id
+                while len(self._slots) > MAX_SLOTS:
+                    self._slots.popitem(last=False)
             await trio.to_thread.run_sync(release_free_memory)  # the prefill's transient tensors
             self.verify_s = round(verdict.seconds, 3)
             await self._vote(env, verdict)

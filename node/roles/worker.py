@@ -14,7 +14,7 @@ import trio
 
 from node.memory import release_free_memory
 from node.roles.common import EngineRole
-from node.roles.rollouts import produce_batch
+from node.roles.rollouts import PolicyFacts, produce_batch
 from node.util import now_ms
 from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
 from protocol.rules import Quorum, is_stale, quorum_outcome
@@ -22,12 +22,14 @@ from protocol.rules import Quorum, is_stale, quorum_outcome
 log = logging.getLogger(__name__)
 
 # Adversarial test modes. "weights": generate with perturbed weights; "tokens", "prompts",
-# "rewards": lie in the batch (rollouts.produce_batch); "version": sign batches as a policy
-# version VERSION_LIE ahead of the one it holds; "stale": stay on the first version it loads
-# and keep producing for it (one more batch per newer version it ignores) -- not cheating,
-# just too slow, so its batches fall out of the max_async window.
-TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "version", "stale")
-BATCH_TAMPERS = ("tokens", "prompts", "rewards")  # applied by produce_batch
+# "rewards", "greedy": lie in the batch (rollouts.produce_batch); "version": sign batches as a
+# policy version VERSION_LIE ahead of the one it holds; "grind": skip batch counters, looking
+# for easy prompts; "stale": stay on the first version it loads and keep producing for it
+# within its slots -- not cheating, just too slow, so its batches fall out of the max_async
+# window.
+TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "greedy", "version", "grind", "stale")
+BATCH_TAMPERS = ("tokens", "prompts", "rewards", "greedy")  # applied by produce_batch
+GRIND_STRIDE = 7  # the "grind" mode uses counters 0, 7, 14, ...
 VERSION_LIE = 50
 
 
@@ -48,10 +50,11 @@ class WorkerRole(EngineRole):
         if tamper is not None and tamper not in TAMPER_MODES:
             raise ValueError(f"unknown tamper mode {tamper!r}")
         self.tamper = tamper
-        self.per_version = int(self.ctx.config.get("worker_batches_per_version", 2))
+        slots = self.ctx.slot_rule  # validators bound batch counters by the same rule
+        self.per_version = slots.per_version
         # With no new version for this long (trainer restarting, batches lost with it), the
         # worker produces one more batch for the version it holds instead of idling forever.
-        self.idle_s = float(self.ctx.config.get("worker_idle_s", 20.0))
+        self.idle_s = slots.idle_s
         self.allowance: collections.Counter[int] = collections.Counter()
         self.batches: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.keep_batches = 64
@@ -160,17 +163,19 @@ class WorkerRole(EngineRole):
                 await self._load(newest)
             version = self.loaded_version
             budget = self.per_version + self.allowance[version]
-            if self.tamper == "stale":
-                budget += newest - version
             if self.produced[version] >= budget:
                 with trio.move_on_after(self.idle_s) as idle:
                     await checkpoints.wait_version(newest + 1)
                 if idle.cancelled_caught:
                     self.allowance[version] += 1
                 continue
-            counter = self.produced[version]
+            counter = self.produced[version] * (GRIND_STRIDE if self.tamper == "grind" else 1)
             self.produced[version] += 1
             claimed = version + VERSION_LIE if self.tamper == "version" else version
+            manifest = self.store.versions[version].manifest
+            policy = PolicyFacts.of(manifest)
+            if claimed != version:  # nobody published that version: there is no root to seed with
+                policy = PolicyFacts(claimed, bytes(32), manifest.created_ms)
             t0 = time.perf_counter()
             batch = await trio.to_thread.run_sync(
                 functools.partial(
@@ -178,7 +183,7 @@ class WorkerRole(EngineRole):
                     self.ctx,
                     self.engine,
                     node.peer_id,
-                    claimed,
+                    policy,
                     counter,
                     tamper=self.tamper if self.tamper in BATCH_TAMPERS else None,
                 )

@@ -1,0 +1,257 @@
+"""Seeded Gumbel-max sampling, and its replay by a validator.
+
+TOPLOC proves that hidden states came from the claimed weights for the claimed
+tokens; it says nothing about whether those tokens were *sampled* by the model.
+Seeded sampling closes that gap: a worker draws every completion token as
+
+    argmax over the support of  logits / T + g
+
+where ``g`` is Gumbel noise from a counter-based generator keyed by the
+per-sample seed (``protocol.seeds.sample_seed``) and the token's position in the
+completion. A validator derives the same seed, recomputes the logits from the
+final hidden states of the prefill it already runs, regenerates the same noise
+and checks that every claimed token is the argmax, up to a tolerance ``delta``
+for the numerics noise between two machines.
+
+The generator is Philox4x32-10 (Salmon et al., SC'11; the generator behind
+cuRAND, JAX and torch's CUDA RNG), written with 16-bit limbs so that every
+intermediate fits a signed int64: the integer stream is bit-identical on any
+device and any batch shape. The float transform ``-log(-log(u))`` runs in
+float64; two devices' ``log`` may differ in the last ulp (~1e-16), far below
+any ``delta``.
+
+Counter layout for vocabulary entry ``v`` at completion position ``p``:
+``(v // 4, p, DOMAIN, 0)`` with key ``(seed & 0xffffffff, seed >> 32)``; the
+entry takes output word ``v % 4``; ``u = (word + 0.5) / 2**32``.
+
+Only tokens that can still win are given noise: Gumbel noise from 32-bit
+uniforms lies in ``[G_MIN, G_MAX]``, so once the noise of the top-scored token is
+known, a token whose scaled logit is more than ``G_MAX - g_top`` below the top
+cannot be the argmax. The pruning is exact: the result equals the full draw.
+
+torch only; no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Sequence
+
+import torch
+
+from protocol.messages import SamplingParams
+
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
+_MASK32 = 0xFFFFFFFF
+_MASK16 = 0xFFFF
+ROUNDS = 10
+DOMAIN = 0x50524E31  # "PRN1": the third counter word, so other streams never collide with this one
+
+# Bounds of the noise: u ranges over (0.5 / 2**32, 1 - 0.5 / 2**32).
+G_MIN = -math.log(-math.log(0.5 / 2**32))
+G_MAX = -math.log(-math.log1p(-0.5 / 2**32))
+
+
+# ---------------------------------------------------------------- Philox4x32-10
+
+
+def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of ``m * x`` for a 32-bit constant ``m`` and int64
+    tensor ``x`` of 32-bit values, with every intermediate below 2**50."""
+    m1, m0 = m >> 16, m & _MASK16
+    x1, x0 = x >> 16, x & _MASK16
+    lo0 = x0 * m0  # < 2**32
+    mid = x1 * m0 + x0 * m1  # < 2**33
+    low = lo0 + ((mid & _MASK16) << 16)  # < 2**34
+    hi = x1 * m1 + (mid >> 16) + (low >> 32)
+    return hi & _MASK32, low & _MASK32
+
+
+def philox4x32(
+    c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 on int64 tensors holding 32-bit words (broadcast together)."""
+    for r in range(ROUNDS):
+        if r:
+            k0 = (k0 + _W0) & _MASK32
+            k1 = (k1 + _W1) & _MASK32
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def philox4x32_reference(counter: Sequence[int], key: Sequence[int]) -> tuple[int, int, int, int]:
+    """The same generator on Python integers (the test oracle for the limb arithmetic)."""
+    c = [int(x) & _MASK32 for x in counter]
+    k0, k1 = (int(x) & _MASK32 for x in key)
+    for r in range(ROUNDS):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        p0, p1 = _M0 * c[0], _M1 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & _MASK32, (p0 >> 32) ^ c[3] ^ k1, p0 & _MASK32]
+    return c[0], c[1], c[2], c[3]
+
+
+def uniform_words(seeds: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The 32-bit word of each (seed, position, vocabulary id), int64, broadcast together."""
+    seeds = seeds.to(torch.int64)
+    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
+    block = vocab_ids.to(torch.int64) >> 2
+    pos = positions.to(torch.int64) & _MASK32
+    zero = torch.zeros_like(k0 + pos + block)  # the broadcast shape
+    words = philox4x32(block + zero, pos + zero, zero + DOMAIN, zero, k0 + zero, k1 + zero)
+    lane = (vocab_ids.to(torch.int64) & 3) + zero
+    out = torch.where(lane == 0, words[0], words[1])
+    out = torch.where(lane == 2, words[2], out)
+    return torch.where(lane == 3, words[3], out)
+
+
+def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise (float64) for each (seed, position, vocabulary id), broadcast together."""
+    u = (uniform_words(seeds, positions, vocab_ids).to(torch.float64) + 0.5) * 2.0**-32
+    return -torch.log(-torch.log(u))
+
+
+# ---------------------------------------------------------------- the support
+
+
+def scaled_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits / T`` in float64 with -inf outside the top-k / top-p support (rows on the last
+    axis). The nucleus is measured on the temperature-scaled distribution and always keeps
+    the most likely token; ``top_k`` 0 means no top-k cut."""
+    x = logits.to(torch.float64)
+    if params.temperature > 0:
+        x = x / params.temperature
+    top_k = getattr(params, "top_k", 0)
+    if top_k and top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        drop = (p.cumsum(-1) - p) > params.top_p
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, -math.inf))
+    return x
+
+
+def gumbel_dense(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Noise for every vocabulary id of each row (B, vocab), one Philox call per four ids."""
+    blocks = torch.arange((vocab + 3) // 4, dtype=torch.int64, device=seeds.device)[None, :]
+    seeds = seeds.to(torch.int64)[:, None]
+    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
+    pos = (positions.to(torch.int64) & _MASK32)[:, None]
+    zero = torch.zeros((seeds.shape[0], blocks.shape[1]), dtype=torch.int64, device=seeds.device)
+    words = torch.stack(philox4x32(blocks + zero, pos + zero, zero + DOMAIN, zero, k0 + zero, k1 + zero), dim=-1)
+    u = (words.reshape(seeds.shape[0], -1)[:, :vocab].to(torch.float64) + 0.5) * 2.0**-32
+    return -torch.log(-torch.log(u))
+
+
+def _scores(
+    scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, extra: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``scaled + g`` where a token can still win (and at the ``extra`` ids), -inf elsewhere.
+
+    Rows of ``scaled`` are (B, V); ``seeds``/``positions`` are (B,); ``extra`` (B,) ids
+    whose score is always computed (the claimed tokens, for a validator). Noise is drawn
+    per element when few tokens can win, else for whole rows (four ids per Philox call)."""
+    b, vocab = scaled.shape
+    rows = torch.arange(b, device=scaled.device)
+    top = scaled.argmax(dim=-1)
+    g_top = gumbel(seeds, positions, top)
+    floor = scaled[rows, top] + g_top - G_MAX
+    live = scaled >= floor[:, None]
+    if extra is not None:
+        live[rows, extra] = True
+    live &= scaled > -math.inf
+    if int(live.sum()) * 4 > b * vocab:
+        return torch.where(live, scaled + gumbel_dense(seeds, positions, vocab), -math.inf)
+    r, v = live.nonzero(as_tuple=True)
+    out = torch.full_like(scaled, -math.inf)
+    out[r, v] = scaled[r, v] + gumbel(seeds[r], positions[r], v)
+    return out
+
+
+def seeded_choice(
+    logits: torch.Tensor,
+    seeds: Sequence[int] | torch.Tensor,
+    positions: Sequence[int] | torch.Tensor,
+    params: SamplingParams,
+) -> torch.Tensor:
+    """The token each row of ``logits`` (B, V) samples at its completion position: the argmax
+    of the scaled logits plus the row's seeded noise over the support. Temperature 0 is plain
+    argmax (no noise)."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    device = logits.device
+    seeds_t = torch.as_tensor(seeds, dtype=torch.int64, device=device).reshape(-1)
+    pos_t = torch.as_tensor(positions, dtype=torch.int64, device=device).reshape(-1)
+    return _scores(scaled_logits(logits, params), seeds_t, pos_t).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------- replay
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayResult:
+    """A validator's replay of one completion. ``gaps[k]`` is how far the claimed token's
+    score at position ``k`` is below the best score in the support (0 when it is the argmax;
+    inf when it is outside the support). ``first_bad`` is the first position whose gap
+    exceeds ``delta``, or -1; ``near_ties`` counts positions with 0 < gap <= delta."""
+
+    gaps: tuple[float, ...]
+    first_bad: int
+    near_ties: int
+    best_tokens: tuple[int, ...]
+
+    @property
+    def max_gap(self) -> float:
+        return max(self.gaps, default=0.0)
+
+    def ok(self, max_near_ties: int) -> bool:
+        return self.first_bad < 0 and self.near_ties <= max_near_ties
+
+
+def replay(
+    logits: torch.Tensor, tokens: Sequence[int], seed: int, params: SamplingParams, delta: float
+) -> ReplayResult:
+    """Check that each claimed token is the seeded argmax. ``logits`` (L, V): row ``k`` is
+    the distribution the model gives for completion position ``k`` (computed from the hidden
+    state of the token before it)."""
+    n = len(tokens)
+    if logits.shape[0] != n:
+        raise ValueError(f"{logits.shape[0]} logit rows for {n} tokens")
+    if n == 0:
+        return ReplayResult((), -1, 0, ())
+    device = logits.device
+    claimed = torch.tensor([int(t) for t in tokens], dtype=torch.int64, device=device)
+    rows = torch.arange(n, device=device)
+    if params.temperature == 0:
+        x = logits.to(torch.float64)
+        best = x.argmax(dim=-1)
+        gaps = x[rows, best] - x[rows, claimed]
+    else:
+        scaled = scaled_logits(logits, params)
+        seeds = torch.full((n,), int(seed), dtype=torch.int64, device=device)
+        s = _scores(scaled, seeds, rows, extra=claimed)
+        best = s.argmax(dim=-1)
+        inside = scaled[rows, claimed] > -math.inf
+        gaps = torch.where(inside, s[rows, best] - s[rows, claimed], torch.full_like(s[:, 0], math.inf))
+    gap_list = [max(0.0, float(x)) for x in gaps.tolist()]
+    bad = [k for k, gap in enumerate(gap_list) if gap > delta]
+    ties = sum(1 for gap in gap_list if 0 < gap <= delta)
+    return ReplayResult(tuple(gap_list), bad[0] if bad else -1, ties, tuple(int(t) for t in best.tolist()))
+
+
+def completion_logits(hidden: torch.Tensor, prompt_len: int, lm_head: torch.Tensor) -> torch.Tensor:
+    """The logits that sampled each completion token, from a prefill's final hidden states
+    (prompt + completion rows): row ``prompt_len - 1 + k`` predicts completion token ``k``.
+    ``lm_head`` is the (V, H) output matrix; the product runs in its dtype, returned float32."""
+    rows = hidden[prompt_len - 1 : hidden.shape[0] - 1]
+    return (rows.to(lm_head.dtype) @ lm_head.T).float()
+
+
+def eos_positions(tokens: Sequence[int], eos_ids: Collection[int]) -> list[int]:
+    return [k for k, t in enumerate(tokens) if t in eos_ids]
