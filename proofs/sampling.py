@@ -220,29 +220,51 @@ def replay(
     """Check that each claimed token is the seeded argmax. ``logits`` (L, V): row ``k`` is
     the distribution the model gives for completion position ``k`` (computed from the hidden
     state of the token before it)."""
-    n = len(tokens)
-    if logits.shape[0] != n:
-        raise ValueError(f"{logits.shape[0]} logit rows for {n} tokens")
-    if n == 0:
-        return ReplayResult((), -1, 0, ())
-    device = logits.device
-    claimed = torch.tensor([int(t) for t in tokens], dtype=torch.int64, device=device)
-    rows = torch.arange(n, device=device)
+    return replay_many([logits], [tokens], [seed], params, delta)[0]
+
+
+def replay_many(
+    logits: Sequence[torch.Tensor],
+    tokens: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    params: SamplingParams,
+    delta: float,
+) -> list[ReplayResult]:
+    """:func:`replay` of several completions at once (one noise draw for all their rows)."""
+    lengths = [len(t) for t in tokens]
+    for rows, n in zip(logits, lengths):
+        if rows.shape[0] != n:
+            raise ValueError(f"{rows.shape[0]} logit rows for {n} tokens")
+    if sum(lengths) == 0:
+        return [ReplayResult((), -1, 0, ()) for _ in tokens]
+    x = torch.cat([rows for rows, n in zip(logits, lengths) if n])
+    device = x.device
+    claimed = torch.tensor([int(t) for toks in tokens for t in toks], dtype=torch.int64, device=device)
+    seed_rows = torch.tensor(
+        [int(s) for s, n in zip(seeds, lengths) for _ in range(n)], dtype=torch.int64, device=device
+    )
+    positions = torch.tensor([k for n in lengths for k in range(n)], dtype=torch.int64, device=device)
+    rows = torch.arange(x.shape[0], device=device)
     if params.temperature == 0:
-        x = logits.to(torch.float64)
-        best = x.argmax(dim=-1)
-        gaps = x[rows, best] - x[rows, claimed]
+        x64 = x.to(torch.float64)
+        best = x64.argmax(dim=-1)
+        gaps = x64[rows, best] - x64[rows, claimed]
     else:
-        scaled = scaled_logits(logits, params)
-        seeds = torch.full((n,), int(seed), dtype=torch.int64, device=device)
-        s = _scores(scaled, seeds, rows, extra=claimed)
-        best = s.argmax(dim=-1)
+        scaled = scaled_logits(x, params)
+        scores = _scores(scaled, seed_rows, positions, extra=claimed)
+        best = scores.argmax(dim=-1)
         inside = scaled[rows, claimed] > -math.inf
-        gaps = torch.where(inside, s[rows, best] - s[rows, claimed], torch.full_like(s[:, 0], math.inf))
-    gap_list = [max(0.0, float(x)) for x in gaps.tolist()]
-    bad = [k for k, gap in enumerate(gap_list) if gap > delta]
-    ties = sum(1 for gap in gap_list if 0 < gap <= delta)
-    return ReplayResult(tuple(gap_list), bad[0] if bad else -1, ties, tuple(int(t) for t in best.tolist()))
+        gaps = torch.where(inside, scores[rows, best] - scores[rows, claimed], torch.full_like(scores[:, 0], math.inf))
+    all_gaps = [max(0.0, float(g)) for g in gaps.tolist()]
+    all_best = [int(t) for t in best.tolist()]
+    out, start = [], 0
+    for n in lengths:
+        gap_list, best_list = all_gaps[start : start + n], all_best[start : start + n]
+        start += n
+        bad = next((k for k, gap in enumerate(gap_list) if gap > delta), -1)
+        ties = sum(1 for gap in gap_list if 0 < gap <= delta)
+        out.append(ReplayResult(tuple(gap_list), bad, ties, tuple(best_list)))
+    return out
 
 
 def completion_logits(hidden: torch.Tensor, prompt_len: int, lm_head: torch.Tensor) -> torch.Tensor:

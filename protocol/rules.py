@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Collection
+import math
+import operator
+from collections.abc import Collection, Mapping, Sequence
 
 
 def window_floor(newest: int, max_async: int) -> int:
@@ -72,3 +74,53 @@ def counter_limit(rule: SlotRule, elapsed_ms: int) -> int:
     counter after counter to pick the prompts it finds easiest."""
     idle_ms = max(1, int(rule.idle_s * 1000))
     return rule.per_version + rule.slack + max(0, elapsed_ms) // idle_ms
+
+
+def agreeing_validators(rewards: Mapping[str, Sequence[float]], tolerance: float) -> frozenset[str]:
+    """The largest set of validators (keys of ``rewards``) whose reward vectors agree: every two
+    members' vectors have the same length and differ by at most ``tolerance`` (absolute) on every
+    sample. Empty when ``rewards`` is. Among equally large sets, the one whose sorted member list
+    sorts first (so every caller picks the same). A vector holding a NaN or an infinity agrees
+    with nothing.
+
+    Pairwise, not "near the median": any two members are at most ``tolerance`` apart, so no
+    outlier drags the agreed rewards. With a majority quorum two agreeing quorums share a
+    member, so their rewards are within ``2 * tolerance`` of each other. The search is exact
+    (maximal cliques, with pivoting); identical vectors (validators that computed the same
+    rewards) are compared once, so the usual case costs one pass over each distinct vector."""
+    if not tolerance >= 0:  # refuses NaN too
+        raise ValueError(f"reward agreement tolerance must be >= 0, got {tolerance!r}")
+    within = float(tolerance).__ge__
+    holders: dict[tuple[float, ...], list[str]] = {}  # distinct finite vector -> its validators
+    for validator, vector in rewards.items():
+        values = tuple(vector)
+        if all(map(math.isfinite, values)):
+            holders.setdefault(values, []).append(validator)
+    distinct = list(holders)
+    near = {v: set(holders[x]) - {v} for x in distinct for v in holders[x]}  # whom each one agrees with
+    for i, x in enumerate(distinct):
+        for y in distinct[i + 1 :]:
+            if len(x) == len(y) and all(map(within, map(abs, map(operator.sub, x, y)))):
+                for v in holders[x]:
+                    near[v].update(holders[y])
+                for v in holders[y]:
+                    near[v].update(holders[x])
+    best: list[str] = []
+
+    def expand(chosen: list[str], candidates: frozenset[str], excluded: frozenset[str]) -> None:
+        nonlocal best
+        if len(chosen) + len(candidates) < len(best):
+            return  # cannot reach the size of the best set found so far
+        if not candidates:
+            found = sorted(chosen)
+            if not excluded and (len(found), best) > (len(best), found):  # larger, or as large and sorts first
+                best = found
+            return
+        pivot = max(sorted(candidates | excluded), key=lambda u: len(near[u] & candidates))
+        for v in sorted(candidates - near[pivot]):
+            expand([*chosen, v], candidates & near[v], excluded & near[v])
+            candidates = candidates - {v}
+            excluded = excluded | {v}
+
+    expand([], frozenset(near), frozenset())
+    return frozenset(best)

@@ -59,3 +59,28 @@ def test_help_documents_options(cmd, options):
     res = run(*cmd, "--help", check=True)
     for opt in options:
         assert opt in res.stdout
+
+
+def test_run_init_defaults_to_a_majority_quorum_of_the_validators(tmp_path):
+    from node.genesis_file import read_genesis
+    from protocol import NodeKey
+
+    owner = str(tmp_path / "owner")
+    run("init", "--home", owner, check=True)
+    trainer = NodeKey(b"\x01" * 32).peer_id
+    validators = [NodeKey(bytes([i + 2]) * 32).peer_id for i in range(4)]
+
+    def run_init(out: str, names: list[str], *extra: str) -> tuple[int, str]:
+        flags = [arg for v in names for arg in ("--validator", v)]
+        args = ["run", "init", "--home", owner, "--out", str(tmp_path / out), "--trainer", trainer, *flags, *extra]
+        res = run(*args, check=True)
+        return read_genesis(tmp_path / out).genesis.quorum, res.stdout
+
+    # no --quorum: a majority (len // 2 + 1), printed in the summary
+    for n, majority in ((1, 1), (2, 2), (3, 2), (4, 3)):
+        quorum, stdout = run_init(f"run{n}.toml", validators[:n])
+        assert quorum == majority and f"quorum {majority} of {n} validators" in stdout
+    # --quorum still overrides it, either way
+    quorum, stdout = run_init("low.toml", validators[:3], "--quorum", "1")
+    assert quorum == 1 and "quorum 1 of 3 validators" in stdout
+    assert run_init("all.toml", validators[:3], "--quorum", "3")[0] == 3

@@ -25,10 +25,10 @@ def test_admits_only_with_quorum_of_genesis_validators(tmp_path):
     assert lg.try_admit(b"b1") == "pending"
     lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.0])  # the same validator twice counts once
     assert lg.try_admit(b"b1") == "pending"
-    lg.record_vote(b"b1", "val-b", True, "", [0.0, 0.0])
+    lg.record_vote(b"b1", "val-b", True, "", [1.0, 0.0])  # the same rewards (see the agreement tests)
     assert lg.try_admit(b"b1") == "admitted"
     [batch] = lg.untrained()
-    assert batch.rewards == [0.5, 0.0]
+    assert batch.rewards == [1.0, 0.0]
     assert lg.accept_voters(b"b1") == {"val-a", "val-b"}
 
 
@@ -337,3 +337,143 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
             assert [b.envelope for b in role.ledger.untrained()] == [raw]
             assert role.status()["ledger"]["refetches"] == 1
             nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ reward agreement and slots
+
+
+def test_admits_when_the_accepting_validators_rewards_agree(tmp_path):
+    lg = ledger(tmp_path)
+    lg.record_batch(b"b1", "w", 0, 0, 2, b"env")
+    lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.25])
+    lg.record_vote(b"b1", "val-b", True, "", [1.0 + 1e-9, 0.25])  # float rounding: within 1e-6
+    assert lg.try_admit(b"b1") == "admitted"
+    assert lg.untrained()[0].rewards == [1.0 + 0.5e-9, 0.25]
+    # a run with a looser [config] reward_agreement: the agreeing validators' median
+    loose = Ledger(tmp_path / "loose.db", V, 2, 2, reward_agreement=0.2)
+    loose.record_batch(b"b1", "w", 0, 0, 1, b"env")
+    loose.record_vote(b"b1", "val-a", True, "", [1.0])
+    loose.record_vote(b"b1", "val-b", True, "", [0.9])
+    assert loose.try_admit(b"b1") == "admitted"
+    assert loose.untrained()[0].rewards == [0.95]
+
+
+def test_disagreeing_rewards_wait_for_more_votes_then_are_refused_once_all_voted(tmp_path, caplog):
+    lg = ledger(tmp_path)
+    for b in (b"split", b"settled"):  # the same two first votes on both batches
+        lg.record_batch(b, "w", 0, int(b == b"settled"), 2, b"env")
+        lg.record_vote(b, "val-a", True, "", [1.0, 0.0])
+        lg.record_vote(b, "val-b", True, "", [0.0, 0.0])  # a quorum accepts, on other rewards
+        with caplog.at_level("WARNING", logger="node.roles.ledger"):
+            assert lg.try_admit(b) == "pending"
+        assert b.hex()[:12] in caplog.text and "val-a" in caplog.text and "val-b" in caplog.text
+        assert "disagree" in caplog.text
+    # the last validator sides with neither: no two agree and nobody is left to vote
+    lg.record_vote(b"split", "val-c", True, "", [0.5, 0.0])
+    assert lg.try_admit(b"split") == "rejected"
+    rec = lg.batch(b"split")
+    assert rec.reason.startswith("validators' rewards disagree") and rec.envelope is None
+    assert all(v in rec.reason for v in V)
+    # control: the last validator agrees with one of them; that pair's rewards are admitted
+    lg.record_vote(b"settled", "val-c", True, "", [1.0, 0.0])
+    assert lg.try_admit(b"settled") == "admitted"
+    assert lg.untrained()[0].rewards == [1.0, 0.0]  # val-b's 0.0 is not in the median
+
+
+def test_refused_as_soon_as_the_missing_votes_could_not_complete_an_agreeing_quorum(tmp_path):
+    five = [f"val-{i}" for i in range(5)]
+    lg = Ledger(tmp_path / "node.db", five, 3, 2)
+    for b in (b"hopeless", b"open"):
+        lg.record_batch(b, "w", 0, int(b == b"open"), 1, b"env")
+        lg.record_vote(b, "val-0", True, "", [1.0])
+        lg.record_vote(b, "val-1", True, "", [0.0])
+        lg.record_vote(b, "val-2", False, "toploc", [])
+    # one more reject: a best agreeing set of 1 plus one validator left cannot make 3
+    lg.record_vote(b"hopeless", "val-3", False, "toploc", [])
+    assert lg.try_admit(b"hopeless") == "rejected"
+    assert lg.batch(b"hopeless").reason.startswith("validators' rewards disagree")
+    # control: two validators left could still join val-0
+    assert lg.try_admit(b"open") == "pending"
+    for v in ("val-3", "val-4"):
+        lg.record_vote(b"open", v, True, "", [1.0])
+    assert lg.try_admit(b"open") == "admitted"
+
+
+def test_a_disagreeing_minority_does_not_block_an_agreeing_quorum(tmp_path):
+    five = [f"val-{i}" for i in range(5)]
+    honest = [1.0, 0.0, 1.0]
+    results = {}
+    for case, outliers in (("control", {}), ("outliers", {"val-3": [0.0, 0.0, 0.0], "val-4": [1.0, 1.0, 1.0]})):
+        lg = Ledger(tmp_path / f"{case}.db", five, 3, 2)
+        lg.record_batch(b"b", "w", 0, 0, 3, b"env")
+        for v, rewards in outliers.items():  # the outliers vote first
+            lg.record_vote(b"b", v, True, "", rewards)
+            assert lg.try_admit(b"b") == "pending"
+        for v in five[:3]:
+            lg.record_vote(b"b", v, True, "", honest)
+        assert lg.try_admit(b"b") == "admitted", case
+        results[case] = lg.untrained()[0].rewards
+    assert results == {"control": honest, "outliers": honest}  # the outliers moved nothing
+
+
+def test_reward_lists_of_the_wrong_size_never_agree(tmp_path):
+    lg = ledger(tmp_path)
+    for b in (b"short", b"ok"):
+        lg.record_batch(b, "w", 0, int(b == b"ok"), 2, b"env")
+        lg.record_vote(b, "val-a", True, "", [1.0, 1.0])
+        lg.record_vote(b, "val-b", True, "", [1.0])  # one reward for a batch of two
+        assert lg.try_admit(b) == "pending"
+    lg.record_vote(b"short", "val-c", True, "", [1.0, 1.0, 1.0])
+    assert lg.try_admit(b"short") == "rejected"
+    assert "do not match the batch size (2 samples)" in lg.batch(b"short").reason
+    lg.record_vote(b"ok", "val-c", True, "", [1.0, 1.0])  # control
+    assert lg.try_admit(b"ok") == "admitted"
+
+
+def test_an_evicted_batch_is_fetched_again_only_for_an_agreeing_quorum(tmp_path):
+    lg = ledger(tmp_path)
+    for b, second in ((b"split", [0.0]), (b"agreed", [1.0])):
+        lg.record_batch(b, "w", 0, int(b == b"agreed"), 1, None)  # bytes evicted (or not fetched yet)
+        lg.record_vote(b, "val-a", True, "", [1.0])
+        lg.record_vote(b, "val-b", True, "", second)
+        assert lg.try_admit(b) == "pending"
+    assert lg.bytes_wanted(b"split") is None  # its bytes could not get it admitted
+    assert lg.bytes_wanted(b"agreed") == ("w", 0, 1, 1)
+
+
+def test_a_slot_is_admitted_once_and_the_refusal_names_the_batch_that_holds_it(tmp_path):
+    lg = ledger(tmp_path)
+    slots = {b"first": ("w", 0, 7), b"next-counter": ("w", 0, 8), b"other-worker": ("w2", 0, 7), b"again": ("w", 0, 7)}
+    for b, (worker, version, counter) in slots.items():
+        lg.record_batch(b, worker, version, counter, 1, b"env-" + b)
+        for v in V[:2]:
+            lg.record_vote(b, v, True, "", [1.0])
+    # controls: different slots (another counter, another worker's) are each admitted
+    assert [lg.try_admit(b) for b in (b"first", b"next-counter", b"other-worker")] == ["admitted"] * 3
+    assert lg.try_admit(b"again") == "rejected"
+    reason = lg.batch(b"again").reason
+    assert reason.startswith("duplicate slot") and b"first".hex() in reason
+    # the rule holds across a restart of the trainer (the same ledger file, reopened)
+    lg.close()
+    lg = ledger(tmp_path)
+    lg.record_batch(b"third", "w", 0, 7, 1, b"env-third")
+    for v in V[:2]:
+        lg.record_vote(b"third", v, True, "", [1.0])
+    assert lg.try_admit(b"third") == "rejected" and b"first".hex() in lg.batch(b"third").reason
+    assert lg.admitted_ids() == {b"first", b"next-counter", b"other-worker"}
+
+
+def test_the_trainer_reads_reward_agreement_from_the_genesis_config(tmp_path):
+    from node.home import NodeHome
+    from node.roles.trainer import TrainerRole
+    from tests.support.roles import tiny_context
+
+    for name, config, expected in (
+        ("default", {}, ledger_module.REWARD_AGREEMENT),
+        ("set", {"reward_agreement": 0.25}, 0.25),
+    ):
+        home = NodeHome(tmp_path / name / "home")
+        home.path.mkdir(parents=True)
+        role = TrainerRole(home, tiny_context(tmp_path / name / "ctx", **config))
+        assert role.ledger.reward_agreement == expected
+        role.ledger.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.rules import Quorum, is_stale, quorum_outcome, window_floor, within_window
+from protocol.rules import Quorum, agreeing_validators, is_stale, quorum_outcome, window_floor, within_window
 
 V = [f"validator-{i}" for i in range(5)]
 
@@ -85,3 +85,56 @@ def test_single_validator():
     assert quorum_outcome(V[:1], [], V[:1], 1) is Quorum.ACCEPTED
     assert quorum_outcome([], V[:1], V[:1], 1) is Quorum.REJECTED
     assert quorum_outcome([], [], V[:1], 1) is Quorum.PENDING
+
+
+# ------------------------------------------------------------------ reward agreement
+
+
+def test_validators_with_equal_rewards_agree():
+    same = {v: [1.0, 0.0, 0.25] for v in V[:3]}
+    assert agreeing_validators(same, 1e-6) == set(V[:3])
+    assert agreeing_validators({}, 1e-6) == frozenset()
+    assert agreeing_validators({V[0]: []}, 0.0) == {V[0]}  # an empty batch: vacuously agreed
+
+
+def test_agreement_is_within_the_tolerance_on_every_sample():
+    close = {V[0]: [1.0, 0.0], V[1]: [1.0 + 1e-7, 0.0]}
+    assert agreeing_validators(close, 1e-6) == {V[0], V[1]}
+    assert agreeing_validators({V[0]: [0.0], V[1]: [0.5]}, 0.5) == {V[0], V[1]}  # the edge counts
+    # one sample apart is enough to disagree: each alone (ties: the first id)
+    apart = {V[0]: [1.0, 0.0], V[1]: [1.0, 1.0]}
+    assert agreeing_validators(apart, 1e-6) == {V[0]}
+    assert agreeing_validators(apart, 1.0) == {V[0], V[1]}  # a loose run tolerates it
+
+
+def test_an_outlier_minority_does_not_break_an_agreeing_majority():
+    honest = {v: [1.0, 0.0, 1.0] for v in V[:3]}
+    outliers = {V[3]: [0.0, 0.0, 1.0], V[4]: [1.0, 1.0, 0.0]}
+    assert agreeing_validators({**honest, **outliers}, 1e-6) == set(V[:3])
+    assert agreeing_validators(honest, 1e-6) == set(V[:3])  # control: the same without the outliers
+
+
+def test_agreement_is_pairwise_not_a_chain():
+    # each neighbour is within 0.1 of the next, but the ends are 0.2 apart: no chain drift
+    chain = {V[0]: [0.0], V[1]: [0.1], V[2]: [0.2]}
+    assert agreeing_validators(chain, 0.1) == {V[0], V[1]}  # two equal pairs: the first ids
+    # the middle one agrees with two others that agree with each other: the larger set wins
+    assert agreeing_validators({**chain, V[3]: [0.15]}, 0.1) == {V[1], V[2], V[3]}
+
+
+def test_reward_lists_of_other_lengths_and_non_finite_rewards_agree_with_nothing():
+    rewards = {V[0]: [1.0, 1.0], V[1]: [1.0, 1.0], V[2]: [1.0], V[3]: [float("nan"), 1.0], V[4]: [float("inf")] * 2}
+    assert agreeing_validators(rewards, 10.0) == {V[0], V[1]}
+    assert agreeing_validators({V[3]: [float("nan"), 1.0]}, 10.0) == frozenset()  # not even with itself
+
+
+def test_the_choice_does_not_depend_on_the_order_of_the_votes():
+    rewards = {V[4]: [0.5], V[0]: [0.0], V[3]: [0.5], V[1]: [0.0], V[2]: [1.0]}
+    assert agreeing_validators(rewards, 0.1) == {V[0], V[1]}  # two pairs of two: the first sorted ids
+    assert agreeing_validators(dict(reversed(list(rewards.items()))), 0.1) == {V[0], V[1]}
+
+
+def test_the_tolerance_must_not_be_negative():
+    for bad in (-1e-9, float("nan")):
+        with pytest.raises(ValueError, match="tolerance"):
+            agreeing_validators({V[0]: [1.0]}, bad)

@@ -68,6 +68,8 @@ CHEAT_RULES = {
     "prompts": {"prompts"},  # answers prompts it was not assigned
     "rewards": {"reward"},  # claims rewards the rules do not give
     "version": {"version"},  # signs batches as a policy version nobody announced
+    "greedy": {"sampling"},  # decodes greedily, claims the run's temperature: not the seeded samples
+    "grind": {"counter"},  # skips batch counters looking for easy prompts
 }
 
 
@@ -95,7 +97,7 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
                 w = WorkerRole(homes(tmp_path, f"cheat-{mode}"), ctx, tamper=mode)
                 cheats[mode] = (key.peer_id, w)
                 await net.start(hook=w, key=key)
-            banned_modes = ["weights", "tokens", "prompts", "version"]
+            banned_modes = ["weights", "tokens", "prompts", "version", "greedy", "grind"]
             await wait_until(
                 lambda: all(all(v.node.policy.is_banned(cheats[m][0]) for v in validators) for m in banned_modes),
                 180,
@@ -138,7 +140,7 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
                 rules = {rule for *_, rule in votes}
                 assert rules <= CHEAT_RULES[mode] | {"stale"}, (mode, rules)
             # the validators' own books say the same
-            for rule in ("toploc", "prompts", "reward", "version"):
+            for rule in ("toploc", "prompts", "reward", "version", "sampling", "counter"):
                 assert sum(v.reasons[rule] for v in validators) >= 1, (rule, [dict(v.reasons) for v in validators])
             assert all(v.verdicts["accept"] >= 1 for v in validators)  # honest batches still pass
             nursery.cancel_scope.cancel()
@@ -150,7 +152,8 @@ async def test_rollouts_older_than_max_async_are_refused_as_stale(tmp_path):
     trainer never admits those batches, and nobody bans the worker (slow is not cheating).
     The first version it loads is usually 0, sometimes 1 (the trainer may publish 1 before
     the worker has fetched 0): the checks follow whichever it was."""
-    genesis = tiny_genesis(steps=6, batches_per_step=1)
+    # a short idle: once the trainer stops publishing, the stuck worker's next slot opens soon
+    genesis = tiny_genesis(steps=6, batches_per_step=1, worker_idle_s=3)
     max_async = genesis.genesis.max_async
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:

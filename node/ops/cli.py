@@ -160,7 +160,10 @@ def run_init(
     trainer: Annotated[str, typer.Option("--trainer", help="Peer id of the trainer.")],
     validator: Annotated[list[str], typer.Option("--validator", help="Peer id of a validator (repeatable).")],
     name: Annotated[str, typer.Option("--name", help="Run name.")] = "primenode-run",
-    quorum: Annotated[int, typer.Option("--quorum", help="Accept votes needed to admit a batch.")] = 1,
+    quorum: Annotated[
+        int | None,
+        typer.Option("--quorum", help="Accept votes needed to admit a batch (default: a majority of the validators)."),
+    ] = None,
     max_async: Annotated[
         int, typer.Option("--max-async", help="Versions a batch's policy may lag (INTELLECT-2: 2).")
     ] = 2,
@@ -191,6 +194,8 @@ def run_init(
         except tomllib.TOMLDecodeError:
             cfg[key.strip()] = value
     owner = NodeHome(home).load_key()
+    if quorum is None:
+        quorum = len(validator) // 2 + 1  # a majority: with two or more, no validator admits alone
     signed = make_genesis(
         owner,
         cfg,
@@ -209,6 +214,7 @@ def run_init(
     write_genesis(signed, out)
     typer.echo(f"wrote {out}")
     typer.echo(f"run id {signed.genesis.run_id.hex()}")
+    typer.echo(f"quorum {signed.genesis.quorum} of {len(signed.genesis.validators)} validators")
 
 
 @run_app.command("show")

@@ -4,12 +4,17 @@ Everything the trainer admits is committed here (WAL, synchronous=FULL) before
 anyone is told; a killed trainer reopens the ledger, rolls back whatever it had
 consumed after its last checkpoint, and loses nothing admitted.
 
-Admission rule: a batch is admitted once accept votes from ``quorum`` distinct
-genesis validators are recorded, its policy version is within ``max_async`` of
-the trainer's current version, and the signed batch itself is held. Each
-(worker, policy version, batch counter) slot is admitted at most once, so a
-worker cannot get the same owed prompts counted twice. Rewards come from the
-accepting validators (median per sample), never from the worker.
+Admission rule: a batch is admitted once ``quorum`` distinct genesis validators
+accept it *and their rewards agree* (every sample within ``reward_agreement`` of
+each other's, :func:`protocol.rules.agreeing_validators`), its policy version is
+within ``max_async`` of the trainer's current version, and the signed batch
+itself is held. Accepting validators whose rewards disagree are logged and the
+batch waits for more votes; once the validators that have not voted could no
+longer complete an agreeing quorum (at the latest when every genesis validator
+has voted), it is rejected. Each (worker, policy version, batch counter) slot is
+admitted at most once, so a worker cannot get the same owed prompts counted
+twice. Rewards come from the agreeing validators (median per sample), never from
+the worker.
 
 Retention (identities are free, so batches from announcers nobody vouches for
 must not fill the disk). Nothing admitted is ever deleted, and an
@@ -35,6 +40,7 @@ admitted batch keeps its bytes. For everything else:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sqlite3
 import statistics
 from collections.abc import Iterable, Sequence
@@ -43,7 +49,9 @@ from pathlib import Path
 import msgpack
 
 from node.util import now_ms
-from protocol.rules import Quorum, is_stale, quorum_outcome, window_floor
+from protocol.rules import Quorum, agreeing_validators, is_stale, quorum_outcome, window_floor
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -55,7 +63,7 @@ CREATE TABLE IF NOT EXISTS batches (
     envelope BLOB,
     status TEXT NOT NULL DEFAULT 'pending',   -- pending | admitted | rejected
     reason TEXT NOT NULL DEFAULT '',
-    rewards BLOB,                              -- msgpack list of floats (validators' median)
+    rewards BLOB,                              -- msgpack list of floats (agreeing validators' median)
     admitted_ms INTEGER,
     trained_step INTEGER                       -- step that consumed it (NULL = not yet)
 );
@@ -114,6 +122,10 @@ MAX_PENDING = 256
 MAX_PENDING_BYTES = 1 << 30
 MAX_UNADMITTED_ROWS = 100_000
 ORPHAN_VOTE_TTL_S = 3600.0
+# Genesis [config] reward_agreement: how far (absolute, per sample) the rewards of the
+# validators that admit a batch may differ. Rules are deterministic unless a sandboxed test
+# times out, so honest validators agree exactly; the slack only absorbs float rounding.
+REWARD_AGREEMENT = 1e-6
 
 # A row was admitted at some point (admitted, or aged out of the window before training):
 # such rows and their bytes are never deleted.
@@ -132,7 +144,10 @@ class Ledger:
         max_pending_bytes: int = MAX_PENDING_BYTES,
         max_unadmitted_rows: int = MAX_UNADMITTED_ROWS,
         orphan_vote_ttl_s: float = ORPHAN_VOTE_TTL_S,
+        reward_agreement: float = REWARD_AGREEMENT,
     ) -> None:
+        if not reward_agreement >= 0:
+            raise ValueError(f"reward_agreement must be >= 0, got {reward_agreement!r}")
         self.validators = frozenset(validators)
         self.quorum = quorum
         self.max_async = max_async
@@ -140,6 +155,7 @@ class Ledger:
         self.max_pending_bytes = max_pending_bytes
         self.max_unadmitted_rows = max_unadmitted_rows
         self.orphan_vote_ttl_s = orphan_vote_ttl_s
+        self.reward_agreement = reward_agreement
         self.evicted = 0  # pending envelopes dropped to stay under the caps (since start)
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -216,8 +232,8 @@ class Ledger:
             self.evicted += 1
 
     def bytes_wanted(self, batch_id: bytes) -> tuple[str, int, int, int] | None:
-        """(worker, policy version, batch counter, samples) of a pending batch that a quorum of
-        validators accepts but whose bytes are not held (evicted): fetch it again. Else None."""
+        """(worker, policy version, batch counter, samples) of a pending batch that an agreeing
+        quorum of validators accepts but whose bytes are not held (evicted): fetch it again. Else None."""
         row = self.db.execute(
             "SELECT worker, policy_version, batch_counter, num_samples FROM batches "
             "WHERE batch_id = ? AND status = 'pending' AND envelope IS NULL",
@@ -225,7 +241,7 @@ class Ledger:
         ).fetchone()
         if row is None:
             return None
-        if quorum_outcome(self.accept_voters(batch_id), (), self.validators, self.quorum) is not Quorum.ACCEPTED:
+        if len(self._agreeing(self._accept_rewards(batch_id), row[3])) < self.quorum:
             return None
         if is_stale(row[1], self.policy_version, self.max_async):
             return None
@@ -263,36 +279,43 @@ class Ledger:
         if status != "pending":
             return status
         votes = self.db.execute(
-            "SELECT validator, accept, reason, rewards FROM votes WHERE batch_id = ?", (batch_id,)
+            "SELECT validator, accept, reason FROM votes WHERE batch_id = ? ORDER BY received_ms, rowid", (batch_id,)
         ).fetchall()
-        accepts = [msgpack.unpackb(r) for _, a, _, r in votes if a]
-        rejects = [reason for _, a, reason, _ in votes if not a]
+        accepters = [v for v, a, _ in votes if a]
+        rejecters = [v for v, a, _ in votes if not a]
         if is_stale(version, self.policy_version, self.max_async):
             return self._reject(
                 batch_id,
                 f"stale: policy version {version}, trainer at {self.policy_version}, max_async {self.max_async}",
             )
-        outcome = quorum_outcome(
-            [v for v, a, _, _ in votes if a], [v for v, a, _, _ in votes if not a], self.validators, self.quorum
-        )
+        outcome = quorum_outcome(accepters, rejecters, self.validators, self.quorum)
         if outcome is Quorum.REJECTED:
-            return self._reject(batch_id, f"rejected by validators: {rejects[0]}")
-        if outcome is Quorum.PENDING or envelope is None:
+            return self._reject(batch_id, f"rejected by validators: {next(r for _, a, r in votes if not a)}")
+        accepted = self._accept_rewards(batch_id)
+        agreeing = self._agreeing(accepted, n)
+        if len(agreeing) < self.quorum:
+            return self._disagreement(
+                batch_id, n, accepted, agreeing, outcome, self.validators - {v for v, _, _ in votes}
+            )
+        if envelope is None:
             return "pending"
-        accepts = [r for r in accepts if len(r) == n]
-        if len(accepts) < self.quorum:
-            return self._reject(batch_id, "validators' reward lists do not match the batch size")
-        rewards = [statistics.median(col) for col in zip(*accepts)]
+        rewards = [statistics.median(col) for col in zip(*(accepted[v] for v in sorted(agreeing)))]
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            dup = self.db.execute(
-                "SELECT 1 FROM batches WHERE worker = ? AND policy_version = ? AND batch_counter = ? AND status = 'admitted'",
-                (worker, version, counter),
+            # the slot is taken by a batch admitted before (also one that aged out untrained since)
+            holder = self.db.execute(
+                f"SELECT batch_id FROM batches WHERE worker = ? AND policy_version = ? AND batch_counter = ? "
+                f"AND batch_id != ? AND {_EVER_ADMITTED} LIMIT 1",
+                (worker, version, counter, batch_id),
             ).fetchone()
-            if dup:
+            if holder:
                 self.db.execute(
                     "UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
-                    ("duplicate slot: this worker's batch for that version and counter is already admitted", batch_id),
+                    (
+                        f"duplicate slot: batch {holder[0].hex()} holds this worker's slot "
+                        f"(policy version {version}, batch counter {counter}) and was admitted",
+                        batch_id,
+                    ),
                 )
                 self.db.execute("COMMIT")
                 return "rejected"
@@ -305,6 +328,53 @@ class Ledger:
             self.db.execute("ROLLBACK")
             raise
         return "admitted"
+
+    def _accept_rewards(self, batch_id: bytes) -> dict[str, list[float]]:
+        """The rewards each genesis validator that accepts the batch recomputed."""
+        rows = self.db.execute("SELECT validator, rewards FROM votes WHERE batch_id = ? AND accept = 1", (batch_id,))
+        return {v: msgpack.unpackb(r) for v, r in rows if v in self.validators}
+
+    def _agreeing(self, accepted: dict[str, list[float]], num_samples: int) -> frozenset[str]:
+        """The largest set of accepting validators whose rewards (one per sample) agree."""
+        sized = {v: r for v, r in accepted.items() if len(r) == num_samples}
+        return agreeing_validators(sized, self.reward_agreement)
+
+    def _disagreement(
+        self,
+        batch_id: bytes,
+        num_samples: int,
+        accepted: dict[str, list[float]],
+        agreeing: frozenset[str],
+        outcome: Quorum,
+        unvoted: frozenset[str],
+    ) -> str:
+        """No quorum of accepting validators agrees on the rewards (yet). While the validators
+        that have not voted could still complete one, the batch waits; else it is rejected."""
+        missized = sorted(v for v, r in accepted.items() if len(r) != num_samples)
+        if len(agreeing) + len(unvoted) >= self.quorum:
+            if outcome is Quorum.ACCEPTED:  # a quorum accepts, but on different rewards
+                log.warning(
+                    "batch %s: %d validators accept it but their rewards disagree (no %d agree within %g; "
+                    "largest agreeing set %s; accepting %s%s); waiting: %d validators have not voted",
+                    batch_id.hex()[:12],
+                    len(accepted),
+                    self.quorum,
+                    self.reward_agreement,
+                    sorted(agreeing),
+                    sorted(accepted),
+                    f"; wrong reward count from {missized}" if missized else "",
+                    len(unvoted),
+                )
+            return "pending"
+        reason = (
+            f"validators' rewards disagree: no {self.quorum} genesis validators accept it with rewards that agree "
+            f"within {self.reward_agreement:g} per sample (accepting {sorted(accepted)}, largest agreeing set "
+            f"{sorted(agreeing)}, {len(unvoted)} not voted)"
+        )
+        if missized:
+            reason += f"; reward lists that do not match the batch size ({num_samples} samples) from {missized}"
+        log.warning("batch %s rejected: %s", batch_id.hex()[:12], reason)
+        return self._reject(batch_id, reason)
 
     def _reject(self, batch_id: bytes, reason: str) -> str:
         # only ever called on pending rows: never admitted, so the bytes go (the row stays)

@@ -44,7 +44,7 @@ import torch
 from node.roles.context import RunContext
 from node.util import now_ms
 from proofs import ProofConfig, ProofError, build_many, verify_sequence
-from proofs.sampling import completion_logits, replay
+from proofs.sampling import completion_logits, replay_many
 from protocol import RolloutBatch, Sample, assign_prompts, expected_chunks, sample_seed, split_proofs
 from protocol.rules import counter_limit
 
@@ -257,10 +257,12 @@ def verify_batch(
     policy: PolicyFacts,
     *,
     now: int | None = None,
+    replay_sampling: bool = True,
 ) -> BatchVerdict:
     """All the rules. ``engine`` holds the weights of ``batch.policy_version``; ``policy``
     is that version's manifest facts. One prompt's group is prefilled at a time and the
-    check stops at the first sample that fails, so a bad batch costs at most one group."""
+    check stops at the first sample that fails, so a bad batch costs at most one group.
+    ``replay_sampling`` False skips rule 8 (only bench/verify.py's baseline does)."""
     t0 = time.perf_counter()
 
     def reject(rule: str, detail: str) -> BatchVerdict:
@@ -291,8 +293,13 @@ def verify_batch(
                 return reject("proof", f"sample {k}: {exc}")
             if not verdict.ok:
                 return reject("toploc", f"sample {k}: {verdict.reason}")
-            logits = completion_logits(hidden, len(prompt), lm_head)
-            result = replay(logits, toks, seeds[k], params, replay_config.delta)
+        if not replay_sampling:
+            continue
+        head_rows = [completion_logits(h, len(p), lm_head) for h, (p, _) in zip(hiddens, pairs)]
+        results = replay_many(
+            head_rows, [t for _, t in pairs], [seeds[k] for k in members], params, replay_config.delta
+        )
+        for k, (_, toks), result in zip(members, pairs, results):
             if not result.ok(replay_config.max_near_ties):
                 pos = result.first_bad
                 if pos < 0:
@@ -307,10 +314,20 @@ def verify_batch(
                 if result.best_tokens[pos] in eos_ids:
                     return reject("termination", f"sample {k}: the model's sample at position {pos} is EOS; {gap}")
                 return reject("sampling", f"sample {k}: the token at position {pos} {gap}")
+    return dataclasses.replace(check_rewards(ctx, batch), seconds=time.perf_counter() - t0)
+
+
+def check_rewards(ctx: RunContext, batch: RolloutBatch) -> BatchVerdict:
+    """Rule 9: the rules' reward of every sample; a claim that differs is a lie, unless the
+    validator's own computation was not deterministic (a code test that timed out may pass
+    on a faster machine): then the validator's reward stands and nobody is struck (the
+    trainer admits only rewards that a quorum of validators computed alike)."""
     rewards: list[float] = []
     for k, s in enumerate(batch.samples):
         reward, deterministic = ctx.reward_checked(s.prompt_index, s.token_ids())
         if deterministic and abs(s.claimed_reward - reward) > REWARD_TOLERANCE:
-            return reject("reward", f"sample {k} claims {s.claimed_reward:.4f}, the rules give {reward:.4f}")
+            return BatchVerdict.reject(
+                "reward", f"sample {k} claims {s.claimed_reward:.4f}, the rules give {reward:.4f}", limit=REASON_LIMIT
+            )
         rewards.append(reward)
-    return BatchVerdict(True, rewards=tuple(rewards), seconds=time.perf_counter() - t0)
+    return BatchVerdict(True, rewards=tuple(rewards))

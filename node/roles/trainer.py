@@ -22,6 +22,7 @@ from node.roles.ledger import (
     MAX_PENDING_BYTES,
     MAX_UNADMITTED_ROWS,
     ORPHAN_VOTE_TTL_S,
+    REWARD_AGREEMENT,
     AdmittedBatch,
     Ledger,
 )
@@ -47,12 +48,14 @@ class TrainerRole(LearningRole):
         self.steps = int(self.ctx.config.get("steps", 0)) or None  # None: train forever
         self.batches_per_step = int(self.ctx.config.get("batches_per_step", 1))
         cfg = self.ctx.config
-        # retention caps of the ledger (docs/security.md); the run config may override them
+        # retention caps of the ledger (docs/security.md); the run config may override them.
+        # reward_agreement: how far apart the admitting validators' rewards may be (docs/protocol.md)
         self.ledger = Ledger(
             self.home.ledger_path,
             g.validators,
             g.quorum,
             g.max_async,
+            reward_agreement=float(cfg.get("reward_agreement", REWARD_AGREEMENT)),
             **{k: type(v)(cfg[f"ledger_{k}"]) for k, v in LEDGER_LIMITS.items() if f"ledger_{k}" in cfg},
         )
         self.prune_interval_s = float(cfg.get("ledger_prune_interval_s", 30.0))

