@@ -39,3 +39,8 @@ class ModelError(NodeError):
 class RoleError(NodeError):
     """The node cannot take the role it was asked for in this run (not named by the genesis,
     wrong numerics stack, missing sandbox...)."""
+
+
+class SandboxError(NodeError):
+    """Code rewards cannot run untrusted programs here: bubblewrap (or libseccomp) is missing or
+    cannot start a sandbox. There is no weaker fallback; the message names what to install."""

@@ -89,6 +89,15 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     return t
 
 
+def _sandbox(sb: Any) -> str:
+    """The code-reward sandbox line: isolation, bwrap binary and version, checked or not."""
+    if not isinstance(sb, dict):
+        return str(sb)
+    parts = [str(sb.get("isolation", "?")), str(sb.get("version") or sb.get("bwrap") or "")]
+    parts.append("checked" if sb.get("ready") else "not checked (no code tasks)")
+    return ", ".join(p for p in parts if p)
+
+
 def render(st: dict[str, Any]) -> list[RenderableType]:
     """The status object as a list of rich renderables."""
     from rich.table import Table
@@ -104,6 +113,7 @@ def render(st: dict[str, Any]) -> list[RenderableType]:
                 ("uptime", _dur(st.get("uptime_s"))),
                 ("addrs", "\n".join(st.get("addrs") or []) or None),
                 ("peers", f"{len(st.get('peers') or [])} connected (target {st.get('target_peers', '-')})"),
+                *([("sandbox", _sandbox(st["sandbox"]))] if st.get("sandbox") else []),
                 *([("error", st["error"])] if st.get("error") else []),
             ],
         )

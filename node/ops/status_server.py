@@ -74,6 +74,12 @@ def status_json(node: Node) -> bytes:
             "gossip": {},
             "error": f"{type(exc).__name__}: {exc}",
         }
+    try:  # the code-reward sandbox (issue 15): checked at start by nodes whose run has code tasks
+        from node.rl.sandbox import sandbox_status
+
+        st.setdefault("sandbox", sandbox_status())
+    except Exception as exc:
+        st.setdefault("sandbox", {"isolation": "unavailable", "error": f"{type(exc).__name__}: {exc}"})
     return json.dumps(st, default=str).encode()
 
 

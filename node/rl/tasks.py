@@ -9,8 +9,9 @@ field               required  meaning
 ``prompt``          yes       the text shown to the model
 ``task``            no        ``math`` (default), ``code`` or ``length``
 ``answer``          math      the reference answer (checked symbolically)
-``tests``           code      Python source with ``assert`` statements (or a list
-                              of such strings); reward 1 only if all pass
+``tests``           code      Python ``assert`` statements (or a list of such
+                              strings), or an io/calls spec (a JSON object or
+                              its text; docs/rl.md); reward 1 only if all pass
 ``target_length``   length;   target completion length in tokens; on a math/code
                     optional  problem it adds INTELLECT-2's length penalty
 ``id``              no        stable identifier (default: hash of the record)
@@ -84,7 +85,9 @@ def problem_from_record(record: dict[str, Any], index: int = 0) -> Problem:
     if "prompt" not in rec or not isinstance(rec["prompt"], str):
         raise ValueError(f"record {index} has no string 'prompt'")
     tests = rec.get("tests")
-    if isinstance(tests, (list, tuple)):
+    if isinstance(tests, dict) or (isinstance(tests, (list, tuple)) and tests and isinstance(tests[0], dict)):
+        tests = json.dumps(tests)  # an io/calls spec (docs/rl.md, "Code test formats")
+    elif isinstance(tests, (list, tuple)):
         tests = "\n".join(str(t) for t in tests)
     answer = rec.get("answer")
     target = rec.get("target_length")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from node.errors import RoleError
@@ -9,6 +10,15 @@ from node.home import NodeHome
 from node.p2p.node import RoleHook
 from node.roles.context import RunContext
 from protocol import SignedGenesis
+
+
+def check_code_sandbox(problems: Iterable[Any]) -> None:
+    """Fail closed: a run with code tasks needs the bubblewrap sandbox to score them (workers claim
+    rewards, validators and the trainer recompute them); SandboxError names what to install."""
+    if any(getattr(p, "task", None) == "code" for p in problems):
+        from node.rl.sandbox import require_sandbox
+
+        require_sandbox()
 
 
 def make_role(
@@ -35,6 +45,7 @@ def make_role(
     if role == "validator" and key_peer_id not in g.validators:
         raise RoleError(f"this node ({key_peer_id}) is not one of the run's validators")
     ctx = RunContext.from_genesis(g, home.cache_dir)
+    check_code_sandbox(ctx.problems)
     common: dict[str, Any] = dict(
         max_upload_mbps=max_upload_mbps, data_port=data_port, advertise_host=advertise_host, direct_io=direct_io
     )
