@@ -22,10 +22,16 @@ scenario's work directory ``W`` (the pattern of bench/gossip_procs.py):
    (``ValidatorRole._on_announce`` / ``_fetch_loop``: per-announcer cap, bounded
    queue, 30 s fetch deadline, ``charge_unserved``) and record each batch fetched;
    scenario ``chunks``: every node runs the checkpoint distribution and node 0
-   publishes v1 at the start of the attack window;
+   publishes v1 at the start of the attack window; scenario ``garbage``: the
+   run is the tiny model's (``garbage_genesis``), node 0 publishes its v0 weights and,
+   instead of the probe announcements, produces one real batch (``produce_batch``:
+   seeded sampling, TOPLOC proofs) every ``batch_interval_s`` and announces it, and
+   node 1 is a real ``ValidatorRole`` (the genesis validator) that fetches, checks and
+   votes on every announced batch; it records when it voted on each of node 0's;
 5. after the attack window each shard drains (until its nodes hold every honest
    message, every fetcher fetched every honest batch and every node holds v1, or the
-   drain deadline), writes ``result-i.json`` (arrivals, counters before the attack and
+   drain deadline; ``garbage``: until the validator voted on every honest
+   batch), writes ``result-i.json`` (arrivals, votes, counters before the attack and
    at the end, RSS samples, exceptions logged) and serves until ``stop`` appears.
 """
 
@@ -59,6 +65,20 @@ from protocol import (
 POLL = 0.05
 CKPT_BYTES = 512 * 1024  # a small checkpoint: 32 chunks of 16 KiB
 CKPT_CHUNK = 16 * 1024
+GARBAGE_VALIDATOR = 1  # garbage: the node that runs the real validator
+# garbage: the run. A tiny Llama 384 wide and 6 layers deep, 96 tokens, so that a prefill is
+# what a validator spends its time on (on one idle core: a garbage batch ~0.1-0.15 s, one
+# group's prefill; an honest one ~0.3 s, every group's plus the sampling replay; producing
+# one ~1.5 s), and as many batch slots per version as the bench needs (one version throughout).
+GARBAGE_RUN = {
+    "task": "target-length",
+    "max_tokens": 96,
+    "temperature": 1.0,
+    "seed": 0,
+    "tiny_hidden_size": 384,
+    "tiny_layers": 6,
+    "worker_batches_per_version": 1_000_000,
+}
 
 
 def seeded_keys(seed: str, n: int) -> list[NodeKey]:
@@ -72,6 +92,28 @@ def bench_genesis(keys: list[NodeKey], created_ms: int):
     # node 0 is owner, trainer (signs checkpoints) and the one genesis validator
     return overlay_genesis(
         owner=keys[0], trainer=keys[0], validators=[keys[0]], name="hostile-bench", created_ms=created_ms
+    )
+
+
+def garbage_genesis(keys: list[NodeKey], created_ms: int):
+    """The run of scenario ``garbage``: node 0 owner and trainer, node 1 the one validator."""
+    from node.genesis_file import make_genesis
+
+    return make_genesis(
+        keys[0],
+        GARBAGE_RUN,
+        name="hostile-bench-garbage",
+        created_ms=created_ms,
+        model="tiny",
+        dataset="builtin:target-length",
+        dataset_size=64,
+        trainer=keys[0].peer_id,
+        validators=[keys[GARBAGE_VALIDATOR].peer_id],
+        quorum=1,
+        max_async=2,
+        prompts_per_batch=2,
+        group_size=4,
+        chunk_size=1 << 20,
     )
 
 
@@ -154,6 +196,45 @@ def make_batch(node, counter: int) -> tuple[bytes, RolloutAnnounce]:
     )
 
 
+def garbage_batch(ctx, worker: str, policy, counter: int, hidden_size: int, rnd: random.Random) -> RolloutBatch:
+    """A batch of ``worker`` that breaks only rules a prefill checks (scenario ``garbage``):
+    the owed prompts at (version, counter), ``group_size`` completions each of ``max_tokens``
+    random tokens and no EOS (a proper ending, and the longest prefill the rules allow), and
+    random proof bytes of exactly the length the shape implies, so every rule that needs no
+    model passes (``rollouts.check_batch_rules``) and the validator must prefill a group to
+    reject it."""
+    from node.roles.rollouts import owed_prompts
+    from protocol.proof_layout import TOPK, chunk_rows, proof_size
+
+    g = ctx.genesis
+    eos, vocab, max_tokens = ctx.eos_token_id, ctx.vocab_size, ctx.sampling.max_tokens
+    samples = []
+    for i in owed_prompts(ctx, worker, policy.version, counter):
+        prompt_len = len(ctx.prompt_tokens(i))
+        for _ in range(g.group_size):
+            toks = [rnd.randrange(vocab) for _ in range(max_tokens)]
+            toks = [t if t != eos else (t + 1) % vocab for t in toks]
+            size = sum(proof_size(min(TOPK, rows * hidden_size)) for rows in chunk_rows(prompt_len, max_tokens))
+            samples.append(
+                Sample(
+                    prompt_index=i,
+                    completion=Sample.pack_tokens(toks),
+                    seed=0,
+                    proof=rnd.randbytes(size),
+                    claimed_reward=0.0,
+                )
+            )
+    return RolloutBatch(
+        run_id=g.run_id,
+        worker=worker,
+        policy_version=policy.version,
+        batch_counter=counter,
+        sampling=ctx.sampling,
+        samples=tuple(samples),
+        created_ms=now_ms(),
+    )
+
+
 def make_validator_fetcher(node, on_fetched):
     """The validator's real announce intake and fetch loops, on ``node``; a fetched batch goes to
     ``on_fetched(announce envelope)`` instead of TOPLOC verification (no model in this bench)."""
@@ -161,20 +242,23 @@ def make_validator_fetcher(node, on_fetched):
 
     from node.roles.common import AnnounceIntake
     from node.roles.validator import ValidatorRole
+    from node.roles.verify_queue import VerifyQueue
 
     defaults = inspect.signature(ValidatorRole.__init__).parameters
 
     class BenchValidator(ValidatorRole):
         # No LearningRole.__init__: no chunk store, run context or model. What
         # ValidatorRole._on_announce and _fetch_loop use is set here, with the validator's
-        # own defaults (fetch tasks, queue bound); every batch's version (0) counts as held,
-        # so a fetched batch goes straight to the verify queue, which we drain.
+        # own defaults (fetch tasks, queue bound); every batch's version (0) counts as held
+        # and no manifest is known (no model-free rules to run), so a fetched batch goes
+        # straight to the verify queue, which we drain (its announcer counts as proven from
+        # then on, as if the batch had been accepted).
         def __init__(self) -> None:
             self.node = node
             self.ctx = types.SimpleNamespace(genesis=node.genesis)
             self.n_fetchers = defaults["fetchers"].default
             self.intake = AnnounceIntake(defaults["queue"].default, unproven_slots=max(1, self.n_fetchers // 2))
-            self._verify_in, self._verify_out = trio.open_memory_channel(16)
+            self._verify = VerifyQueue()
             self.fetch_failures = 0
             self._seen = collections.OrderedDict()
             self.store = types.SimpleNamespace(versions={})
@@ -197,8 +281,10 @@ def make_validator_fetcher(node, on_fetched):
             nursery.start_soon(self._record)
 
         async def _record(self) -> None:
-            async for env, _batch in self._verify_out:
+            while True:
+                _, (env, _batch) = await self._verify.get()
                 self.fetched += 1
+                self._verify.mark_proven(env.sender)
                 on_fetched(env)
 
         def stats(self) -> dict:
@@ -215,19 +301,85 @@ def make_validator_fetcher(node, on_fetched):
     return BenchValidator()
 
 
+def make_recording_validator(home_dir: Path, ctx, on_vote, *, fifo: bool = False):
+    """A real ``ValidatorRole`` (scenario ``garbage``) that tells ``on_vote(env, verdict,
+    enqueued)`` about each vote as it decides it (``enqueued``: when the batch entered the
+    verify queue, None if it never did). ``fifo``: with the first-come verify channel (16 batches)
+    the verify queue replaced, as a baseline (``--verify-queue fifo``)."""
+    from node.home import NodeHome
+    from node.roles.validator import ValidatorRole
+    from node.roles.verify_queue import VerifyQueue
+
+    class RecordingValidator(ValidatorRole):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.failures_by_code: collections.Counter[str] = collections.Counter()
+            self.failure_samples: list[str] = []
+            self.enqueued: dict[bytes, float] = {}
+
+        async def _enqueue(self, env, batch) -> None:
+            self.enqueued[env.body.batch_id] = time.time()
+            while len(self.enqueued) > 10_000:
+                del self.enqueued[next(iter(self.enqueued))]
+            await super()._enqueue(env, batch)
+
+        async def _vote(self, env, verdict) -> None:
+            on_vote(env, verdict, self.enqueued.pop(env.body.batch_id, None))
+            await super()._vote(env, verdict)
+
+        def charge_unserved(self, sender: str, exc: Exception) -> None:
+            self.failures_by_code[getattr(exc, "code", type(exc).__name__)] += 1
+            if len(self.failure_samples) < 5:
+                self.failure_samples.append(str(exc)[:200])
+            super().charge_unserved(sender, exc)
+
+    class FifoQueue(VerifyQueue):
+        def proven(self, announcer: str) -> bool:  # everyone in one first-come lane, put waits for room
+            return True
+
+    home_dir.mkdir(parents=True, exist_ok=True)
+    v = RecordingValidator(NodeHome(home_dir), ctx)
+    if fifo:
+        v._verify = FifoQueue(proven_capacity=16)
+    return v
+
+
+def validator_stats(v, node) -> dict:
+    """What the real validator of ``garbage`` did, for the before/after snapshots."""
+    return {
+        "verdicts": dict(v.verdicts),
+        "reasons": dict(v.reasons),
+        "verify_queue": v._verify.status(),
+        "dropped_batches": sum(v._verify.dropped.values()),
+        "dropped_announces": v.dropped_announces,
+        "fetch_failures": v.fetch_failures,
+        "failures_by_code": dict(v.failures_by_code),
+        "failure_samples": list(v.failure_samples),
+        "banned": len(node.policy.banned()),
+        "last_verify_s": v.verify_s,
+    }
+
+
 class BenchRole:
     """The hook of one honest node (a ``RoleHook``): node 0 serves its probe batches; in
     ``unserved`` the fetcher nodes run the validator's fetch path; in ``chunks`` every node
-    runs the checkpoint distribution (node 0 is the trainer and publishes)."""
+    runs the checkpoint distribution (node 0 is the trainer and publishes); in
+    ``garbage`` node 0 publishes the tiny model's v0 and produces real batches, and
+    node 1 runs a real validator."""
 
     def __init__(self, shard: Shard, idx: int) -> None:
         self.shard = shard
         self.idx = idx
         scen = shard.cfg["scenario"]
         self.fetcher = scen == "unserved" and 1 <= idx <= shard.cfg["fetchers"]
-        self.role = "trainer" if idx == 0 else ("validator" if self.fetcher else "worker")
+        self.garbage_validator = scen == "garbage" and idx == GARBAGE_VALIDATOR
+        self.role = "trainer" if idx == 0 else ("validator" if self.fetcher or self.garbage_validator else "worker")
         self.checkpoints = None
         self.validator = None
+        self.real_validator = None  # garbage, node 1
+        self.engine = None  # garbage, node 0: produces the honest batches
+        self.policy = None  # garbage, node 0: PolicyFacts of v0
+        self.generating = trio.Lock()
         self.batches: dict[bytes, bytes] = {}
         self.served = 0
         self.dp_refused_full = 0
@@ -236,6 +388,8 @@ class BenchRole:
 
     # RoleHook interface
     def heartbeat_fields(self) -> dict:
+        if self.real_validator is not None:
+            return self.real_validator.heartbeat_fields()
         if self.checkpoints is None:
             return {}
         from node.checkpoints.p2p_overlay import checkpoint_heartbeat_fields
@@ -251,6 +405,12 @@ class BenchRole:
                 node.reqresp.register(BatchRequest, self._serve_batch)
             if self.shard.cfg["scenario"] == "chunks":
                 await self._start_distribution(node, nursery)
+            if self.shard.cfg["scenario"] == "garbage":
+                if self.idx == 0:
+                    await self._start_distribution(node, nursery)
+                    await self._start_producing(node)
+                elif self.garbage_validator:
+                    await self._start_validator(node, nursery)
             if self.fetcher:
                 self.validator = make_validator_fetcher(node, self.shard.on_fetched(self.idx))
                 await self.validator.run_fetchers(nursery)
@@ -285,6 +445,49 @@ class BenchRole:
             await self.publish_checkpoint(node, 0)
             nursery.start_soon(self._reannounce, node)
 
+    async def _start_producing(self, node) -> None:
+        """garbage, node 0: the engine on v0 (the weights it just published)."""
+        from node.engines.transformers_engine import TransformersEngine
+        from node.roles.rollouts import PolicyFacts
+
+        ctx = self.shard.ctx
+        self.engine = await trio.to_thread.run_sync(
+            lambda: TransformersEngine(
+                ctx.initial_model(), eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id
+            )
+        )
+        self.policy = PolicyFacts.of(self.checkpoints.store.get(0).manifest)
+
+    async def make_real_batch(self, node, counter: int) -> tuple[bytes, RolloutAnnounce]:
+        """garbage, node 0: a real batch (seeded sampling, proofs) and its announcement."""
+        from node.roles.rollouts import produce_batch
+
+        batch = await trio.to_thread.run_sync(
+            produce_batch, self.shard.ctx, self.engine, node.peer_id, self.policy, counter
+        )
+        raw = seal(node.key, node.run_id, batch, now_ms(), node.seq.next())
+        return raw, RolloutAnnounce(
+            batch_id=sha256(raw),
+            policy_version=0,
+            batch_counter=counter,
+            num_samples=len(batch.samples),
+            size_bytes=len(raw),
+        )
+
+    async def _start_validator(self, node, nursery: trio.Nursery) -> None:
+        """garbage, node 1: the real validator, on v0 with its engine built before the
+        windows start (the first verification would otherwise pay for both)."""
+        v = self.real_validator = make_recording_validator(
+            self.shard.work / f"node-{self.idx}",
+            self.shard.ctx,
+            self.shard.on_vote(self.idx),
+            fifo=self.shard.cfg.get("verify_queue") == "fifo",
+        )
+        nursery.start_soon(v.run, node)
+        while v.checkpoints is None or not v.weights.held(0):
+            await trio.sleep(0.1)
+        await v._ensure_version(0)
+
     async def _reannounce(self, node) -> None:
         """As the trainer does (every 5 s): nodes that joined after an announce learn the newest version."""
         while True:
@@ -295,9 +498,16 @@ class BenchRole:
 
     async def publish_checkpoint(self, node, version: int) -> None:
         src = self.shard.work / f"ckpt-v{version}"
-        src.mkdir(parents=True, exist_ok=True)
-        (src / "model.safetensors").write_bytes(random.Random(version).randbytes(CKPT_BYTES))
-        await self.checkpoints.publish(node.key, version, src, chunk_size=CKPT_CHUNK)
+        if self.shard.cfg["scenario"] == "garbage":  # the real policy (what batches are checked against)
+            from node.roles.common import export_weights
+
+            model = await trio.to_thread.run_sync(self.shard.ctx.initial_model)
+            await trio.to_thread.run_sync(export_weights, model, src)
+            await self.checkpoints.publish(node.key, version, src, chunk_size=node.genesis.chunk_size)
+        else:
+            src.mkdir(parents=True, exist_ok=True)
+            (src / "model.safetensors").write_bytes(random.Random(version).randbytes(CKPT_BYTES))
+            await self.checkpoints.publish(node.key, version, src, chunk_size=CKPT_CHUNK)
         await node.gossip.publish(CheckpointAnnounce(manifest=self.checkpoints.store.get(version).manifest))
 
     def holds(self, version: int) -> bool:
@@ -341,6 +551,8 @@ def node_snapshot(node, role: BenchRole) -> dict:
     }
     if role.validator is not None:
         d["fetcher"] = role.validator.stats()
+    if role.real_validator is not None:
+        d["validator"] = validator_stats(role.real_validator, node)
     if role.checkpoints is not None:
         srv = role.checkpoints.server
         d["dataplane"] = {
@@ -351,6 +563,7 @@ def node_snapshot(node, role: BenchRole) -> dict:
             "tickets_held": len(srv.tickets),
             "chunks_served": srv.chunks_served,
         }
+    d["foreign_announces"] = role.shard.foreign_announces[role.idx]
     if role.idx == 0:
         d["batches_served"] = role.served
     return d
@@ -365,7 +578,11 @@ class Shard:
         self.mine = [i for i in range(self.n) if i % self.cfg["procs"] == shard]
         self.arrivals: dict[int, dict[str, float]] = {i: {} for i in self.mine if i != 0}
         self.fetched: dict[int, dict[str, float]] = {}
+        self.foreign_announces: collections.Counter[int] = collections.Counter()  # rollout announces not node 0's
+        # garbage: node 0's batch id -> [vote time, accept, rule, time queued for verification, verify seconds]
+        self.voted: dict[str, list] = {}
         self.sent: dict[str, list] = {}
+        self.ctx = None  # garbage: the run context (tiny model)
         self.rss: list[tuple[float, float]] = []
         self.v1_done: dict[int, float] = {}
         self.exc = ExceptionLog()
@@ -376,6 +593,8 @@ class Shard:
         def handler(env) -> None:
             if env.sender == src:
                 rec.setdefault(env.body.batch_id.hex(), time.time())
+            else:
+                self.foreign_announces[idx] += 1
 
         return handler
 
@@ -386,6 +605,16 @@ class Shard:
         def handler(env) -> None:
             if env.sender == src:
                 rec.setdefault(env.body.batch_id.hex(), time.time())
+
+        return handler
+
+    def on_vote(self, idx: int):
+        src = self.keys[0].peer_id
+
+        def handler(env, verdict, enqueued: float | None) -> None:
+            if env.sender == src:
+                rec = [time.time(), verdict.accept, verdict.rule, enqueued, verdict.seconds]
+                self.voted.setdefault(env.body.batch_id.hex(), rec)
 
         return handler
 
@@ -417,10 +646,30 @@ class Shard:
             await node.gossip.publish(ann)
             k += 1
 
+    async def _publish_batches(self, node, role: BenchRole, start: float, end: float, phase: str) -> None:
+        """garbage: one real batch every ``batch_interval_s``; each is produced ahead of
+        its due time and announced on it (a batch still generating then is announced late)."""
+        interval = self.cfg["batch_interval_s"]
+        due = start
+        while due < end:
+            async with role.generating:  # one engine: one batch at a time
+                raw, ann = await role.make_real_batch(node, self._counter)
+            self._counter += 1
+            await sleep_until_wall(due)
+            if time.time() >= end:  # generated too late for this window
+                break
+            role.batches[ann.batch_id] = raw
+            self.sent[ann.batch_id.hex()] = [time.time(), phase]
+            await node.gossip.publish(ann)
+            due = max(due + interval, time.time())  # a late batch pushes the schedule back, never bunches it
+
     def _drained(self, ids: set[str]) -> bool:
         if any(not ids <= rec.keys() for rec in self.arrivals.values()):
             return False
         if any(not ids <= rec.keys() for rec in self.fetched.values()):
+            return False
+        validator = self.roles.get(GARBAGE_VALIDATOR)
+        if validator is not None and validator.garbage_validator and not ids <= self.voted.keys():
             return False
         return not (self.cfg["scenario"] == "chunks" and not all(r.holds(1) for r in self.roles.values()))
 
@@ -429,7 +678,16 @@ class Shard:
 
         cfg = self.cfg
         self.keys = seeded_keys(cfg["seed"], self.n)
-        genesis = bench_genesis(self.keys, cfg["created_ms"])
+        if cfg["scenario"] == "garbage":
+            from node.genesis_file import write_genesis
+            from node.roles.context import RunContext
+
+            genesis = garbage_genesis(self.keys, cfg["created_ms"])
+            self.ctx = RunContext.from_genesis(genesis.genesis, self.work / f"cache-{self.shard}")
+            if self.shard == 0:  # the attackers build their garbage for this run
+                write_genesis(genesis, self.work / "genesis.toml")
+        else:
+            genesis = bench_genesis(self.keys, cfg["created_ms"])
         self._counter = 0
         overrides = {"budget": math.inf} if cfg["scenario"] == "invalid_noban" else {}
         async with trio.open_nursery() as nursery:
@@ -483,10 +741,19 @@ class Shard:
             write_json(self.work / f"ready-{self.shard}.json", ready)
 
             plan = json.loads(await wait_file(self.work / "plan.json", 600))
+            publish = self._publish_batches if cfg["scenario"] == "garbage" else self._publish
             if self.shard == 0:
                 node, role = self.nodes[0], self.roles[0]
-                nursery.start_soon(self._publish, node, role, *plan["warm"], "warm")
-                nursery.start_soon(self._publish, node, role, *plan["quiet"], "quiet")
+                if cfg["scenario"] == "garbage":
+
+                    async def warm_then_quiet() -> None:  # one after the other: one engine generates
+                        await publish(node, role, *plan["warm"], "warm")
+                        await publish(node, role, *plan["quiet"], "quiet")
+
+                    nursery.start_soon(warm_then_quiet)
+                else:
+                    nursery.start_soon(publish, node, role, *plan["warm"], "warm")
+                    nursery.start_soon(publish, node, role, *plan["quiet"], "quiet")
             await sleep_until_wall(plan["quiet"][1])
             before = {i: node_snapshot(n, self.roles[i]) for i, n in self.nodes.items()}
             rss_before = proc_mem_mib()[0]
@@ -500,7 +767,7 @@ class Shard:
                     await sleep_until_wall(attack["start"])
                     v1_published = time.time()
                     nursery.start_soon(role.publish_checkpoint, node, 1)
-                await self._publish(node, role, attack["start"], attack["end"], "attack")
+                await publish(node, role, attack["start"], attack["end"], "attack")
                 write_json(self.work / "sent.json", self.sent)
             await sleep_until_wall(attack["end"])
             sent = json.loads(await wait_file(self.work / "sent.json", cfg["drain_s"] + 60))
@@ -530,6 +797,7 @@ class Shard:
                 "nodes": list(self.nodes),
                 "arrivals": self.arrivals,
                 "fetched": self.fetched,
+                "voted": self.voted,
                 "sent": self.sent if self.shard == 0 else {},
                 "before": before,
                 "after": after,
@@ -552,6 +820,10 @@ class Shard:
 
 def shard_main(workdir: str, shard: int) -> None:
     s = Shard(workdir, shard)
+    if s.cfg["scenario"] == "garbage":
+        import torch
+
+        torch.set_num_threads(1)  # several model processes share the cores: intra-op threads only fight
     for name in ("libp2p", "multiaddr", "trio", "node"):
         logging.getLogger(name).setLevel(logging.ERROR)
         logging.getLogger(name).addHandler(s.exc)

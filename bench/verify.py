@@ -59,7 +59,7 @@ CONFIGS = {
     "tiny-fp32": Config("tiny-fp32", "tiny", torch.float32, 10_240, 1_024),
     "tiny-bf16": Config("tiny-bf16", "tiny", torch.bfloat16, 2_048, 256),
     "smollm2-fp32": Config("smollm2-fp32", "smollm2", torch.float32, 512, 64),
-    "smollm2-bf16": Config("smollm2-bf16", "smollm2", torch.bfloat16, 128, 64),
+    "smollm2-bf16": Config("smollm2-bf16", "smollm2", torch.bfloat16, 64, 64),
 }
 
 
@@ -135,6 +135,7 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int) -> dict[str, An
             if replay_on and not v.accept:
                 rejected += 1
                 reasons.append(v.reason)
+                print(f"  {cfg.name}: batch {b + 1} rejected: {v.reason}", file=sys.stderr, flush=True)
         gaps += gaps_of(ctx, validator, batch, policy)
         print(f"  {cfg.name}: batch {b + 1}/{batches}, {rejected} rejected", file=sys.stderr, flush=True)
     rc = ctx.replay_config
@@ -151,6 +152,7 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int) -> dict[str, An
         "rejection_reasons": reasons[:5],
         "delta": rc.delta,
         "max_near_ties": rc.max_near_ties,
+        "near_tie_rate": rc.near_tie_rate,
         "max_gap": max(gaps, default=0.0),
         "tokens_with_gap": len(nonzero),
         "gap_p99_of_nonzero": nonzero[int(0.99 * (len(nonzero) - 1))] if nonzero else 0.0,

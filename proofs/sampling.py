@@ -210,8 +210,8 @@ class ReplayResult:
     def max_gap(self) -> float:
         return max(self.gaps, default=0.0)
 
-    def ok(self, max_near_ties: int) -> bool:
-        return self.first_bad < 0 and self.near_ties <= max_near_ties
+    def ok(self, allowed_near_ties: int) -> bool:
+        return self.first_bad < 0 and self.near_ties <= allowed_near_ties
 
 
 def replay(

@@ -152,6 +152,62 @@ def test_unserved_counts_batches_a_fetcher_never_fetched():
     assert out["dropped_by"] == {"fetches_failed:timeout": 4, "announces_shed": 2}
 
 
+def _validator(accepts=0, rejected=None, dropped=None, banned=0):
+    return {
+        "verdicts": {"accept": accepts, "reject": sum((rejected or {}).values())},
+        "reasons": rejected or {},
+        "verify_queue": {"proven_queued": 0, "unproven_queued": 0, "served": {}, "dropped": dropped or {}},
+        "dropped_batches": sum((dropped or {}).values()),
+        "dropped_announces": 0,
+        "fetch_failures": 0,
+        "banned": banned,
+        "last_verify_s": 0.5,
+    }
+
+
+def test_garbage_measures_honest_verification_latency_per_window():
+    sent = {
+        "q1": [10.0, "quiet"],
+        "q2": [12.0, "quiet"],
+        "a1": [20.0, "attack"],
+        "a2": [22.0, "attack"],
+        "a3": [24.0, "attack"],
+        "w": [5.0, "warm"],
+    }
+    # announce -> vote: quiet 0.5 s and 0.7 s; attack 0.8 s, 1.2 s, and a3 rejected (an honest batch lost)
+    voted = {
+        "w": [5.4, True, ""],
+        "q1": [10.5, True, ""],
+        "q2": [12.7, True, ""],
+        "a1": [20.8, True, ""],
+        "a2": [23.2, True, ""],
+        "a3": [24.1, False, "toploc"],
+    }
+    arrivals = dict.fromkeys(sent, 30.0)
+    before = _snap()
+    before["validator"] = _validator(accepts=3)
+    after = _snap()
+    after["validator"] = _validator(
+        accepts=5, rejected={"toploc": 7, "proof": 2}, dropped={"unproven_full": 4, "banned": 1}, banned=5
+    )
+    results = [
+        _shard(0, [0], {}, {"0": _snap()}, {"0": _snap()}, sent=sent),
+        _shard(1, [1], {"1": arrivals}, {"1": before}, {"1": after}),
+        _shard(2, [2], {"2": arrivals}, {"2": _snap()}, {"2": _snap()}),
+    ]
+    results[1]["voted"] = voted
+    out = hostile.summarise(_args(), "garbage", results, None, {0: 1.0, 1: 1.0, 2: 1.0}, 0, [], [])
+    v = out["verification"]
+    assert (v["quiet"]["batches"], v["quiet"]["voted"], v["quiet"]["p50_ms"]) == (2, 2, 700.0)
+    assert (v["attack_window"]["voted"], v["attack_window"]["accepted"]) == (3, 2)
+    assert v["attack_window"]["max_ms"] == 1200.0 and v["p99_over_quiet"] == round(1200 / 700, 2)
+    assert v["garbage_prefilled"] == 9 and v["garbage_dropped_from_verify_queue"] == 5
+    assert out["data_lost_detail"]["honest_batches_rejected"] == 1 and out["data_lost"] == 1
+    assert out["dropped_by"]["verify_queue_dropped:unproven_full"] == 4
+    assert out["dropped_by"]["batches_rejected:toploc"] == 7
+    assert "honest verify p50 700.0>800.0 ms (1.14x), p99 700.0>1200.0 ms" in out["notes"]
+
+
 def test_only_the_projects_tracebacks_count_as_escaped_exceptions():
     h = ExceptionLog()
     log = logging.getLogger("node.test-bench-hostile")

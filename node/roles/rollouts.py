@@ -300,13 +300,14 @@ def verify_batch(
             head_rows, [t for _, t in pairs], [seeds[k] for k in members], params, replay_config.delta
         )
         for k, (_, toks), result in zip(members, pairs, results):
-            if not result.ok(replay_config.max_near_ties):
+            allowed = replay_config.allowed_near_ties(len(toks))
+            if not result.ok(allowed):
                 pos = result.first_bad
                 if pos < 0:
                     return reject(
                         "sampling",
                         f"sample {k}: {result.near_ties} tokens are not the seeded sample "
-                        f"(each within delta {replay_config.delta:g}; at most {replay_config.max_near_ties} tolerated)",
+                        f"(each within delta {replay_config.delta:g}; at most {allowed} tolerated)",
                     )
                 gap = f"misses the seeded sample by {result.gaps[pos]:.3g} (delta {replay_config.delta:g})"
                 if toks[pos] in eos_ids:

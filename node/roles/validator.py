@@ -14,7 +14,8 @@ import trio
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import AnnounceIntake, EngineRole
-from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, verify_batch
+from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, check_batch_rules, verify_batch
+from node.roles.verify_queue import VerifyQueue
 from protocol import Envelope, ProtocolError, RolloutBatch, Vote
 from protocol.rules import is_stale
 
@@ -63,7 +64,9 @@ class ValidatorRole(EngineRole):
         self.n_fetchers = fetchers
         self.ban_after = int(self.ctx.config.get("ban_after_rejections", 2))
         self.intake = AnnounceIntake(queue, unproven_slots=max(1, fetchers // 2))
-        self._verify_in, self._verify_out = trio.open_memory_channel[tuple[Envelope, RolloutBatch]](16)
+        # fetched batches that passed every rule needing no model, waiting for a prefill:
+        # announcers this validator accepted a batch of go first (see verify_queue.py)
+        self._verify: VerifyQueue[tuple[Envelope, RolloutBatch]] = VerifyQueue()
         self.verdicts: collections.Counter[str] = collections.Counter()
         self.reasons: collections.Counter[str] = collections.Counter()
         self.strikes: collections.Counter[str] = collections.Counter()
@@ -107,15 +110,64 @@ class ValidatorRole(EngineRole):
                 self.fetch_failures += 1
                 self.charge_unserved(env.sender, exc)
             return
-        stale = self._stale(batch.policy_version)
+        v = batch.policy_version
+        stale = self._stale(v)
         if stale is not None:
             await self._vote(env, stale)
-        elif self.weights.held(batch.policy_version):
-            await self._verify_in.send((env, batch))
+            return
+        checked = v in self.store.versions  # the manifest is known: the model-free rules can run now
+        if checked:
+            broken = await self._check_without_model(env, batch)
+            if broken is not None:
+                await self._vote(env, broken)
+                return
+        if self.weights.held(v):
+            await self._enqueue(env, batch)
         else:
             await self._parking.acquire()
             assert self._nursery is not None
-            self._nursery.start_soon(self._park, env, batch)
+            self._nursery.start_soon(self._park, env, batch, checked)
+
+    async def _check_without_model(self, env: Envelope, batch: RolloutBatch) -> BatchVerdict | None:
+        """Every rule that needs no model (``rollouts.check_batch_rules`` and the slot rule),
+        run before the batch may wait for a prefill, so a batch that breaks one costs no place
+        in the verify queue. Needs the manifest of the batch's version in the store."""
+        slot = self._slot_verdict(env, batch)
+        if slot is not None:
+            return slot
+        policy = PolicyFacts.of(self.store.versions[batch.policy_version].manifest)
+        engine, ctx = self.engine, self.ctx
+
+        def check() -> BatchVerdict | None:
+            if engine is not None:
+                vocab, eos, hidden = engine.vocab_size, engine.eos_token_ids, int(engine.lm_head_weight().shape[1])
+            else:  # no verification yet built the engine: the tokenizer's view, no proof-size rule
+                eos_id = ctx.eos_token_id
+                vocab, eos, hidden = ctx.vocab_size, frozenset(() if eos_id is None else (eos_id,)), None
+            return check_batch_rules(ctx, batch, env.sender, policy, vocab_size=vocab, eos_ids=eos, hidden_size=hidden)
+
+        verdict = await trio.to_thread.run_sync(check)
+        if verdict is None:
+            return None
+        return BatchVerdict.reject(verdict.rule, verdict.detail, limit=REASON_LIMIT)
+
+    def _slot_verdict(self, env: Envelope, batch: RolloutBatch) -> BatchVerdict | None:
+        """The "slot" rejection when another batch was accepted for this batch's slot."""
+        v = batch.policy_version
+        used = self._slots.get((batch.worker, v, batch.batch_counter))
+        if used is not None and used != env.body.batch_id:
+            return BatchVerdict.reject(
+                "slot", f"version {v} counter {batch.batch_counter} was used by batch {used.hex()[:12]}"
+            )
+        return None
+
+    async def _enqueue(self, env: Envelope, batch: RolloutBatch) -> None:
+        if not await self._verify.put(env.sender, (env, batch)):
+            log.info(
+                "verify queue: dropped batch %s of unproven announcer %s",
+                env.body.batch_id.hex()[:12],
+                env.sender[:12],
+            )
 
     def _newest_known(self) -> int:
         """Newest version whose signed manifest we hold (complete or not)."""
@@ -128,9 +180,10 @@ class ValidatorRole(EngineRole):
             return BatchVerdict.reject("stale", f"policy version {version}, newest {newest}, max_async {max_async}")
         return None
 
-    async def _park(self, env: Envelope, batch: RolloutBatch) -> None:
+    async def _park(self, env: Envelope, batch: RolloutBatch, checked: bool = False) -> None:
         """Wait (in its own task) for the checkpoint ``batch`` claims, fetching it on demand,
-        then queue the batch for verification. A version never announced is rejected."""
+        then queue the batch for verification. A version never announced is rejected; the
+        model-free rules run as soon as the version's manifest is known (unless ``checked``)."""
         v = batch.policy_version
         try:
             with trio.move_on_after(ANNOUNCE_GRACE_S):
@@ -145,6 +198,11 @@ class ValidatorRole(EngineRole):
                     ),
                 )
                 return
+            if not checked and v in self.store.versions:
+                broken = await self._check_without_model(env, batch)
+                if broken is not None:
+                    await self._vote(env, broken)
+                    return
             # (an older version we never heard announced, having joined after it, stays unverifiable)
             with trio.move_on_after(VERSION_WAIT_S if v in self.store.versions else 0):
                 assert self.checkpoints is not None
@@ -159,12 +217,16 @@ class ValidatorRole(EngineRole):
                     VERSION_WAIT_S,
                 )
                 return
-            await self._verify_in.send((env, batch))
+            await self._enqueue(env, batch)
         finally:
             self._parking.release()
 
     async def _verify_loop(self) -> None:
-        async for env, batch in self._verify_out:
+        while True:
+            _, (env, batch) = await self._verify.get()
+            if self.node.policy.is_banned(env.sender):  # banned while it waited: no prefill, no vote
+                self._verify.dropped["banned"] += 1
+                continue
             v = batch.policy_version
             stale = self._stale(v)
             if stale is not None:  # a newer version arrived while the batch waited
@@ -174,14 +236,9 @@ class ValidatorRole(EngineRole):
                 self.verdicts["unverifiable"] += 1  # collected since it was queued
                 continue
             slot = (batch.worker, v, batch.batch_counter)
-            used = self._slots.get(slot)
-            if used is not None and used != env.body.batch_id:
-                await self._vote(
-                    env,
-                    BatchVerdict.reject(
-                        "slot", f"version {v} counter {batch.batch_counter} was used by batch {used.hex()[:12]}"
-                    ),
-                )
+            used_slot = self._slot_verdict(env, batch)  # another batch of the slot accepted while it waited
+            if used_slot is not None:
+                await self._vote(env, used_slot)
                 continue
             state = self.store.versions.get(v)
             if state is None:  # its manifest was collected while the batch waited
@@ -196,6 +253,7 @@ class ValidatorRole(EngineRole):
                 self._slots[slot] = env.body.batch_id
                 while len(self._slots) > MAX_SLOTS:
                     self._slots.popitem(last=False)
+                self._verify.mark_proven(env.sender)
             await trio.to_thread.run_sync(release_free_memory)  # the prefill's transient tensors
             self.verify_s = round(verdict.seconds, 3)
             await self._vote(env, verdict)
@@ -225,6 +283,7 @@ class ValidatorRole(EngineRole):
         self.last_reasons.append(f"{env.sender[:12]}: {verdict.reason[:120]}")
         log.warning("rejected batch %s from %s: %s", ann.batch_id.hex()[:12], env.sender, verdict.reason)
         if verdict.rule in CHEATING_RULES or verdict.rule == "batch":
+            self._verify.forget(env.sender)  # its next batches queue as a stranger's
             if env.sender not in self.strikes and len(self.strikes) >= 10_000:
                 del self.strikes[min(self.strikes, key=lambda peer: self.strikes[peer])]  # bounded: forget the mildest
             self.strikes[env.sender] += 1
@@ -232,6 +291,7 @@ class ValidatorRole(EngineRole):
                 await self.publish_ban(
                     env.sender, f"{self.strikes[env.sender]} rejected batches, last: {verdict.reason}"
                 )
+                self._verify.discard(env.sender)
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {**super().heartbeat_fields(), "batches": sum(self.verdicts.values())}
@@ -245,6 +305,9 @@ class ValidatorRole(EngineRole):
             "strikes": dict(self.strikes),
             "queued": len(self.intake),
             "dropped_announces": self.dropped_announces,
+            # batches waiting for a prefill, and those dropped (unproven lane full, per-announcer cap, banned)
+            "verify_queue": self._verify.status(),
+            "dropped_batches": sum(self._verify.dropped.values()),
             "last_verify_s": self.verify_s,
             "distribution": self.checkpoints_status(),
         }

@@ -72,6 +72,7 @@ class WorkerRole(EngineRole):
             "generate_s": 0.0,
             "load_s": 0.0,
         }
+        self.policy = PolicyFacts(-1, bytes(32), 0)  # the loaded version's manifest facts
         self._my_batches: set[bytes] = set()
         self._tally: dict[bytes, _Tally] = {}
         # The worker only ever needs the version it runs and the next one (read ahead while
@@ -135,10 +136,14 @@ class WorkerRole(EngineRole):
 
     async def _load(self, version: int) -> None:
         t0 = time.perf_counter()
+        # the seeds of every batch for this version hash its manifest root: keep the facts, the
+        # store may collect the manifest once the version ages out (a stuck worker still uses it)
+        policy = PolicyFacts.of(self.store.versions[version].manifest)
         await self.load_policy(version)
         if self.tamper == "weights":
             await trio.to_thread.run_sync(_perturb, self.engine.model, 0.1)
         self.loaded_version = version
+        self.policy = policy
         self._trim_counters()
         self.stats["load_s"] = round(time.perf_counter() - t0, 2)
         log.info("worker loaded policy version %d", version)
@@ -172,10 +177,9 @@ class WorkerRole(EngineRole):
             counter = self.produced[version] * (GRIND_STRIDE if self.tamper == "grind" else 1)
             self.produced[version] += 1
             claimed = version + VERSION_LIE if self.tamper == "version" else version
-            manifest = self.store.versions[version].manifest
-            policy = PolicyFacts.of(manifest)
+            policy = self.policy
             if claimed != version:  # nobody published that version: there is no root to seed with
-                policy = PolicyFacts(claimed, bytes(32), manifest.created_ms)
+                policy = PolicyFacts(claimed, bytes(32), policy.published_ms)
             t0 = time.perf_counter()
             batch = await trio.to_thread.run_sync(
                 functools.partial(
