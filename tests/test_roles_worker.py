@@ -84,9 +84,17 @@ class _FakeWeights:
         return {}
 
 
+class _Manifests(dict):
+    """Every version's manifest facts (the worker keeps them at load: seeds hash the root)."""
+
+    def __missing__(self, version):
+        return types.SimpleNamespace(manifest=types.SimpleNamespace(version=version, root=bytes(32), created_ms=0))
+
+
 async def test_per_version_counters_stay_within_the_max_async_window(tmp_path):
     w = make_worker(tmp_path, tiny_genesis())
     w.weights = _FakeWeights()
+    w.store = types.SimpleNamespace(versions=_Manifests())
     w.engine = types.SimpleNamespace(load_weights=lambda state: None)
     window = w.ctx.genesis.max_async
     for v in range(200):

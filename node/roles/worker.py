@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # window.
 TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "greedy", "version", "grind", "stale")
 BATCH_TAMPERS = ("tokens", "prompts", "rewards", "greedy")  # applied by produce_batch
-GRIND_STRIDE = 7  # the "grind" mode uses counters 0, 7, 14, ...
+GRIND_STRIDE = 7  # the "grind" mode uses counters 7, 14, 21, ...
 VERSION_LIE = 50
 
 
@@ -174,7 +174,7 @@ class WorkerRole(EngineRole):
                 if idle.cancelled_caught:
                     self.allowance[version] += 1
                 continue
-            counter = self.produced[version] * (GRIND_STRIDE if self.tamper == "grind" else 1)
+            counter = (self.produced[version] + 1) * GRIND_STRIDE if self.tamper == "grind" else self.produced[version]
             self.produced[version] += 1
             claimed = version + VERSION_LIE if self.tamper == "version" else version
             policy = self.policy
