@@ -7,6 +7,7 @@ test) fails with SandboxError naming what to install (`.ci/run` installs ``bubbl
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -177,6 +178,59 @@ def test_every_format_scores_correct_and_wrong_solutions():
         results = list(pool.map(lambda c: run_python_tests(c[0], c[1], timeout_s=10), cases))
     for (code, tests, want), r in zip(cases, results):
         assert r.passed == want and r.status == ("passed" if want else "failed"), (code, tests, r)
+
+
+def test_values_cross_the_boundary_exactly():
+    """The harness's own encoder (no json import inside) keeps every plain value exact: strings with
+    quotes, control characters, astral and lone-surrogate code points, big ints, -0.0, inf and nan,
+    and tuples, sets, frozensets, dicts with non-string keys and bytes, nested."""
+    code = (
+        "S = 'q\"\\\\' + chr(0) + chr(10) + chr(0x7f) + 'é' + chr(0x1F600) + chr(0xD800)\n"
+        "def f():\n"
+        "    return [S, 10**300, -0.0, 1e-300, float('inf'), (1, (2,)), {3}, frozenset(), {(1, 2): b'\\x00\\xff'}, None]\n"
+    )
+    tests = (
+        "assert f()[0] == 'q\"\\\\' + chr(0) + chr(10) + chr(0x7f) + 'é' + chr(0x1F600) + chr(0xD800)\n"
+        "assert f()[1:5] == [10**300, -0.0, 1e-300, float('inf')]\n"
+        "assert f()[5:] == [(1, (2,)), {3}, frozenset(), {(1, 2): b'\\x00\\xff'}, None]\n"
+        "assert f()[5] != [1, [2]]\n"  # a tuple stays a tuple
+        "assert f()[2] != f()[2] or True\n"
+    )
+    r = run_python_tests(code, tests)
+    assert r.passed, r
+    nan = run_python_tests("def g():\n    return float('nan')\n", "assert g() != g()\n")
+    assert nan.passed, nan
+    deep = run_python_tests("def g():\n    x = []\n    x.append(x)\n    return x\n", "assert g() == 1\n")
+    assert not deep.passed and "ValueError" in deep.detail, deep
+
+
+def test_io_programs_run_as_scripts():
+    """Each io case runs the program as ``python -I -S solution.py`` would: ``__main__``, its argv,
+    the interpreter's own exit (threads joined, atexit handlers, sys.exit codes), /dev/stdin."""
+    cases = {
+        "main guard and argv": "import sys\nif __name__ == '__main__':\n    print(sys.argv[0], input())\n",
+        "worker thread": (
+            "import sys, threading\nthreading.stack_size(2**26)\nsys.setrecursionlimit(10**5)\n"
+            "def main():\n    print('solution.py', input())\nthreading.Thread(target=main).start()\n"
+        ),
+        "atexit and sys.exit": (
+            "import atexit, sys\nx = input()\natexit.register(lambda: print('solution.py', x))\nsys.exit(3)\n"
+        ),
+        "/dev/stdin": "print('solution.py', open('/dev/stdin').read().strip())\n",
+    }
+    tests = '{"io": [{"stdin": "a\\n", "stdout": "solution.py a"}, {"stdin": "b", "stdout": "solution.py b"}]}'
+    with ThreadPoolExecutor(4) as pool:
+        results = dict(zip(cases, pool.map(lambda c: run_python_tests(c, tests, timeout_s=10), cases.values())))
+    for name, r in results.items():
+        assert r.passed, (name, r)
+    # a large input: more than the file-size limit, which binds the program's own writes only
+    big = run_python_tests(
+        "import sys\nprint(len(sys.stdin.buffer.read()))\n",
+        json.dumps({"io": [{"stdin": "x" * (17 * 2**20), "stdout": str(17 * 2**20)}]}),
+        max_file_mb=16,
+        timeout_s=20,
+    )
+    assert big.passed, big
 
 
 # ----------------------------------------------------------------- hostile programs
@@ -420,6 +474,12 @@ def test_hostile_io_programs_score_zero():
         "tries to read the expected output": "import os\nprint(os.listdir('.'), open('/proc/1/cmdline').read())\n",
         "prints the input back": "print(input())\n",
         "hang": "while True:\n    pass\n",
+        "kills the harness after answering": "import os\nprint(sum(map(int, input().split())), flush=True)\n"
+        "os.kill(os.getppid(), 9)\n",
+        "forges records into every descriptor of the harness": "import os\nfor fd in range(64):\n    try:\n"
+        "        f = os.open(f'/proc/{os.getppid()}/fd/{fd}', os.O_WRONLY)\n"
+        '        os.write(f, b\'{"i": 0, "v": "5\\\\n"}\\n{"done": true}\\n\')\n    except OSError:\n'
+        "        pass\nprint(7)\n",
     }
     with ThreadPoolExecutor(4) as pool:
         results = dict(zip(cases, pool.map(lambda c: run_python_tests(c, IO_TESTS, timeout_s=T), cases.values())))
@@ -473,8 +533,6 @@ def test_status_shows_the_sandbox():
             return {"peer_id": "p", "role": "validator"}
 
     require_sandbox()
-    import json
-
     st = json.loads(status_json(FakeNode()))
     assert st["sandbox"]["isolation"] == ISOLATION and st["sandbox"]["ready"] is True
     assert st["sandbox"]["version"].startswith("bubblewrap")

@@ -43,15 +43,16 @@ import errno
 import functools
 import importlib.util
 import json
+import marshal
 import math
 import os
 import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -363,15 +364,23 @@ def judge(plan: TestPlan, values: dict[int, Any]) -> tuple[bool, str]:
 
 # --------------------------------------------------------------------------- the harness (inside)
 
+# Kept cheap to start (issue 15): no ``json`` import inside. The spec comes in as ``marshal`` data
+# (node -> sandbox only: nothing from the sandbox is ever unmarshalled here); results go out as JSON
+# lines built by ``_enc`` with the C string encoder of ``_json`` and are parsed here by
+# ``json.loads`` alone. io cases run in a fork of the harness (limits already set; RLIMIT_FSIZE in
+# the fork, so a large stdin can be staged) that runs the program as ``python -I -S solution.py``
+# would, interpreter exit included; no second interpreter start, no ``subprocess`` import.
 _HARNESS = r"""
-import json, os, resource, sys
+import marshal, os, resource, sys
+from _json import encode_basestring_ascii as _q
 _spec_fd, _out_fd = int(sys.argv[1]), int(sys.argv[2])
-with os.fdopen(_spec_fd, "rb") as _fh:
-    _spec = json.loads(_fh.read())
-for _name, _v in _spec["limits"].items():
+with open(_spec_fd, "rb") as _fh:
+    _spec = marshal.loads(_fh.read())
+_mode, _code, _steps, _limits, _max = _spec["mode"], _spec["code"], _spec["steps"], _spec["limits"], _spec["max_output"]
+_fsize = _limits.pop("RLIMIT_FSIZE") if _mode == "io" else None  # io: set in each case's process
+for _name, _v in _limits.items():
     resource.setrlimit(getattr(resource, _name), (_v, _v))
-_out = os.fdopen(_out_fd, "w", encoding="utf-8")
-_dumps, _write, _flush, _os_exit, _stdout, _stderr = json.dumps, _out.write, _out.flush, os._exit, sys.stdout, sys.stderr
+_write, _os_exit, _stdout, _stderr = os.write, os._exit, sys.stdout, sys.stderr
 def _exit(code):
     for _s in (_stdout, _stderr):
         try:
@@ -379,63 +388,96 @@ def _exit(code):
         except BaseException:
             pass
     _os_exit(code)
-def _emit(obj):
-    _write(_dumps(obj) + "\n")
-    _flush()
-_emit({"started": True})
-_type, _repr, _len, _isfinite = type, repr, len, __import__("math").isfinite
+_left = _spec["max_result"]  # the node reads no more: stop before writing more (io mode has no RLIMIT_FSIZE)
+def _emit(line):
+    global _left
+    _b = (line + "\n").encode()
+    _left -= len(_b)
+    if _left < 0:
+        _exit(1)
+    while _b:
+        _b = _b[_write(_out_fd, _b):]
+_emit('{"started":true}')
+_type, _repr, _isfinite, _join = type, repr, __import__("math").isfinite, ",".join
 def _enc(x, depth=0):
     t = _type(x)
     if depth > 100:
         raise ValueError("nested too deep")
-    if x is None or t is bool or t is int or t is str:
-        return x
+    if x is None:
+        return "null"
+    if t is bool:
+        return "true" if x else "false"
+    if t is int:
+        return _repr(x)
+    if t is str:
+        return _q(x)
     if t is float:
-        return x if _isfinite(x) else {"float": _repr(x)}
+        return _repr(x) if _isfinite(x) else '{"float":"' + _repr(x) + '"}'
     if t is list:
-        return [_enc(v, depth + 1) for v in x]
+        return "[" + _join([_enc(v, depth + 1) for v in x]) + "]"
     if t is tuple:
-        return {"tuple": [_enc(v, depth + 1) for v in x]}
+        return '{"tuple":[' + _join([_enc(v, depth + 1) for v in x]) + "]}"
     if t is dict:
-        return {"dict": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]}
+        return '{"dict":[' + _join(["[" + _enc(k, depth + 1) + "," + _enc(v, depth + 1) + "]" for k, v in x.items()]) + "]}"
     if t is set or t is frozenset:
-        return {t.__name__: [_enc(v, depth + 1) for v in x]}
+        return '{"' + t.__name__ + '":[' + _join([_enc(v, depth + 1) for v in x]) + "]}"
     if t is bytes:
-        return {"bytes": x.hex()}
+        return '{"bytes":"' + x.hex() + '"}'
     raise TypeError("not plain data: " + t.__name__)
-_code, _steps = _spec["code"], _spec["steps"]
-if _spec["mode"] == "io":
-    import subprocess
-    with open("solution.py", "w") as _f:
-        _f.write(_code)
-    for _i, _step in enumerate(_spec["steps"]):
-        try:
-            _p = subprocess.run([sys.executable, "-I", "-S", "solution.py"], input=_step["stdin"].encode(),
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=_spec["case_timeout"])
-        except subprocess.TimeoutExpired:
-            _emit({"i": _i, "error": "timeout"})
-            _exit(1)
-        _emit({"i": _i, "v": _p.stdout[:_spec["max_output"]].decode("utf-8", "replace"), "rc": _p.returncode})
-    _emit({"done": True})
-    _exit(0)
 del _spec, _name, _v, _fh
-_ns = {"__name__": "__main__", "__builtins__": __builtins__}
-try:
-    exec(compile(_code, "solution.py", "exec"), _ns)
-except BaseException as _e:
-    _emit({"error": _type(_e).__name__})
-    _exit(1)
-for _i, _step in enumerate(_steps):
+if _mode == "io":
+    for _i, _step in enumerate(_steps):
+        _in = os.memfd_create("stdin")
+        _b = _step["stdin"].encode()
+        while _b:
+            _b = _b[_write(_in, _b):]
+        os.lseek(_in, 0, 0)
+        _r, _w = os.pipe()
+        _pid = os.fork()
+        if _pid == 0:  # this case's process: falls through to run the program as a script
+            _null = os.open("/dev/null", os.O_WRONLY)
+            os.dup2(_in, 0)
+            os.dup2(_w, 1)
+            os.dup2(_null, 2)
+            for _fd in (_in, _r, _w, _null, _out_fd):
+                os.close(_fd)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (_fsize, _fsize))
+            break
+        os.close(_in)
+        os.close(_w)
+        _got, _n = [], 0
+        while _chunk := os.read(_r, 65536):
+            if _n < _max:
+                _got.append(_chunk)
+                _n += len(_chunk)
+        os.close(_r)
+        _rc = os.waitstatus_to_exitcode(os.waitpid(_pid, 0)[1])
+        _emit('{"i":' + _repr(_i) + ',"v":' + _q(b"".join(_got)[:_max].decode("utf-8", "replace")) + ',"rc":' + _repr(_rc) + "}")
+    else:
+        _emit('{"done":true}')
+        _exit(0)
+    _main = _type(sys)("__main__")
+    _main.__file__, _main.__builtins__ = "solution.py", __builtins__
+    sys.modules["__main__"], sys.argv = _main, ["solution.py"]
+    exec(compile(_code, "solution.py", "exec"), _main.__dict__)  # as `python -I -S solution.py` would
+else:
+    _ns = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        if "exec" in _step:
-            exec(compile(_step["exec"], "<test>", "exec"), _ns)
-            continue
-        _emit({"i": _i, "v": _enc(eval(compile(_step["eval"], "<test>", "eval"), _ns))})
+        exec(compile(_code, "solution.py", "exec"), _ns)
     except BaseException as _e:
-        _emit({"i": _i, "error": _type(_e).__name__})
+        _emit('{"error":' + _q(_type(_e).__name__) + "}")
         _exit(1)
-_emit({"done": True})
-_exit(0)
+    for _i, _step in enumerate(_steps):
+        try:
+            if "exec" in _step:
+                exec(compile(_step["exec"], "<test>", "exec"), _ns)
+                continue
+            _emit('{"i":' + _repr(_i) + ',"v":' + _enc(eval(compile(_step["eval"], "<test>", "eval"), _ns)) + "}")
+        except BaseException as _e:
+            _emit('{"i":' + _repr(_i) + ',"error":' + _q(_type(_e).__name__) + "}")
+            _exit(1)
+    _emit('{"done":true}')
+    _exit(0)
 """
 
 
@@ -616,7 +658,11 @@ def sandbox_python() -> tuple[str, Path]:
     A root node's pyenv Python under a 0700 /root cannot be reached by bwrap running as nobody
     (and bwrap resolves bind sources by path, so a descriptor does not help); the system Python is
     then used. The prefix is bound read-only; never a home or root folder as a whole."""
-    override = os.environ.get("PRIMENODE_SANDBOX_PYTHON")
+    return _sandbox_python(os.environ.get("PRIMENODE_SANDBOX_PYTHON") or None)
+
+
+@functools.lru_cache(maxsize=8)  # per run it would cost ~1 ms of path checks (issue 15)
+def _sandbox_python(override: str | None) -> tuple[str, Path]:
     candidates = [override] if override else [sys.executable, "/usr/bin/python3"]
     for cand in candidates:
         exe = Path(os.path.realpath(cand))
@@ -634,6 +680,13 @@ def sandbox_python() -> tuple[str, Path]:
 
 
 def _bwrap_argv(bwrap: str, seccomp_fd: int, status_fd: int, prefix: Path, tmp_bytes: int) -> list[str]:
+    argv = list(_bwrap_mounts(bwrap, prefix, tmp_bytes))
+    argv += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
+    return argv
+
+
+@functools.lru_cache(maxsize=8)
+def _bwrap_mounts(bwrap: str, prefix: Path, tmp_bytes: int) -> tuple[str, ...]:
     argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns"]
     argv += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
     argv += ["--ro-bind", "/usr", "/usr"]
@@ -649,8 +702,7 @@ def _bwrap_argv(bwrap: str, seccomp_fd: int, status_fd: int, prefix: Path, tmp_b
     argv += ["--remount-ro", "/", "--chdir", "/tmp"]  # the sandbox's own root folder too: /tmp is all it writes
     argv += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     argv += ["--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
-    argv += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
-    return argv
+    return tuple(argv)
 
 
 def _drop_to_nobody() -> None:
@@ -713,9 +765,13 @@ def isolation_mode() -> str:
     return ISOLATION
 
 
-def _read_capped(fh: Any, cap: int) -> bytes:
-    fh.seek(0)
-    return bytes(fh.read(cap))
+def _pread_all(fd: int, cap: int) -> bytes:
+    """Up to ``cap`` bytes from the start of ``fd`` (pread may return less than asked at once)."""
+    chunks, n = [], 0
+    while n < cap and (chunk := os.pread(fd, cap - n, n)):
+        chunks.append(chunk)
+        n += len(chunk)
+    return b"".join(chunks)
 
 
 def _run_sandboxed(
@@ -746,38 +802,31 @@ def _run_sandboxed(
         "code": code,
         "steps": plan.steps,
         "limits": limits,
-        "case_timeout": timeout_s,
         "max_output": MAX_CASE_OUTPUT,
+        "max_result": MAX_RESULT_BYTES,
     }
-    fds: list[int] = []
-    with (
-        tempfile.TemporaryFile() as spec_f,
-        tempfile.TemporaryFile() as result_f,
-        tempfile.TemporaryFile() as out,
-        tempfile.TemporaryFile() as err,
-        tempfile.TemporaryFile() as status_f,
-    ):
-        spec_f.write(json.dumps(spec).encode())
-        spec_f.seek(0)
+    # Every file the run uses is an anonymous memory file (no temporary files on disk): the spec
+    # (marshal, written here, read inside), the result lines, stdout, stderr and bwrap's status.
+    spec_fd, result_fd, out_fd, err_fd, status_fd = fds = [os.memfd_create("primenode-sbx") for _ in range(5)]
+    try:
+        os.write(spec_fd, marshal.dumps(spec, 4))  # marshal version 4: any Python 3.4+ inside reads it
+        os.lseek(spec_fd, 0, os.SEEK_SET)
         seccomp_r, seccomp_w = os.pipe()
         fds.append(seccomp_r)
         try:
             os.write(seccomp_w, seccomp_program())  # a few hundred bytes: fits the pipe buffer
         finally:
             os.close(seccomp_w)
-        # Fresh descriptors for the child so that the spec is read from its start.
-        spec_fd = os.open(f"/proc/self/fd/{spec_f.fileno()}", os.O_RDONLY)
-        fds.append(spec_fd)
         python, prefix = sandbox_python()
-        argv = _bwrap_argv(bwrap, seccomp_r, status_f.fileno(), prefix, 64 * 2**20)
-        argv += [python, "-I", "-S", "-c", _HARNESS, str(spec_fd), str(result_f.fileno()), MARKER]
+        argv = _bwrap_argv(bwrap, seccomp_r, status_fd, prefix, 64 * 2**20)
+        argv += [python, "-I", "-S", "-B", "-c", _HARNESS, str(spec_fd), str(result_fd), MARKER]
         try:
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                pass_fds=tuple(fds) + (result_f.fileno(), status_f.fileno()),
+                stdout=out_fd,
+                stderr=err_fd,
+                pass_fds=(seccomp_r, spec_fd, result_fd, status_fd),
                 cwd="/",
                 start_new_session=True,
                 preexec_fn=_drop_to_nobody,
@@ -785,22 +834,22 @@ def _run_sandboxed(
         except OSError as exc:
             raise SandboxError(f"cannot start bubblewrap ({bwrap}): {exc}; {INSTALL_HINT}") from None
         finally:
-            for fd in fds:
-                os.close(fd)
-        timed_out = False
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out, rc = True, None
+            os.close(seccomp_r)
+            fds.remove(seccomp_r)
+        timed_out = not _wait_exit(proc, timeout_s)
+        rc: int | None = None if timed_out else proc.returncode
         if timed_out:  # (after a normal exit bwrap is reaped and its pid may be reused: leave it)
             _kill_sandbox(proc.pid)
             proc.wait()
-        bwrap_status = _read_capped(status_f, 65536)
+        bwrap_status = _pread_all(status_fd, 65536)
         _wait_namespace_gone(bwrap_status)
         duration = time.monotonic() - start
-        stdout = _read_capped(out, max_output).decode("utf-8", "replace")
-        stderr = _read_capped(err, max_output).decode("utf-8", "replace")
-        raw = _read_capped(result_f, MAX_RESULT_BYTES)
+        stdout = _pread_all(out_fd, max_output).decode("utf-8", "replace")
+        stderr = _pread_all(err_fd, max_output).decode("utf-8", "replace")
+        raw = _pread_all(result_fd, MAX_RESULT_BYTES)
+    finally:
+        for fd in fds:
+            os.close(fd)
     if b'"child-pid"' not in bwrap_status and not timed_out:
         raise SandboxError(f"bubblewrap ({bwrap}) could not start the sandbox: {stderr.strip()[:500]}")
     checks, weak = len(plan.checks), plan.weak
@@ -815,6 +864,30 @@ def _run_sandboxed(
         return result(False, "failed", detail)
     passed, why = judge(plan, values)
     return result(passed, "passed" if passed else "failed", why)
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Wait for bwrap to exit (True) or the deadline to pass (False), woken by the exit itself.
+
+    ``Popen.wait(timeout)`` polls with sleeps that double up to 50 ms, so a run that ends at 35 ms
+    is noticed at ~64 ms; a pidfd (Linux 5.3+) becomes readable the moment the process exits."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # an older kernel: polling wait
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        exited = bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))  # retried on EINTR (PEP 475)
+    finally:
+        os.close(pidfd)
+    if exited:
+        proc.wait()
+    return exited
 
 
 def _kill_sandbox(bwrap_pid: int) -> None:
@@ -859,6 +932,20 @@ def _wait_namespace_gone(bwrap_status: bytes, wait_s: float = 5.0) -> None:
     so afterwards nothing of the run is left (a fork bomb takes a few ms to be torn down)."""
     m = re.search(rb'"child-pid"\s*:\s*(\d+)', bwrap_status)
     if not m:
+        return
+    try:  # woken when it exits (readable once it is a zombie), rather than polled
+        pidfd = os.pidfd_open(int(m.group(1)))
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # an older kernel: poll /proc
+        pidfd = -1
+    if pidfd >= 0:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll(math.ceil(wait_s * 1000))
+        finally:
+            os.close(pidfd)
         return
     stat = Path(f"/proc/{int(m.group(1))}/stat")
     deadline = time.monotonic() + wait_s
@@ -924,7 +1011,7 @@ def run_python_tests(
 
     Raises SandboxError when the sandbox cannot run here (never a weaker fallback); a
     malformed test spec gives status ``error``."""
-    require_sandbox()
+    bwrap = require_sandbox()["bwrap"]  # the bwrap checked at start
     try:
         plan = parse_tests(tests)
     except (ValueError, SyntaxError, KeyError, TypeError) as exc:
@@ -932,6 +1019,7 @@ def run_python_tests(
     return _run_sandboxed(
         code,
         plan,
+        bwrap=bwrap,
         timeout_s=timeout_s,
         memory_mb=memory_mb,
         max_procs=max_procs,
