@@ -1,6 +1,7 @@
 """What only the vLLM engine promises, beyond the conformance suite every engine runs
 (tests/test_engines.py): its numerics name, log-probabilities equal to the transformers
-engine's, and the real SmolLM2 model's rollouts verifying against a transformers prefill.
+engine's, and the real SmolLM2 model's rollouts verifying against a transformers prefill
+(TOPLOC proofs, and every token replayed as the seeded Gumbel sample).
 Skipped without vLLM (CI never installs it; docs/proofs.md says how it was run); starting
 vLLM takes 30-60 s on a CPU, so one engine serves the module."""
 
@@ -11,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from node.engines.base import group_seeds
 from node.engines.vllm_engine import vllm_available
 from tests.support.engines import PROMPTS, model_cache, reference_model
 
@@ -39,8 +42,8 @@ def test_numerics_eos_and_greedy_logprobs_match_transformers(setup: dict[str, An
 
     engine = setup["engine"]
     assert engine.eos_token_id == setup["eos"] and engine.numerics == "vllm-fp32-cpu"
-    out = engine.generate([PROMPTS[0]], 2, SamplingParams(temperature=0.0, max_tokens=12), [0])
-    hf = setup["hf"].generate([PROMPTS[0]], 1, SamplingParams(temperature=0.0, max_tokens=12), [0])[0][0]
+    out = engine.generate([PROMPTS[0]], 2, SamplingParams(temperature=0.0, max_tokens=12), group_seeds([0], 2))
+    hf = setup["hf"].generate([PROMPTS[0]], 1, SamplingParams(temperature=0.0, max_tokens=12), [[0]])[0][0]
     assert out[0][0].tokens == hf.tokens and out[0][0].finish_reason == "stop"
     assert out[0][0].logprobs == pytest.approx(hf.logprobs, abs=1e-4)
 
@@ -48,7 +51,9 @@ def test_numerics_eos_and_greedy_logprobs_match_transformers(setup: dict[str, An
 def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]) -> None:
     """The real model (tokenizer in its folder, EOS from its generation config): honest
     rollouts at temperature 0.6, some ending on EOS, verify against a transformers
-    prefill. A second engine in the same process (the tiny one stays up)."""
+    prefill, proofs and seeded sampling both (the validator's replay under the "same"
+    stack tolerance finds every token, no near-tie). A second engine in the same
+    process (the tiny one stays up)."""
     from node.models import SMOLLM2_DIRNAME, load_smollm2, smollm2_available
 
     if not smollm2_available():
@@ -56,6 +61,7 @@ def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]
     from node.engines.transformers_engine import TransformersEngine
     from node.engines.vllm_engine import VLLMEngine
     from proofs import build_sequence_proofs, verify_sequence
+    from proofs.sampling import completion_logits, replay
     from protocol.messages import SamplingParams
 
     cache = model_cache()
@@ -71,10 +77,18 @@ def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]
         )
         for q in questions
     ]
-    out = engine.generate(prompts, 2, SamplingParams(temperature=0.6, max_tokens=32), [3, 4], capture_hidden=True)
+    params = SamplingParams(temperature=0.6, max_tokens=32)
+    seeds = group_seeds([5, 6], 2)  # seeded sampling: these seeds end one completion of each prompt on EOS
+    out = engine.generate(prompts, 2, params, seeds, capture_hidden=True)
     completions = [c for g in out for c in g]
-    assert any(c.finish_reason == "stop" for c in completions)  # "Say yes." ends well within 32 tokens
-    refs = TransformersEngine(model).prefill_hidden_batch([(c.prompt_tokens, c.tokens) for c in completions])
-    for c, ref in zip(completions, refs):
+    assert sum(c.finish_reason == "stop" for c in completions) >= 2
+    hf = TransformersEngine(model)
+    refs = hf.prefill_hidden_batch([(c.prompt_tokens, c.tokens) for c in completions])
+    head = hf.lm_head_weight()
+    assert torch.equal(engine.lm_head_weight(), head) and engine.eos_token_ids == hf.eos_token_ids
+    for c, seed, ref in zip(completions, [s for row in seeds for s in row], refs):
+        assert c.seed == seed
         result = verify_sequence(ref, len(c.prompt_tokens), build_sequence_proofs(c.hidden, len(c.prompt_tokens)))
         assert result.ok, result
+        sampled = replay(completion_logits(ref, len(c.prompt_tokens), head), c.tokens, seed, params, 1e-3)
+        assert sampled.first_bad < 0 and sampled.near_ties == 0, sampled

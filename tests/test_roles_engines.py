@@ -65,10 +65,18 @@ def test_the_tiny_models_folder_is_version_0_and_written_once(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not vllm_available(), reason="vllm not installed")
 def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path):
+    """A vLLM worker's batch, produced from trio threads as the role does, passes every rule on
+    a vLLM validator (tight thresholds, replay tolerance "same") and, in a run that allows
+    mixed stacks, on a transformers validator with the same weights: its tokens are the
+    seeded Gumbel samples either validator replays. Tampered tokens fail TOPLOC, greedy
+    decoding claimed as sampling fails the replay; a run declared for the transformers
+    stack refuses the engine."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from node.roles.rollouts import produce_batch, verify_batch
+    from node.roles.rollouts import PolicyFacts, produce_batch, verify_batch
+    from node.util import now_ms
     from tests.support.roles import engine_for
 
+    policy = PolicyFacts(0, b"\x07" * 32, now_ms())
     # vLLM's CPU attention wants head_dim >= 32: 128 wide, 2 heads
     cfg = dict(numerics="vllm-fp32-cpu", tiny_hidden_size=128, tiny_heads=2)
     ctx = tiny_context(tmp_path, **cfg)
@@ -79,22 +87,28 @@ def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path
         # the same thread): vLLM's in-process engine must work that way
         engine = await trio.to_thread.run_sync(worker.make_engine)
         await trio.to_thread.run_sync(engine.load_weights, ctx.initial_model().state_dict())
-        batch = await trio.to_thread.run_sync(lambda: produce_batch(ctx, engine, W, 0, 0))
+        batch = await trio.to_thread.run_sync(lambda: produce_batch(ctx, engine, W, policy, 0))
         return engine, batch
 
     engine, batch = trio.run(as_the_role_does)
     assert engine.numerics == "vllm-fp32-cpu"
-    own = verify_batch(ctx, lambda pairs: engine.prefill_hidden_batch(pairs), batch, W)
+    own = verify_batch(ctx, engine, batch, W, policy)
     assert own.accept, own.reason
-    # across stacks (a transformers validator, same weights) only the paper's thresholds hold:
-    # the same weights in a run that says so
-    paper = tiny_context(tmp_path / "paper", **cfg, toploc_thresholds="paper")
+    # across stacks (a transformers validator, same weights) only the paper's thresholds and
+    # the mixed replay tolerance are promised: the same weights in a run that says so
+    paper = tiny_context(tmp_path / "paper", **cfg, toploc_thresholds="paper", sampling_tolerance="mixed")
     hf = engine_for(paper)
-    cross = produce_batch(paper, engine, W, 0, 0)
-    v = verify_batch(paper, lambda pairs: hf.prefill_hidden_batch(pairs), cross, W)
+    cross = produce_batch(paper, engine, W, policy, 0)
+    v = verify_batch(paper, hf, cross, W, policy)
     assert v.accept, v.reason
-    bad = produce_batch(ctx, engine, W, 0, 1, tamper="tokens")
-    assert verify_batch(ctx, lambda pairs: engine.prefill_hidden_batch(pairs), bad, W).rule == "toploc"
+    # the two stacks sample the same tokens from the same seeds
+    ref = produce_batch(paper, hf, W, policy, 0)
+    same = sum(a.completion == b.completion for a, b in zip(cross.samples, ref.samples))
+    assert same >= len(ref.samples) - 1, f"{same} of {len(ref.samples)} completions equal"
+    bad = produce_batch(ctx, engine, W, policy, 1, tamper="tokens")
+    assert verify_batch(ctx, engine, bad, W, policy).rule == "toploc"
+    greedy = produce_batch(ctx, engine, W, policy, 1, tamper="greedy")  # real proofs, tokens not the seeded ones
+    assert verify_batch(ctx, engine, greedy, W, policy).rule in ("sampling", "termination")
     # a run declared for the transformers stack refuses the vLLM engine
     with pytest.raises(NodeError, match="numerics"):
         tiny_context(tmp_path / "tf", **{**cfg, "numerics": "transformers-fp32-cpu"}).check_engine(engine)

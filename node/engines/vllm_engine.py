@@ -8,18 +8,34 @@ the runner's ``input_batch.req_ids`` and ``query_start_loc`` and placed by the
 runner's ``positions``, so chunked prefills and a recomputed (preempted)
 request land on the right rows.
 
+Sampling is seeded Gumbel-max (``proofs.sampling``), never vLLM's own sampler:
+vLLM's seeded sampler draws from a per-request torch generator whose stream
+depends on vLLM's kernels and batch, so no validator could replay it. A custom
+vLLM v1 logits processor (``_SeededGumbel``, registered with
+``LLM(logits_processors=...)``) takes each request's seed and the run's
+temperature / top-p / top-k from ``SamplingParams.extra_args``; vLLM applies
+such (non-argmax-invariant) processors to the raw float32 logits, before any
+temperature or truncation, so the processor computes
+``proofs.sampling.seeded_choice`` on exactly the logits a validator recomputes
+(the completion position is the request's output length so far) and sets
+every other entry of the row to -inf. vLLM itself runs the request greedily
+(temperature 0): its argmax of the masked row is the seeded choice, and its
+own random sampler never runs.
+
 vLLM never feeds the last sampled token back, so its hidden state is missing:
 with capture we ask for one token more than wanted and drop it (the dropped
-token cannot change the ones before it: each request samples from its own
-seeded generator, in order), and for a completion that stopped on EOS we
+token cannot change the ones before it: the noise of position ``k`` depends on
+the seed and ``k`` alone), and for a completion that stopped on EOS we
 compute that one missing row by a prefill of the completed sequence that reuses
 the generation's prefix cache.
 
 Log-probabilities follow the transformers engine: log p(token) under the
 temperature-scaled distribution, *before* top-p truncation (vLLM's own
-"processed" log-probs are renormalised over the nucleus). A hook on the logits
-processor keeps two numbers per sampled row (logsumexp of the logits with and
-without temperature) and the raw log-prob vLLM returns is rescaled with them.
+"processed" log-probs are renormalised over the nucleus, and a greedy request
+has none). vLLM's ``raw_logprobs`` are taken from the logits before any logits
+processor, so the masking above does not touch them; a hook on the model's
+logits layer keeps two numbers per sampled row (logsumexp of the logits with
+and without temperature) and the raw log-prob is rescaled with them.
 
 Validators call ``prefill_hidden``/``prefill_hidden_batch``: the same engine and
 hook run prompt + claimed tokens as one prefill (prefix cache not read), so no
@@ -34,6 +50,7 @@ fails ("'Parameter' object has no attribute 'weight_loader'").
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,7 +58,8 @@ from typing import Any
 
 import torch
 
-from node.engines.base import Completion
+from node.engines.base import Completion, check_seeds
+from proofs.sampling import seeded_choice
 from protocol.messages import SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -63,6 +81,66 @@ def _eos_from_folder(folder: Path) -> list[int]:
             if eos is not None:
                 return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
     return []
+
+
+_EXTRA_KEY = "primenode_seeded_gumbel"  # SamplingParams.extra_args: [seed, temperature, top_p, top_k]
+_PROCESSOR: type | None = None
+
+
+def _seeded_request(params: Any, _prompt: Any, output_ids: list[int]) -> tuple[int, SamplingParams, list[int]] | None:
+    """A request's state in the processor: its seed, its sampling parameters, and vLLM's live
+    list of its output tokens (whose length is the completion position being sampled)."""
+    extra = getattr(params, "extra_args", None) or {}
+    spec = extra.get(_EXTRA_KEY)
+    if spec is None:
+        return None
+    seed, temperature, top_p, top_k = spec
+    return int(seed), SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=1), output_ids
+
+
+def seeded_gumbel_processor() -> type:
+    """The vLLM v1 logits processor class that makes every request carrying
+    ``extra_args[_EXTRA_KEY]`` sample by ``proofs.sampling.seeded_choice`` (built on first
+    use: this module imports without vLLM)."""
+    global _PROCESSOR
+    if _PROCESSOR is not None:
+        return _PROCESSOR
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class _SeededGumbel(LogitsProcessor):
+        """Per row of a seeded request: the seeded Gumbel-max choice over the raw logits
+        keeps its logit, every other entry becomes -inf (vLLM's greedy argmax then takes
+        it). Rows of other requests (greedy prefills) are left alone."""
+
+        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+            self.requests: dict[int, tuple[int, SamplingParams, list[int]]] = {}
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # it decides the argmax: vLLM must apply it to the raw logits, greedy rows too
+
+        def update_state(self, batch_update: Any) -> None:
+            process_dict_updates(self.requests, batch_update, _seeded_request)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.requests:
+                return logits
+            groups: dict[SamplingParams, list[int]] = {}
+            for index, (_, params, _) in self.requests.items():
+                if index < logits.shape[0]:
+                    groups.setdefault(params, []).append(index)
+            for params, indices in groups.items():
+                states = [self.requests[i] for i in indices]
+                rows = torch.tensor(indices, dtype=torch.long, device=logits.device)
+                x = logits.index_select(0, rows)
+                chosen = seeded_choice(x, [s[0] for s in states], [len(s[2]) for s in states], params)[:, None]
+                kept = x.gather(1, chosen)
+                x.fill_(-math.inf).scatter_(1, chosen, kept)
+                logits.index_copy_(0, rows, x)
+            return logits
+
+    _PROCESSOR = _SeededGumbel
+    return _PROCESSOR
 
 
 class _Capture:
@@ -113,7 +191,10 @@ class VLLMEngine:
             skip_tokenizer_init=not any((folder / f).exists() for f in _TOKENIZER_FILES),
         )
         kwargs.update(llm_kwargs)
-        self.llm = LLM(model=self.model_path, dtype=dtype, logprobs_mode="raw_logprobs", **kwargs)
+        processors = [seeded_gumbel_processor(), *(kwargs.pop("logits_processors", None) or [])]
+        self.llm = LLM(
+            model=self.model_path, dtype=dtype, logprobs_mode="raw_logprobs", logits_processors=processors, **kwargs
+        )
         self._runner = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
         self._capture: _Capture | None = None
         model = self._runner.model
@@ -124,6 +205,38 @@ class VLLMEngine:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self._eos_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer (vLLM pads its LM head; the padding is not a token)."""
+        model = self._runner.model
+        head = getattr(model, "lm_head", None)
+        size = getattr(head, "org_vocab_size", None) or getattr(model.logits_processor, "org_vocab_size", None)
+        return int(size if size is not None else model.config.vocab_size)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The (V, H) output matrix a validator multiplies final hidden states with: the LM
+        head's weight (the embedding of a tied model), without vLLM's padding rows. The CPU
+        build keeps this weight as it is (it repacks the linear layers only), and a hot
+        reload writes into it, so it is read live."""
+        head = getattr(self._runner.model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        vocab = self.vocab_size
+        if (
+            not isinstance(weight, torch.Tensor)
+            or weight.is_meta
+            or weight.dim() != 2
+            or weight.shape[0] < vocab
+            or weight.shape[1] != self.hidden_size
+        ):
+            raise ValueError(f"vLLM's LM head has no readable (V, H) weight ({type(head).__name__})")
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("the LM head has a bias: sampling cannot be replayed from its weight")
+        return weight.detach()[:vocab]
 
     @property
     def numerics(self) -> str:
@@ -202,27 +315,29 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         from vllm import SamplingParams as VllmSamplingParams
 
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        check_seeds(prompts, n, seeds)
         if n < 1 or params.max_tokens < 1:
             raise ValueError("n and max_tokens must be >= 1")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or getattr(params, "top_k", 0) < 0:
             raise ValueError(f"bad sampling params {params}")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty: generation needs at least one token")
         extra = 1 if capture_hidden else 0  # the extra token makes vLLM feed the last wanted one
+        top_k = int(getattr(params, "top_k", 0))
         requests, sampling, owners = [], [], []
         for i, prompt in enumerate(prompts):
             for j in range(n):  # one request per completion: its own seed, its own hidden rows
                 requests.append({"prompt_token_ids": [int(t) for t in prompt]})
+                seeded = None  # temperature 0: vLLM's greedy argmax of the raw logits is the choice
+                if params.temperature > 0:
+                    seeded = {_EXTRA_KEY: [int(seeds[i][j]), params.temperature, params.top_p, top_k]}
                 sampling.append(
                     VllmSamplingParams(
                         n=1,
-                        temperature=params.temperature,
-                        top_p=params.top_p,
+                        temperature=0.0,  # the processor has chosen; vLLM's argmax takes its choice
                         max_tokens=params.max_tokens + extra,
-                        seed=seeds[i][j],
+                        extra_args=seeded,
                         logprobs=0,
                         ignore_eos=True,  # EOS is ours: stop_token_ids, as the transformers engine reads them
                         stop_token_ids=list(self._eos_ids),
