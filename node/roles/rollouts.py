@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -44,7 +44,7 @@ import torch
 from node.roles.context import RunContext
 from node.util import now_ms
 from proofs import ProofConfig, ProofError, build_many, verify_sequence
-from proofs.sampling import completion_logits, replay_many
+from proofs.sampling import ReplayResult, completion_logits, replay_many
 from protocol import RolloutBatch, Sample, assign_prompts, expected_chunks, sample_seed, split_proofs
 from protocol.rules import counter_limit
 
@@ -258,11 +258,13 @@ def verify_batch(
     *,
     now: int | None = None,
     replay_sampling: bool = True,
+    on_replay: Callable[[int, ReplayResult], None] | None = None,
 ) -> BatchVerdict:
     """All the rules. ``engine`` holds the weights of ``batch.policy_version``; ``policy``
     is that version's manifest facts. One prompt's group is prefilled at a time and the
     check stops at the first sample that fails, so a bad batch costs at most one group.
-    ``replay_sampling`` False skips rule 8 (only bench/verify.py's baseline does)."""
+    ``replay_sampling`` False skips rule 8 (only bench/verify.py's baseline does);
+    ``on_replay(sample index, result)`` sees every replay (the bench's gap statistics)."""
     t0 = time.perf_counter()
 
     def reject(rule: str, detail: str) -> BatchVerdict:
@@ -300,6 +302,8 @@ def verify_batch(
             head_rows, [t for _, t in pairs], [seeds[k] for k in members], params, replay_config.delta
         )
         for k, (_, toks), result in zip(members, pairs, results):
+            if on_replay is not None:
+                on_replay(k, result)
             allowed = replay_config.allowed_near_ties(len(toks))
             if not result.ok(allowed):
                 pos = result.first_bad
