@@ -20,6 +20,11 @@ from tests.support.attacks import forged_batch, generated
 from tests.support.roles import WORKERS, engine_for, tiny_context
 
 W, THIEF = WORKERS[0].peer_id, WORKERS[1].peer_id
+# The replay's two rules: "termination" when the first token that is not the seeded sample
+# is an EOS (claimed, or the seeded sample there), else "sampling". Which one an attack
+# meets first depends on the run id (the genesis timestamp), so token-source attacks accept
+# either; the termination tests below pin their own.
+REPLAY = {"sampling", "termination"}
 ROOT = b"\x5a" * 32
 
 
@@ -78,7 +83,7 @@ def test_prefill_attack_from_another_model(setup):
     cheap = _other_model(ctx)
     batch = forged_batch(ctx, engine, W, policy(), 0, lambda i, m, p, seed: generated(cheap, ctx.sampling, p, seed))
     v = check(ctx, engine, batch)
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
     assert check(ctx, engine, forged_batch(ctx, engine, W, policy(), 0, honest(ctx, engine))).accept
 
 
@@ -89,7 +94,7 @@ def test_prefill_attack_with_random_tokens(setup):
     vocab = [t for t in range(engine.vocab_size) if t not in engine.eos_token_ids]
     batch = forged_batch(ctx, engine, W, policy(), 0, lambda *_: [rng.choice(vocab) for _ in range(n)])
     v = check(ctx, engine, batch)
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
 
 
 def test_prefill_attack_with_a_fixed_string(setup):
@@ -97,7 +102,7 @@ def test_prefill_attack_with_a_fixed_string(setup):
     ctx, engine = setup
     text = ctx.tokenizer.encode("aaaaaaaa")[:8] + [ctx.eos_token_id]
     v = check(ctx, engine, forged_batch(ctx, engine, W, policy(), 0, lambda *_: text))
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
@@ -107,25 +112,24 @@ def test_greedy_and_low_temperature_decoding_claimed_as_the_runs_temperature(set
     batch = forged_batch(ctx, engine, W, policy(), 0, lambda i, m, p, seed: generated(engine, cold, p, seed))
     assert batch.sampling == ctx.sampling  # the claim is the run's temperature
     v = check(ctx, engine, batch)
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
     greedy = produce_batch(ctx, engine, W, policy(), 1, tamper="greedy")
-    assert check(ctx, engine, greedy).rule == "sampling"
+    assert check(ctx, engine, greedy).rule in REPLAY
     assert check(ctx, engine, produce_batch(ctx, engine, W, policy(), 1)).accept
 
 
 def test_best_of_n_groups(setup):
-    """Generate each completion eight times (other seeds) and submit the best-rewarded one."""
+    """Generate each completion eight more times (other seeds) and submit the best-rewarded."""
     ctx, engine = setup
 
     def best(i, m, prompt, seed):
-        tries = [generated(engine, ctx.sampling, prompt, seed + k) for k in range(8)]
+        tries = [generated(engine, ctx.sampling, prompt, seed + k) for k in range(1, 9)]
         return max(tries, key=lambda toks: ctx.reward(i, toks))
 
     batch = forged_batch(ctx, engine, W, policy(), 0, best)
     honest_batch = forged_batch(ctx, engine, W, policy(), 0, honest(ctx, engine))
-    assert sum(s.claimed_reward for s in batch.samples) > sum(s.claimed_reward for s in honest_batch.samples)
     v = check(ctx, engine, batch)
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
     assert check(ctx, engine, honest_batch).accept
 
 
@@ -207,7 +211,7 @@ def test_relabelled_theft_of_another_workers_completions(setup):
         return generated(engine, ctx.sampling, prompt, w_seed)
 
     v = check(ctx, engine, forged_batch(ctx, engine, THIEF, policy(), 0, stolen), worker=THIEF)
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
     assert check(ctx, engine, forged_batch(ctx, engine, THIEF, policy(), 0, honest(ctx, engine)), worker=THIEF).accept
 
 
@@ -221,7 +225,7 @@ def test_self_replay_of_earlier_completions(setup):
             return generated(engine, ctx.sampling, prompt, old_seed)
 
         v = check(ctx, engine, forged_batch(ctx, engine, W, policy(), 1, replayed))
-        assert not v.accept and v.rule == "sampling", v.reason
+        assert not v.accept and v.rule in REPLAY, v.reason
 
 
 def test_precomputing_before_the_manifest_is_published(setup):
@@ -231,7 +235,7 @@ def test_precomputing_before_the_manifest_is_published(setup):
     batch = produce_batch(ctx, engine, W, guessed, 0)
     assert check(ctx, engine, batch, pol=guessed).accept  # had the root been zeros, fine
     v = check(ctx, engine, batch)  # but the published root is ROOT
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
 
 
 def test_a_seed_field_that_lies(setup):
@@ -241,6 +245,6 @@ def test_a_seed_field_that_lies(setup):
     chosen = lambda i, m, prompt, seed: generated(engine, ctx.sampling, prompt, 12345 + m)  # noqa: E731
     lie = forged_batch(ctx, engine, W, policy(), 0, chosen, seed_field=lambda seed: 12345)
     v = check(ctx, engine, lie)
-    assert not v.accept and v.rule == "sampling", v.reason
+    assert not v.accept and v.rule in REPLAY, v.reason
     garbage_field = forged_batch(ctx, engine, W, policy(), 0, honest(ctx, engine), seed_field=lambda seed: 0)
     assert check(ctx, engine, garbage_field).accept
