@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.processes import default_sigint
+
 
 def _node_processes(out: Path) -> list[str]:
     """Command lines of live processes started for this devnet (they name its folder)."""
@@ -51,6 +53,7 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
             stdout=sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, "COLUMNS": "200"},
+            preexec_fn=default_sigint,  # Ctrl+C as in a terminal, however the test run was started
         )
     trainer_metrics = out / "nodes" / "trainer" / "metrics.jsonl"
     try:

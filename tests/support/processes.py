@@ -28,9 +28,23 @@ def cli(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProces
     return subprocess.run([*BASE, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
+def default_sigint() -> None:
+    """Ctrl+C as in a terminal, for a child started from a test run that itself runs in the
+    background of a shell without job control (SIGINT inherited ignored: Python would
+    install no handler, and the SIGINT tests would wait forever)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([*BASE, *args], stdout=subprocess.PIPE, stderr=f, env=ENV, start_new_session=True)
+        return subprocess.Popen(
+            [*BASE, *args],
+            stdout=subprocess.PIPE,
+            stderr=f,
+            env=ENV,
+            start_new_session=True,
+            preexec_fn=default_sigint,
+        )
 
 
 def init_home(path: Path) -> str:
