@@ -38,14 +38,21 @@ import dataclasses
 import math
 from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 
 from protocol.messages import SamplingParams
+
+try:  # the same Philox4x32-10 as a compiled loop: ~10x faster noise for whole rows on the CPU
+    from randomgen import Philox as _NativePhilox
+except ImportError:  # pragma: no cover - randomgen is a dependency; the torch limbs still work
+    _NativePhilox = None
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF
+_MASK64 = (1 << 64) - 1
 ROUNDS = 10
 DOMAIN = 0x50524E31  # "PRN1": the third counter word, so other streams never collide with this one
 
@@ -138,15 +145,39 @@ def scaled_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def gumbel_dense(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Noise for every vocabulary id of each row (B, vocab), one Philox call per four ids."""
+    """Noise for every vocabulary id of each row (B, vocab), one Philox call per four ids.
+
+    On the CPU the words come from randomgen's Philox4x32-10 (a compiled loop; the
+    counter layout makes a row's words one consecutive stream), elsewhere from the torch
+    limbs; tests/test_proofs_sampling.py checks that both give the same bits."""
+    if seeds.device.type == "cpu" and _NativePhilox is not None:
+        words = _native_words(seeds.reshape(-1).tolist(), positions.reshape(-1).tolist(), vocab)
+    else:
+        words = _torch_words(seeds, positions, vocab)
+    u = (words.to(torch.float64) + 0.5) * 2.0**-32
+    return -torch.log(-torch.log(u))
+
+
+def _torch_words(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     blocks = torch.arange((vocab + 3) // 4, dtype=torch.int64, device=seeds.device)[None, :]
     seeds = seeds.to(torch.int64)[:, None]
     k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
     pos = (positions.to(torch.int64) & _MASK32)[:, None]
     zero = torch.zeros((seeds.shape[0], blocks.shape[1]), dtype=torch.int64, device=seeds.device)
     words = torch.stack(philox4x32(blocks + zero, pos + zero, zero + DOMAIN, zero, k0 + zero, k1 + zero), dim=-1)
-    u = (words.reshape(seeds.shape[0], -1)[:, :vocab].to(torch.float64) + 0.5) * 2.0**-32
-    return -torch.log(-torch.log(u))
+    return words.reshape(seeds.shape[0], -1)[:, :vocab]
+
+
+def _native_words(seeds: Sequence[int], positions: Sequence[int], vocab: int) -> torch.Tensor:
+    """Row ``i``'s words from counters ``(0.., positions[i], DOMAIN, 0)`` under key ``seeds[i]``.
+    randomgen increments the 128-bit counter before each block, so it starts one below."""
+    assert _NativePhilox is not None
+    width = (vocab + 3) // 4 * 4
+    out = np.empty((len(seeds), width), dtype=np.uint64)
+    for i, (seed, pos) in enumerate(zip(seeds, positions)):
+        start = ((DOMAIN << 64) | ((int(pos) & _MASK32) << 32)) - 1
+        out[i] = _NativePhilox(number=4, width=32, key=int(seed) & _MASK64, counter=start).random_raw(width)
+    return torch.from_numpy(out[:, :vocab].astype(np.int64))
 
 
 def _scores(
@@ -166,7 +197,10 @@ def _scores(
     if extra is not None:
         live[rows, extra] = True
     live &= scaled > -math.inf
-    if int(live.sum()) * 4 > b * vocab:
+    # whole rows once more than a 16th (native words) or a 4th (torch limbs) can win: per element
+    # the limbs cost ~15x a native word (a Philox block per id instead of per four ids)
+    dense_above = 16 if scaled.device.type == "cpu" and _NativePhilox is not None else 4
+    if int(live.sum()) * dense_above > b * vocab:
         return torch.where(live, scaled + gumbel_dense(seeds, positions, vocab), -math.inf)
     r, v = live.nonzero(as_tuple=True)
     out = torch.full_like(scaled, -math.inf)

@@ -71,6 +71,23 @@ def test_noise_is_the_same_dense_sparse_and_in_any_batch():
     assert not torch.equal(dense[0], dense[1])
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), min_size=1, max_size=4),
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.integers(min_value=1, max_value=70),
+)
+def test_native_philox_rows_equal_the_torch_limbs(seeds, position, vocab):
+    """randomgen's compiled Philox (the CPU fast path for whole rows) gives the limbs' bits,
+    for negative int64 seeds (the top bit of a 64-bit seed), positions up to 2**32 - 1 and
+    vocabularies that are not a multiple of four."""
+    from proofs import sampling
+
+    s = torch.tensor(seeds)
+    p = torch.full((len(seeds),), position)
+    assert torch.equal(sampling._native_words(seeds, p.tolist(), vocab), sampling._torch_words(s, p, vocab))
+
+
 def test_uniform_words_look_uniform():
     words = uniform_words(torch.tensor(42), torch.arange(64)[:, None], torch.arange(4096)[None, :]).flatten()
     u = (words.double() + 0.5) / 2**32
