@@ -105,6 +105,8 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int, baseline_every:
     gaps: list[float] = []
     with_s: list[float] = []
     without_s: list[float] = []
+    with_cpu: list[float] = []
+    without_cpu: list[float] = []
     gen_s: list[float] = []
     for b in range(batches):
         # a fresh slot each batch (published long ago: the counter bound never binds here)
@@ -118,6 +120,7 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int, baseline_every:
         order = [True] if not timed else ([True, False] if (b // baseline_every) % 2 == 0 else [False, True])
         for replay_on in order:
             seen: list[float] = []
+            c0 = time.process_time()
             t0 = time.perf_counter()
             v = verify_batch(
                 ctx,
@@ -130,6 +133,7 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int, baseline_every:
             )
             if timed:
                 (with_s if replay_on else without_s).append(time.perf_counter() - t0)
+                (with_cpu if replay_on else without_cpu).append(time.process_time() - c0)
             if replay_on:
                 gaps += seen
                 if not v.accept:
@@ -140,6 +144,7 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int, baseline_every:
     rc = ctx.replay_config
     nonzero = sorted(g for g in gaps if g > 0)
     t_with, t_without = statistics.median(with_s), statistics.median(without_s)
+    c_with, c_without = statistics.median(with_cpu), statistics.median(without_cpu)
     return {
         "config": cfg.name,
         "worker": f"transformers-{'fp32' if cfg.worker_dtype == torch.float32 else 'bf16'}-cpu",
@@ -159,7 +164,22 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int, baseline_every:
         "verify_s_without_replay": round(t_without, 4),
         "verify_s_with_replay": round(t_with, 4),
         "replay_overhead_pct": round(100 * (t_with / t_without - 1), 2),
+        "verify_cpu_s_without_replay": round(c_without, 4),
+        "verify_cpu_s_with_replay": round(c_with, 4),
+        "replay_overhead_cpu_pct": round(100 * (c_with / c_without - 1), 2),
+        "lm_head_floor_pct": round(lm_head_floor_pct(base), 1),
     }
+
+
+def lm_head_floor_pct(model: Any) -> float:
+    """The replay's floor: the ``lm_head`` product (vocab x hidden multiply-adds per completion
+    token) against the prefill's per-token weight products (every parameter outside the
+    embeddings and the head; attention scores and TOPLOC left out, so the floor is generous)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    skip = {id(emb), id(head)}
+    body = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    return 100.0 * head.numel() / body
 
 
 def main() -> None:
@@ -187,7 +207,7 @@ def main() -> None:
 
     head = (
         f"{'config':<14}{'samples':>8}{'tokens':>9}{'false rej':>10}{'max gap':>11}{'delta':>8}"
-        f"{'gap>0':>7}{'verify s':>10}{'+replay s':>10}{'overhead':>10}"
+        f"{'gap>0':>7}{'verify s':>10}{'+replay s':>10}{'overhead':>10}{'cpu ovh':>9}{'floor':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -196,6 +216,7 @@ def main() -> None:
             f"{r['config']:<14}{r['samples']:>8}{r['tokens']:>9}{r['false_rejections']:>10}{r['max_gap']:>11.3g}"
             f"{r['delta']:>8g}{r['tokens_with_gap']:>7}{r['verify_s_without_replay']:>10.3f}"
             f"{r['verify_s_with_replay']:>10.3f}{r['replay_overhead_pct']:>9.1f}%"
+            f"{r['replay_overhead_cpu_pct']:>8.1f}%{r['lm_head_floor_pct']:>6.1f}%"
         )
     summary = {
         "bench": "verify",
