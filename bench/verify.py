@@ -59,7 +59,7 @@ CONFIGS = {
     "tiny-fp32": Config("tiny-fp32", "tiny", torch.float32, 10_240, 1_024),
     "tiny-bf16": Config("tiny-bf16", "tiny", torch.bfloat16, 2_048, 256),
     "smollm2-fp32": Config("smollm2-fp32", "smollm2", torch.float32, 512, 64),
-    "smollm2-bf16": Config("smollm2-bf16", "smollm2", torch.bfloat16, 64, 64),
+    "smollm2-bf16": Config("smollm2-bf16", "smollm2", torch.bfloat16, 256, 64),
 }
 
 

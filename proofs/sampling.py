@@ -155,8 +155,8 @@ def gumbel_dense(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
         words = _native_words(seeds.reshape(-1).tolist(), positions.reshape(-1).tolist(), vocab)
     else:
         words = _torch_words(seeds, positions, vocab)
-    u = (words.to(torch.float64) + 0.5) * 2.0**-32
-    return -torch.log(-torch.log(u))
+    # gumbel()'s arithmetic, in place: these rows are the replay's largest tensors
+    return words.to(torch.float64).add_(0.5).mul_(2.0**-32).log_().neg_().log_().neg_()
 
 
 def _torch_words(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -178,13 +178,14 @@ def _native_words(seeds: Sequence[int], positions: Sequence[int], vocab: int) ->
     for i, (seed, pos) in enumerate(zip(seeds, positions)):
         start = ((DOMAIN << 64) | ((int(pos) & _MASK32) << 32)) - 1
         out[i] = _NativePhilox(number=4, width=32, key=int(seed) & _MASK64, counter=start).random_raw(width)
-    return torch.from_numpy(out[:, :vocab].astype(np.int64))
+    return torch.from_numpy(out.view(np.int64)[:, :vocab])  # 32-bit values: the same bits
 
 
 def _scores(
     scaled: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, extra: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``scaled + g`` where a token can still win (and at the ``extra`` ids), -inf elsewhere.
+    """``scaled + g`` where a token can still win (and at the ``extra`` ids); elsewhere -inf, or
+    the true score when noise was drawn for whole rows (it cannot win either way).
 
     Rows of ``scaled`` are (B, V); ``seeds``/``positions`` are (B,); ``extra`` (B,) ids
     whose score is always computed (the claimed tokens, for a validator). Noise is drawn
@@ -197,12 +198,12 @@ def _scores(
     live = scaled >= floor[:, None]
     if extra is not None:
         live[rows, extra] = True
-    live &= scaled > -math.inf
     # whole rows once more than a 16th (native words) or a 4th (torch limbs) can win: per element
-    # the limbs cost ~15x a native word (a Philox block per id instead of per four ids)
+    # the limbs cost ~15x a native word (a Philox block per id instead of per four ids); the
+    # dense scores are the true ones everywhere (-inf stays -inf outside the support)
     dense_above = 16 if scaled.device.type == "cpu" and _NativePhilox is not None else 4
-    if int(live.sum()) * dense_above > b * vocab:
-        return torch.where(live, scaled + gumbel_dense(seeds, positions, vocab), -math.inf)
+    if int(live.count_nonzero()) * dense_above > b * vocab:
+        return gumbel_dense(seeds, positions, vocab).add_(scaled)
     r, v = live.nonzero(as_tuple=True)
     out = torch.full_like(scaled, -math.inf)
     out[r, v] = scaled[r, v] + gumbel(seeds[r], positions[r], v)
