@@ -2,7 +2,7 @@
 score gaps against the run's ``delta``, across numerics stacks, and what the sampling
 check adds to a validator's time per batch.
 
-    python3 bench/verify.py [--quick] [--configs tiny-fp32,tiny-bf16,smollm2-fp32,smollm2-bf16]
+    python3 bench/verify.py [--quick] [--projection] [--configs tiny-fp32,tiny-bf16,smollm2-fp32,smollm2-bf16]
 
 Each config is a worker numerics stack against a validator stack (the validator is
 always fp32 transformers on this CPU):
@@ -42,6 +42,7 @@ from node.genesis_file import make_genesis
 from node.roles.context import RunContext
 from node.roles.rollouts import PolicyFacts, produce_batch, verify_batch
 from protocol import NodeKey
+from protocol.messages import SamplingParams
 
 OWNER, TRAINER, VALIDATOR, WORKER = (NodeKey(bytes([b]) * 32) for b in (0x61, 0x62, 0x63, 0x64))
 
@@ -59,7 +60,7 @@ CONFIGS = {
     "tiny-fp32": Config("tiny-fp32", "tiny", torch.float32, 10_240, 1_024),
     "tiny-bf16": Config("tiny-bf16", "tiny", torch.bfloat16, 2_048, 256),
     "smollm2-fp32": Config("smollm2-fp32", "smollm2", torch.float32, 512, 64),
-    "smollm2-bf16": Config("smollm2-bf16", "smollm2", torch.bfloat16, 256, 64),
+    "smollm2-bf16": Config("smollm2-bf16", "smollm2", torch.bfloat16, 512, 64),
 }
 
 
@@ -182,6 +183,61 @@ def lm_head_floor_pct(model: Any) -> float:
     return 100.0 * head.numel() / body
 
 
+def projection(tokens: int = 256, seed: int = 0) -> dict[str, Any]:
+    """The replay's cost at INTELLECT-2's scale (Qwen2.5-32B: 64 layers, hidden 5,120,
+    vocabulary 152,064), measured by parts on this CPU with random weights: one decoder layer's
+    prefill of ``tokens`` tokens (x 64 for the model), and the replay of the same tokens (the
+    ``lm_head`` product and ``replay_many``). Attention over a long context and TOPLOC are left
+    out of the prefill, so the ratio is an upper bound on the overhead."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    from proofs.sampling import replay_many, seeded_choice
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        num_hidden_layers=64,
+        vocab_size=152064,
+        max_position_embeddings=4096,
+    )
+    cfg._attn_implementation = "sdpa"
+    hidden = torch.randn(1, tokens, cfg.hidden_size) * 0.1
+    with torch.no_grad():
+        layer = Qwen2DecoderLayer(cfg, 0).eval()
+        pos = torch.arange(tokens)[None, :]
+        emb = Qwen2RotaryEmbedding(cfg)(hidden, pos)
+        layer(hidden, position_embeddings=emb, position_ids=pos)  # warm-up
+        t0 = time.perf_counter()
+        layer(hidden, position_embeddings=emb, position_ids=pos)
+        layer_s = time.perf_counter() - t0
+        del layer
+        head = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=tokens)
+        rows = hidden[0] * 30  # a logit spread like a trained model's (tens of nats)
+        t0 = time.perf_counter()
+        logits = rows @ head.T
+        head_s = time.perf_counter() - t0
+        seeds = [seed + 1] * tokens
+        claimed = seeded_choice(logits, seeds, list(range(tokens)), params).tolist()
+        t0 = time.perf_counter()
+        result = replay_many([logits], [claimed], [seed + 1], params, 1e-3)[0]
+        replay_s = time.perf_counter() - t0
+    assert result.first_bad < 0
+    prefill_s = layer_s * cfg.num_hidden_layers
+    return {
+        "shape": "qwen2.5-32b",
+        "tokens": tokens,
+        "prefill_s_estimate": round(prefill_s, 2),
+        "lm_head_s": round(head_s, 3),
+        "replay_s": round(replay_s, 3),
+        "overhead_pct_bound": round(100 * (head_s + replay_s) / prefill_s, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -189,6 +245,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "models"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--projection", action="store_true", help="also time the replay by parts at Qwen2.5-32B's shape")
     ap.add_argument("--baseline-every", type=int, default=4, help="time the no-replay baseline on every n-th batch")
     args = ap.parse_args()
     if args.threads:
@@ -204,6 +261,7 @@ def main() -> None:
                 continue
         samples = cfg.quick_samples if args.quick else cfg.samples
         results.append(run(cfg, samples, Path(args.cache), args.max_tokens, args.baseline_every))
+    projected = projection() if args.projection else None
 
     head = (
         f"{'config':<14}{'samples':>8}{'tokens':>9}{'false rej':>10}{'max gap':>11}{'delta':>8}"
@@ -224,7 +282,14 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "max_tokens": args.max_tokens,
         "results": results,
+        "projection": projected,
     }
+    if projected:
+        print(
+            f"\nat Qwen2.5-32B's shape ({projected['tokens']} tokens, by parts): prefill ~{projected['prefill_s_estimate']} s "
+            f"(64 x one layer), lm_head {projected['lm_head_s']} s, replay {projected['replay_s']} s: "
+            f"overhead <= {projected['overhead_pct_bound']} %"
+        )
     print(json.dumps(summary))
 
 
