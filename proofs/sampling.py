@@ -234,8 +234,10 @@ def seeded_choice(
 class ReplayResult:
     """A validator's replay of one completion. ``gaps[k]`` is how far the claimed token's
     score at position ``k`` is below the best score in the support (0 when it is the argmax;
-    inf when it is outside the support). ``first_bad`` is the first position whose gap
-    exceeds ``delta``, or -1; ``near_ties`` counts positions with 0 < gap <= delta."""
+    inf when it is outside the support), in score units, or with ``relative`` replay in
+    units of the row's scale (the standard deviation of its logits / T). ``first_bad`` is
+    the first position whose gap exceeds ``delta``, or -1; ``near_ties`` counts positions
+    with 0 < gap <= delta."""
 
     gaps: tuple[float, ...]
     first_bad: int
@@ -251,12 +253,18 @@ class ReplayResult:
 
 
 def replay(
-    logits: torch.Tensor, tokens: Sequence[int], seed: int, params: SamplingParams, delta: float
+    logits: torch.Tensor,
+    tokens: Sequence[int],
+    seed: int,
+    params: SamplingParams,
+    delta: float,
+    *,
+    relative: bool = False,
 ) -> ReplayResult:
     """Check that each claimed token is the seeded argmax. ``logits`` (L, V): row ``k`` is
     the distribution the model gives for completion position ``k`` (computed from the hidden
     state of the token before it)."""
-    return replay_many([logits], [tokens], [seed], params, delta)[0]
+    return replay_many([logits], [tokens], [seed], params, delta, relative=relative)[0]
 
 
 def replay_many(
@@ -265,8 +273,16 @@ def replay_many(
     seeds: Sequence[int],
     params: SamplingParams,
     delta: float,
+    *,
+    relative: bool = False,
 ) -> list[ReplayResult]:
-    """:func:`replay` of several completions at once (one noise draw for all their rows)."""
+    """:func:`replay` of several completions at once (one noise draw for all their rows).
+
+    ``relative``: gaps are divided by each row's scale, the standard deviation of its
+    temperature-scaled logits over the whole vocabulary. Two numerics stacks differ in
+    proportion to the logits' magnitude, and so does the miss of a token from another
+    source, so one relative ``delta`` fits models whose logits differ in scale by 100x
+    (docs/proofs.md, "Calibration"); an absolute one cannot."""
     lengths = [len(t) for t in tokens]
     for rows, n in zip(logits, lengths):
         if rows.shape[0] != n:
@@ -291,6 +307,9 @@ def replay_many(
         best = scores.argmax(dim=-1)
         inside = scaled[rows, claimed] > -math.inf
         gaps = torch.where(inside, scores[rows, best] - scores[rows, claimed], torch.full_like(scores[:, 0], math.inf))
+    if relative:
+        scale = x.to(torch.float64).std(dim=-1) / (params.temperature if params.temperature > 0 else 1.0)
+        gaps = gaps / scale.clamp_min(1e-12)
     all_gaps = [max(0.0, float(g)) for g in gaps.tolist()]
     all_best = [int(t) for t in best.tolist()]
     out, start = [], 0

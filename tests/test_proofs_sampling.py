@@ -178,6 +178,26 @@ def test_near_ties_within_delta_are_counted_and_bounded():
     assert replay(shifted, tokens, 5, params, delta=0.001).first_bad == 2
 
 
+def test_relative_gaps_are_in_units_of_each_rows_logit_scale():
+    """Cross-stack replay: the gap divided by the row's std of logits / T (numerics errors
+    between stacks grow with the logits' magnitude, so an absolute delta cannot fit a model
+    whose logits are 100x smaller or larger)."""
+    params = SamplingParams(temperature=0.7)
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(12, 300, generator=gen)
+    tokens = _honest(logits, 11, params)
+    edited = list(tokens)
+    edited[3] = (edited[3] + 7) % 300
+    for scale in (0.05, 5.0):
+        shown = logits * scale
+        absolute = replay(shown, edited, 11, params, delta=1e9)
+        relative = replay(shown, edited, 11, params, delta=1e9, relative=True)
+        row_scale = shown.double().std(dim=-1) / params.temperature
+        for k in range(12):
+            assert relative.gaps[k] == pytest.approx(absolute.gaps[k] / float(row_scale[k]), rel=1e-12)
+    assert replay(logits, tokens, 11, params, delta=1e-3, relative=True).max_gap == 0  # honest: still exact
+
+
 def test_a_token_outside_the_support_is_never_within_delta():
     params = SamplingParams(temperature=1.0, top_k=1)
     logits = torch.tensor([[5.0, 4.9, 0.0]])

@@ -299,7 +299,12 @@ def verify_batch(
             continue
         head_rows = [completion_logits(h, len(p), lm_head) for h, (p, _) in zip(hiddens, pairs)]
         results = replay_many(
-            head_rows, [t for _, t in pairs], [seeds[k] for k in members], params, replay_config.delta
+            head_rows,
+            [t for _, t in pairs],
+            [seeds[k] for k in members],
+            params,
+            replay_config.delta,
+            relative=replay_config.relative,
         )
         for k, (_, toks), result in zip(members, pairs, results):
             if on_replay is not None:
@@ -313,7 +318,10 @@ def verify_batch(
                         f"sample {k}: {result.near_ties} tokens are not the seeded sample "
                         f"(each within delta {replay_config.delta:g}; at most {allowed} tolerated)",
                     )
-                gap = f"misses the seeded sample by {result.gaps[pos]:.3g} (delta {replay_config.delta:g})"
+                gap = (
+                    f"misses the seeded sample by {result.gaps[pos]:.3g} {replay_config.unit()} "
+                    f"(delta {replay_config.delta:g})"
+                )
                 if toks[pos] in eos_ids:
                     return reject("termination", f"sample {k}: the EOS at position {pos} was not sampled: {gap}")
                 if result.best_tokens[pos] in eos_ids:
