@@ -161,11 +161,12 @@ class GRPOTrainer:
             rate = float(getattr(getattr(self.model, "config", None), "attention_dropout", 0.0) or 0.0)
             if live or rate > 0:
                 raise ValueError("gradient_checkpointing needs a model without dropout (it trains in train mode)")
-            enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+            enable: Any = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5.x
             if enable is not None:
                 enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                old_enable: Any = self.model.gradient_checkpointing_enable
+                old_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference_model = reference_model
         if config.kl_coef > 0 and self.reference_model is None:
             self.reference_model = copy.deepcopy(self.model)
