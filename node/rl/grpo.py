@@ -27,6 +27,7 @@ The model runs in eval mode (no dropout) so old and new log-probabilities agree.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -34,7 +35,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from node.rl.filters import filter_zero_advantage, group_advantages
+from node.rl.logprobs import micro_batches, token_logprobs_and_entropy
 from node.rl.metrics import StepMetrics, reward_stats
 from protocol.rules import within_window
 
@@ -67,6 +69,9 @@ class GRPOConfig:
     prompts_per_step: int = 256  # INTELLECT-2: 256 prompts x 16 = 4096 rollouts per step (informational)
     mini_batches: int = 1  # optimizer steps per batch; INTELLECT-2: 1
     micro_batch_size: int = 8  # rollouts per forward/backward; memory only, never changes the result
+    micro_batch_tokens: int = 0  # padded tokens per forward/backward (0: only micro_batch_size counts)
+    logprob_chunk_tokens: int | None = None  # completion rows per lm_head chunk (None: 64 MiB; 0: full logits)
+    gradient_checkpointing: bool = False  # recompute decoder activations in backward (memory for time)
     max_async: int = 2  # INTELLECT-2: 2; admit rollouts from policy versions >= version - max_async
     adv_eps: float = 1e-6  # INTELLECT-2: 1e-6
     pass_threshold: float = 1.0  # a rollout "passes" when its reward >= this (metrics only)
@@ -99,43 +104,6 @@ class Rollout:
 
 
 Group = Sequence[Rollout]
-
-
-def token_logprobs_and_entropy(
-    model: torch.nn.Module, rollouts: Sequence[Rollout], temperature: float, pad_token_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-completion-token log p and entropy under ``softmax(logits / temperature)``.
-
-    Returns (logprobs, entropy, mask), each (batch, max_completion_len), right-padded.
-    """
-    seqs = [list(r.prompt_tokens) + list(r.completion_tokens) for r in rollouts]
-    total = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), total), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), total), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, : len(s)] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits.float() / temperature
-    max_c = max(len(r.completion_tokens) for r in rollouts)
-    mask = torch.zeros((len(seqs), max_c), device=device)
-    rows_lp, rows_ent = [], []
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_tokens), len(r.completion_tokens)
-        if c == 0:
-            rows_lp.append(torch.zeros(max_c, device=device))
-            rows_ent.append(torch.zeros(max_c, device=device))
-            continue
-        log_probs = F.log_softmax(logits[i, p - 1 : p + c - 1], dim=-1)  # positions predicting the completion
-        target = ids[i, p : p + c]
-        tok_lp = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        tok_ent = -(log_probs.exp() * log_probs).sum(-1)
-        rows_lp.append(F.pad(tok_lp, (0, max_c - c)))
-        rows_ent.append(F.pad(tok_ent, (0, max_c - c)))
-        mask[i, :c] = 1.0
-    lp = torch.stack(rows_lp)
-    ent = torch.stack(rows_ent)
-    return lp, ent, mask
 
 
 def grpo_token_loss(
@@ -188,6 +156,17 @@ class GRPOTrainer:
         )
         self._opt_steps = 0
         self._set_lr()
+        if config.gradient_checkpointing:
+            live = [m for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+            rate = float(getattr(getattr(self.model, "config", None), "attention_dropout", 0.0) or 0.0)
+            if live or rate > 0:
+                raise ValueError("gradient_checkpointing needs a model without dropout (it trains in train mode)")
+            enable: Any = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                old_enable: Any = self.model.gradient_checkpointing_enable
+                old_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference_model = reference_model
         if config.kl_coef > 0 and self.reference_model is None:
             self.reference_model = copy.deepcopy(self.model)
@@ -208,6 +187,37 @@ class GRPOTrainer:
     def admissible(self, policy_version: int) -> bool:
         """The staleness bound: at most ``max_async`` versions behind (never ahead)."""
         return within_window(policy_version, self.version, self.config.max_async)
+
+    def micro_batches(self, rollouts: Sequence[Rollout]) -> list[tuple[int, int]]:
+        """Spans of ``rollouts`` run in one forward/backward: at most ``micro_batch_size`` rows
+        and, when ``micro_batch_tokens`` is set, at most that many padded tokens."""
+        cfg = self.config
+        lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts]
+        budget = cfg.micro_batch_tokens if cfg.micro_batch_tokens > 0 else 1 << 62
+        return micro_batches(lengths, budget, max(1, cfg.micro_batch_size))
+
+    def _logprobs(self, model: torch.nn.Module, rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, ...]:
+        return token_logprobs_and_entropy(
+            model,
+            rollouts,
+            self.config.temperature,
+            self.pad_token_id,
+            self.device,
+            chunk_tokens=self.config.logprob_chunk_tokens,
+        )
+
+    @contextlib.contextmanager
+    def _grad_mode(self) -> Iterator[None]:
+        """Gradient checkpointing only acts in train mode (transformers); with every dropout at
+        0 (checked at start) train mode computes what eval mode does."""
+        if not self.config.gradient_checkpointing:
+            yield
+            return
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.eval()
 
     def step(self, groups: Sequence[Group]) -> StepMetrics:
         """One GRPO update on ``groups`` (each: rollouts of one prompt). Returns the step's metrics."""
@@ -240,20 +250,16 @@ class GRPOTrainer:
         normaliser = float(len(rollouts_all) * cfg.max_tokens)
 
         # 3. old log-probabilities, recomputed with the current weights
-        mbs = max(1, cfg.micro_batch_size)
+        spans = self.micro_batches([r for r, _ in items])
         old: list[torch.Tensor] = []
         ref: list[torch.Tensor] = []
         with torch.no_grad():
-            for i in range(0, len(items), mbs):
-                chunk = [r for r, _ in items[i : i + mbs]]
-                lp, _, _ = token_logprobs_and_entropy(
-                    self.model, chunk, cfg.temperature, self.pad_token_id, self.device
-                )
+            for i, j in spans:
+                chunk = [r for r, _ in items[i:j]]
+                lp, _, _ = self._logprobs(self.model, chunk)
                 old.extend(row[: len(r.completion_tokens)] for row, r in zip(lp, chunk))
                 if self.reference_model is not None and cfg.kl_coef > 0:
-                    rlp, _, _ = token_logprobs_and_entropy(
-                        self.reference_model, chunk, cfg.temperature, self.pad_token_id, self.device
-                    )
+                    rlp, _, _ = self._logprobs(self.reference_model, chunk)
                     ref.extend(row[: len(r.completion_tokens)] for row, r in zip(rlp, chunk))
 
         # 4-6. mini-batches of optimizer steps, each accumulated over micro-batches
@@ -266,13 +272,11 @@ class GRPOTrainer:
             lo, hi = bounds[k], bounds[k + 1]
             mini_norm = normaliser * (hi - lo) / len(items)
             self.optimizer.zero_grad(set_to_none=True)
-            for i in range(lo, hi, mbs):
-                j = min(i + mbs, hi)
+            for i, j in [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]:
                 chunk = [r for r, _ in items[i:j]]
                 adv = torch.tensor([a for _, a in items[i:j]], dtype=torch.float32, device=self.device).unsqueeze(-1)
-                lp, ent, mask = token_logprobs_and_entropy(
-                    self.model, chunk, cfg.temperature, self.pad_token_id, self.device
-                )
+                with self._grad_mode():
+                    lp, ent, mask = self._logprobs(self.model, chunk)
                 width = lp.shape[1]
                 old_lp = torch.stack([F.pad(o, (0, width - o.shape[0])) for o in old[i:j]])
                 tok_loss, clipped = grpo_token_loss(lp, old_lp, adv, cfg.clip_eps, cfg.delta)
@@ -384,6 +388,10 @@ class GRPOTrainer:
             if attn:
                 kwargs["attn_implementation"] = attn
         model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kwargs)
+        # fresh storage: loaded tensors sit at the file's offsets (not 64-byte aligned), and CPU
+        # kernels pick their vector paths by alignment, so the resumed run would round differently
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()
         reference = None
         if (p / "reference.safetensors").exists():
             from safetensors.torch import load_file

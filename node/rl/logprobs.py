@@ -1,0 +1,166 @@
+"""Per-token log-probabilities and entropies of completions, without the ``[tokens, vocab]`` logits.
+
+A causal LM's forward returns fp32-castable logits for every position of every sequence:
+``batch x length x vocab`` numbers, about 20 GB for one micro-batch of 8 x 4,096 tokens at
+Qwen's 151,936-entry vocabulary, most of them for prompt positions the loss never reads.
+The trainer needs two numbers per *completion* token: ``log p(token)`` and the entropy.
+
+So the decoder runs without its head; the final hidden states of the positions that predict
+completion tokens are gathered (``[tokens, hidden]``); and the head, the log-softmax and the
+entropy run over chunks of those rows, each chunk under activation checkpointing: the
+backward pass recomputes one chunk's logits at a time instead of keeping every chunk's. Peak
+extra memory is then a few chunks of ``[chunk, vocab]`` fp32, whatever the batch
+(Liger-Kernel's fused linear cross-entropy and prime-rl's chunked log-softmax do the same
+on GPUs; this is the plain-torch version, so it runs on any device).
+
+``chunk_tokens`` 0 keeps the full-logits path (``model(...).logits``), only so that
+bench/trainer_memory.py can compare before and after in one run; both paths agree to fp32
+rounding (``tests/test_rl_logprobs.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# Bytes of fp32 logits per chunk: with the softmax and the backward's copies, a chunk costs
+# about four times this at its peak.
+CHUNK_BYTES = 64 << 20
+
+
+class HasTokens(Protocol):
+    """What is read of a rollout (``node.rl.grpo.Rollout``)."""
+
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    """Completion rows per head chunk so that one chunk's fp32 logits take ``CHUNK_BYTES``
+    (about 110 rows at Qwen's vocabulary, 340 at SmolLM2's)."""
+    return max(16, CHUNK_BYTES // (4 * max(1, vocab)))
+
+
+def _padded_batch(
+    rollouts: Sequence[HasTokens], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = [list(r.prompt_tokens) + list(r.completion_tokens) for r in rollouts]
+    total = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), total), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), total), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+    return ids.to(device), attn.to(device)
+
+
+def _head_stats(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log p(target)`` and the entropy of ``softmax(head(hidden) / temperature)`` per row."""
+    logits = head(hidden).float()
+    if softcap:  # Gemma-2 style final logit soft-capping, as the model's own forward applies it
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    tok_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    probs = torch.softmax(logits, dim=-1)
+    entropy = lse - (probs * logits).sum(-1)
+    return tok_lp, entropy
+
+
+def _softcap(model: Any) -> float | None:
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    rollouts: Sequence[HasTokens],
+    temperature: float,
+    pad_token_id: int,
+    device: torch.device,
+    *,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-completion-token log p and entropy under ``softmax(logits / temperature)``.
+
+    Returns (logprobs, entropy, mask), each (batch, longest completion), right-padded.
+    ``chunk_tokens``: completion rows per head chunk (None: :func:`default_chunk_tokens`;
+    0: the full-logits path). Gradients flow when autograd is on."""
+    ids, attn = _padded_batch(rollouts, pad_token_id, device)
+    lengths = [(len(r.prompt_tokens), len(r.completion_tokens)) for r in rollouts]
+    max_c = max(c for _, c in lengths)
+    rows = torch.tensor([i for i, (_, c) in enumerate(lengths) for _ in range(c)], dtype=torch.long, device=device)
+    cols = torch.tensor([k for _, c in lengths for k in range(c)], dtype=torch.long, device=device)
+    # the position whose hidden state predicts completion token k is prompt_len - 1 + k
+    src = torch.tensor([p - 1 + k for p, c in lengths for k in range(c)], dtype=torch.long, device=device)
+    targets = ids[rows, src + 1]
+    lp = torch.zeros((len(rollouts), max_c), device=device)
+    ent = torch.zeros((len(rollouts), max_c), device=device)
+    mask = torch.zeros((len(rollouts), max_c), device=device)
+    if rows.numel() == 0:
+        return lp, ent, mask
+    mask[rows, cols] = 1.0
+    if chunk_tokens == 0:
+        logits = model(input_ids=ids, attention_mask=attn).logits.float() / temperature
+        picked = logits[rows, src]
+        log_probs = F.log_softmax(picked, dim=-1)
+        tok_lp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        tok_ent = -(log_probs.exp() * log_probs).sum(-1)
+    else:
+        decoder: Any = model.get_decoder()  # type: ignore[operator]
+        head: Any = model.get_output_embeddings()  # type: ignore[operator]
+        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[rows, src]
+        step = chunk_tokens or default_chunk_tokens(int(head.weight.shape[0]))
+        softcap = _softcap(model)
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for s in range(0, hidden.shape[0], step):
+            h, t = hidden[s : s + step], targets[s : s + step]
+            if torch.is_grad_enabled() and h.requires_grad:
+                out = checkpoint(_head_stats, h, t, head, temperature, softcap, use_reentrant=False)
+            else:
+                out = _head_stats(h, t, head, temperature, softcap)
+            parts.append(out)
+        tok_lp = torch.cat([p[0] for p in parts])
+        tok_ent = torch.cat([p[1] for p in parts])
+    lp = lp.index_put((rows, cols), tok_lp)
+    ent = ent.index_put((rows, cols), tok_ent)
+    return lp, ent, mask
+
+
+def logits_bytes(rollouts: Sequence[HasTokens], vocab: int) -> int:
+    """fp32 bytes of the full ``[batch, length, vocab]`` logits the unchunked path holds."""
+    longest = max((len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts), default=0)
+    return 4 * len(rollouts) * longest * vocab
+
+
+def micro_batches(lengths: Sequence[int], token_budget: int, max_rows: int = 0) -> list[tuple[int, int]]:
+    """Cut consecutive sequences into ``[start, end)`` spans whose padded size (rows x the
+    longest row) stays within ``token_budget`` (a single longer sequence gets a span alone);
+    ``max_rows`` > 0 also caps the rows per span."""
+    spans: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        wider = max(longest, n)
+        rows = i - start + 1
+        if i > start and (wider * rows > token_budget or (max_rows and rows > max_rows)):
+            spans.append((start, i))
+            start, wider = i, n
+        longest = wider
+    if lengths:
+        spans.append((start, len(lengths)))
+    return spans
+
+
+__all__ = [
+    "CHUNK_BYTES",
+    "default_chunk_tokens",
+    "logits_bytes",
+    "micro_batches",
+    "token_logprobs_and_entropy",
+]
