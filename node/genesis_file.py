@@ -7,6 +7,7 @@ Layout::
 
     [run]        # the typed RunGenesis fields (everything but config_toml)
     name = "devnet" ...
+    model_root = "<hex>"     # bytes fields as hex text ("" when not pinned)
 
     [config]     # hyper-parameters; canonical text = tomli_w.dumps(this table)
 
@@ -29,6 +30,15 @@ from node.util import atomic_write_text, now_ms
 from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
 
 _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
+_HEX_FIELDS = ("model_root", "dataset_hash")  # bytes in the genesis, hex text in the file (TOML has no bytes)
+
+
+def _file_value(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
 
 
 def make_genesis(owner: NodeKey, config: dict[str, Any], **fields: Any) -> SignedGenesis:
@@ -54,7 +64,7 @@ def write_genesis(signed: SignedGenesis, path: Path) -> None:
     doc: dict[str, Any] = {
         "run_id": g.run_id.hex(),
         "signature": signed.signature.hex(),
-        "run": {name: (list(v) if isinstance(v := getattr(g, name), tuple) else v) for name in _RUN_FIELDS},
+        "run": {name: _file_value(getattr(g, name)) for name in _RUN_FIELDS},
         "config": genesis_config(g),
     }
     atomic_write_text(path, tomli_w.dumps(doc))
@@ -77,6 +87,11 @@ def read_genesis(path: Path) -> SignedGenesis:
             raise ConfigError(f"{path}: [run] and [config] must be tables")
         run = dict(doc["run"])
         run["validators"] = tuple(run.get("validators", ()))
+        for name in _HEX_FIELDS:
+            if name in run:
+                if not isinstance(run[name], str):
+                    raise ConfigError(f"{path}: [run] {name} must be hex text")
+                run[name] = bytes.fromhex(run[name])
         genesis = RunGenesis(config_toml=tomli_w.dumps(doc.get("config", {})), **run)
         signed = SignedGenesis(genesis=genesis, signature=bytes.fromhex(doc["signature"]))
         signed = SignedGenesis.decode(signed.encode())  # every field rule

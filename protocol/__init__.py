@@ -32,7 +32,7 @@ from .envelope import (
     seal,
 )
 from .errors import ProtocolError
-from .genesis import sign_genesis, verify_genesis
+from .genesis import check_initial_manifest, model_content_root, sign_genesis, verify_genesis
 from .identity import NodeKey, peer_id_from_public_bytes, public_bytes_from_peer_id, verify_signature
 from .messages import *  # noqa: F403  (every message class is public API)
 from .messages import ENVELOPE_TYPES, GOSSIP_TYPES, PRE_RUN_TYPES, sha256
@@ -61,9 +61,11 @@ __all__ = [
     "all_topics",
     "assign_prompts",
     "assignment_seed",
+    "check_initial_manifest",
     "chunk_rows",
     "expected_chunks",
     "is_stale",
+    "model_content_root",
     "open_envelope",
     "peer_id_from_public_bytes",
     "proof_size",

@@ -68,8 +68,16 @@ class RunGenesis(Message):
     group_size: int = spec(lo=1, hi=1024)
     chunk_size: int = spec(lo=64 * KIB, hi=64 * MIB)
     config_toml: str = spec(max_len=128 * KIB)
+    # Content pins (protocol/genesis.py): empty, or the sha256 roots every node checks
+    # version 0's files and its local dataset against (after config_toml: constructors in
+    # code may leave them out; the wire always carries them).
+    model_root: bytes = spec(max_len=HASH_LEN, default=b"")
+    dataset_hash: bytes = spec(max_len=HASH_LEN, default=b"")
 
     def validate(self) -> None:
+        for name in ("model_root", "dataset_hash"):
+            if len(getattr(self, name)) not in (0, HASH_LEN):
+                raise ProtocolError(f"field:RunGenesis.{name}", f"must be empty or {HASH_LEN} bytes")
         if self.quorum > len(self.validators):
             raise ProtocolError("field:RunGenesis.quorum", "quorum exceeds the number of validators")
         if len(set(self.validators)) != len(self.validators):

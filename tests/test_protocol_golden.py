@@ -73,10 +73,16 @@ GENESIS = m.RunGenesis(
     chunk_size=4 * 1024 * 1024,
     config_toml="lr = 0.0001\n",
 )
-RUN_ID = bytes.fromhex("9bac524d45707b78f9600e298037e7db51dee366eaa0469e77efd4dde02550a7")
+# The genesis gained two fields (model_root, dataset_hash: the content pins), which changed its
+# bytes, run id and signature: a deliberate wire break (see docs/protocol.md, section 5).
+GENESIS_RUN_ID = bytes.fromhex("89d3e250c9f6258e86beb027c4458d1b3a8b7e1a4a4ba6cda0b82229988ef108")
 GENESIS_SIGNATURE = bytes.fromhex(
-    "bb4d7551695b6041b8bf269beeac7ef2aca04bea899397ce4c59acdebc427c82e37104433c99088b943cd01b9b64e44d8da0d1663f0a6ea4067305ad2f71c50c"
+    "1b6ab70b5bea6ef5e77c8a888837645dd29d38ff56fa3ab6ac9d3c471a42e1f02fcbae0e397a97e2d055882fc7b08cca7268e50ac99d11c3d76d366f1d77820e"
 )
+# The literals below (envelope, seeds, assignments, frames) need some fixed run id, not this
+# genesis's: they keep the one the genesis hashed to before the content pins, so they still
+# pin exactly the bytes they pinned before.
+RUN_ID = bytes.fromhex("9bac524d45707b78f9600e298037e7db51dee366eaa0469e77efd4dde02550a7")
 
 ANNOUNCE = m.RolloutAnnounce(
     batch_id=bytes(range(32)), policy_version=3, batch_counter=7, num_samples=32, size_bytes=123456
@@ -183,15 +189,29 @@ def test_fixed_manifest_root():
 
 
 def test_fixed_genesis_gives_fixed_run_id():
-    assert len(GENESIS.encode()) == 225
-    assert GENESIS.run_id == RUN_ID
-    assert sha256(GENESIS.encode()) == RUN_ID
+    # 16 fields (array16 header), the two unset pins as empty bin8 (c4 00) at the end
+    data = GENESIS.encode()
+    assert len(data) == 231 and data[:3] == bytes.fromhex("dc0010") and data[-4:] == bytes.fromhex("c400c400")
+    assert GENESIS.run_id == GENESIS_RUN_ID
+    assert sha256(GENESIS.encode()) == GENESIS_RUN_ID
 
 
 def test_fixed_genesis_signature():
     signed = sign_genesis(OWNER, GENESIS)
     assert signed.signature == GENESIS_SIGNATURE
-    assert verify_genesis(m.SignedGenesis(genesis=GENESIS, signature=GENESIS_SIGNATURE), RUN_ID) == GENESIS
+    assert verify_genesis(m.SignedGenesis(genesis=GENESIS, signature=GENESIS_SIGNATURE), GENESIS_RUN_ID) == GENESIS
+
+
+def test_fixed_model_content_root():
+    """The genesis's model pin: files sorted by path, so the order given does not matter."""
+    from protocol import model_content_root
+
+    weights = m.FileEntry(path="model.safetensors", size=10, chunk_hashes=(sha256(b"0123456789"),))
+    config = m.FileEntry(path="config.json", size=2, chunk_hashes=(sha256(b"{}"),))
+    root = "02fd9885a456d5a84513b00a1a630079c989b629dfa79b3b0a69ca09fef64584"
+    assert model_content_root(4096, (weights, config)).hex() == root
+    assert model_content_root(4096, (config, weights)).hex() == root
+    assert model_content_root(8192, (weights, config)).hex() != root
 
 
 # ------------------------------------------------------------------ envelope

@@ -96,6 +96,7 @@ class Checkpoints:
         self._wanted: set[int] = set()  # older versions a role needs (bounded by the window)
         self._finishing: set[int] = set()  # versions being assembled
         self._changed = trio.Event()
+        self._announced = trio.Event()  # set (and replaced) whenever a new version's manifest arrives
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -123,15 +124,25 @@ class Checkpoints:
         """Announce envelope bytes (verified here). Returns the version; raises ProtocolError."""
         st, new = self.store.add_announce(raw, guard=guard)
         if new:
-            self._maybe_fetch()
+            self._on_new_version()
         return st.version
 
     def on_announce_envelope(self, env: Envelope[Any]) -> int:
         """An announce the gossip layer already opened; raises ProtocolError if not from the trainer."""
         st, new = self.store.add_envelope(env)
         if new:
-            self._maybe_fetch()
+            self._on_new_version()
         return st.version
+
+    def _on_new_version(self) -> None:
+        self._announced.set()
+        self._announced = trio.Event()
+        self._maybe_fetch()
+
+    async def wait_announced(self, version: int) -> None:
+        """Wait until the trainer's manifest of ``version`` is known (announced, or restored from disk)."""
+        while version not in self.store.versions:
+            await self._announced.wait()
 
     def on_heartbeat(self, peer_id: str, hb: Heartbeat) -> None:
         if hb.data_port == 0:
@@ -166,7 +177,7 @@ class Checkpoints:
         if newest is None:
             return
         floor = window_floor(newest.version, self.max_async)
-        self._wanted = {v for v in self._wanted if v >= floor}
+        self._wanted = {v for v in self._wanted if v >= floor or v in self.store.keep}
         for v, scope in list(self._fetch_scopes.items()):
             if v < newest.version and v not in self._wanted:
                 scope.cancel()
@@ -187,11 +198,12 @@ class Checkpoints:
 
     def want_version(self, version: int) -> bool:
         """Fetch ``version`` even when a newer one exists, as long as it is inside the
-        ``max_async`` window of the newest. A validator calls this for the version a
-        batch claims, so it never waits for a checkpoint nobody is fetching. Returns
-        False if the version is outside the window (the caller should not wait for it)."""
+        ``max_async`` window of the newest (or kept: ``ChunkStore.keep``). A validator calls
+        this for the version a batch claims, so it never waits for a checkpoint nobody is
+        fetching. Returns False if the version is outside the window (the caller should not
+        wait for it)."""
         newest = self.store.newest()
-        if newest is not None and is_stale(version, newest.version, self.max_async):
+        if newest is not None and is_stale(version, newest.version, self.max_async) and version not in self.store.keep:
             return False
         if version in self.store.versions:  # a version not announced yet is fetched as the newest once it is
             self._wanted.add(version)

@@ -115,6 +115,9 @@ class ChunkStore:
         self.objects = self.root / "objects"
         self.tmp = self.root / "tmp"
         self.versions_dir = self.root / "versions"
+        # versions GC never drops: version 0 of a run whose genesis pins the model, which
+        # late joiners fetch whatever the newest version is (roles/common.py)
+        self.keep: set[int] = set()
         for d in (self.objects, self.tmp, self.versions_dir):
             d.mkdir(parents=True, exist_ok=True)
         for p in self.tmp.iterdir():  # leftovers of a crash: never trusted
@@ -392,7 +395,7 @@ class ChunkStore:
             return []
         removed = []
         for v, st in sorted(self.versions.items()):
-            if is_stale(v, newest.version, max_async) and st.pins == 0:
+            if is_stale(v, newest.version, max_async) and st.pins == 0 and v not in self.keep:
                 del self.versions[v]  # from now on nobody can pin it
                 removed.append((v, st))
         for _v, st in removed:

@@ -167,11 +167,24 @@ def run_init(
     max_async: Annotated[
         int, typer.Option("--max-async", help="Versions a batch's policy may lag (INTELLECT-2: 2).")
     ] = 2,
-    model: Annotated[str, typer.Option("--model", help="Model spec (e.g. tiny, smollm2, or a path).")] = "tiny",
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            help="tiny, smollm2, a Hugging Face model FOLDER or hf:owner/name@revision (local hub cache); "
+            "a HF model is pinned by content (config, tokenizer and weights of version 0).",
+        ),
+    ] = "tiny",
     dataset: Annotated[
-        str, typer.Option("--dataset", help="Dataset spec (builtin:<task> or a file).")
+        str,
+        typer.Option(
+            "--dataset", help="Dataset spec (builtin:<task>, a .jsonl/.parquet file or folder, or hf:owner/name@rev)."
+        ),
     ] = "builtin:target-length",
-    dataset_size: Annotated[int, typer.Option("--dataset-size", help="Number of prompts in the dataset.")] = 1024,
+    dataset_size: Annotated[
+        int | None,
+        typer.Option("--dataset-size", help="Number of prompts (default: the whole dataset; 1024 for a builtin)."),
+    ] = None,
     prompts_per_batch: Annotated[int, typer.Option("--prompts-per-batch", help="Prompts per worker batch.")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (GRPO group).")] = 8,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Checkpoint chunk size in bytes.")] = 4 << 20,
@@ -196,13 +209,13 @@ def run_init(
     owner = NodeHome(home).load_key()
     if quorum is None:
         quorum = len(validator) // 2 + 1  # a majority: with two or more, no validator admits alone
+    seed = cfg.get("seed", 0)
+    pins = _content_pins(model, dataset, dataset_size, chunk_size, seed if isinstance(seed, int) else 0)
     signed = make_genesis(
         owner,
         cfg,
         name=name,
-        model=model,
-        dataset=dataset,
-        dataset_size=dataset_size,
+        **pins,
         trainer=trainer,
         validators=validator,
         quorum=quorum,
@@ -212,9 +225,37 @@ def run_init(
         chunk_size=chunk_size,
     )
     write_genesis(signed, out)
+    g = signed.genesis
     typer.echo(f"wrote {out}")
-    typer.echo(f"run id {signed.genesis.run_id.hex()}")
-    typer.echo(f"quorum {signed.genesis.quorum} of {len(signed.genesis.validators)} validators")
+    typer.echo(f"run id {g.run_id.hex()}")
+    typer.echo(f"quorum {g.quorum} of {len(g.validators)} validators")
+    typer.echo(f"dataset {g.dataset}: {g.dataset_size} problems, dataset_hash {g.dataset_hash.hex()}")
+    if g.model_root:
+        typer.echo(f"model {g.model}: model_root {g.model_root.hex()}")
+
+
+def _content_pins(model: str, dataset: str, size: int | None, chunk_size: int, seed: int) -> dict[str, object]:
+    """Genesis fields that pin the run's data by content: the dataset's hash (every run) and,
+    for a Hugging Face model, the content root of its files (version 0). Reads every byte."""
+    from node.models import BUILTIN_MODELS, model_files, model_root_of, model_source_folder
+    from node.rl.tasks import dataset_hash, load_dataset
+    from node.roles.context import load_problems
+
+    builtin = dataset.startswith("builtin:")
+    try:
+        if size is None:
+            size = 1024 if builtin else len(load_dataset(dataset))
+        problems = load_problems(dataset, size, seed)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"dataset {dataset}: {exc}") from None
+    fields: dict[str, object] = {"dataset": dataset, "dataset_size": size, "dataset_hash": dataset_hash(problems)}
+    if model in BUILTIN_MODELS:
+        fields["model"] = model
+    else:
+        folder = model_source_folder(model)
+        fields["model"] = model if model.startswith("hf:") else str(folder.resolve())
+        fields["model_root"] = model_root_of(model_files(folder), chunk_size)
+    return fields
 
 
 @run_app.command("show")
@@ -229,13 +270,22 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"validators {', '.join(g.validators)} (quorum {g.quorum})")
     typer.echo(f"model      {g.model}   dataset {g.dataset} ({g.dataset_size} prompts)")
     typer.echo(f"max_async  {g.max_async}   batch {g.prompts_per_batch} prompts x {g.group_size}")
+    typer.echo(f"dataset_hash {g.dataset_hash.hex() or '(not pinned)'}")
+    typer.echo(f"model_root   {g.model_root.hex() or '(built-in model, not pinned)'}")
 
 
 @dataset_app.command("filter")
 def dataset_filter(
-    input_path: Annotated[Path, typer.Argument(help="Dataset file: .jsonl, .json or .parquet (see docs/rl.md).")],
+    input_path: Annotated[
+        str,
+        typer.Argument(help="Dataset: a .jsonl/.json/.parquet file or folder, or hf:owner/name@rev (docs/rl.md)."),
+    ],
     model: Annotated[
-        str, typer.Option("--model", help="Model sampling the completions: tiny, smollm2 or a local HF folder.")
+        str,
+        typer.Option(
+            "--model",
+            help="Model sampling the completions: tiny, smollm2, a local HF folder or hf:owner/name@rev (local cache).",
+        ),
     ],
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Filtered dataset (.jsonl or .parquet), with pass_rate.")
@@ -252,9 +302,26 @@ def dataset_filter(
     seed: Annotated[int, typer.Option("--seed", help="Sampling seed (same seed, same pass rates).")] = 0,
     limit: Annotated[int | None, typer.Option("--limit", help="Only the first N problems.")] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device (cpu, cuda).")] = "cpu",
+    split: Annotated[str, typer.Option("--split", help="Split of an hf: dataset.")] = "train",
+    system_prompt: Annotated[
+        str | None,
+        typer.Option("--system-prompt", help="System prompt of math problems (the run's [config] system_prompt)."),
+    ] = None,
+    math_instruction: Annotated[
+        str | None,
+        typer.Option("--math-instruction", help="Instruction after a math problem ([config] math_instruction)."),
+    ] = None,
 ) -> None:
-    """Sample k completions per problem, record pass rates, keep problems inside [min-pass, max-pass]."""
+    """Sample k completions per problem, record pass rates, keep problems inside [min-pass, max-pass].
+
+    Prompts go through the model's chat template with the system prompt and the \\boxed{}
+    instruction the run will use; pass --system-prompt / --math-instruction when the genesis
+    sets its own."""
     from node.ops.dataset_cli import filter_dataset
+    from node.rl.tasks import PromptStyle
+
+    overrides = {"system_prompt": system_prompt, "math_instruction": math_instruction}
+    style = PromptStyle.from_config({k: v for k, v in overrides.items() if v is not None})
 
     try:
         summary = filter_dataset(
@@ -269,6 +336,8 @@ def dataset_filter(
             seed=seed,
             limit=limit,
             device=device,
+            split=split,
+            style=style,
             progress=lambda done, total: typer.echo(f"\r{done}/{total} problems", nl=False, err=True),
         )
     except (FileNotFoundError, ValueError) as exc:

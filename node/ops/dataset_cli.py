@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node.engines.base import group_seeds
-from node.errors import ModelError
 from node.rl.filters import INTELLECT2_PASS_WINDOW, in_pass_window, pass_rate
 from node.rl.rewards import compute_reward
-from node.rl.tasks import CharTokenizer, Problem, load_dataset, save_dataset
+from node.rl.tasks import CharTokenizer, Problem, PromptStyle, load_dataset, prompt_token_ids, save_dataset
 
 if TYPE_CHECKING:
     from node.engines.transformers_engine import TransformersEngine
@@ -40,11 +39,16 @@ def problem_seed(seed: int, problem_id: str) -> int:
 
 
 def load_model_for_sampling(
-    model: str, device: str = "cpu", cache_dir: str | Path | None = None
-) -> tuple[TransformersEngine, Callable[[str], list[int]], Callable[[list[int]], str]]:
-    """(engine, encode, decode) for ``tiny[:seed]``, ``smollm2`` or a local Hugging Face model folder."""
-    import torch
-
+    model: str,
+    device: str = "cpu",
+    cache_dir: str | Path | None = None,
+    style: PromptStyle | None = None,
+) -> tuple[TransformersEngine, Callable[[Problem], list[int]], Callable[[list[int]], str]]:
+    """(engine, prompt ids of a problem, decode) for ``tiny[:seed]``, ``smollm2``, a local Hugging
+    Face model folder or ``hf:owner/name@rev`` from the local hub cache. Prompts go through the
+    model's chat template with the run's system prompt and math instruction (``style``), exactly
+    as workers will put them (``node.rl.tasks.prompt_token_ids``), so the pass rates measured
+    here are the ones the run will see."""
     from node.engines.transformers_engine import TransformersEngine
 
     if model == "tiny" or model.startswith("tiny:"):
@@ -53,42 +57,33 @@ def load_model_for_sampling(
         tok = CharTokenizer()
         seed = int(model.split(":", 1)[1]) if ":" in model else 0
         m = tiny_llama(vocab_size=tok.vocab_size, seed=seed, eos_token_id=tok.EOS)
-        return TransformersEngine(m, device=device, eos_token_id=tok.EOS, pad_token_id=tok.PAD), tok.encode, tok.decode
+        engine = TransformersEngine(m, device=device, eos_token_id=tok.EOS, pad_token_id=tok.PAD)
+        return engine, lambda p: prompt_token_ids(tok, p, style), tok.decode
     if model == "smollm2":
         from node.models import load_smollm2
 
         m, hf_tok = load_smollm2(Path(cache_dir or Path.home() / ".cache" / "primenode"))
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from node.models import load_pinned_model, load_pinned_tokenizer, model_files, model_source_folder
 
-        path = Path(model)
-        if not path.is_dir():
-            raise ModelError(f"model {model!r}: use tiny, smollm2 or a local model folder")
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        torch.nn.Module.eval(m)
-        hf_tok = AutoTokenizer.from_pretrained(path)
-
-    def encode(text: str) -> list[int]:
-        if getattr(hf_tok, "chat_template", None):
-            ids = hf_tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        return list(hf_tok.encode(text))
+        folder = model_source_folder(model)
+        model_files(folder)  # the same checks as a run's model (config, tokenizer, safetensors)
+        m = load_pinned_model(folder)
+        hf_tok = load_pinned_tokenizer(folder)
 
     def decode(ids: list[int]) -> str:
         text: str = hf_tok.decode(ids, skip_special_tokens=True)
         return text
 
-    return TransformersEngine(m, device=device, eos_token_id=hf_tok.eos_token_id), encode, decode
+    pad = hf_tok.pad_token_id if hf_tok.pad_token_id is not None else hf_tok.eos_token_id
+    engine = TransformersEngine(m, device=device, eos_token_id=hf_tok.eos_token_id, pad_token_id=pad)
+    return engine, lambda p: prompt_token_ids(hf_tok, p, style), decode
 
 
 def pass_rates(
     problems: Sequence[Problem],
     engine: Any,
-    encode: Callable[[str], list[int]],
+    prompt_ids: Callable[[Problem], list[int]],
     decode: Callable[[list[int]], str],
     k: int,
     *,
@@ -107,7 +102,7 @@ def pass_rates(
     for start in range(0, len(problems), batch_prompts):
         chunk = list(problems[start : start + batch_prompts])
         out = engine.generate(
-            [encode(p.prompt) for p in chunk], k, params, group_seeds([problem_seed(seed, p.id) for p in chunk], k)
+            [prompt_ids(p) for p in chunk], k, params, group_seeds([problem_seed(seed, p.id) for p in chunk], k)
         )
         for prob, comps in zip(chunk, out):
             passes = [
@@ -136,20 +131,29 @@ def filter_dataset(
     encode: Callable[[str], list[int]] | None = None,
     decode: Callable[[list[int]], str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    style: PromptStyle | None = None,
+    split: str = "train",
 ) -> FilterSummary:
-    """The whole command: load, sample, score, keep ``lo <= pass_rate <= hi``, write ``output`` (JSONL or Parquet)."""
+    """The whole command: load (a file, a folder or ``hf:owner/name@rev`` from the local hub
+    cache), sample, score, keep ``lo <= pass_rate <= hi``, write ``output`` (JSONL or Parquet).
+    ``style``: the run's system prompt and math instruction (default: the built-in ones)."""
     if not 0.0 <= lo <= hi <= 1.0:
         raise ValueError(f"bad window [{lo}, {hi}]")
     if k < 1:
         raise ValueError("k must be >= 1")
-    problems = load_dataset(input_path, limit=limit)
+    problems = load_dataset(input_path, split=split, limit=limit)
+    prompt_ids: Callable[[Problem], list[int]]
     if engine is None:
-        engine, encode, decode = load_model_for_sampling(model, device=device)
-    assert encode is not None and decode is not None
+        engine, prompt_ids, decode = load_model_for_sampling(model, device=device, style=style)
+    else:
+        assert encode is not None, "a given engine comes with its encode (prompt text -> ids)"
+        text_encode = encode
+        prompt_ids = lambda p: text_encode(p.prompt)  # noqa: E731
+    assert decode is not None
     rates = pass_rates(
         problems,
         engine,
-        encode,
+        prompt_ids,
         decode,
         k,
         max_tokens=max_tokens,

@@ -36,6 +36,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from node.models import cached_hf_snapshot as _cached_snapshot
+from node.models import parse_hf_spec
 from node.util import atomic_write_bytes, atomic_write_text
 
 TASK_TYPES = ("math", "code", "length")
@@ -82,8 +84,14 @@ def problem_from_record(record: dict[str, Any], index: int = 0) -> Problem:
             rec["answer"] = info["ground_truth"]
         if rec.get("tests") is None and info.get("test_cases") is not None:
             rec["tests"] = info["test_cases"]
+    if rec.get("prompt") is None:  # GSM8K names the prompt "question", MATH "problem"
+        for key in ("question", "problem"):
+            if isinstance(rec.get(key), str):
+                rec["prompt"] = rec[key]
+                break
     if "prompt" not in rec or not isinstance(rec["prompt"], str):
-        raise ValueError(f"record {index} has no string 'prompt'")
+        raise ValueError(f"record {index} has no string 'prompt' (nor 'question' / 'problem')")
+    rec["answer"] = extract_reference_answer(rec.get("answer"), rec.get("solution"))
     tests = rec.get("tests")
     if isinstance(tests, dict) or (isinstance(tests, (list, tuple)) and tests and isinstance(tests[0], dict)):
         tests = json.dumps(tests)  # an io/calls spec (docs/rl.md, "Code test formats")
@@ -106,6 +114,45 @@ def problem_from_record(record: dict[str, Any], index: int = 0) -> Problem:
     )
 
 
+_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.S)
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
+
+
+def extract_reference_answer(answer: Any, solution: Any = None) -> Any:
+    """The reference answer of a math record, from the forms public math datasets use:
+
+    * GSM8K: ``answer`` is the worked solution ending in ``#### 72``: the text after the
+      last ``####``, thousands separators removed (``1,200`` -> ``1200``);
+    * MATH / NuminaMath: no ``answer``, a ``solution`` whose last ``\\boxed{...}`` is it;
+    * anything else (a plain ``answer``) is kept as it is.
+    """
+    if isinstance(answer, str) and "####" in answer:
+        tail = answer[answer.rindex("####") :]
+        m = _GSM8K_FINAL.match(tail)
+        if m:
+            return _THOUSANDS.sub("", m.group(1).strip())
+    if answer is None and isinstance(solution, str):
+        from node.rl.rewards import last_boxed
+
+        boxed = last_boxed(solution)
+        if boxed is not None and boxed.strip():
+            return boxed.strip()
+    return answer
+
+
+def dataset_hash(problems: Sequence[Problem]) -> bytes:
+    """sha256 of the problems as a node loaded them (each record as canonical JSON, in order):
+    what the genesis's ``dataset_hash`` pins. Hashing the loaded problems rather than file
+    bytes pins what matters (the same prompts and answers in the same order, so prompt
+    indices mean the same everywhere) whatever the file format, and catches a node whose
+    loader reads the same file differently."""
+    h = hashlib.sha256(b"primenode/dataset/v1\n")
+    for p in problems:
+        h.update(json.dumps(p.to_record(), sort_keys=True, ensure_ascii=True, separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.digest()
+
+
 def _read_records(path: Path) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
@@ -125,50 +172,10 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     raise ValueError(f"unsupported dataset file {path} (expected .jsonl, .json or .parquet)")
 
 
-def _hf_cache_dir() -> Path:
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    return home / "hub"
-
-
 def cached_hf_snapshot(name: str, revision: str = "main") -> Path:
-    """The snapshot folder of dataset ``name`` at ``revision`` in the local hub cache; never downloads.
-
-    Resolved as huggingface_hub does offline: ``refs/<revision>`` (a branch or tag: ``main``,
-    ``v1.0``, ``refs/pr/1``) names the commit whose ``snapshots/<commit>`` folder is used; a
-    revision that is itself a cached commit hash is used directly. The one fallback: a cache with
-    no ``refs`` folder at all (a hand-copied snapshot) and exactly one snapshot serves ``main``.
-    Several snapshots are never guessed between (the newest download is not necessarily ``main``).
-    """
-    if not revision or revision.startswith("/") or ".." in Path(revision).parts:
-        raise ValueError(f"bad revision {revision!r}")
-    repo = _hf_cache_dir() / ("datasets--" + name.replace("/", "--"))
-    snapshots = repo / "snapshots"
-    if not snapshots.is_dir():
-        raise FileNotFoundError(
-            f"dataset {name!r} is not in the local Hugging Face cache ({repo}); nothing is downloaded: "
-            f"fetch it first, e.g. `huggingface-cli download --repo-type dataset {name}`"
-        )
-    cached = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
-    refs = repo / "refs"
-    ref = refs / revision
-    if ref.is_file():
-        commit = ref.read_text().strip()
-        if not (snapshots / commit).is_dir():
-            raise FileNotFoundError(
-                f"refs/{revision} of dataset {name!r} names commit {commit}, which is not cached (cached: {cached})"
-            )
-        return snapshots / commit
-    if revision in cached:
-        return snapshots / revision
-    if revision == "main" and not refs.exists() and len(cached) == 1:
-        return snapshots / cached[0]
-    known = sorted(str(p.relative_to(refs)) for p in refs.rglob("*") if p.is_file()) if refs.is_dir() else []
-    raise FileNotFoundError(
-        f"revision {revision!r} of dataset {name!r} is not in the local Hugging Face cache "
-        f"(refs: {known or 'none'}; snapshots: {cached or 'none'}); name a cached ref or commit as hf:{name}@REVISION"
-    )
+    """The snapshot folder of dataset ``name`` at ``revision`` in the local hub cache; never
+    downloads (resolution rules: ``node.models.cached_hf_snapshot``, shared with models)."""
+    return _cached_snapshot(name, revision, kind="dataset")
 
 
 def _names_split(relpath: str, split: str) -> bool:
@@ -203,9 +210,7 @@ def cached_hf_files(name: str, split: str = "train", revision: str = "main") -> 
 
 def parse_hf_source(spec: str) -> tuple[str, str]:
     """``hf:owner/name`` or ``hf:owner/name@revision`` -> (name, revision); revision defaults to main."""
-    body = spec[3:] if spec.startswith("hf:") else spec
-    name, _, revision = body.partition("@")
-    return name, revision or "main"
+    return parse_hf_spec(spec)
 
 
 def load_dataset(source: str | os.PathLike[str], split: str = "train", limit: int | None = None) -> list[Problem]:
@@ -251,6 +256,55 @@ def save_dataset(problems: Iterable[Problem | dict[str, Any]], path: str | os.Pa
         text = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
         atomic_write_text(out, text, durable=False)
     return out
+
+
+# ---------------------------------------------------------------- prompts
+
+# How a math problem is put to a chat model, as INTELLECT-2's math prompts were: the problem,
+# then an instruction to reason step by step and put the final answer in \boxed{} (which is
+# what the math reward reads), under a short system prompt. The genesis [config] keys
+# ``system_prompt`` and ``math_instruction`` override them (an empty string: none).
+MATH_SYSTEM_PROMPT = "You are a careful mathematician. Reason step by step before answering."
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStyle:
+    """How problems become chat messages: ``system`` prompt (None or "" for none) and the
+    ``math_instruction`` appended to a math problem that does not already ask for \\boxed{}."""
+
+    system: str | None = MATH_SYSTEM_PROMPT
+    math_instruction: str = MATH_INSTRUCTION
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> PromptStyle:
+        return cls(
+            system=str(config.get("system_prompt", MATH_SYSTEM_PROMPT)),
+            math_instruction=str(config.get("math_instruction", MATH_INSTRUCTION)),
+        )
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        text = problem.prompt
+        if problem.task == "math" and self.math_instruction and "\\boxed" not in text:
+            text = f"{text}\n\n{self.math_instruction}"
+        msgs = [{"role": "user", "content": text}]
+        if self.system and problem.task == "math":
+            msgs.insert(0, {"role": "system", "content": self.system})
+        return msgs
+
+
+def prompt_token_ids(tokenizer: Any, problem: Problem, style: PromptStyle | None = None) -> list[int]:
+    """The token ids a problem is put to the model as: through the tokenizer's chat template
+    when it has one (system prompt, instruction, generation prompt), else the raw text (the
+    tiny models' character tokenizer). Workers, validators, the trainer and the offline
+    filter all call this, so they agree on every prompt token."""
+    style = style or PromptStyle()
+    if hasattr(tokenizer, "apply_chat_template") and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(style.messages(problem), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(problem.prompt)]
 
 
 # ---------------------------------------------------------------- built-in tasks

@@ -59,6 +59,8 @@ class LearningRole(RoleHook):
         self.ctx = ctx
         g = ctx.genesis
         self.store = ChunkStore(home.chunks_dir, g.run_id, g.trainer, direct_io=direct_io)
+        if ctx.pinned_model:
+            self.store.keep.add(0)  # the pinned model: every node that holds it seeds it to late joiners
         self.checkpoints: Checkpoints | None = None
         # The data plane listens where peers can reach it: loopback for a one-machine
         # network, every interface when the node advertises a routable address.
@@ -81,6 +83,34 @@ class LearningRole(RoleHook):
         self.checkpoints = Checkpoints(self.store, P2POverlay(node), **self._checkpoints_args)
         await nursery.start(serve_checkpoints, node, self.checkpoints)
         node.gossip.on("ban", self._on_ban)
+        if not self.ctx.model_ready:
+            await self.fetch_pinned_model()
+
+    async def fetch_pinned_model(self) -> None:
+        """A node without the genesis's pinned model fetches version 0 from the swarm (weights,
+        config, tokenizer), checks its manifest and then every byte against the genesis's
+        ``model_root``, and keeps the files as its model folder (``RunContext.adopt_model_files``).
+        (The trainer never gets here: version 0 starts with it, so it refuses to start without
+        the files, see ``TrainerRole``.)"""
+        from node.errors import ModelError
+        from protocol import check_initial_manifest
+
+        g = self.ctx.genesis
+        checkpoints = self.checkpoints
+        assert checkpoints is not None
+        log.info("waiting for version 0 (the run's model, content root %s) from the swarm", g.model_root.hex()[:16])
+        await checkpoints.wait_announced(0)  # the trainer re-announces it for late joiners
+        st = self.store.get(0)
+        assert st is not None
+        try:  # the manifest first: never download a model the genesis does not pin
+            check_initial_manifest(g, st.manifest)
+        except ProtocolError as exc:
+            raise ModelError(f"version 0 from the trainer is not the model the genesis pins: {exc.detail}") from None
+        checkpoints.want_version(0)  # also when newer versions exist (a late joiner)
+        await checkpoints.wait_assembled(0)
+        with checkpoints.open_version(0) as files:
+            await trio.to_thread.run_sync(self.ctx.adopt_model_files, files)
+        log.info("version 0 verified against the genesis: model folder %s", self.ctx.model_dir)
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return checkpoint_heartbeat_fields(self.checkpoints) if self.checkpoints is not None else {}

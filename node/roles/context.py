@@ -2,12 +2,17 @@
 
 Every node computes the same context from the same signed genesis, which is
 what lets validators recompute exactly what a worker owed and what its
-rewards are.
+rewards are. The genesis pins the dataset (``dataset_hash``: a node whose copy
+differs refuses to join) and, for a Hugging Face model, the model's files
+(``model_root``: version 0's weights, config and tokenizer, checked byte for byte
+whether they come from this machine or from the swarm).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,8 @@ from node.genesis_file import genesis_config
 from proofs import ProofConfig
 from protocol import RunGenesis, SamplingParams
 from protocol.rules import SlotRule
+
+log = logging.getLogger(__name__)
 
 # The devnet's tiny model (genesis [config] tiny_hidden_size / tiny_layers / tiny_heads override): big enough to learn the target-length task in minutes on 2 cores.
 TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
@@ -136,21 +143,110 @@ def slot_rule_for(config: dict[str, Any]) -> SlotRule:
 
 @dataclasses.dataclass
 class RunContext:
+    """The run as this node sees it. ``model_dir`` is the verified folder of a model the
+    genesis pins by content (``model_root``): found locally at start, or filled in by
+    :meth:`adopt_model_files` once version 0 arrived from the swarm. Until then the
+    tokenizer is unknown, and asking for it is an error (roles fetch version 0 first)."""
+
     genesis: RunGenesis
     config: dict[str, Any]
     problems: list[Any]
-    tokenizer: Any
+    _tokenizer: Any
     cache_dir: Path
+    model_dir: Path | None = None
+    model_note: str = ""  # why a pinned model was not taken from this machine
+    _rows: dict[Path, int] = dataclasses.field(default_factory=dict, repr=False)  # config.json vocab_size
 
     @classmethod
     def from_genesis(cls, genesis: RunGenesis, cache_dir: Path) -> RunContext:
         config = genesis_config(genesis)
         problems = load_problems(genesis.dataset, genesis.dataset_size, int(config.get("seed", 0)))
-        tokenizer = make_tokenizer(genesis.model, cache_dir)
+        check_dataset(genesis, problems)
         proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
         replay_config_for(config)
         slot_rule_for(config)
-        return cls(genesis, config, problems, tokenizer, Path(cache_dir))
+        ctx = cls(genesis, config, problems, None, Path(cache_dir))
+        if genesis.model_root:
+            ctx._use_local_model()
+        else:
+            ctx._tokenizer = make_tokenizer(genesis.model, cache_dir)
+        return ctx
+
+    # ------------------------------------------------------------ model by content
+    @property
+    def pinned_model(self) -> bool:
+        """True when the genesis pins the model's files by content (``model_root``)."""
+        return bool(self.genesis.model_root)
+
+    @property
+    def model_ready(self) -> bool:
+        """True once this node holds the model's tokenizer (and, if pinned, its verified files)."""
+        return self._tokenizer is not None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._require_model_dir()
+        return self._tokenizer
+
+    def _require_model_dir(self) -> Path:
+        if self.model_dir is None:
+            raise ModelError(
+                f"the run's model (content root {self.genesis.model_root.hex()[:16]}) is not on this node yet: "
+                "it arrives as version 0 from the swarm"
+            )
+        return self.model_dir
+
+    @property
+    def pinned_model_dir(self) -> Path:
+        """Where this node keeps the verified files of the pinned model (one folder per content root)."""
+        return self.cache_dir / "models" / self.genesis.model_root.hex()
+
+    def _use_local_model(self) -> None:
+        """Take the pinned model from this machine when it is here: a folder verified before, files
+        an operator put into :attr:`pinned_model_dir` (a trainer whose folder lives elsewhere than
+        the genesis says), or the genesis's model spec (a folder, or ``hf:owner/name@rev`` in the
+        local hub cache), whichever hashes to the genesis's root. Otherwise leave it to version 0
+        from the swarm, noting why in :attr:`model_note`."""
+        from node.models import model_files, model_source_folder, stage_model, verified_model_dir
+
+        g = self.genesis
+        dest = self.pinned_model_dir
+        if verified_model_dir(dest, g.model_root):
+            self._set_model_dir(dest)
+            return
+        sources = [(f"{dest} (unverified)", dest)] if dest.is_dir() else []
+        notes = []
+        try:
+            sources.append((g.model, model_source_folder(g.model)))
+        except ModelError as exc:
+            notes.append(str(exc))
+        for what, folder in sources:
+            try:
+                stage_model(model_files(folder), dest, g.chunk_size, g.model_root)
+            except ModelError as exc:  # other bytes under the right name: never used
+                notes.append(f"{what}: {exc}")
+                continue
+            self._set_model_dir(dest)
+            return
+        self.model_note = "; ".join(notes)
+        log.info("the pinned model is not on this machine (%s): will fetch version 0", self.model_note)
+
+    def adopt_model_files(self, files: dict[str, Path]) -> None:
+        """Version 0's files, assembled from the swarm: stage them as this node's model folder,
+        hashing every byte against the genesis's ``model_root`` (ModelError names both roots
+        if they differ), then load the tokenizer. Blocking: run it in a thread."""
+        from node.models import stage_model
+
+        g = self.genesis
+        stage_model(files, self.pinned_model_dir, g.chunk_size, g.model_root)
+        self._set_model_dir(self.pinned_model_dir)
+
+    def _set_model_dir(self, folder: Path) -> None:
+        from node.models import load_pinned_tokenizer
+
+        self._tokenizer = load_pinned_tokenizer(folder)
+        self.model_dir = folder
 
     # ------------------------------------------------------------ knobs
     @property
@@ -183,15 +279,29 @@ class RunContext:
 
     @property
     def vocab_size(self) -> int:
-        """Token ids the tokenizer knows, added special tokens included (``len(tokenizer)``:
-        an HF ``vocab_size`` leaves out added tokens, such as Qwen's and Llama 3's EOS).
-        A validator bounds ids by its model's output rows, which are at least this."""
+        """Token ids the model can emit: its output rows (``config.json`` ``vocab_size``) when
+        the model is a folder, and never fewer than the tokenizer knows, added special tokens
+        included (``len(tokenizer)``: an HF tokenizer's ``vocab_size`` leaves out added tokens,
+        such as Qwen's and Llama 3's EOS). Qwen pads its rows past the tokenizer (151,936 rows
+        for 151,665 ids) and a policy may sample a padding row, so a validator whose engine is
+        not built yet must bound ids exactly as its engine will (``engine.vocab_size``, the
+        rows), or the same honest batch is refused or accepted by when it arrives."""
         tok = self.tokenizer
         try:
             n = len(tok)
         except TypeError:
             n = 0
-        return max(n, int(getattr(tok, "vocab_size", 0) or 0))
+        return max(n, int(getattr(tok, "vocab_size", 0) or 0), self._model_rows())
+
+    def _model_rows(self) -> int:
+        folder = self.model_dir or Path(self.genesis.model)
+        if folder not in self._rows:  # read once per folder: validators ask for every batch
+            try:
+                value = json.loads((folder / "config.json").read_text()).get("vocab_size")
+            except (OSError, ValueError, AttributeError):
+                value = 0
+            self._rows[folder] = value if isinstance(value, int) and not isinstance(value, bool) else 0
+        return self._rows[folder]
 
     def check_engine(self, engine: Any) -> None:
         """Refuse to work or validate on another stack than the genesis declares: tight
@@ -233,16 +343,11 @@ class RunContext:
 
     # ------------------------------------------------------------ prompts
     def prompt_tokens(self, index: int) -> list[int]:
-        text = self.problems[index].prompt
-        tok = self.tokenizer
-        if hasattr(tok, "apply_chat_template") and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        return list(tok.encode(text))
+        """The prompt of problem ``index`` as token ids: through the model's chat template
+        with the run's system prompt and math instruction (``node.rl.tasks.prompt_token_ids``)."""
+        from node.rl.tasks import PromptStyle, prompt_token_ids
+
+        return prompt_token_ids(self.tokenizer, self.problems[index], PromptStyle.from_config(self.config))
 
     def decode(self, tokens: list[int]) -> str:
         try:
@@ -283,6 +388,10 @@ class RunContext:
 
             model, _ = load_smollm2(self.cache_dir)
             return model
+        if self.pinned_model:
+            from node.models import load_pinned_model
+
+            return load_pinned_model(self._require_model_dir())
         path = Path(self.genesis.model)
         if path.is_dir():
             import torch
@@ -308,6 +417,21 @@ def make_tokenizer(model: str, cache_dir: Path):
 
         return AutoTokenizer.from_pretrained(path)
     raise ModelError(f"unknown model {model!r}: use tiny, smollm2 or a local model folder")
+
+
+def check_dataset(genesis: RunGenesis, problems: list[Any]) -> None:
+    """Refuse to join a run whose pinned dataset differs from the one this node loaded."""
+    if not genesis.dataset_hash:
+        return
+    from node.rl.tasks import dataset_hash
+
+    have = dataset_hash(problems)
+    if have != genesis.dataset_hash:
+        raise ConfigError(
+            f"dataset {genesis.dataset} on this node hashes to {have.hex()}, "
+            f"the genesis pins dataset_hash {genesis.dataset_hash.hex()}: "
+            "this node's copy of the dataset differs from the run's"
+        )
 
 
 def load_problems(spec: str, size: int, seed: int) -> list[Any]:

@@ -61,6 +61,8 @@ def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
 def model_folder(ctx: RunContext) -> Path:
     """A HF folder holding version 0 of the run's policy (written once for the tiny model)."""
     g = ctx.genesis
+    if ctx.model_dir is not None:  # a model pinned by content: the verified folder
+        return ctx.model_dir
     if g.model == "smollm2":
         from node.models import SMOLLM2_DIRNAME, load_smollm2
 

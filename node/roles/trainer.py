@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from node.errors import ModelError
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake, LearningRole, export_weights
@@ -44,6 +45,12 @@ class TrainerRole(LearningRole):
     def __init__(self, *args: Any, device: str = "cpu", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         g = self.ctx.genesis
+        if not self.ctx.model_ready:  # version 0 starts here: a pinned model must be on this machine
+            raise ModelError(
+                f"the trainer needs the run's model on its machine: {g.model!r} with content root "
+                f"{g.model_root.hex()} is not here (a folder or hf:owner/name@rev in the local hub cache): "
+                f"{self.ctx.model_note}"
+            )
         self.device = device
         self.steps = int(self.ctx.config.get("steps", 0)) or None  # None: train forever
         self.batches_per_step = int(self.ctx.config.get("batches_per_step", 1))
@@ -114,18 +121,23 @@ class TrainerRole(LearningRole):
             await self.node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
             return
         out = self.export_root / f"v{self.version}"
-        await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
+        if self.version == 0 and self.ctx.model_dir is not None:
+            out = self.ctx.model_dir  # a pinned model: version 0 is the genesis's files, byte for byte
+        else:
+            await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
         assert self.checkpoints is not None
         await publish_checkpoint(self.node, self.checkpoints, self.version, out)
         log.info("published policy version %d", self.version)
 
     async def _reannounce_loop(self) -> None:
-        """Late joiners learn the newest version without waiting for the next step."""
+        """Late joiners learn the newest version without waiting for the next step (and, when the
+        genesis pins the model, version 0: their model's config and tokenizer)."""
         while True:
             await trio.sleep(5.0)
-            st = self.store.get(self.version)
-            if st is not None and st.complete:
-                await self.node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
+            for version in sorted({self.version} | self.store.keep):
+                st = self.store.get(version)
+                if st is not None and st.complete:
+                    await self.node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
 
     async def _retention_loop(self) -> None:
         """The ledger's retention rules (stale pending rows, capped metadata, orphan votes)."""

@@ -95,6 +95,9 @@ def _manifests(draw) -> m.CheckpointManifest:
     return m.CheckpointManifest(run_id, version, chunk_size, files, draw(st.integers(0, 2**63 - 1)), root)
 
 
+_pin = st.just(b"") | st.binary(min_size=32, max_size=32)  # a genesis content pin: empty or a sha256
+
+
 @st.composite
 def _geneses(draw) -> m.RunGenesis:
     validators = draw(st.lists(peer_ids, min_size=1, max_size=5, unique=True))
@@ -107,6 +110,8 @@ def _geneses(draw) -> m.RunGenesis:
             quorum=st.integers(1, len(validators)),
             group_size=st.just(group),
             prompts_per_batch=per_batch,
+            model_root=_pin,
+            dataset_hash=_pin,
         )
     )
     return base
