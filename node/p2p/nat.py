@@ -40,6 +40,7 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
 from libp2p.host.autonat import AutoNATService
 from libp2p.host.autonat.pb.autonat_pb2 import Message as AutoNATMessage
 from libp2p.peer.id import ID
@@ -60,6 +61,9 @@ UNKNOWN = "unknown"
 PUBLIC = "public"
 PRIVATE = "private"
 
+# AutoNAT server: at most this many addresses per request, one request per peer this often.
+DIAL_BACK_MAX_ADDRS = 4
+DIAL_BACK_EVERY_S = 5.0
 # A peer that refused a reservation (not a relay, full) is asked again after this long.
 RELAY_RETRY_S = 30.0
 
@@ -89,11 +93,19 @@ class NatConfig:
 
 
 def conn_is_relayed(conn: Any) -> bool:
-    """A swarm connection that runs over a relay circuit."""
+    """A swarm connection that runs over a relay circuit.
+
+    The connection type, or the transport addresses recorded at upgrade; not
+    ``get_transport_addresses()``, which falls back to the peerstore's addresses of the
+    peer when none were recorded (and those list circuit addresses for any NAT'd peer).
+    """
     try:
-        return any(is_circuit(str(a)) for a in conn.get_transport_addresses() or [])
+        if conn.get_connection_type() == ConnectionType.RELAYED:
+            return True
     except Exception:
-        return False
+        pass
+    addrs = getattr(conn, "_actual_transport_addresses", None) or []
+    return any(is_circuit(str(a)) for a in addrs)
 
 
 class DialBackAutoNAT(AutoNATService):
@@ -110,11 +122,22 @@ class DialBackAutoNAT(AutoNATService):
         super().__init__(host, serve=True, confirmations=1)  # type: ignore[arg-type]  # BasicHost at run time
         self.timeout = timeout
         self.served = 0
+        self.refused = 0
+        self._last: dict[ID, float] = {}
 
     async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
+        # The library already dials only addresses on the requester's own IP; a requester
+        # could still list many ports of it (a port scan from us) or ask in a loop.
+        now = time.monotonic()
+        if now - self._last.get(peer_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
+            self.refused += 1
+            return None
+        if len(self._last) > 4096:
+            self._last = {p: t for p, t in self._last.items() if now - t < DIAL_BACK_EVERY_S}
+        self._last[peer_id] = now
         self.served += 1
         network = self.host.get_network()
-        for raw_addr in addrs:
+        for raw_addr in addrs[:DIAL_BACK_MAX_ADDRS]:
             try:
                 ma = multiaddr.Multiaddr(raw_addr)
                 transport = network.transport_manager.transport_for_dialing(ma)  # type: ignore[attr-defined]
@@ -296,8 +319,12 @@ class NatService:
                 continue
             text = a if a.endswith(f"/p2p/{peer_id}") else f"{a}/p2p/{peer_id}"
             try:
-                await self.transport.dial(multiaddr.Multiaddr(text))
+                ma = multiaddr.Multiaddr(text)
+                conn = await self.transport.dial(ma)
                 self.relay_dials["ok"] += 1
+                if not conn_is_relayed(conn):  # the outbound upgrade path leaves it untagged
+                    with contextlib.suppress(Exception):
+                        conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
                 return
             except Exception as exc:
                 errors.append(f"{a}: {type(exc).__name__}: {exc}")
