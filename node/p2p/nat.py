@@ -240,7 +240,6 @@ class NatService:
         self.autonat = DialBackAutoNAT(host, timeout=config.dial_back_timeout_s)
         self.dcutr = DCUtRProtocol(host) if config.hole_punch else None
         self.relay_dials = {"ok": 0, "failed": 0}
-        self.changed = trio.Event()  # set (and replaced) whenever reachability or relays change
         self._nursery: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ queries
@@ -348,10 +347,6 @@ class NatService:
                 await self.dial_via_relay(peer_id, circuits)
 
     # ------------------------------------------------------------------ loop
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
     def _direct_peers(self) -> list[str]:
         """Connected peers over a direct (not relayed) connection, bootstrap first."""
         out = []
@@ -363,7 +358,7 @@ class NatService:
         out.sort(key=lambda p: p not in boot)
         return out
 
-    async def _ask(self, server: str, addrs: list[bytes]) -> None:
+    async def _ask(self, server: str, addrs: list[bytes], verdicts: dict[str, str]) -> None:
         try:
             status, _ = await self.autonat.query_server(
                 ID.from_base58(server), addrs, timeout=self.config.dial_back_timeout_s * 3
@@ -372,11 +367,11 @@ class NatService:
             log.debug("AutoNAT query to %s failed: %s", server, exc)
             return
         if status == int(AutoNATMessage.OK):
-            self.verdicts[server] = "ok"
+            verdicts[server] = "ok"
         elif status == int(AutoNATMessage.E_DIAL_REFUSED):
-            self.verdicts[server] = "refused"
+            verdicts[server] = "refused"
         else:
-            self.verdicts[server] = "failed"
+            verdicts[server] = "failed"
 
     async def check(self) -> str:
         """Ask up to four directly connected peers to dial us back; update ``reachability``.
@@ -392,19 +387,20 @@ class NatService:
             with contextlib.suppress(Exception):
                 addrs.append(multiaddr.Multiaddr(a).to_bytes())
         servers = self._direct_peers()[:4]
-        self.verdicts = {}
+        verdicts: dict[str, str] = {}
         async with trio.open_nursery() as nursery:
             for s in servers:
-                nursery.start_soon(self._ask, s, addrs)
+                nursery.start_soon(self._ask, s, addrs, verdicts)
+        if verdicts:
+            self.verdicts = verdicts
         self.checked_at = time.monotonic()
         before = self.reachability
-        if any(v == "ok" for v in self.verdicts.values()):
+        if any(v == "ok" for v in verdicts.values()):
             self.reachability = PUBLIC
-        elif self.verdicts:
+        elif verdicts:
             self.reachability = PRIVATE
         if self.reachability != before:
-            log.info("reachability: %s -> %s (%s)", before, self.reachability, self.verdicts)
-            self._changed()
+            log.info("reachability: %s -> %s (%s)", before, self.reachability, verdicts)
         return self.reachability
 
     async def ensure_relays(self) -> None:
@@ -413,7 +409,6 @@ class NatService:
         for rid in list(self.relays):
             if rid not in direct:  # the connection to the relay is gone: so is the reservation
                 del self.relays[rid]
-                self._changed()
         if len(self.relays) >= self.config.relays or self._nursery is None:
             return
         for rid in self._direct_peers():
@@ -428,7 +423,6 @@ class NatService:
                 self.relays[rid] = addrs
                 self.relay_errors.pop(rid, None)
                 log.info("reserved a relay slot on %s: reachable at %s", rid, addrs[0])
-                self._changed()
 
     async def _reserve(self, rid: str) -> list[str]:
         pid = ID.from_base58(rid)
