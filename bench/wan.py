@@ -2,6 +2,7 @@
 
     python bench/wan.py [--steps 6] [--workers 5] [--nat-workers 2] [--validators 2]
                         [--no-baseline] [--timeout 1500] [--out DIR]
+                        [--gossip-nodes 20] [--gossip-seconds 90] [--skip-network] [--skip-gossip]
 
 Needs root (network namespaces, iptables; see tests/support/netns.py). Every node is a
 real ``primenode`` process in its own host: bootstrap, trainer, validators and workers;
@@ -21,7 +22,17 @@ Reported per run:
   clock for all namespaces): p50 and p99 per node.
 
 Baseline in the same run (unless ``--no-baseline``): the same network with every node
-public and uncapped. The last line of output is one JSON object.
+public and uncapped.
+
+Latency and loss (the kernel here has no netem): ``--gossip-nodes`` overlay nodes
+(tests/support/nat_child.py, heartbeats every second) on a userspace switch
+(tests/support/lossy_switch.py) that delays each frame by the two hosts' one-way delays
+(round trips spread over 50-200 ms) and drops 1% of frames; the same nodes with no delay
+and no loss on the same switch are the baseline, and delay without loss separates the
+two. Reported: heartbeat delivery (arrival minus signed send time) p50 / p99 per node,
+and how many peers each node heard from, over the last ``--gossip-seconds``.
+
+The last line of output is one JSON object.
 """
 
 from __future__ import annotations
@@ -150,6 +161,54 @@ def run_once(args, out: Path, nat_workers: int, capped: bool) -> dict:
     }
 
 
+def gossip_once(n: int, seconds: float, rtt_ms: tuple[float, float], loss: float, out: Path) -> dict:
+    """``n`` overlay nodes on the emulating switch; heartbeat delivery after ``seconds``."""
+    import os
+    import subprocess
+
+    from protocol import NodeKey
+
+    out.mkdir(parents=True, exist_ok=True)
+    lo, hi = rtt_ms[0] / 4, rtt_ms[1] / 4  # one-way delay per host: rtt(i, j) = 2 (d_i + d_j)
+    delays = [lo + (hi - lo) * i / max(1, n - 1) for i in range(n)]
+    keys = [NodeKey(os.urandom(32)) for _ in range(n)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with Testbed(emulate=True) as tb:
+        hosts = [tb.add_public(f"g{i}", delay_ms=d) for i, d in enumerate(delays)]
+        tb.start_switch(loss=loss, seed=1)
+        boot = f"/ip4/{hosts[0].ip}/tcp/4001/p2p/{keys[0].peer_id}"
+        for i, (h, k) in enumerate(zip(hosts, keys, strict=True)):
+            args = [sys.executable, "-m", "tests.support.nat_child", "--seed", k.seed.hex(), "--heartbeat-s", "1"]
+            args += ["--listen", f"/ip4/{h.ip}/tcp/4001", "--status", str(out / f"g{i}.json")]
+            if i:
+                args += ["--bootstrap", boot]
+            with open(out / f"g{i}.log", "wb") as log:
+                h.popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        time.sleep(seconds)
+        switch = tb.switch_stats()
+        stats = []
+        for i in range(n):
+            try:
+                st = json.loads((out / f"g{i}.json").read_text())
+            except (OSError, ValueError):
+                st = {}
+            sw = st.get("swarm") or {}
+            stats.append({"heard": sw.get("size", 0), **(sw.get("heartbeat_delivery") or {})})
+    p99 = [s["p99_ms"] for s in stats if "p99_ms" in s]
+    p50 = [s["p50_ms"] for s in stats if "p50_ms" in s]
+    return {
+        "nodes": n,
+        "rtt_ms": list(rtt_ms),
+        "loss": loss,
+        "switch": switch,
+        "heard_min": min(s["heard"] for s in stats),
+        "p50_ms_median": statistics.median(p50) if p50 else None,
+        "p99_ms_median": statistics.median(p99) if p99 else None,
+        "p99_ms_max": max(p99) if p99 else None,
+        "per_node": stats,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
@@ -159,14 +218,37 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1500.0)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--gossip-nodes", type=int, default=20)
+    ap.add_argument("--gossip-seconds", type=float, default=90.0)
+    ap.add_argument("--skip-network", action="store_true")
+    ap.add_argument("--skip-gossip", action="store_true")
     args = ap.parse_args()
     why = skip_reason()
     if why:
         raise SystemExit(f"bench/wan.py: {why}")
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-wan-"))
-    runs = [run_once(args, out / "wan", args.nat_workers, capped=True)]
-    if not args.no_baseline:
-        runs.append(run_once(args, out / "baseline", 0, capped=False))
+    runs = []
+    if not args.skip_network:
+        runs.append(run_once(args, out / "wan", args.nat_workers, capped=True))
+        if not args.no_baseline:
+            runs.append(run_once(args, out / "baseline", 0, capped=False))
+    gossip = []
+    if not args.skip_gossip:
+        n, secs = args.gossip_nodes, args.gossip_seconds
+        for label, rtt, loss in (
+            ("lan", (0, 0), 0.0),
+            ("rtt 50-200 ms", (50, 200), 0.0),
+            ("rtt + 1% loss", (50, 200), 0.01),
+        ):
+            g = gossip_once(n, secs, rtt, loss, out / "gossip" / label.replace(" ", "_").replace("%", ""))
+            g["label"] = label
+            gossip.append(g)
+            print(
+                f"gossip {label:>16}: heard >= {g['heard_min']}/{n - 1} peers; heartbeat delivery p50 "
+                f"{g['p50_ms_median']} ms, p99 {g['p99_ms_median']} ms (median node), {g['p99_ms_max']} ms (worst); "
+                f"switch {g['switch']}",
+                flush=True,
+            )
     for r in runs:
         label = "WAN (NAT + caps)" if r["capped"] else "baseline (public, uncapped)"
         print(f"\n{label}: {r['steps']} steps in {r['seconds']} s")
@@ -184,7 +266,9 @@ def main() -> None:
             print(
                 f"  version {d['version']}: {d['seconds']} s to every learner (bound {d['bound_s']} s, {d['bytes']} B)"
             )
-    print(json.dumps({"bench": "wan", "runs": runs}), flush=True)
+    for g in gossip:
+        g.pop("per_node", None)
+    print(json.dumps({"bench": "wan", "runs": runs, "gossip": gossip}), flush=True)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ async def main(args: argparse.Namespace) -> None:
         dial_timeout_s=5.0,
         nat=nat,
     )
+    if args.heartbeat_s:
+        cfg.heartbeat_interval_s = args.heartbeat_s
+        cfg.forget_after_s = max(10.0, 5 * args.heartbeat_s)
     node = Node(key, run_id=RUN_ID, config=cfg, hook=RoleHook())
     out = Path(args.status)
     async with trio.open_nursery() as nursery:
@@ -62,4 +65,5 @@ if __name__ == "__main__":
     p.add_argument("--advertise", default=None)
     p.add_argument("--target-peers", type=int, default=4)
     p.add_argument("--stock-autonat", action="store_true")
+    p.add_argument("--heartbeat-s", type=float, default=0.0)
     trio.run(main, p.parse_args())

@@ -12,7 +12,9 @@ silently drops everything else arriving on its WAN side, like a home router: the
 host can dial out, nobody can dial in. Public hosts have no route to 10.0.0.0/8 at all.
 
 Each host may get a bandwidth cap in each direction (``tc`` ``tbf`` on the egress of the
-two ends of its link: the kernel here has tbf/htb but no netem, so no delay or loss).
+two ends of its link). The kernel here has tbf/htb but no netem: for delay and loss,
+``Testbed(emulate=True)`` puts a userspace switch (tests/support/lossy_switch.py) where
+the bridge was, with a one-way delay per host and a loss rate.
 :meth:`Testbed.close` kills every process started through :meth:`Host.popen` and deletes
 every namespace (veth pairs go with them), also after a failed test.
 
@@ -25,12 +27,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 _counter = itertools.count()
 
@@ -90,7 +95,9 @@ class Host:
 class Testbed:
     """Namespaces as hosts on a bridge "internet", some behind NAT routers. Use as a context manager."""
 
-    def __init__(self, tag: str | None = None) -> None:
+    def __init__(self, tag: str | None = None, *, emulate: bool = False) -> None:
+        """``emulate``: links go through tests/support/lossy_switch.py (delay and loss per
+        host, :meth:`start_switch`) instead of the kernel bridge."""
         # Interface and namespace names stay short (interface names: at most 15 bytes).
         self.tag = tag or f"pn{os.getpid() % 100000}x{next(_counter)}"
         self.namespaces: list[str] = []
@@ -99,6 +106,9 @@ class Testbed:
         self._n_public = 0
         self._n_nat = 0
         self.inet = f"{self.tag}i"
+        self.emulate = emulate
+        self.switch_ports: list[tuple[str, float]] = []  # (tap, one-way delay ms)
+        self.switch: subprocess.Popen | None = None
 
     # -------------------------------------------------------------- building
     def _ns(self, name: str) -> str:
@@ -120,35 +130,50 @@ class Testbed:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _wire(self, ns: str, dev: str, port: str, addr: str) -> None:
-        """A veth from ``ns`` (as ``dev`` with ``addr``) to the internet bridge (as ``port``)."""
+    def _wire(self, ns: str, dev: str, port: str, addr: str, delay_ms: float = 0.0) -> None:
+        """A veth from ``ns`` (as ``dev`` with ``addr``) to the internet bridge (as ``port``);
+        with ``emulate``, to its own tap (through a two-port bridge) that the switch serves."""
         _sh("ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", port, "netns", self.inet)
-        _sh("ip", "-n", self.inet, "link", "set", port, "master", "br0")
+        if self.emulate:
+            tap, br = f"t{port}", f"b{port}"
+            _sh("ip", "-n", self.inet, "tuntap", "add", "dev", tap, "mode", "tap")
+            _sh("ip", "-n", self.inet, "link", "add", br, "type", "bridge")
+            for d in (tap, port):
+                _sh("ip", "-n", self.inet, "link", "set", d, "master", br)
+                _sh("ip", "-n", self.inet, "link", "set", d, "up")
+            _sh("ip", "-n", self.inet, "link", "set", br, "up")
+            self.switch_ports.append((tap, delay_ms))
+        else:
+            _sh("ip", "-n", self.inet, "link", "set", port, "master", "br0")
         _sh("ip", "-n", self.inet, "link", "set", port, "up")
         _sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
         _sh("ip", "-n", ns, "link", "set", dev, "up")
 
-    def add_public(self, name: str, *, up_mbit: float | None = None, down_mbit: float | None = None) -> Host:
-        """A host with its own address on the internet."""
+    def add_public(
+        self, name: str, *, up_mbit: float | None = None, down_mbit: float | None = None, delay_ms: float = 0.0
+    ) -> Host:
+        """A host with its own address on the internet (``delay_ms``: one way, with ``emulate``)."""
         self._n_public += 1
         n = self._n_public
         ns = self._ns(f"{self.tag}p{n}")
         ip = f"198.18.0.{n}"
-        self._wire(ns, "eth0", f"p{n}", f"{ip}/15")
+        self._wire(ns, "eth0", f"p{n}", f"{ip}/15", delay_ms)
         host = Host(ns, ip, ip, False, self)
         self.hosts[name] = host
         self._cap(ns, "eth0", up_mbit)
         self._cap(self.inet, f"p{n}", down_mbit)
         return host
 
-    def add_nat(self, name: str, *, up_mbit: float | None = None, down_mbit: float | None = None) -> Host:
+    def add_nat(
+        self, name: str, *, up_mbit: float | None = None, down_mbit: float | None = None, delay_ms: float = 0.0
+    ) -> Host:
         """A home host behind its own NAT router (outbound only)."""
         self._n_nat += 1
         n = self._n_nat
         rns = self._ns(f"{self.tag}r{n}")
         hns = self._ns(f"{self.tag}h{n}")
         wan = f"198.18.1.{n}"
-        self._wire(rns, "wan", f"r{n}", f"{wan}/15")
+        self._wire(rns, "wan", f"r{n}", f"{wan}/15", delay_ms)
         _sh("ip", "-n", rns, "link", "add", "lan", "type", "veth", "peer", "name", "eth0", "netns", hns)
         _sh("ip", "-n", rns, "addr", "add", f"10.{n}.0.1/24", "dev", "lan")
         _sh("ip", "-n", rns, "link", "set", "lan", "up")
@@ -179,6 +204,28 @@ class Testbed:
             "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
             "tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms",
         )  # fmt: skip
+
+    def start_switch(self, loss: float = 0.0, seed: int = 0) -> None:
+        """Start the delaying, dropping switch (``emulate``), after every host is added."""
+        assert self.emulate and self.switch is None, "start_switch needs Testbed(emulate=True), once"
+        ports = [f"{tap}:{ms}" for tap, ms in self.switch_ports]
+        args = [sys.executable, "-m", "tests.support.lossy_switch", "--loss", str(loss), "--seed", str(seed), *ports]
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+        self.switch = Host(self.inet, "", "", False, self).popen(args, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.switch.stdout.readline().strip() if self.switch.stdout else ""
+        if line != "ready":
+            raise RuntimeError(f"the lossy switch did not start: {line!r}")
+
+    def switch_stats(self) -> dict:
+        """Stop the switch and return its counters (frames forwarded, dropped)."""
+        if self.switch is None or self.switch.poll() is not None:
+            return {}
+        self.switch.send_signal(signal.SIGTERM)
+        out, _ = self.switch.communicate(timeout=10)
+        try:
+            return json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return {}
 
     # -------------------------------------------------------------- teardown
     def close(self) -> None:
