@@ -5,7 +5,7 @@ from its router's address, nobody dials in. Then overlay nodes run as processes 
 (tests/support/nat_child.py): public nodes learn they are public from dial-backs, NAT'd
 ones that they are not, reserve relay slots and advertise circuit addresses only (and
 data port 0), two NAT'd nodes reach each other through a relay and the library's DCUtR
-tries to make it direct. An adversarial case: a NAT'd node advertising its router's
+makes it direct (a real TCP hole punch through two MASQUERADE routers). An adversarial case: a NAT'd node advertising its router's
 address as its own is told "reachable" by py-libp2p's stock AutoNAT server (which answers
 over the requester's own connection) and "not reachable" by ours (a fresh dial).
 
@@ -62,6 +62,34 @@ def test_testbed_nat_is_outbound_only_and_torn_down():
             assert res.returncode != 0 and ("unreachable" in res.stderr or "timed out" in res.stderr), res.stderr
         assert leftover_namespaces(tag)
     assert leftover_namespaces(tag) == []
+
+
+def test_lossy_switch_delays_and_drops_frames():
+    """The emulated link: a TCP connect takes at least the configured round trip
+    (2 x (20 + 20) ms), and frames are dropped at the configured rate, yet TCP gets through."""
+    with Testbed(emulate=True) as tb:
+        a, b = tb.add_public("a", delay_ms=20), tb.add_public("b", delay_ms=20)
+        tb.start_switch(loss=0.1, seed=3)
+        server = b.popen(
+            _py(
+                "import socket;s=socket.socket();s.bind(('0.0.0.0',5000));s.listen();print('ready',flush=True)\n"
+                "while True:\n c,_=s.accept();c.sendall(c.recv(100));c.close()"
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert server.stdout.readline().strip() == "ready"
+        code = (
+            "import socket,time\nfor i in range(10):\n t=time.monotonic()\n"
+            f" s=socket.create_connection(('{b.ip}',5000),timeout=30)\n print(time.monotonic()-t)\n"
+            " s.sendall(b'x');assert s.recv(100)==b'x';s.close()"
+        )
+        res = a.run(*_py(code), timeout=300)
+        assert res.returncode == 0, res.stderr
+        connects = [float(x) for x in res.stdout.split()]
+        assert len(connects) == 10 and min(connects) >= 0.080, connects
+        stats = tb.switch_stats()
+        assert stats["dropped"] > 0 and stats["forwarded"] > 0, stats
 
 
 class Net:
@@ -153,16 +181,30 @@ def test_nat_nodes_learn_reachability_reserve_relays_and_reach_each_other(tmp_pa
         # The relay counts what it carried.
         net.wait(lambda: net.nat("boot")["relay_service"]["reservations"] >= 1, "boot to hold reservations")
 
-        # The two NAT'd nodes reach each other (neither can dial the other's address): through a
-        # relay, then possibly directly after DCUtR's hole punch.
-        net.wait(
-            lambda: any(p["peer_id"] == n2 for p in net.status("n1").get("peers") or []),
-            "n1 and n2 to be connected",
-        )
+        # The two NAT'd nodes reach each other (neither can dial the other's address): first
+        # through a relay (a request/response round trip, peer exchange, measured over it),
+        # then directly after DCUtR's hole punch (TCP simultaneous open through both NATs).
+        seen_relayed: list[float] = []
+
+        def pair() -> dict | None:
+            for p in net.status("n1").get("peers") or []:
+                if p["peer_id"] == n2:
+                    if p["relayed"] and p["latency_ms"] is not None:
+                        seen_relayed.append(p["latency_ms"])
+                    return p
+            return None
+
+        net.wait(lambda: (p := pair()) is not None and p["relayed"], "n1 and n2 connected through a relay")
         relayed_bytes = lambda: sum(  # noqa: E731
             net.nat(r)["relay_service"]["bytes_relayed"] for r in ("boot", "pub")
         )
         net.wait(lambda: relayed_bytes() > 0, "bytes to cross a relay")
+        net.wait(
+            lambda: (p := pair()) is not None and not p["relayed"] and n2 in net.nat("n1")["hole_punched"],
+            "a direct n1-n2 connection after hole punching",
+        )
+        assert seen_relayed, "no request/response round trip was seen over the relayed connection"
+        assert "direct after hole punch" in net.nat("n1")["summary"], net.nat("n1")
 
         # Adversarial: the liar is told "reachable" only by the stock AutoNAT server (it answers
         # with the connection the request came on); our fresh dial-back says it is not.

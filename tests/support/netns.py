@@ -95,6 +95,8 @@ class Host:
 class Testbed:
     """Namespaces as hosts on a bridge "internet", some behind NAT routers. Use as a context manager."""
 
+    __test__ = False  # not a pytest class, despite the name
+
     def __init__(self, tag: str | None = None, *, emulate: bool = False) -> None:
         """``emulate``: links go through tests/support/lossy_switch.py (delay and loss per
         host, :meth:`start_switch`) instead of the kernel bridge."""
