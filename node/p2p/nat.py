@@ -8,8 +8,8 @@ where our measurements showed a gap:
   to dial it back on the addresses it advertises; a success means *public*, refusals and
   failures mean *private* (behind NAT). The library's server dials back with
   ``host.connect()``, which returns the connection the request arrived on, so it answers
-  "reachable" to everyone already connected, NAT'd or not (a wrong verdict seen in
-  ``tests/test_nat_netns.py``'s first runs). :class:`DialBackAutoNAT` dials a *fresh* TCP
+  "reachable" to everyone already connected, NAT'd or not (reproduced next to ours in
+  ``tests/test_nat_netns.py``). :class:`DialBackAutoNAT` dials a *fresh* TCP
   connection and runs the Noise handshake on it (which proves the peer id), then closes it.
 * **Circuit relay v2** (``libp2p.relay.circuit_v2``): a private node reserves a slot on
   relays (public peers it is connected to, the bootstrap first) and advertises
