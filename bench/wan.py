@@ -16,7 +16,7 @@ Reported per run:
 * bytes that crossed relays (circuit relay v2: control traffic) and checkpoint bytes
   served by NAT'd nodes (must be 0: bulk never goes through a relay or to a NAT'd server);
 * checkpoint distribution time per version (trainer holds it -> every worker and
-  validator loaded it; polled every second, so +-1 s) next to the bound set by the
+  validator holds all its chunks; polled every second, so +-1 s) next to the bound set by the
   seeder's uplink and each fetcher's downlink (size / cap);
 * gossip delivery of heartbeats (arrival time minus the signed send time, one kernel
   clock for all namespaces): p50 and p99 per node.
@@ -99,6 +99,10 @@ def run_once(args, out: Path, nat_workers: int, capped: bool) -> dict:
                 rs = st.get("role_state") or {}
                 v = rs.get("policy_version")
                 at = st.get("polled_at", time.time())
+                # held: every chunk of the version verified on disk (or a newer one loaded)
+                for ver in (rs.get("distribution") or {}).get("versions") or []:
+                    if ver.get("complete"):
+                        first_held.setdefault(ver["version"], {}).setdefault(name, at)
                 if isinstance(v, int):
                     for u in range(0, v + 1):
                         first_held.setdefault(u, {}).setdefault(name, at)
