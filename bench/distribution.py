@@ -91,14 +91,17 @@ def run_node(a) -> None:
 
     key = node_key(a.index)
     trainer = node_key(0).peer_id
-    peers = json.loads(Path(a.peers).read_text())  # peer id -> ticket port
+    # peer id -> ticket port, or [host, port] when the nodes run in namespace hosts (--link-caps)
+    peers = {
+        pid: v if isinstance(v, list) else ["127.0.0.1", v] for pid, v in json.loads(Path(a.peers).read_text()).items()
+    }
     seq = SequenceCounter(time.time_ns())
     work = Path(a.work)
 
     class TcpTicketOverlay:
         async def request_ticket(self, peer_id, req, timeout):
             with trio.fail_after(timeout):
-                s = await trio.open_tcp_stream("127.0.0.1", peers[peer_id])
+                s = await trio.open_tcp_stream(*peers[peer_id])
                 async with s:
                     data = seal(key, RUN_ID, req, now_ms(), seq.next())
                     await s.send_all(len(data).to_bytes(4, "big") + data)
@@ -117,7 +120,8 @@ def run_node(a) -> None:
             pass
 
     store = ChunkStore(Path(a.home), RUN_ID, trainer, durable=not a.no_fsync, direct_io=not a.buffered_io)
-    checkpoints = Checkpoints(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps)
+    where = {"listen_host": "0.0.0.0", "advertise_host": a.host} if a.host else {}
+    checkpoints = Checkpoints(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps, **where)
     guard = ReplayGuard()
     result = {"index": a.index}
 
@@ -156,7 +160,7 @@ def run_node(a) -> None:
         async with trio.open_nursery() as n:
             await n.start(checkpoints.run)
             n.start_soon(sample)
-            n.start_soon(trio.serve_tcp, serve_tickets, peers[key.peer_id])
+            n.start_soon(trio.serve_tcp, serve_tickets, peers[key.peer_id][1])
             if a.index == 0:
                 raw = await checkpoints.publish(key, 1, a.src, chunk_size=a.chunk_mib * 2**20)
                 (work / "announce").write_bytes(raw)
@@ -192,9 +196,20 @@ def run_node(a) -> None:
     trio.run(main)
 
 
-def bench_ours(args, src: Path, work: Path, total: int) -> dict:
-    n = args.fetchers + 1
-    peers = {node_key(i).peer_id: free_port() for i in range(n)}
+def bench_ours(args, src: Path, work: Path, total: int, caps: list[float] | None = None) -> dict:
+    """One seeder and ``args.fetchers`` fetcher processes; with ``caps`` (Mbit/s, seeder first),
+    each node runs in its own network-namespace host with that cap up and down."""
+    n = len(caps) if caps else args.fetchers + 1
+    testbed = None
+    hosts: list = []
+    if caps:
+        from tests.support.netns import Testbed
+
+        testbed = Testbed().__enter__()
+        hosts = [testbed.add_public(f"n{i}", up_mbit=c, down_mbit=c) for i, c in enumerate(caps)]
+        peers: dict = {node_key(i).peer_id: [hosts[i].ip, 4100] for i in range(n)}
+    else:
+        peers = {node_key(i).peer_id: free_port() for i in range(n)}
     (work / "peers.json").write_text(json.dumps(peers))
     procs = []
     common = (
@@ -214,11 +229,11 @@ def bench_ours(args, src: Path, work: Path, total: int) -> dict:
         + (["--buffered-io"] if args.buffered_io else [])
     )
     for i in range(n):
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common
-            )
-        )
+        cmd = [sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common
+        if hosts:
+            procs.append(hosts[i].popen(cmd + ["--host", hosts[i].ip]))
+        else:
+            procs.append(subprocess.Popen(cmd))
     try:
         deadline = time.time() + 600
         while not all((work / f"ready-{i}").exists() for i in range(n)):
@@ -240,11 +255,15 @@ def bench_ours(args, src: Path, work: Path, total: int) -> dict:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        if testbed is not None:
+            testbed.close()
     per = sorted(d["fetched_at"] - t0 for d in done)
     out = {
         "seconds": round(per[-1], 3),
         "assembled_seconds": round(max(d["assembled_at"] for d in done) - t0, 3),
         "fetcher_seconds": [round(x, 2) for x in per],
+        # by fetcher index (1..n-1): when it held every chunk
+        "fetched_by_index": {d["index"]: round(d["fetched_at"] - t0, 2) for d in done},
         "seeder_bytes": final[0]["bytes_served"],
         "seeder_copies": round(final[0]["bytes_served"] / total, 2),
         "fetcher_bytes_served": [final[i]["bytes_served"] for i in range(1, n)],
@@ -466,6 +485,7 @@ def main() -> None:
             p.add_argument("--chunk-mib", type=int)
             p.add_argument("--no-fsync", action="store_true")
             p.add_argument("--buffered-io", action="store_true")
+            p.add_argument("--host", default="")
             return run_node(p.parse_args(sys.argv[2:]))
         if cmd == "_rawclient":
             p.add_argument("--port", type=int)
@@ -504,8 +524,17 @@ def main() -> None:
         action="store_true",
         help="diagnostic: our stores write through the page cache instead of O_DIRECT (the pre-2026-11-23 path)",
     )
+    p.add_argument(
+        "--link-caps",
+        default="",
+        help="comma list of Mbit/s, seeder first: run every node in its own network-namespace host (root) "
+        "with that cap up and down (tc tbf), report each fetcher against its bound, and repeat without the "
+        "slowest fetcher to see how much it delays the others",
+    )
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
+    if args.link_caps:
+        return main_links(args)
 
     work = Path(tempfile.mkdtemp(prefix="pn-bench-", dir=args.workdir))
     try:
@@ -542,6 +571,72 @@ def main() -> None:
             out["seconds_over_bound"] = round(out["seconds"] / out["bound_seconds"], 3)
         if out["shardcast_seconds"] and out["seconds"]:
             out["speedup_vs_shardcast"] = round(out["shardcast_seconds"] / out["seconds"], 2)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out))
+
+
+def main_links(args) -> None:
+    """Links of every speed: per-host caps, each fetcher against the bound set by the seeder's
+    uplink and its own downlink, and the same swarm without its slowest fetcher (A/B in one run)."""
+    from tests.support.netns import skip_reason
+
+    why = skip_reason()
+    if why:
+        raise SystemExit(f"--link-caps: {why}")
+    caps = [float(c) for c in args.link_caps.split(",")]
+    if len(caps) < 3:
+        raise SystemExit("--link-caps needs the seeder's cap and at least two fetchers'")
+    work = Path(tempfile.mkdtemp(prefix="pn-bench-", dir=args.workdir))
+    try:
+        src = work / "ckpt"
+        files = make_checkpoint(src, args.size_mib)
+        total = sum(f.stat().st_size for f in files)
+
+        def bound(i: int, cs: list[float]) -> float:
+            return max(total * 8 / (cs[0] * 1e6), total * 8 / (cs[i] * 1e6))
+
+        runs = {}
+        slowest = min(range(1, len(caps)), key=lambda i: caps[i])
+        without = [c for i, c in enumerate(caps) if i != slowest]
+        for label, cs in (("all", caps), ("without_slowest", without)):
+            (work / label).mkdir()
+            r = bench_ours(args, src, work / label, total, caps=cs)
+            shutil.rmtree(work / label, ignore_errors=True)
+            per = {int(i): t for i, t in r["fetched_by_index"].items()}
+            runs[label] = {
+                "caps_mbit": cs,
+                "seconds": r["seconds"],
+                "bound_seconds": round(max(bound(i, cs) for i in range(1, len(cs))), 3),
+                "fetchers": [
+                    {
+                        "cap_mbit": cs[i],
+                        "seconds": per[i],
+                        "bound_s": round(bound(i, cs), 3),
+                        "over_bound": round(per[i] / bound(i, cs), 3),
+                    }
+                    for i in sorted(per)
+                ],
+                "seeder_copies": r["seeder_copies"],
+            }
+            print(f"{label}: caps {cs}", file=sys.stderr)
+            for f in runs[label]["fetchers"]:
+                print(
+                    f"  {f['cap_mbit']:>7g} Mbit/s  {f['seconds']:>7.2f} s  bound {f['bound_s']:>7.2f} s"
+                    f"  x{f['over_bound']:.2f}",
+                    file=sys.stderr,
+                )
+        # the others' completion with and without the slowest host (indices shift past it)
+        a = runs["all"]["fetchers"]
+        others_all = [f["seconds"] for i, f in enumerate(a, start=1) if i != slowest]
+        others_without = [f["seconds"] for f in runs["without_slowest"]["fetchers"]]
+        out = {
+            "size_mib": round(total / 2**20, 1),
+            "runs": runs,
+            "worst_over_bound": max(f["over_bound"] for f in a),
+            "slowest_cap_mbit": caps[slowest],
+            "others_delay_by_slowest": round(max(others_all) / max(others_without), 3),
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out))

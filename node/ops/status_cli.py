@@ -113,6 +113,7 @@ def render(st: dict[str, Any]) -> list[RenderableType]:
                 ("uptime", _dur(st.get("uptime_s"))),
                 ("addrs", "\n".join(st.get("addrs") or []) or None),
                 ("peers", f"{len(st.get('peers') or [])} connected (target {st.get('target_peers', '-')})"),
+                *([("reachability", st["nat"].get("summary"))] if st.get("nat") else []),
                 *([("sandbox", _sandbox(st["sandbox"]))] if st.get("sandbox") else []),
                 *([("error", st["error"])] if st.get("error") else []),
             ],

@@ -16,14 +16,14 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from node.errors import NetworkError
-from node.p2p.host import parse_peer_addr, peer_info
+from node.p2p.host import is_circuit, parse_peer_addr, peer_info, strip_peer_id
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
@@ -133,6 +133,9 @@ class ConnectionManager:
             self._learn(pid, [addr])
         self._dialing: set[str] = set()
         self._nursery: trio.Nursery | None = None
+        # Dials a peer known only by relay circuit addresses (a NAT'd peer): py-libp2p's
+        # swarm skips /p2p-circuit addresses, the node's NatService opens the circuit.
+        self.relay_dialer: Callable[[str, list[str]], Awaitable[None]] | None = None
         reqresp.register(PeerExchangeRequest, self._serve_px)
         swarm.listeners.append(self._on_peer_state)
         policy.ban_listeners.append(self._on_ban)
@@ -160,7 +163,7 @@ class ConnectionManager:
     def _learn(self, peer_id: str, addrs: list[str]) -> None:
         if peer_id == self.my_id or not addrs:
             return
-        addrs = [a.split("/p2p/")[0] for a in addrs][:8]
+        addrs = [strip_peer_id(a) for a in addrs][:8]
         e = self.book.get(peer_id)
         if e is None:
             if len(self.book) >= self.max_book:
@@ -172,6 +175,10 @@ class ConnectionManager:
             if e.addrs != addrs:
                 e.addrs = list(addrs)
             e.updated = time.monotonic()
+
+    def _relay_only(self, peer_id: str) -> bool:
+        e = self.book.get(peer_id)
+        return e is not None and bool(e.addrs) and all(is_circuit(a) for a in e.addrs)
 
     def _trim_book(self) -> None:
         """Make room: forget failing entries first, then the least recently refreshed quarter
@@ -227,7 +234,10 @@ class ConnectionManager:
         self._dialing.add(peer_id)
         try:
             with trio.fail_after(self.dial_timeout):
-                await self.host.connect(peer_info(peer_id, e.addrs))
+                if self.relay_dialer is not None and all(is_circuit(a) for a in e.addrs):
+                    await self.relay_dialer(peer_id, e.addrs)
+                else:
+                    await self.host.connect(peer_info(peer_id, [a for a in e.addrs if not is_circuit(a)]))
         except trio.TooSlowError:
             self._failed(peer_id, f"no answer within {self.dial_timeout:g} s")
             raise DialError(f"{peer_id} at {', '.join(e.addrs)}: no answer within {self.dial_timeout:g} s") from None
@@ -348,7 +358,8 @@ class ConnectionManager:
                     # only link), then peers with a higher id than ours: two peers
                     # dialling each other at once end up with two connections, and
                     # py-libp2p later trims one, which can orphan the pubsub stream.
-                    cands.sort(key=lambda p: (p in self.bootstrap_ids, p < self.my_id))
+                    # Peers reachable only through a relay come last (they take relay capacity).
+                    cands.sort(key=lambda p: (self._relay_only(p), p in self.bootstrap_ids, p < self.my_id))
                     for pid in cands[:need]:
                         nursery.start_soon(self._try_dial, pid)
                 elif self.probe_interval > 0 and now - last_probe >= self.probe_interval:

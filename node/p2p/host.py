@@ -185,6 +185,21 @@ async def closing_host(host: IHost, listen: Sequence[str]) -> AsyncIterator[IHos
         raise NetworkError(f"cannot listen on {', '.join(listen)}: {exc}") from None
 
 
+CIRCUIT = "/p2p-circuit"
+
+
+def is_circuit(addr: str) -> bool:
+    """A relay circuit address (``<relay addr>/p2p/<relay>/p2p-circuit[/p2p/<peer>]``)."""
+    return CIRCUIT in addr
+
+
+def strip_peer_id(addr: str) -> str:
+    """Drop a trailing ``/p2p/<peer id>``; a circuit address keeps its relay's ``/p2p/<relay>``."""
+    if CIRCUIT in addr:
+        return addr.partition(CIRCUIT)[0] + CIRCUIT
+    return addr.split("/p2p/")[0]
+
+
 def listen_addrs(host: IHost, advertise_host: str | None = None) -> list[str]:
     """The host's transport addresses, without /p2p/, with 0.0.0.0 replaced."""
     out: list[str] = []

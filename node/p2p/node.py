@@ -28,6 +28,7 @@ from node.p2p.connmgr import ConnectionManager
 from node.p2p.gossip import Gossip
 from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host
 from node.p2p.metrics import NodeMetrics
+from node.p2p.nat import NatConfig, NatService
 from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
 from node.p2p.swarm import SwarmView
@@ -75,6 +76,8 @@ class P2PConfig:
     rate_per_s: float = 1000.0
     rate_burst: float = 5000.0
     data_port: int = 0
+    # Reachability: AutoNAT, relay reservations while behind NAT, relay service while public.
+    nat: NatConfig = dataclasses.field(default_factory=NatConfig)
 
 
 class RoleHook:
@@ -136,6 +139,7 @@ class Node:
             self.peer_id, forget_after=self.config.forget_after_s or max(10.0, 5 * self.config.heartbeat_interval_s)
         )
         self.conns: ConnectionManager | None = None
+        self.nat: NatService | None = None
         self.ready = trio.Event()
         self._cancel = trio.CancelScope()
 
@@ -145,10 +149,17 @@ class Node:
 
     # ---------------------------------------------------------------- addresses
     def addrs(self) -> list[str]:
-        """Dialable multiaddrs (without /p2p/)."""
+        """Dialable multiaddrs (without our /p2p/): relay circuit addresses while behind NAT."""
+        direct = self.direct_addrs()
+        return self.nat.advertised(direct) if self.nat is not None else direct
+
+    def direct_addrs(self) -> list[str]:
+        """Our own transport addresses (without /p2p/)."""
         return listen_addrs(self.host, self.config.advertise_host) if self.host else []
 
     def full_addrs(self) -> list[str]:
+        if self.nat is not None and self.nat.behind_nat:
+            return [f"{a}/p2p/{self.peer_id}" for a in self.addrs()]
         return full_addrs(self.host, self.config.advertise_host) if self.host else []
 
     # ---------------------------------------------------------------- lifecycle
@@ -201,6 +212,14 @@ class Node:
                     backoff_max=cfg.dial_backoff_max_s,
                     learn_from_heartbeats=cfg.learn_addrs_from_heartbeats,
                 )
+                self.nat = NatService(
+                    host,
+                    cfg.nat,
+                    my_addrs=self.direct_addrs,
+                    bootstrap_ids=lambda: self.conns.bootstrap_ids if self.conns else [],
+                )
+                self.conns.relay_dialer = self.nat.dial_via_relay
+                self.reqresp.before_dial = self.nat.ensure_connected
                 if self.genesis is not None:
                     self.conns.protected = {self.genesis.trainer, *self.genesis.validators}
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
@@ -212,6 +231,7 @@ class Node:
                     if connect_bootstrap:
                         await self.conns.connect_bootstrap()
                     await nursery.start(self.conns.run)
+                    await nursery.start(self.nat.run)
                     nursery.start_soon(self._heartbeat_loop)
                     nursery.start_soon(self._run_hook)
                     self.ready.set()
@@ -254,6 +274,8 @@ class Node:
             batches=0,
         )
         fields.update(self.hook.heartbeat_fields())
+        if self.nat is not None and self.nat.behind_nat:
+            fields["data_port"] = 0  # nobody can dial our data plane: bulk never goes through a relay
         fields["have"] = tuple(fields["have"])
         fields["addrs"] = tuple(fields["addrs"])
         return Heartbeat(**fields)
@@ -282,6 +304,7 @@ class Node:
     def status(self) -> dict[str, Any]:
         conns = self.conns
         peers = []
+        relayed = set(self.nat.relayed_peers()) if self.nat is not None else set()
         if conns is not None:
             for pid in conns.connected():
                 st = self.swarm.get(pid)
@@ -294,6 +317,7 @@ class Node:
                         "addr": conns.peer_addr(pid),
                         "latency_ms": round(rtt, 2) if rtt is not None else None,
                         "banned": self.policy.is_banned(pid),
+                        "relayed": pid in relayed,
                     }
                 )
         g = self.genesis
@@ -317,6 +341,7 @@ class Node:
                 # Plumtree state: eager/lazy links, IHAVE/GRAFT/PRUNE counters, caches.
                 "tree": self.gossip.status() if self.gossip else {},
             },
+            "nat": self.nat.status() if self.nat is not None else None,
             "bans": self.policy.banned(),
             "requests": {k: dict(v) for k, v in self.metrics.req.items()},
             "role_state": self.hook.status(),

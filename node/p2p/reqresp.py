@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -104,6 +104,9 @@ class ReqResp:
         self._guard_out = ReplayGuard()
         self._limit = trio.Semaphore(max_concurrent)
         self.rtt_ms: dict[str, float] = {}
+        # Called before a request to a peer we hold no connection to (the node's NatService:
+        # a NAT'd peer known only by relay circuit addresses is dialled through its relay).
+        self.before_dial: Callable[[str], Awaitable[None]] | None = None
         host.set_stream_handler(RR_PROTOCOL, self._serve)
 
     def register(self, request_type: type[Message], handler: RequestHandler) -> None:
@@ -119,6 +122,8 @@ class ReqResp:
         pid = ID.from_base58(peer_id)
         for attempt in (0, 1) if redial else (1,):
             had_connection = attempt == 0 and bool(self.host.get_network().get_connections(pid))
+            if not had_connection and self.before_dial is not None:
+                await self.before_dial(peer_id)
             try:
                 return await self.host.new_stream(pid, [RR_PROTOCOL])
             except trio.Cancelled:

@@ -8,6 +8,7 @@ forgets peers silent for ``forget_after`` seconds.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -62,6 +63,9 @@ class SwarmView:
         self.clock = clock
         self._peers: dict[str, PeerState] = {}
         self.listeners: list[Callable[[PeerState], None]] = []
+        # Gossip delivery delay of recent heartbeats: our wall clock at arrival minus the
+        # sender's signed timestamp (meaningful where clocks agree: one machine's namespaces).
+        self.delivery_ms: collections.deque[float] = collections.deque(maxlen=2048)
 
     def on_heartbeat(self, env: Envelope) -> None:
         if env.sender == self.my_id or not isinstance(env.body, Heartbeat):
@@ -76,6 +80,7 @@ class SwarmView:
                 return
         st = PeerState(env.sender, env.body, self.clock(), env.timestamp_ms)
         self._peers[env.sender] = st
+        self.delivery_ms.append(time.time() * 1000 - env.timestamp_ms)
         for cb in list(self.listeners):
             cb(st)
 
@@ -120,4 +125,16 @@ class SwarmView:
         roles: dict[str, int] = {}
         for st in peers.values():
             roles[st.heartbeat.role] = roles.get(st.heartbeat.role, 0) + 1
-        return {"size": len(peers), "by_role": roles, "peers": [st.to_json(now) for st in peers.values()]}
+        delays = sorted(self.delivery_ms)
+        delay: dict[str, float] = {"n": len(delays)}
+        if delays:
+            delay |= {
+                "p50_ms": round(delays[len(delays) // 2], 1),
+                "p99_ms": round(delays[min(len(delays) - 1, int(len(delays) * 0.99))], 1),
+            }
+        return {
+            "size": len(peers),
+            "by_role": roles,
+            "heartbeat_delivery": delay,
+            "peers": [st.to_json(now) for st in peers.values()],
+        }

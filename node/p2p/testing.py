@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from node.p2p.nat import NatConfig
 from node.p2p.node import BootstrapRole, Node, P2PConfig, RoleHook
 from node.util import now_ms
 from protocol import Envelope, NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
@@ -55,7 +56,10 @@ def overlay_genesis(
 
 
 def fast_config(**overrides) -> P2PConfig:
-    """Short intervals for tests on a loaded 2-core machine."""
+    """Short intervals for tests on a loaded 2-core machine. Nodes on loopback are all
+    reachable: reachability is not asked (AutoNAT dial-backs would cost a dozen nodes in one
+    process about a hundred Noise handshakes at start) and nothing is hole-punched; the NAT
+    tests (tests/test_nat_netns.py) run real NATs in network namespaces instead."""
     cfg = P2PConfig(
         listen=["/ip4/127.0.0.1/tcp/0"],
         target_peers=4,
@@ -64,6 +68,7 @@ def fast_config(**overrides) -> P2PConfig:
         conn_interval_s=0.3,
         px_interval_s=1.0,
         dial_timeout_s=3.0,
+        nat=NatConfig(mode="public", hole_punch=False),
     )
     for k, v in overrides.items():
         setattr(cfg, k, v)

@@ -1,0 +1,482 @@
+"""Nodes behind NAT: reachability (AutoNAT), relay addresses (circuit relay v2), hole punching (DCUtR).
+
+Home machines are mostly behind NAT: they can dial out but nobody can dial in. This module
+uses py-libp2p 0.8.1's own implementations of the three libp2p answers to that, wrapped
+where our measurements showed a gap:
+
+* **AutoNAT** (``libp2p.host.autonat``): a node asks the peers it is directly connected to
+  to dial it back on the addresses it advertises; a success means *public*, refusals and
+  failures mean *private* (behind NAT). The library's server dials back with
+  ``host.connect()``, which returns the connection the request arrived on, so it answers
+  "reachable" to everyone already connected, NAT'd or not (reproduced next to ours in
+  ``tests/test_nat_netns.py``). :class:`DialBackAutoNAT` dials a *fresh* TCP
+  connection and runs the Noise handshake on it (which proves the peer id), then closes it.
+* **Circuit relay v2** (``libp2p.relay.circuit_v2``): a private node reserves a slot on
+  relays (public peers it is connected to, the bootstrap first) and advertises
+  ``<relay addr>/p2p/<relay>/p2p-circuit`` instead of its unreachable addresses, so peers can
+  still open a connection to it (control traffic: gossip, votes, batch requests). Public
+  nodes serve as relays, with the library's limits on circuit duration and bytes and our own
+  per-circuit bandwidth cap (:class:`LimitedRelay`, which also counts relayed bytes).
+  py-libp2p's swarm never dials ``/p2p-circuit`` addresses itself, so the connection manager
+  and request/response call :meth:`NatService.dial_via_relay` for peers that have only those.
+* **DCUtR** (``dcutr.py``): once two peers share a relayed connection, the library tries a
+  direct one: first a plain dial (a NAT'd node can always dial a public peer), then a TCP
+  simultaneous open from the listen port towards the other side's observed address.
+
+Bulk checkpoint bytes never cross a relay: they travel over the raw-TCP data plane, and a
+private node advertises data port 0, so nobody tries to fetch chunks from it; it fetches from
+reachable peers over connections it opens itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
+from libp2p.host.autonat import AutoNATService
+from libp2p.host.autonat.pb.autonat_pb2 import Message as AutoNATMessage
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+
+from node.p2p.host import CIRCUIT, is_circuit
+
+log = logging.getLogger(__name__)
+
+UNKNOWN = "unknown"
+PUBLIC = "public"
+PRIVATE = "private"
+
+# AutoNAT server: at most this many addresses per request, one request per peer this often.
+DIAL_BACK_MAX_ADDRS = 4
+DIAL_BACK_EVERY_S = 5.0
+# A peer that refused a reservation (not a relay, full) is asked again after this long.
+RELAY_RETRY_S = 30.0
+
+
+@dataclasses.dataclass
+class NatConfig:
+    """Reachability knobs. ``mode``: ``auto`` (ask peers), or force ``public`` / ``private``."""
+
+    mode: str = "auto"
+    # A public node serves as a relay for NAT'd peers (circuit relay v2 "hop").
+    relay_service: bool = True
+    # Relays a private node keeps a reservation with.
+    relays: int = 2
+    # AutoNAT: first check this long after start, then every interval (sooner while unknown).
+    first_check_s: float = 2.0
+    check_interval_s: float = 60.0
+    dial_back_timeout_s: float = 5.0
+    # Relay limits (per circuit): control traffic only, so modest.
+    circuit_max_s: int = 3600
+    circuit_max_bytes: int = 256 << 20
+    circuit_rate_bytes_s: float = float(1 << 20)
+    max_reservations: int = 64
+    max_circuits_per_peer: int = 16
+    reservation_ttl_s: int = 3600
+    # DCUtR: upgrade relayed connections to direct ones.
+    hole_punch: bool = True
+
+
+def conn_is_relayed(conn: Any) -> bool:
+    """A swarm connection that runs over a relay circuit.
+
+    The connection type, or the transport addresses recorded at upgrade; not
+    ``get_transport_addresses()``, which falls back to the peerstore's addresses of the
+    peer when none were recorded (and those list circuit addresses for any NAT'd peer).
+    """
+    try:
+        if conn.get_connection_type() == ConnectionType.RELAYED:
+            return True
+    except Exception:
+        pass
+    addrs = getattr(conn, "_actual_transport_addresses", None) or []
+    return any(is_circuit(str(a)) for a in addrs)
+
+
+class DialBackAutoNAT(AutoNATService):
+    """py-libp2p's AutoNAT, dialling back on a *fresh* connection.
+
+    ``AutoNATService._try_dial`` calls ``host.connect()``, which returns at once when the
+    requester is already connected (it always is: the request came over that connection),
+    so every requester was told it is reachable. Here the server opens a new TCP
+    connection to the advertised address and completes the Noise handshake (which
+    authenticates the peer id), then closes it without registering it in the swarm.
+    """
+
+    def __init__(self, host: IHost, *, timeout: float = 5.0) -> None:
+        super().__init__(host, serve=True, confirmations=1)  # type: ignore[arg-type]  # BasicHost at run time
+        self.timeout = timeout
+        self.served = 0
+        self.refused = 0
+        self._last: dict[ID, float] = {}
+
+    async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
+        # The library already dials only addresses on the requester's own IP; a requester
+        # could still list many ports of it (a port scan from us) or ask in a loop.
+        now = time.monotonic()
+        if now - self._last.get(peer_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
+            self.refused += 1
+            return None
+        if len(self._last) > 4096:
+            self._last = {p: t for p, t in self._last.items() if now - t < DIAL_BACK_EVERY_S}
+        self._last[peer_id] = now
+        self.served += 1
+        network = self.host.get_network()
+        for raw_addr in addrs[:DIAL_BACK_MAX_ADDRS]:
+            try:
+                ma = multiaddr.Multiaddr(raw_addr)
+                transport = network.transport_manager.transport_for_dialing(ma)  # type: ignore[attr-defined]
+                if transport is None:
+                    continue
+                with trio.fail_after(self.timeout):
+                    raw = await transport.dial(ma)
+                    try:
+                        secured = await network.upgrader.upgrade_security(raw, True, peer_id)  # type: ignore[attr-defined]
+                    except BaseException:
+                        with trio.CancelScope(shield=True):
+                            with trio.move_on_after(1):
+                                await raw.close()
+                        raise
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(1):
+                        await secured.close()
+                return bytes(raw_addr)
+            except Exception as exc:
+                log.debug("dial-back to %s at %r failed: %s", peer_id, raw_addr, exc)
+        return None
+
+
+class LimitedRelay(CircuitV2Protocol):
+    """The library's relay (hop + stop), with a per-circuit bandwidth cap and a byte count.
+
+    ``serving`` is switched on only while this node is public: a NAT'd node's reservations
+    would be useless to others. The library enforces duration and byte limits per circuit;
+    the bandwidth cap sleeps after each relayed read so each direction of a circuit moves
+    at most ``rate_bytes_s``.
+    """
+
+    def __init__(self, host: IHost, limits: RelayLimits, *, allow_hop: bool, rate_bytes_s: float) -> None:
+        super().__init__(host, limits=limits, allow_hop=allow_hop)
+        self.serving = False
+        self.rate_bytes_s = rate_bytes_s
+        self.bytes_relayed = 0
+        self.reservations_refused = 0
+
+    async def _read_stream_with_retry(self, stream: INetStream, max_retries: int = 3) -> bytes | None:
+        data = await super()._read_stream_with_retry(stream, max_retries)
+        if data:
+            self.bytes_relayed += len(data)
+            if self.rate_bytes_s > 0:
+                await trio.sleep(len(data) / self.rate_bytes_s)
+        return data
+
+    async def _handle_reserve(self, stream: INetStream, msg: Any) -> None:
+        if not self.serving:
+            self.reservations_refused += 1
+            await self._send_status(stream, StatusCode.RESERVATION_REFUSED, "not serving as a relay (not public)")
+            return
+        await super()._handle_reserve(stream, msg)
+
+    def reservations(self) -> int:
+        return len(getattr(self.resource_manager, "_reservations", {}) or {})
+
+
+class NatService:
+    """Reachability of one node, its relay reservations, and the relay it serves.
+
+    ``reachability``: ``unknown`` -> ``public`` or ``private`` (AutoNAT verdicts, or forced
+    by ``NatConfig.mode``). A private node holds reservations on up to ``config.relays``
+    public peers and :meth:`advertised` returns its circuit addresses instead of its own.
+    """
+
+    def __init__(
+        self,
+        host: IHost,
+        config: NatConfig,
+        *,
+        my_addrs: Callable[[], list[str]],
+        bootstrap_ids: Callable[[], list[str]] = lambda: [],
+    ) -> None:
+        if config.mode not in ("auto", PUBLIC, PRIVATE):
+            raise ValueError(f"nat mode {config.mode!r}: expected auto, public or private")
+        self.host = host
+        self.config = config
+        self.my_addrs = my_addrs
+        self.bootstrap_ids = bootstrap_ids
+        self.reachability = config.mode if config.mode != "auto" else UNKNOWN
+        self.verdicts: dict[str, str] = {}  # server peer id -> ok / refused / error
+        self.checked_at = 0.0
+        self.relays: dict[str, list[str]] = {}  # relay peer id -> our circuit addrs through it
+        self.relay_errors: dict[str, str] = {}
+        self._relay_retry_at: dict[str, float] = {}
+        limits = RelayLimits(
+            duration=config.circuit_max_s,
+            data=config.circuit_max_bytes,
+            max_circuit_conns=config.max_circuits_per_peer,
+            max_reservations=config.max_reservations,
+            reservation_ttl=config.reservation_ttl_s,
+        )
+        self.relay = LimitedRelay(
+            host, limits, allow_hop=config.relay_service, rate_bytes_s=config.circuit_rate_bytes_s
+        )
+        # Dialling only (our own loop makes the reservations): the STOP role lets the
+        # transport accept circuits, no CLIENT role so a dial does not reserve on the way.
+        self.transport = CircuitV2Transport(host, self.relay, RelayConfig(roles=RelayRole.STOP, limits=limits))
+        self.autonat = DialBackAutoNAT(host, timeout=config.dial_back_timeout_s)
+        self.dcutr = DCUtRProtocol(host) if config.hole_punch else None
+        self.relay_dials = {"ok": 0, "failed": 0}
+        self._nursery: trio.Nursery | None = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def behind_nat(self) -> bool:
+        return self.reachability == PRIVATE
+
+    def advertised(self, direct: list[str]) -> list[str]:
+        """The addresses to give peers: circuit addresses while private (own ones are useless)."""
+        if self.behind_nat:
+            return [a for addrs in self.relays.values() for a in addrs]
+        return direct
+
+    def relayed_peers(self) -> list[str]:
+        """Peers whose every connection to us runs over a relay."""
+        out = []
+        for pid, conns in self.host.get_network().connections.items():
+            conns = conns if isinstance(conns, list) else [conns]
+            if conns and all(conn_is_relayed(c) for c in conns):
+                out.append(pid.to_base58())
+        return out
+
+    def hole_punched(self) -> list[str]:
+        """Peers DCUtR turned into direct connections (after a relayed one)."""
+        if self.dcutr is None:
+            return []
+        return sorted(p.to_base58() for p in self.dcutr._direct_connections)
+
+    def summary(self) -> str:
+        """One line for ``primenode status``."""
+        if self.reachability == PUBLIC:
+            text = "public (peers dialled us back)"
+            if self.config.mode == PUBLIC:
+                text = "public (forced)"
+            if self.relay.serving:
+                text += f"; relay for {self.relay.reservations()} NAT'd peer(s)"
+            return text
+        if self.reachability == PRIVATE:
+            if self.relays:
+                text = "behind NAT via relay " + ", ".join(sorted(self.relays))
+            else:
+                text = "behind NAT, no relay yet (reachable only over connections it opens)"
+            punched = self.hole_punched()
+            if punched:
+                text += f"; direct after hole punch with {len(punched)} peer(s)"
+            return text
+        return "unknown (not checked yet)"
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "reachability": self.reachability,
+            "summary": self.summary(),
+            "mode": self.config.mode,
+            "verdicts": dict(self.verdicts),
+            "checked_s_ago": round(time.monotonic() - self.checked_at, 1) if self.checked_at else None,
+            "relays": {k: list(v) for k, v in self.relays.items()},
+            "relay_errors": dict(self.relay_errors),
+            "relayed_peers": self.relayed_peers(),
+            "hole_punched": self.hole_punched(),
+            "relay_dials": dict(self.relay_dials),
+            "relay_service": {
+                "serving": self.relay.serving,
+                "reservations": self.relay.reservations(),
+                "bytes_relayed": self.relay.bytes_relayed,
+                "refused": self.relay.reservations_refused,
+            },
+            "dial_backs_served": self.autonat.served,
+        }
+
+    # ------------------------------------------------------------------ dialling
+    async def dial_via_relay(self, peer_id: str, addrs: list[str]) -> None:
+        """Open a relayed connection to ``peer_id`` through one of its circuit addresses."""
+        errors = []
+        for a in addrs:
+            if not is_circuit(a):
+                continue
+            text = a if a.endswith(f"/p2p/{peer_id}") else f"{a}/p2p/{peer_id}"
+            try:
+                ma = multiaddr.Multiaddr(text)
+                conn = await self.transport.dial(ma)
+                self.relay_dials["ok"] += 1
+                if not conn_is_relayed(conn):  # the outbound upgrade path leaves it untagged
+                    with contextlib.suppress(Exception):
+                        conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
+                return
+            except Exception as exc:
+                errors.append(f"{a}: {type(exc).__name__}: {exc}")
+        self.relay_dials["failed"] += 1
+        raise ConnectionError("no relay reached " + peer_id + ("; " + "; ".join(errors) if errors else ""))
+
+    async def ensure_connected(self, peer_id: str) -> None:
+        """Before a request: if we hold no connection to ``peer_id`` and know it only by circuit
+        addresses (a NAT'd peer), connect through its relay. Errors are left to the caller's
+        own dial (which then reports the peer unreachable)."""
+        pid = ID.from_base58(peer_id)
+        if self.host.get_network().get_connections(pid):
+            return
+        try:
+            addrs = [str(a) for a in self.host.get_peerstore().addrs(pid)]
+        except Exception:
+            return
+        circuits = [a for a in addrs if is_circuit(a)]
+        if circuits:
+            with contextlib.suppress(Exception):
+                await self.dial_via_relay(peer_id, circuits)
+
+    # ------------------------------------------------------------------ loop
+    def _direct_peers(self) -> list[str]:
+        """Connected peers over a direct (not relayed) connection, bootstrap first."""
+        out = []
+        for pid, conns in self.host.get_network().connections.items():
+            conns = conns if isinstance(conns, list) else [conns]
+            if any(not conn_is_relayed(c) and not getattr(c, "is_closed", False) for c in conns):
+                out.append(pid.to_base58())
+        boot = set(self.bootstrap_ids())
+        out.sort(key=lambda p: p not in boot)
+        return out
+
+    async def _ask(self, server: str, addrs: list[bytes], verdicts: dict[str, str]) -> None:
+        try:
+            status, _ = await self.autonat.query_server(
+                ID.from_base58(server), addrs, timeout=self.config.dial_back_timeout_s * 3
+            )
+        except Exception as exc:  # no AutoNAT there, or the peer went away: no verdict
+            log.debug("AutoNAT query to %s failed: %s", server, exc)
+            return
+        if status == int(AutoNATMessage.OK):
+            verdicts[server] = "ok"
+        elif status == int(AutoNATMessage.E_DIAL_REFUSED):
+            verdicts[server] = "refused"
+        else:
+            verdicts[server] = "failed"
+
+    async def check(self) -> str:
+        """Ask up to four directly connected peers to dial us back; update ``reachability``.
+
+        Any success means reachable (the dial-back authenticated us on a fresh connection);
+        only verdicts (no success) mean private; no verdict at all leaves it unchanged.
+        """
+        if self.config.mode != "auto":
+            return self.reachability
+        direct = [a for a in self.my_addrs() if not is_circuit(a)]
+        addrs = []
+        for a in direct:
+            with contextlib.suppress(Exception):
+                addrs.append(multiaddr.Multiaddr(a).to_bytes())
+        servers = self._direct_peers()[:4]
+        verdicts: dict[str, str] = {}
+        async with trio.open_nursery() as nursery:
+            for s in servers:
+                nursery.start_soon(self._ask, s, addrs, verdicts)
+        if verdicts:
+            self.verdicts = verdicts
+        self.checked_at = time.monotonic()
+        before = self.reachability
+        if any(v == "ok" for v in verdicts.values()):
+            self.reachability = PUBLIC
+        elif verdicts:
+            self.reachability = PRIVATE
+        if self.reachability != before:
+            log.info("reachability: %s -> %s (%s)", before, self.reachability, verdicts)
+        return self.reachability
+
+    async def ensure_relays(self) -> None:
+        """While private: keep reservations on up to ``config.relays`` directly connected peers."""
+        direct = set(self._direct_peers())
+        for rid in list(self.relays):
+            if rid not in direct:  # the connection to the relay is gone: so is the reservation
+                del self.relays[rid]
+        if len(self.relays) >= self.config.relays or self._nursery is None:
+            return
+        for rid in self._direct_peers():
+            if len(self.relays) >= self.config.relays:
+                break
+            if rid in self.relays or self._relay_retry_at.get(rid, 0.0) > time.monotonic():
+                continue
+            addrs = await self._reserve(rid)
+            if not addrs:
+                self._relay_retry_at[rid] = time.monotonic() + RELAY_RETRY_S
+            if addrs:
+                self.relays[rid] = addrs
+                self.relay_errors.pop(rid, None)
+                log.info("reserved a relay slot on %s: reachable at %s", rid, addrs[0])
+
+    async def _reserve(self, rid: str) -> list[str]:
+        pid = ID.from_base58(rid)
+        stream = None
+        try:
+            with trio.fail_after(10):
+                stream = await self.host.new_stream(pid, [HOP_PROTOCOL_ID])
+                assert self._nursery is not None
+                ok = await self.transport.reserve(stream, pid, self._nursery)
+        except Exception as exc:
+            self.relay_errors[rid] = f"{type(exc).__name__}: {exc}"
+            return []
+        finally:
+            if stream is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    with contextlib.suppress(Exception):
+                        await stream.close()
+        if not ok:
+            self.relay_errors[rid] = "reservation refused"
+            return []
+        out = []
+        for conn in self.host.get_network().get_connections(pid):
+            if conn_is_relayed(conn):
+                continue
+            for a in conn.get_transport_addresses() or []:
+                text = str(a).split("/p2p/")[0]
+                out.append(f"{text}/p2p/{rid}{CIRCUIT}")
+        return out
+
+    @contextlib.asynccontextmanager
+    async def _services(self) -> AsyncIterator[None]:
+        async with background_trio_service(self.relay):
+            await self.relay.event_started.wait()
+            if self.dcutr is None:
+                yield
+                return
+            async with background_trio_service(self.dcutr):
+                await self.dcutr.event_started.wait()
+                yield
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        async with self._services(), trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.relay.serving = cfg.relay_service and self.reachability == PUBLIC
+            task_status.started()
+            await trio.sleep(cfg.first_check_s)
+            next_check = 0.0
+            while True:
+                now = time.monotonic()
+                if now >= next_check:
+                    await self.check()
+                    next_check = now + (cfg.first_check_s if self.reachability == UNKNOWN else cfg.check_interval_s)
+                self.relay.serving = cfg.relay_service and self.reachability == PUBLIC
+                if self.reachability == PRIVATE:
+                    await self.ensure_relays()
+                await trio.sleep(cfg.first_check_s)

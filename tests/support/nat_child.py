@@ -1,0 +1,69 @@
+"""One overlay node as its own process, for the namespace tests (tests/test_nat_netns.py).
+
+``python -m tests.support.nat_child --seed HEX --listen MADDR --status FILE [--bootstrap MADDR]
+[--advertise IP] [--target-peers N] [--stock-autonat]``: runs a :class:`node.p2p.Node` (no role: the overlay,
+AutoNAT, relay and hole punching are what is under test) and rewrites ``FILE`` with the
+node's status JSON twice a second, so the test (in another network namespace) can read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import trio
+
+from node.p2p.nat import NatConfig
+from node.p2p.node import Node, RoleHook
+from node.p2p.testing import fast_config
+from protocol import NodeKey
+
+RUN_ID = bytes(range(32))
+
+
+async def main(args: argparse.Namespace) -> None:
+    if args.stock_autonat:
+        # Shows the library's own dial-back (``host.connect()``: reuses the requester's
+        # connection) next to ours; see node/p2p/nat.py.
+        from libp2p.host.autonat import AutoNATService
+
+        from node.p2p.nat import DialBackAutoNAT
+
+        DialBackAutoNAT._try_dial = AutoNATService._try_dial  # type: ignore[method-assign]
+    key = NodeKey(bytes.fromhex(args.seed))
+    nat = NatConfig(first_check_s=1.0, check_interval_s=10.0, dial_back_timeout_s=3.0)
+    cfg = fast_config(
+        listen=[args.listen],
+        bootstrap=list(args.bootstrap),
+        target_peers=args.target_peers,
+        advertise_host=args.advertise or "127.0.0.1",
+        dial_timeout_s=5.0,
+        nat=nat,
+    )
+    if args.heartbeat_s:
+        cfg.heartbeat_interval_s = args.heartbeat_s
+        cfg.forget_after_s = max(10.0, 5 * args.heartbeat_s)
+    node = Node(key, run_id=RUN_ID, config=cfg, hook=RoleHook())
+    out = Path(args.status)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        while True:
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(node.status()))
+            os.replace(tmp, out)
+            await trio.sleep(0.5)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--seed", required=True)
+    p.add_argument("--listen", required=True)
+    p.add_argument("--status", required=True)
+    p.add_argument("--bootstrap", action="append", default=[])
+    p.add_argument("--advertise", default=None)
+    p.add_argument("--target-peers", type=int, default=4)
+    p.add_argument("--stock-autonat", action="store_true")
+    p.add_argument("--heartbeat-s", type=float, default=0.0)
+    trio.run(main, p.parse_args())
