@@ -62,7 +62,7 @@ def test_apply_of_encode_is_the_new_version_bit_for_bit(dtype, numel, density, s
             tensors = {"w": torch.from_numpy(arr.copy()).view(dtype), "z": torch.zeros(3)}
             save_file(tensors, str(t / name / "m.safetensors"))
         data, stats = encode_delta(_files(t / "a"), _files(t / "b"))
-        apply_delta(_files(t / "a"), data, t / "out", durable=False)
+        apply_delta(_files(t / "a"), data, t / "out", chunk_size=4096, durable=False)
         assert (t / "out" / "m.safetensors").read_bytes() == (t / "b" / "m.safetensors").read_bytes()
     changed = np.flatnonzero(old != new)
     assert stats.changed == len(changed)
@@ -347,7 +347,7 @@ def test_dense_encoding_when_nearly_everything_changed(tmp_path):
     b = write_version(tmp_path / "b", {k: (v.float() + 1).to(v.dtype) for k, v in random_state(5).items()})
     data, stats = encode_delta(_files(a), _files(b))
     assert {r.encoding for r in parse_delta(data)} == {ENC_DENSE}
-    apply_delta(_files(a), data, tmp_path / "out", durable=False)
+    apply_delta(_files(a), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
     assert equal_dirs(b, tmp_path / "out")
     assert len(SHAPES) == stats.tensors
 
@@ -357,5 +357,5 @@ def test_apply_refuses_a_delta_that_does_not_fit_the_base(tmp_path):
     data = _delta_between(srcs[0], srcs[1])
     small = write_version(tmp_path / "small", {"embed.weight": torch.zeros(3, dtype=torch.bfloat16)})
     with pytest.raises(ProtocolError) as exc:
-        apply_delta(_files(small), data, tmp_path / "out", durable=False)
+        apply_delta(_files(small), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
     assert exc.value.rule == "delta.base"

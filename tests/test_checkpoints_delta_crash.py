@@ -3,7 +3,7 @@ half-written result is never taken for the new version, and the restarted node a
 the delta again to the exact bytes.
 
 The child process applies version 1 (a delta on version 0) in a real node store and
-stops after its first patched tensor, telling the parent on stdout; the parent kills it
+stops after the first block of the weights file, telling the parent on stdout; the parent kills it
 there with SIGKILL, so the kill lands mid-apply every time (no timing guess)."""
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import sys
 from node.checkpoints import ChunkStore
 
 store = ChunkStore(sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3])
-def pause(name):
-    print("patched", name, flush=True)
-    sys.stdin.readline()  # the parent kills us while we wait here
-store.assemble_blocking(store.versions[1], store.versions[0], on_tensor=pause)
+def pause(path, index):
+    if path == "model.safetensors":
+        print("wrote", path, index, flush=True)
+        sys.stdin.readline()  # the parent kills us while we wait here
+store.assemble_blocking(store.versions[1], store.versions[0], on_block=pause)
 print("done", flush=True)
 """
 
@@ -90,7 +91,7 @@ def test_kill_9_mid_apply_leaves_the_last_good_version_loadable(tmp_path):
     )
     try:
         line = child.stdout.readline()
-        assert line.startswith("patched"), f"the child did not reach the first tensor: {line!r}"
+        assert line.startswith("wrote"), f"the child did not reach the first block: {line!r}"
         vdir = home / "versions" / store.versions[1].dirname
         partial = vdir / "files.tmp" / "model.safetensors"
         assert partial.exists() and partial.read_bytes() != (srcs[1] / "model.safetensors").read_bytes()

@@ -17,6 +17,7 @@ Blocking throughout (numpy, file I/O): call from ``trio.to_thread``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +27,8 @@ from typing import Any, Literal
 import numpy as np
 import zstandard
 
+from node.checkpoints import directio
+from node.checkpoints.directio import DirectIOUnsupported
 from protocol import ProtocolError
 from protocol.delta import (
     ELEMENT_SIZE,
@@ -240,15 +243,87 @@ def check_against_base(records: list[DeltaRecord], base: Mapping[str, Path]) -> 
     return layouts
 
 
-def _copy_file(src: Path, dst: Path) -> None:
-    size = src.stat().st_size
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        done = 0
-        while done < size:
-            n = os.copy_file_range(fi.fileno(), fo.fileno(), size - done)
-            if n == 0:
-                raise OSError(f"{src} shrank while being copied")
-            done += n
+@dataclasses.dataclass
+class _Patch:
+    """One record's changes as byte positions in its file: a contiguous range (dense) or
+    sorted element offsets with the values split into byte planes (so an element that
+    straddles a block border lands byte by byte)."""
+
+    start: int
+    end: int
+    offsets: np.ndarray | None  # absolute byte offset of each changed element; None: dense
+    planes: list[np.ndarray]  # planes[j][i]: byte j of value i (dense: one plane, the raw bytes)
+
+    def apply(self, blk: np.ndarray, b0: int) -> None:
+        b1 = b0 + len(blk)
+        if self.end <= b0 or self.start >= b1:
+            return
+        if self.offsets is None:
+            lo, hi = max(self.start, b0), min(self.end, b1)
+            blk[lo - b0 : hi - b0] = self.planes[0][lo - self.start : hi - self.start]
+            return
+        for j, plane in enumerate(self.planes):
+            i0, i1 = np.searchsorted(self.offsets, [b0 - j, b1 - j])
+            if i1 > i0:
+                blk[self.offsets[i0:i1] + (j - b0)] = plane[i0:i1]
+
+
+def _patches(records: list[DeltaRecord], layouts: dict[str, dict[str, TensorSpan]]) -> dict[str, list[_Patch]]:
+    out: dict[str, list[_Patch]] = {}
+    for rec in records:
+        change = decode_record(rec)
+        span = layouts[rec.path][rec.name]
+        s = rec.element_size
+        if change.positions is None:
+            patch = _Patch(span.start, span.end, None, [change.values.view(np.uint8).reshape(-1)])
+        else:
+            offsets = span.start + change.positions.astype(np.int64) * s
+            planes = [((change.values >> (8 * j)) & 0xFF).astype(np.uint8) for j in range(s)]
+            patch = _Patch(span.start, span.end, offsets, planes)
+        out.setdefault(rec.path, []).append(patch)
+    return out
+
+
+class _BlockIO:
+    """Reads the base and writes the result block by block, with O_DIRECT where the
+    filesystem allows it (directio.py says why: fresh page-cache pages are what costs on a
+    VM), buffered otherwise."""
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct
+
+    def open_in(self, path: Path) -> tuple[int, bool]:
+        if self.direct:
+            try:
+                return directio.open_direct(path, os.O_RDONLY), True
+            except DirectIOUnsupported:
+                self.direct = False
+        return os.open(path, os.O_RDONLY), False
+
+    def open_out(self, path: Path) -> tuple[int, bool]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if self.direct:
+            try:
+                return directio.open_direct(path, flags), True
+            except DirectIOUnsupported:
+                self.direct = False
+        return os.open(path, flags, 0o644), False
+
+    def read(self, fd: int, direct: bool, offset: int, n: int, block: int) -> np.ndarray:
+        want = -(-n // directio.ALIGN) * directio.ALIGN
+        buf = directio.scratch(max(want, block), "delta-read")
+        view = memoryview(buf)[:want]
+        got = 0
+        while got < n:
+            r = os.preadv(fd, [view[got:]], offset + got)
+            if r == 0:
+                break
+            got += r
+            if direct and got < n and got % directio.ALIGN:
+                break
+        if got < n:
+            raise OSError(f"base file short at {offset + got}")
+        return np.frombuffer(view, dtype=np.uint8)[:n]
 
 
 def apply_delta(
@@ -256,47 +331,60 @@ def apply_delta(
     data: bytes | memoryview,
     out_dir: Path,
     *,
+    chunk_size: int,
     durable: bool = True,
-    on_tensor: Callable[[str], None] | None = None,
-) -> int:
-    """Write the new version's files into ``out_dir``: the base files, changed elements
-    patched in place. Returns the number of elements written.
+    direct: bool = True,
+    on_block: Callable[[str, int], None] | None = None,
+) -> dict[str, list[bytes]]:
+    """Write the new version's files into ``out_dir`` in one pass over the base: each block
+    of ``chunk_size`` bytes is read, patched, hashed and written. Returns the sha256 of
+    every ``chunk_size`` chunk of every rebuilt file (what the new version's anchor
+    manifest would list), so the caller checks ``weights_root`` without reading the
+    result again.
 
-    Everything about the delta is checked (layout, against the base's headers)
-    before a byte is written; a payload that fails to decode raises mid-way, so the
-    caller writes into a temp folder and renames it only after checking the result.
-    ``on_tensor(name)`` runs after each patched tensor (tests kill the process there).
+    Everything about the delta is checked (layout, against the base's headers, every
+    payload decoded) before a byte is written; the caller writes into a temp folder and
+    renames it only after checking the result. ``on_block(path, index)`` runs after each
+    written block (tests kill the process there).
     """
     records = parse_delta(data)
     layouts = check_against_base(records, base)
+    patches = _patches(records, layouts)
+    io = _BlockIO(direct and chunk_size % directio.ALIGN == 0)
     out_dir.mkdir(parents=True, exist_ok=True)
+    hashes: dict[str, list[bytes]] = {}
     for rel in sorted(base):
-        dst = out_dir / rel
+        src, dst = Path(base[rel]), out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        _copy_file(Path(base[rel]), dst)
-    written = 0
-    for rec in records:
-        change = decode_record(rec)
-        span = layouts[rec.path][rec.name]
-        target = _tensor(out_dir / rec.path, span, mode="r+")
-        if change.positions is None:
-            target[:] = change.values
-        else:
-            target[change.positions] = change.values
-        if isinstance(target, np.memmap):
-            target.flush()
-        del target
-        written += len(change.values)
-        if on_tensor is not None:
-            on_tensor(rec.name)
-    if durable:
-        for rel in sorted(base):
-            fd = os.open(out_dir / rel, os.O_RDONLY)
+        size = src.stat().st_size
+        fin, din = io.open_in(src)
+        try:
+            fout, _dout = io.open_out(dst)
             try:
-                os.fsync(fd)
+                hs = hashes[rel] = []
+                for b0 in range(0, size, chunk_size):
+                    n = min(chunk_size, size - b0)
+                    blk = io.read(fin, din, b0, n, chunk_size)
+                    for patch in patches.get(rel, ()):
+                        patch.apply(blk, b0)
+                    raw = blk.data  # the patched block, as a buffer (no copy)
+                    hs.append(hashlib.sha256(raw).digest())
+                    if _dout:
+                        directio.pwrite_direct(fout, raw, b0)
+                    else:
+                        done = 0
+                        while done < n:
+                            done += os.pwrite(fout, raw[done:], b0 + done)
+                    del blk, raw
+                    if on_block is not None:
+                        on_block(rel, b0 // chunk_size)
+                if durable:
+                    os.fsync(fout)
             finally:
-                os.close(fd)
-    return written
+                os.close(fout)
+        finally:
+            os.close(fin)
+    return hashes
 
 
 __all__ = [

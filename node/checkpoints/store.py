@@ -62,7 +62,16 @@ from node.checkpoints.manifest import (
     verify_announce,
 )
 from node.util import fsync_dir
-from protocol import CheckpointManifest, DeltaRef, Envelope, HaveEntry, NodeKey, ProtocolError, ReplayGuard
+from protocol import (
+    CheckpointManifest,
+    DeltaRef,
+    Envelope,
+    FileEntry,
+    HaveEntry,
+    NodeKey,
+    ProtocolError,
+    ReplayGuard,
+)
 from protocol.bitmap import Bitmap
 from protocol.delta import DELTA_FILE
 from protocol.rules import is_stale
@@ -363,8 +372,10 @@ class ChunkStore:
         vdir.mkdir(parents=True, exist_ok=True)
         tmp = vdir / "files.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        apply_delta(self.version_files(base), data, tmp, durable=self.durable)
-        if build_manifest(self.run_id, version, tmp, chunk_size, created_ms=0).root != full.root:
+        hashes = apply_delta(
+            self.version_files(base), data, tmp, chunk_size=chunk_size, durable=self.durable, direct=self.direct_io
+        )
+        if self._rebuilt_root(version, chunk_size, tmp, hashes) != full.root:
             shutil.rmtree(vdir, ignore_errors=True)
             raise DeltaIncompatible("applying the delta did not rebuild the export (an encoder bug): anchor instead")
         os.replace(tmp, vdir / "files")  # the announce is written next; without it _load drops the folder
@@ -394,7 +405,10 @@ class ChunkStore:
         return data
 
     def assemble_blocking(
-        self, st: VersionState, base: VersionState | None = None, on_tensor: Callable[[str], None] | None = None
+        self,
+        st: VersionState,
+        base: VersionState | None = None,
+        on_block: Callable[[str, int], None] | None = None,
     ) -> Path:
         """Write the version's files: an anchor's from its chunks (byte-identical to the
         trainer's), a delta version's by applying it to ``base``'s files and checking the
@@ -410,7 +424,7 @@ class ChunkStore:
         shutil.rmtree(tmp, ignore_errors=True)
         if st.delta is not None:
             try:
-                self._apply_blocking(st, base, tmp, on_tensor)
+                self._apply_blocking(st, base, tmp, on_block)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -432,7 +446,7 @@ class ChunkStore:
         return final
 
     def _apply_blocking(
-        self, st: VersionState, base: VersionState | None, out: Path, on_tensor: Callable[[str], None] | None
+        self, st: VersionState, base: VersionState | None, out: Path, on_block: Callable[[str, int], None] | None
     ) -> None:
         ref = st.delta
         assert ref is not None
@@ -447,14 +461,33 @@ class ChunkStore:
         if not (self.versions_dir / base.dirname / "files").is_dir():
             raise BaseMissing(st.version, ref.base_version)
         data = self.delta_bytes_blocking(st)
-        apply_delta(self.version_files(base), data, out, durable=self.durable, on_tensor=on_tensor)
-        got = build_manifest(self.run_id, st.version, out, st.manifest.chunk_size, created_ms=0).root
+        cs = st.manifest.chunk_size
+        hashes = apply_delta(
+            self.version_files(base),
+            data,
+            out,
+            chunk_size=cs,
+            durable=self.durable,
+            direct=self.direct_io,
+            on_block=on_block,
+        )
+        got = self._rebuilt_root(st.version, cs, out, hashes)
         if got != ref.weights_root:
             raise ProtocolError(
                 "delta.result",
                 f"version {st.version} rebuilt from {ref.base_version} hashes to {got.hex()[:16]}, "
                 f"the manifest says {ref.weights_root.hex()[:16]}",
             )
+
+    def _rebuilt_root(self, version: int, chunk_size: int, out: Path, hashes: dict[str, list[bytes]]) -> bytes:
+        """The anchor root of files a delta rebuilt, from the chunk hashes applying it computed
+        (files in ``checkpoint_files`` order, exactly as ``build_manifest`` lists them)."""
+        entries = []
+        for rel, path in checkpoint_files(out):
+            if rel not in hashes:
+                raise ProtocolError("delta.result", f"{rel} appeared while applying")
+            entries.append(FileEntry(path=rel, size=path.stat().st_size, chunk_hashes=tuple(hashes[rel])))
+        return CheckpointManifest.compute_root(self.run_id, version, chunk_size, tuple(entries))
 
     def _write_files(self, st: VersionState, tmp: Path, *, direct: bool) -> None:
         """The version's files under ``tmp``, chunk by chunk: O_DIRECT reads and writes, or
