@@ -83,8 +83,13 @@ def test_structure_change_cannot_be_a_delta(tmp_path):
     a = write_version(tmp_path / "a", random_state(0))
     grown = {**random_state(0), "extra": torch.zeros(4)}
     b = write_version(tmp_path / "b", grown)
-    with pytest.raises(DeltaIncompatible, match="header"):
+    with pytest.raises(DeltaIncompatible, match="size changed"):
         encode_delta(_files(a), _files(b))
+    renamed = random_state(0)
+    renamed["norX.weight"] = renamed.pop("norm.weight")  # same file size, another header
+    r = write_version(tmp_path / "r", renamed)
+    with pytest.raises(DeltaIncompatible, match="header changed"):
+        encode_delta(_files(a), _files(r))
     c = write_version(tmp_path / "c", random_state(0))
     (c / "config.json").write_text("{}")
     with pytest.raises(DeltaIncompatible, match=r"config\.json changed"):

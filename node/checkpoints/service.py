@@ -80,6 +80,7 @@ MAX_BANNED = 10_000
 MAX_REFUSED = 64  # refused versions remembered (status, not re-tried)
 MANIFEST_TIMEOUT_S = 5.0  # one ManifestRequest
 MANIFEST_RETRY_MAX_S = 5.0  # back-off between rounds over every known peer
+CLAIM_GRACE_S = 15.0  # a version a heartbeat lists but no announce brought: ask peers after this
 CLAIM_RETRY_S = 30.0  # a heartbeat's claim of a version nobody could back: not asked again before
 MAX_UNRESOLVED = 256
 
@@ -129,6 +130,7 @@ class Checkpoints:
         self._waiting: dict[int, int] = {}
         self._resolving: set[tuple[int, bytes]] = set()
         self._unresolved: dict[tuple[int, bytes], float] = {}  # heartbeat claims nobody backed
+        self._claims: dict[tuple[int, bytes], float] = {}  # heartbeat claims: first seen
         self.refused: dict[int, str] = {}
         self.deltas_applied = 0
 
@@ -191,9 +193,24 @@ class Checkpoints:
             if fetcher is not None and fetcher.st.root == e.root:
                 fetcher.update_have(peer_id, e.bitmap)
             elif (newest is None or e.version > newest.version) and e.version not in self.store.versions:
-                # a peer holds a version this node never heard announced (it joined late, or
-                # missed the gossip): ask the peers that list it for the trainer's announce
-                self._resolve(e.version, e.root, claimed=True)
+                self._on_claim(e.version, e.root)
+
+    def _on_claim(self, version: int, root: bytes) -> None:
+        """A peer's heartbeat lists a version this node never heard announced. Usually the
+        announce is on its way by gossip; if it has not come ``CLAIM_GRACE_S`` after the
+        first such heartbeat (the node joined late, or the trainer is gone), ask the peers
+        that list it for the trainer's announce."""
+        key = (version, root)
+        now = time.monotonic()
+        first = self._claims.setdefault(key, now)
+        if len(self._claims) > MAX_UNRESOLVED:
+            newest = self.store.newest()
+            for k in [k for k in self._claims if k[0] in self.store.versions or (newest and k[0] <= newest.version)]:
+                del self._claims[k]
+            while len(self._claims) > MAX_UNRESOLVED:
+                del self._claims[next(iter(self._claims))]
+        if now - first >= CLAIM_GRACE_S:
+            self._resolve(version, root, claimed=True)
 
     def add_peer(self, peer_id: str) -> None:
         """A peer to try even without a heartbeat (static peer lists, benchmarks)."""
