@@ -91,8 +91,10 @@ def run_lr(lr: float, steps: int, args, work: Path) -> tuple[list[dict], list[Pa
     engine = TransformersEngine(trainer.model, device="cpu", pad_token_id=pad)
 
     def encode(text: str) -> list[int]:
-        msgs = [{"role": "user", "content": text}]
-        return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]  # newer transformers return a BatchEncoding
+        return [int(t) for t in ids]
 
     def decode(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True)
