@@ -175,12 +175,29 @@ class FileEntry(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class DeltaRef(Message):
+    """What a delta version applies to and what applying it must give.
+
+    ``base_version``/``base_root``: the published version (its manifest root) the
+    delta was encoded against. ``weights_root``: the root the *full* checkpoint of
+    this version would have as an anchor manifest (same run, version and chunk
+    size, the rebuilt files), checked before anything loads the result.
+    """
+
+    base_version: int = spec(**_VERSION)
+    base_root: bytes = spec(**_HASH)
+    weights_root: bytes = spec(**_HASH)
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointManifest(Message):
     """A checkpoint version: its files, chunk hashes and a root hash over all of it.
 
-    ``root = sha256(canonical bytes of [run_id, version, chunk_size, files])``;
-    chunk ``i`` of the version is the i-th hash when the files' lists are
-    concatenated in order.
+    ``root = sha256(canonical bytes of [run_id, version, chunk_size, files])`` for an
+    anchor (``delta`` nil: the files are the full weights), and of
+    ``[run_id, version, chunk_size, files, delta]`` for a delta version (the files
+    are one sparse-delta file, protocol/delta.py); chunk ``i`` of the version is
+    the i-th hash when the files' lists are concatenated in order.
     """
 
     MAX_BYTES: ClassVar[int] = 900 * KIB
@@ -191,10 +208,21 @@ class CheckpointManifest(Message):
     files: tuple[FileEntry, ...] = spec(min_len=1, max_len=1024)
     created_ms: int = spec(**_COUNT)
     root: bytes = spec(**_HASH)
+    delta: DeltaRef | None = spec(default=None)  # noqa: RUF009 (field specifier); nil: an anchor
 
     @staticmethod
-    def compute_root(run_id: bytes, version: int, chunk_size: int, files: tuple[FileEntry, ...]) -> bytes:
-        return sha256(pack([b"primenode/manifest/v1", run_id, version, chunk_size, [f.to_wire() for f in files]]))
+    def compute_root(
+        run_id: bytes, version: int, chunk_size: int, files: tuple[FileEntry, ...], delta: DeltaRef | None = None
+    ) -> bytes:
+        fields: list[Any] = [b"primenode/manifest/v1", run_id, version, chunk_size, [f.to_wire() for f in files]]
+        if delta is not None:
+            fields.append(delta.to_wire())
+        return sha256(pack(fields))
+
+    @property
+    def is_anchor(self) -> bool:
+        """A full checkpoint (loadable on its own), not a delta against an earlier version."""
+        return self.delta is None
 
     def validate(self) -> None:
         paths = set()
@@ -208,7 +236,9 @@ class CheckpointManifest(Message):
             if f.path in paths:
                 raise ProtocolError("field:CheckpointManifest.files", f"duplicate path {f.path}")
             paths.add(f.path)
-        if self.compute_root(self.run_id, self.version, self.chunk_size, self.files) != self.root:
+        if self.delta is not None and self.delta.base_version >= self.version:
+            raise ProtocolError("field:CheckpointManifest.delta", "a delta's base must be an earlier version")
+        if self.compute_root(self.run_id, self.version, self.chunk_size, self.files, self.delta) != self.root:
             raise ProtocolError("field:CheckpointManifest.root", "root hash does not match the files")
 
     @property
@@ -384,6 +414,30 @@ class BatchResponse(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class ManifestRequest(Message):
+    """Ask a peer for the trainer's announce of one version it holds (a late joiner
+    resolving the base chain of a delta, without asking the trainer)."""
+
+    TYPE_ID: ClassVar[int] = 18
+    MAX_BYTES: ClassVar[int] = 256
+
+    version: int = spec(**_VERSION)
+    root: bytes = spec(**_HASH)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestResponse(Message):
+    """``envelope`` is the trainer's signed CheckpointAnnounce envelope, byte for byte
+    (empty when not ``found``); the asker checks signer, run, version and root."""
+
+    TYPE_ID: ClassVar[int] = 19
+    MAX_BYTES: ClassVar[int] = CheckpointAnnounce.MAX_BYTES + 8 * KIB
+
+    found: bool
+    envelope: bytes = spec(max_len=CheckpointAnnounce.MAX_BYTES + 4 * KIB)
+
+
+@dataclasses.dataclass(frozen=True)
 class PeerExchangeRequest(Message):
     TYPE_ID: ClassVar[int] = 13
     MAX_BYTES: ClassVar[int] = 256
@@ -447,6 +501,8 @@ ENVELOPE_TYPES: dict[int, type[Message]] = {
         GenesisRequest,
         GenesisResponse,
         ErrorResponse,
+        ManifestRequest,
+        ManifestResponse,
     )
 }
 # Types that may travel before a joiner knows the run (zero run id allowed).

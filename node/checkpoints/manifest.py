@@ -17,6 +17,7 @@ import node.util
 from protocol import (
     CheckpointAnnounce,
     CheckpointManifest,
+    DeltaRef,
     Envelope,
     FileEntry,
     NodeKey,
@@ -53,8 +54,10 @@ def build_manifest(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     created_ms: int | None = None,
     on_chunk: Callable[[bytes, memoryview], None] | None = None,
+    delta: DeltaRef | None = None,
 ) -> CheckpointManifest:
-    """Cut every file of ``src_dir`` into ``chunk_size`` pieces and hash them.
+    """Cut every file of ``src_dir`` into ``chunk_size`` pieces and hash them (``delta``:
+    the files are a delta against that base, see protocol/delta.py).
 
     ``on_chunk(sha256, data)`` sees every chunk as it is read (the store uses it
     to import the chunks in the same pass). Blocking: call it from a thread.
@@ -88,7 +91,8 @@ def build_manifest(
         chunk_size=chunk_size,
         files=files_t,
         created_ms=node.util.now_ms() if created_ms is None else created_ms,
-        root=CheckpointManifest.compute_root(run_id, version, chunk_size, files_t),
+        root=CheckpointManifest.compute_root(run_id, version, chunk_size, files_t, delta),
+        delta=delta,
     )
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from protocol import ChunkTicket, ChunkTicketRequest
+from protocol import ChunkTicket, ChunkTicketRequest, ManifestRequest, ManifestResponse
 
 if TYPE_CHECKING:
     from node.checkpoints.server import ChunkServer
@@ -31,6 +31,9 @@ class ChunkOverlay(Protocol):
 
     async def request_ticket(self, peer_id: str, req: ChunkTicketRequest, timeout: float) -> ChunkTicket:
         """Ask ``peer_id`` for a data-plane ticket; raise on timeout or when the peer cannot be asked."""
+
+    async def request_manifest(self, peer_id: str, req: ManifestRequest, timeout: float) -> ManifestResponse:
+        """Ask ``peer_id`` for the trainer's announce of a version (a delta's base chain)."""
 
     def penalise(self, peer_id: str, reason: str) -> None:
         """Misbehaviour points for ``peer_id`` (a bad chunk, a stall)."""
@@ -56,6 +59,16 @@ class LocalOverlay:
         if server is None:
             raise ConnectionRefusedError(f"unknown peer {peer_id}")
         return server.grant_ticket(self.my_id, req)
+
+    async def request_manifest(self, peer_id: str, req: ManifestRequest, timeout: float) -> ManifestResponse:
+        await trio.lowlevel.checkpoint()
+        if peer_id in self.banned:
+            raise ConnectionRefusedError(f"{peer_id} is banned")
+        server = self.servers.get(peer_id)
+        if server is None:
+            raise ConnectionRefusedError(f"unknown peer {peer_id}")
+        st = server.store.get(req.version, req.root)
+        return ManifestResponse(found=st is not None, envelope=st.raw if st is not None else b"")
 
     def penalise(self, peer_id: str, reason: str) -> None:
         self.penalties[(peer_id, reason)] += 1

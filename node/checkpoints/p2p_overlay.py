@@ -22,21 +22,40 @@ package (tests/test_layout.py), it only calls the node's public attributes.
 from __future__ import annotations
 
 import logging
+import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from node.checkpoints.service import Checkpoints
-from protocol import CheckpointAnnounce, ChunkTicket, ChunkTicketRequest, Envelope, ProtocolError
+from protocol import (
+    CheckpointAnnounce,
+    ChunkTicket,
+    ChunkTicketRequest,
+    Envelope,
+    ManifestRequest,
+    ManifestResponse,
+    ProtocolError,
+)
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
+ANCHOR_EVERY = 10  # genesis [config] anchor_every (grail's choice; docs/checkpoints.md)
+DELTA_MAX_FRACTION = 0.5  # genesis [config] delta_max_fraction
+
 # Misbehaviour points per data-plane reason (the policy's budget is ~20).
-POINTS = {"bad_chunk": 5.0, "bad_bitmap": 5.0, "bad_frame": 5.0, "bad_chunk_count": 5.0, "chunk_stall": 1.0}
+POINTS = {
+    "bad_chunk": 5.0,
+    "bad_bitmap": 5.0,
+    "bad_frame": 5.0,
+    "bad_chunk_count": 5.0,
+    "chunk_stall": 1.0,
+    "bad_manifest": 5.0,
+}
 
 
 class P2POverlay:
@@ -49,6 +68,11 @@ class P2POverlay:
         env = await self.node.reqresp.request(peer_id, req, expect=ChunkTicket, timeout=timeout, redial=True)
         ticket: ChunkTicket = env.body
         return ticket
+
+    async def request_manifest(self, peer_id: str, req: ManifestRequest, timeout: float) -> ManifestResponse:
+        env = await self.node.reqresp.request(peer_id, req, expect=ManifestResponse, timeout=timeout, redial=True)
+        resp: ManifestResponse = env.body
+        return resp
 
     def penalise(self, peer_id: str, reason: str) -> None:
         self.node.policy.penalise(peer_id, reason, POINTS.get(reason))
@@ -90,7 +114,11 @@ async def serve_checkpoints(
     def on_ban(peer_id: str, reason: str) -> None:
         checkpoints.note_banned(peer_id, node.policy.banned)
 
+    def on_manifest(env: Envelope[ManifestRequest], peer: str) -> ManifestResponse:
+        return checkpoints.serve_manifest(env.body)
+
     node.reqresp.register(ChunkTicketRequest, on_ticket)
+    node.reqresp.register(ManifestRequest, on_manifest)
     node.gossip.on("checkpoint", on_announce)
     node.gossip.on("heartbeat", on_heartbeat)
     node.policy.ban_listeners.append(on_ban)
@@ -98,12 +126,39 @@ async def serve_checkpoints(
     await checkpoints.run(task_status=task_status)
 
 
+def delta_settings(config_toml: str) -> tuple[int, float]:
+    """The genesis ``[config]`` keys of delta publishing: ``anchor_every`` (a full anchor
+    every K versions; 0 or 1: every version is an anchor) and ``delta_max_fraction``
+    (publish an anchor when the delta is not smaller than this share of the full files)."""
+    cfg = tomllib.loads(config_toml) if config_toml else {}
+    return int(cfg.get("anchor_every", ANCHOR_EVERY)), float(cfg.get("delta_max_fraction", DELTA_MAX_FRACTION))
+
+
+def delta_base_for(checkpoints: Checkpoints, version: int, anchor_every: int) -> int | None:
+    """The version to publish ``version`` as a delta against (the newest assembled one
+    before it), or None for an anchor (every ``anchor_every``-th version, or nothing to
+    apply to)."""
+    if anchor_every <= 1 or version % anchor_every == 0:
+        return None
+    older = [v for v, st in checkpoints.store.versions.items() if v < version and st.assembled]
+    return max(older) if older else None
+
+
 async def publish_checkpoint(
     node: Any, checkpoints: Checkpoints, version: int, src_dir: Path | str, chunk_size: int | None = None
 ) -> bytes:
-    """Trainer: import ``src_dir`` as ``version``, then gossip the signed announce."""
+    """Trainer: import ``src_dir`` as ``version`` (a delta against the previous published
+    version, or an anchor: ``delta_settings``), then gossip the signed announce."""
     cs = chunk_size or (node.genesis.chunk_size if node.genesis is not None else None)
-    raw = await checkpoints.publish(node.key, version, src_dir, **({"chunk_size": cs} if cs else {}))
+    anchor_every, max_fraction = delta_settings(node.genesis.config_toml if node.genesis is not None else "")
+    raw = await checkpoints.publish(
+        node.key,
+        version,
+        src_dir,
+        **({"chunk_size": cs} if cs else {}),
+        delta_base=delta_base_for(checkpoints, version, anchor_every),
+        max_delta_fraction=max_fraction,
+    )
     st = checkpoints.store.get(version)
     assert st is not None  # publish() stored it
     await node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))

@@ -22,6 +22,16 @@ while the version is within the ``max_async`` window, and are served), unless
 a role asked for that version with ``want_version`` (a validator checking a
 batch that claims it): wanted versions inside the window are fetched alongside
 the newest and never abandoned for it.
+
+Delta versions (protocol/delta.py) are fetched like any version (their one file
+is small) and then applied to their base: a node that holds the base assembled
+applies at once; one that does not (a late joiner, a node that fell behind)
+walks the base chain down to an anchor, asks any peer for the trainer's signed
+announce of each version it has not seen (``ManifestRequest``), fetches them
+all from the swarm and applies them in order. A delta that is malformed, names
+a base other than the one held, or does not rebuild the manifest's
+``weights_root`` is refused with one log line and never loaded (``refused`` in
+the status); the node keeps its last good version and takes the next anchor.
 """
 
 from __future__ import annotations
@@ -35,12 +45,24 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from node.checkpoints.delta import DeltaIncompatible, TensorChange, iter_changes
 from node.checkpoints.fetcher import FetchProgress, VersionFetcher
-from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE
+from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE, verify_announce
 from node.checkpoints.overlay import ChunkOverlay
 from node.checkpoints.server import ChunkServer
-from node.checkpoints.store import ChunkStore
-from protocol import ChunkTicket, ChunkTicketRequest, Envelope, HaveEntry, Heartbeat, NodeKey, ReplayGuard
+from node.checkpoints.store import BaseMissing, ChunkStore
+from protocol import (
+    ChunkTicket,
+    ChunkTicketRequest,
+    Envelope,
+    HaveEntry,
+    Heartbeat,
+    ManifestRequest,
+    ManifestResponse,
+    NodeKey,
+    ProtocolError,
+    ReplayGuard,
+)
 from protocol.rules import is_stale, window_floor
 
 if TYPE_CHECKING:
@@ -55,6 +77,12 @@ log = logging.getLogger(__name__)
 FETCH_HISTORY_VERSIONS = 16
 SERVED_TO_PEERS = 1024
 MAX_BANNED = 10_000
+MAX_REFUSED = 64  # refused versions remembered (status, not re-tried)
+MANIFEST_TIMEOUT_S = 5.0  # one ManifestRequest
+MANIFEST_RETRY_MAX_S = 5.0  # back-off between rounds over every known peer
+CLAIM_GRACE_S = 15.0  # a version a heartbeat lists but no announce brought: ask peers after this
+CLAIM_RETRY_S = 30.0  # a heartbeat's claim of a version nobody could back: not asked again before
+MAX_UNRESOLVED = 256
 
 
 class Checkpoints:
@@ -97,6 +125,15 @@ class Checkpoints:
         self._finishing: set[int] = set()  # versions being assembled
         self._changed = trio.Event()
         self._announced = trio.Event()  # set (and replaced) whenever a new version's manifest arrives
+        # deltas: bases to fetch though older than the newest, deltas waiting for their
+        # base (version -> base version), manifests being asked of peers, refusals
+        self._chain: set[int] = set()
+        self._waiting: dict[int, int] = {}
+        self._resolving: set[tuple[int, bytes]] = set()
+        self._unresolved: dict[tuple[int, bytes], float] = {}  # heartbeat claims nobody backed
+        self._claims: dict[tuple[int, bytes], float] = {}  # heartbeat claims: first seen
+        self.refused: dict[int, str] = {}
+        self.deltas_applied = 0
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -107,7 +144,10 @@ class Checkpoints:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.server.run)
-            for st in self.store.versions.values():  # resume after a restart
+            newest = self.store.newest()
+            for st in self.store.versions.values():  # resume after a restart (the window's versions)
+                if newest is not None and is_stale(st.version, newest.version, self.max_async):
+                    continue
                 if st.complete and not st.assembled:
                     self._finishing.add(st.version)
                     nursery.start_soon(self._finish, st.version)
@@ -158,10 +198,30 @@ class Checkpoints:
             # a peer that serves chunks but does not list this version yet probably
             # just heard of it too: try it (its HAVE replies tell us what it holds)
             f.add_peer(peer_id)
+        newest = self.store.newest()
         for e in hb.have:
             fetcher = self.fetchers.get(e.version)
             if fetcher is not None and fetcher.st.root == e.root:
                 fetcher.update_have(peer_id, e.bitmap)
+            elif (newest is None or e.version > newest.version) and e.version not in self.store.versions:
+                self._on_claim(e.version, e.root)
+
+    def _on_claim(self, version: int, root: bytes) -> None:
+        """A peer's heartbeat lists a version this node never heard announced. Usually the
+        announce is on its way by gossip; if it has not come ``CLAIM_GRACE_S`` after the
+        first such heartbeat (the node joined late, or the trainer is gone), ask the peers
+        that list it for the trainer's announce."""
+        key = (version, root)
+        now = time.monotonic()
+        first = self._claims.setdefault(key, now)
+        if len(self._claims) > MAX_UNRESOLVED:
+            newest = self.store.newest()
+            for k in [k for k in self._claims if k[0] in self.store.versions or (newest and k[0] <= newest.version)]:
+                del self._claims[k]
+            while len(self._claims) > MAX_UNRESOLVED:
+                del self._claims[next(iter(self._claims))]
+        if now - first >= CLAIM_GRACE_S:
+            self._resolve(version, root, claimed=True)
 
     def add_peer(self, peer_id: str) -> None:
         """A peer to try even without a heartbeat (static peer lists, benchmarks)."""
@@ -178,16 +238,112 @@ class Checkpoints:
             return
         floor = window_floor(newest.version, self.max_async)
         self._wanted = {v for v in self._wanted if v >= floor or v in self.store.keep}
+        self._plan_chain(self._wanted | {newest.version})
         for v, scope in list(self._fetch_scopes.items()):
-            if v < newest.version and v not in self._wanted:
+            if v < newest.version and v not in self._wanted and v not in self._chain:
                 scope.cancel()
-        for v in sorted(self._wanted | {newest.version}):
+        for v in sorted(self._wanted | self._chain | {newest.version}):
             self._ensure_fetch(v)
+
+    def _plan_chain(self, versions: Iterable[int]) -> None:
+        """The bases ``versions`` need before they can be applied, down to something
+        assembled or an anchor: fetched though older than the newest (``_chain``);
+        a base this node has never heard of is asked of the peers."""
+        self._chain = {v for v in self._chain if v in self.store.versions and not self.store.versions[v].assembled}
+        for v in versions:
+            st = self.store.versions.get(v)
+            while st is not None and st.delta is not None and not st.assembled and st.version not in self.refused:
+                ref = st.delta
+                base = self.store.versions.get(ref.base_version)
+                if base is None:
+                    self._resolve(ref.base_version, ref.base_root)
+                    break
+                if base.root != ref.base_root or base.assembled:
+                    break  # a wrong base is refused when the delta is applied
+                self._chain.add(base.version)
+                st = base
+
+    def _resolve(self, version: int, root: bytes, claimed: bool = False) -> None:
+        """Get the trainer's announce of ``version`` from peers, in a task. ``claimed``: only a
+        heartbeat says it exists (free to forge), so only the peers listing it are asked, once,
+        and a claim nobody could back is not chased again for ``CLAIM_RETRY_S``."""
+        key = (version, root)
+        if key in self._resolving or self._nursery is None:
+            return
+        if claimed and time.monotonic() - self._unresolved.get(key, -1e9) < CLAIM_RETRY_S:
+            return
+        self._resolving.add(key)
+        self._nursery.start_soon(self._resolve_manifest, version, root, claimed)
+
+    def _is_base(self, version: int, root: bytes) -> bool:
+        return any(
+            st.delta is not None and (st.delta.base_version, st.delta.base_root) == (version, root)
+            for st in self.store.versions.values()
+        )
+
+    def _needs_manifest(self, version: int, root: bytes) -> bool:
+        """Not held, and either a delta's base or newer than anything held."""
+        if version in self.store.versions:
+            return False
+        newest = self.store.newest()
+        return newest is None or version > newest.version or self._is_base(version, root)
+
+    async def _resolve_manifest(self, version: int, root: bytes, claimed: bool) -> None:
+        """Ask peers (those listing the version first) for the trainer's announce of
+        ``version`` until one gives it or nothing needs it any more (a version only a
+        heartbeat claimed: one round over the peers listing it). A peer answering with
+        anything but that exact, trainer-signed announce is charged ``bad_manifest``."""
+        delay = 0.25
+        try:
+            while self._needs_manifest(version, root):
+                holders = [
+                    p
+                    for p, (_t, have) in self._have.items()
+                    if any(e.version == version and e.root == root for e in have)
+                ]
+                others = (
+                    [] if claimed else [p for p in list(self._have) + sorted(self._static_peers) if p not in holders]
+                )
+                for pid in dict.fromkeys(holders + others):
+                    if pid in self.banned or not self._needs_manifest(version, root):
+                        continue
+                    try:
+                        resp = await self.overlay.request_manifest(
+                            pid, ManifestRequest(version=version, root=root), MANIFEST_TIMEOUT_S
+                        )
+                    except Exception as exc:  # unreachable, timeout, error answer: try the next peer
+                        log.debug("manifest %d from %s: %s", version, pid[:12], exc)
+                        continue
+                    if not resp.found:
+                        continue
+                    try:
+                        m, _env = verify_announce(resp.envelope, self.store.run_id, self.store.trainer, guard=None)
+                        if (m.version, m.root) != (version, root):
+                            raise ProtocolError("manifest.mismatch", f"asked for version {version}, got {m.version}")
+                        self.store.add_announce(resp.envelope, guard=None)
+                    except ProtocolError as exc:
+                        log.warning(
+                            "peer %s answered the manifest of version %d with bad bytes: %s", pid[:12], version, exc
+                        )
+                        self.overlay.penalise(pid, "bad_manifest")
+                        continue
+                    log.info("got the manifest of version %d from peer %s (base chain of a delta)", version, pid[:12])
+                    self._maybe_fetch()
+                    return
+                if claimed and not self._is_base(version, root):
+                    self._unresolved[(version, root)] = time.monotonic()
+                    while len(self._unresolved) > MAX_UNRESOLVED:
+                        del self._unresolved[next(iter(self._unresolved))]
+                    return
+                await trio.sleep(delay)
+                delay = min(MANIFEST_RETRY_MAX_S, delay * 2)
+        finally:
+            self._resolving.discard((version, root))
 
     def _ensure_fetch(self, version: int) -> None:
         """Fetch (or assemble) ``version`` unless that is done or under way."""
         st = self.store.versions.get(version)
-        if st is None or version in self.fetchers or st.assembled:
+        if st is None or version in self.fetchers or st.assembled or version in self.refused:
             return
         if st.complete:
             if version not in self._finishing:
@@ -246,13 +402,56 @@ class Checkpoints:
 
     async def _finish(self, version: int) -> None:
         try:
-            if version not in self.store.versions:
+            st = self.store.versions.get(version)
+            if st is None or version in self.refused:
                 return
-            await self.store.assemble(version)
+            try:
+                await self.store.assemble(version)
+            except BaseMissing as exc:
+                if exc.base_version in self.refused:
+                    self._refuse(
+                        version, ProtocolError("delta.base", f"its base, version {exc.base_version}, was refused")
+                    )
+                    return
+                self._waiting[version] = exc.base_version  # applied once the base is
+                self._maybe_fetch()
+                return
+            except ProtocolError as exc:
+                self._refuse(version, exc)
+                return
         finally:
             self._finishing.discard(version)
+        if st.delta is not None:
+            self.deltas_applied += 1
+            log.info("version %d: applied the delta on version %d, result hash checked", version, st.delta.base_version)
         self._wanted.discard(version)
+        self._chain.discard(version)
+        for v, base in sorted(self._waiting.items()):
+            if base == version:
+                del self._waiting[v]
+                self._ensure_fetch(v)  # complete: applies it now
         self.gc()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _refuse(self, version: int, exc: ProtocolError) -> None:
+        """Never load ``version``; deltas waiting on it go with it. The chunks matched the
+        trainer-signed hashes, so no peer relayed anything but what the trainer signed:
+        nobody is charged here (a bad chunk was charged to its sender when it arrived)."""
+        self.refused[version] = f"{exc.rule}: {exc.detail}"
+        while len(self.refused) > MAX_REFUSED:
+            del self.refused[min(self.refused)]
+        log.warning(
+            "refused checkpoint version %d (%s: %s); it is never loaded, the node keeps version %d and waits for an anchor",
+            version,
+            exc.rule,
+            exc.detail,
+            self.newest_version(),
+        )
+        for v, base in sorted(self._waiting.items()):
+            if base == version:
+                del self._waiting[v]
+                self._refuse(v, ProtocolError("delta.base", f"its base, version {version}, was refused"))
         self._changed.set()
         self._changed = trio.Event()
 
@@ -262,13 +461,62 @@ class Checkpoints:
 
     # ------------------------------------------------------------ roles' API
     async def publish(
-        self, key: NodeKey, version: int, src_dir: Path | str, chunk_size: int = DEFAULT_CHUNK_SIZE
+        self,
+        key: NodeKey,
+        version: int,
+        src_dir: Path | str,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        *,
+        delta_base: int | None = None,
+        max_delta_fraction: float = 0.5,
     ) -> bytes:
-        """Trainer: import a directory of safetensors files as ``version``; return the signed announce."""
-        _, raw = await trio.to_thread.run_sync(self.store.import_directory_blocking, key, version, src_dir, chunk_size)
+        """Trainer: import a directory of safetensors files as ``version``; return the signed
+        announce. With ``delta_base`` (an assembled earlier version) it is published as a
+        delta against that version, unless the delta cannot express the change or is not
+        smaller than ``max_delta_fraction`` of the full checkpoint: then as a full anchor."""
+        raw = None
+        base = self.store.versions.get(delta_base) if delta_base is not None else None
+        if base is not None:
+            try:
+                with self.store.pin(base.version):
+                    _, raw, stats = await trio.to_thread.run_sync(
+                        self.store.import_delta_blocking, key, version, src_dir, base, chunk_size, max_delta_fraction
+                    )
+                log.info(
+                    "version %d: delta on version %d, %d bytes (%.2f%% of %d; %.3f%% of elements changed; encoded in %.2f s)",
+                    version,
+                    base.version,
+                    stats.delta_bytes,
+                    100 * stats.delta_bytes / max(1, stats.full_bytes),
+                    stats.full_bytes,
+                    100 * stats.changed_fraction,
+                    stats.seconds,
+                )
+            except DeltaIncompatible as exc:
+                log.info("version %d: publishing a full anchor (%s)", version, exc)
+        if raw is None:
+            _, raw = await trio.to_thread.run_sync(
+                self.store.import_directory_blocking, key, version, src_dir, chunk_size
+            )
+        assert raw is not None
         self.store.add_announce(raw, guard=None)
         await self._finish(version)
         return raw
+
+    def serve_manifest(self, req: ManifestRequest) -> ManifestResponse:
+        """Answer a peer's ``ManifestRequest`` with the trainer's announce, byte for byte."""
+        st = self.store.get(req.version, req.root)
+        return ManifestResponse(found=st is not None, envelope=st.raw if st is not None else b"")
+
+    async def delta_changes(self, version: int, loaded: int) -> list[TensorChange] | None:
+        """The tensors ``version`` changes, if it is an applied delta on exactly ``loaded``
+        (what an engine holding ``loaded`` needs to move to ``version`` in place), else None."""
+        st = self.store.versions.get(version)
+        if st is None or st.delta is None or not st.assembled or st.delta.base_version != loaded:
+            return None
+        with self.store.pin(version):
+            data = await trio.to_thread.run_sync(self.store.delta_bytes_blocking, st)
+            return await trio.to_thread.run_sync(lambda: list(iter_changes(data)))
 
     def newest_version(self) -> int:
         """Newest complete, assembled version, or -1 (``Heartbeat.policy_version``)."""
@@ -288,6 +536,16 @@ class Checkpoints:
             st = self.store.versions.get(version)
             if st is not None and st.assembled:
                 return
+            await self._changed.wait()
+
+    async def wait_outcome(self, version: int) -> str | None:
+        """Wait until ``version`` is assembled (None) or refused (the reason)."""
+        while True:
+            if version in self.refused:
+                return self.refused[version]
+            st = self.store.versions.get(version)
+            if st is not None and st.assembled:
+                return None
             await self._changed.wait()
 
     def open_version(self, version: int) -> contextlib.AbstractContextManager[dict[str, Path]]:
@@ -348,6 +606,8 @@ class Checkpoints:
             )
         return {
             "versions": out,
+            "refused": {str(v): why for v, why in sorted(self.refused.items())},
+            "deltas_applied": self.deltas_applied,
             "data_port": self.server.port,
             "bytes_served": self.server.bytes_served,
             "bytes_served_to": dict(self.server.bytes_served_to),

@@ -13,7 +13,7 @@ fp32 proofs: docs/benchmarks.md); proofs cast the captured states to bf16.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,15 @@ def final_norm(model: Any) -> torch.nn.Module:
         if isinstance(mod, torch.nn.Module):
             return mod
     raise ValueError(f"cannot find the final norm of {type(model).__name__}")
+
+
+# checkpoint dtype -> (numpy view of its bit patterns, torch dtype): a delta carries bits
+_BITS_AS: dict[str, tuple[str, torch.dtype]] = {
+    "F32": ("<i4", torch.float32),
+    "BF16": ("<i2", torch.bfloat16),
+    "F16": ("<i2", torch.float16),
+    "F64": ("<i8", torch.float64),
+}
 
 
 class TransformersEngine:
@@ -239,6 +248,38 @@ class TransformersEngine:
         with torch.no_grad():
             for name, value in state_dict.items():
                 own[name].copy_(torch.as_tensor(value).to(own[name].dtype))
+
+    def load_delta(self, changes: Iterable[Any]) -> list[str]:
+        """Move the live weights to the next version in place from a sparse delta: only the
+        changed elements of the changed tensors are written (a tensor the delta does not
+        name is not touched). ``changes`` yields objects with ``name``, ``dtype`` (the
+        safetensors dtype of the checkpoint), ``numel``, ``positions`` (flat indices, or
+        None for every element) and ``values`` (the new bit patterns as unsigned ints of
+        the dtype's size), as ``node.checkpoints.delta.iter_changes`` gives them. The new
+        values are cast to the parameter's dtype exactly as a full load would cast them.
+        Every change is checked against the model before any is written. Returns the
+        names of the tensors written."""
+        own = self.model.state_dict()
+        todo = []
+        for c in changes:
+            if c.name not in own:
+                raise ValueError(f"delta names {c.name!r}, which the model does not have")
+            if own[c.name].numel() != c.numel:
+                raise ValueError(f"{c.name}: delta for {c.numel} elements, the model has {own[c.name].numel()}")
+            if c.dtype not in _BITS_AS:
+                raise ValueError(f"{c.name}: no in-place load for dtype {c.dtype}")
+            todo.append(c)
+        with torch.no_grad():
+            for c in todo:
+                signed, torch_dtype = _BITS_AS[c.dtype]
+                vals = torch.from_numpy(c.values.view(signed)).view(torch_dtype)
+                flat = own[c.name].view(-1)
+                vals = vals.to(device=flat.device, dtype=flat.dtype)
+                if c.positions is None:
+                    flat.copy_(vals)
+                else:
+                    flat[torch.from_numpy(c.positions).to(flat.device)] = vals
+        return [c.name for c in todo]
 
     # ------------------------------------------------------------ internals
 

@@ -215,7 +215,13 @@ class EngineRole(LearningRole):
 
     async def load_policy(self, version: int) -> None:
         """Put the weights of ``version`` into the engine (building it first if needed), then hand
-        the transient memory back (node/memory.py). The caller records ``loaded_version``."""
+        the transient memory back (node/memory.py). The caller records ``loaded_version``.
+        A delta version on the loaded one goes in place, only its changed elements written."""
+        if self.engine is not None and self.checkpoints is not None and hasattr(self.engine, "load_delta"):
+            changes = await self.checkpoints.delta_changes(version, self.loaded_version)
+            if changes is not None:
+                await trio.to_thread.run_sync(self.engine.load_delta, changes)
+                return
         state = await self.weights.get(version)
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self.make_engine)

@@ -1,0 +1,366 @@
+"""Sparse-delta checkpoints: bit-exact encode/apply, chains of versions through the
+swarm (stores, chunk servers and fetchers over real TCP, tickets in-process), and the
+deltas a node must refuse. The late joiner over real libp2p hosts is in
+test_checkpoints_delta_swarm.py, kill -9 mid-apply in test_checkpoints_delta_crash.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from node.checkpoints.delta import DeltaIncompatible, apply_delta, encode_delta, iter_changes
+from node.checkpoints.p2p_overlay import delta_base_for
+from node.checkpoints.server import ChunkServer
+from node.checkpoints.wire import send_all
+from node.p2p.testing import wait_until
+from protocol import DeltaRef, ProtocolError, sha256
+from protocol import chunk_frames as F
+from protocol.delta import DELTA_FILE, ENC_DENSE, parse_delta
+from tests.support.checkpoints import RUN_ID, keys
+from tests.support.deltas import SHAPES, equal_dirs, forge_delta, make_versions, random_state, step, write_version
+
+CHUNK = 64 * 1024
+
+# ------------------------------------------------------------------ encode / apply
+
+
+def _files(d: Path) -> dict[str, Path]:
+    return {p.name: p for p in d.iterdir()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    numel=st.integers(1, 3000),
+    density=st.sampled_from([0.0, 0.001, 0.02, 0.3, 0.97, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_apply_of_encode_is_the_new_version_bit_for_bit(dtype, numel, density, seed):
+    """Any bit patterns (NaN payloads, -0.0, infinities included), any share changed."""
+    rng = np.random.default_rng(seed)
+    signed = {torch.float32: np.int32, torch.bfloat16: np.int16}[dtype]
+    info = np.iinfo(signed)
+    old = rng.integers(info.min, info.max, size=numel, endpoint=True, dtype=signed)
+    new = old.copy()
+    mask = rng.random(numel) < density
+    new[mask] = rng.integers(info.min, info.max, size=int(mask.sum()), endpoint=True, dtype=signed)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        for name, arr in (("a", old), ("b", new)):
+            (t / name).mkdir()
+            tensors = {"w": torch.from_numpy(arr.copy()).view(dtype), "z": torch.zeros(3)}
+            save_file(tensors, str(t / name / "m.safetensors"))
+        data, stats = encode_delta(_files(t / "a"), _files(t / "b"))
+        apply_delta(_files(t / "a"), data, t / "out", chunk_size=4096, durable=False)
+        assert (t / "out" / "m.safetensors").read_bytes() == (t / "b" / "m.safetensors").read_bytes()
+    changed = np.flatnonzero(old != new)
+    assert stats.changed == len(changed)
+    decoded = list(iter_changes(data))
+    if not len(changed):
+        assert decoded == []
+        return
+    (c,) = decoded
+    assert c.name == "w"
+    if c.positions is None:  # dense: every element carried
+        assert np.array_equal(c.values.view(signed), new)
+    else:
+        assert np.array_equal(c.positions, changed)
+        assert np.array_equal(c.values.view(signed), new[changed])
+
+
+def test_structure_change_cannot_be_a_delta(tmp_path):
+    a = write_version(tmp_path / "a", random_state(0))
+    grown = {**random_state(0), "extra": torch.zeros(4)}
+    b = write_version(tmp_path / "b", grown)
+    with pytest.raises(DeltaIncompatible, match="size changed"):
+        encode_delta(_files(a), _files(b))
+    renamed = random_state(0)
+    renamed["norX.weight"] = renamed.pop("norm.weight")  # same file size, another header
+    r = write_version(tmp_path / "r", renamed)
+    with pytest.raises(DeltaIncompatible, match="header changed"):
+        encode_delta(_files(a), _files(r))
+    c = write_version(tmp_path / "c", random_state(0))
+    (c / "config.json").write_text("{}")
+    with pytest.raises(DeltaIncompatible, match=r"config\.json changed"):
+        encode_delta(_files(a), _files(c))
+
+
+def test_a_sparse_bf16_step_is_a_small_fraction_of_the_checkpoint(tmp_path):
+    v0, v1 = make_versions(tmp_path, 2, frac=0.01)
+    data, stats = encode_delta(_files(v0), _files(v1))
+    assert stats.full_bytes == sum(p.stat().st_size for p in v1.iterdir())
+    assert 0.005 < stats.changed_fraction < 0.02
+    assert stats.delta_bytes < stats.full_bytes / 15  # positions + 2-byte values, compressed
+    names = {r.name for r in parse_delta(data)}
+    assert "frozen.bias" not in names and "embed.weight" in names  # unchanged tensors are absent
+
+
+# ------------------------------------------------------------------ swarm
+
+
+class Swarm:
+    """A trainer and followers in one process: chunk servers over real TCP, LocalOverlay."""
+
+    def __init__(self, tmp: Path, n: int, *, max_async: int = 2) -> None:
+        self.keys = keys(n)
+        self.servers: dict = {}
+        self.overlays: dict = {}
+        self.nodes: list[Checkpoints] = []
+        for i, k in enumerate(self.keys):
+            store = ChunkStore(tmp / f"node{i}", RUN_ID, self.keys[0].peer_id, durable=False)
+            self.overlays[k.peer_id] = LocalOverlay(k.peer_id, self.servers)
+            c = Checkpoints(store, self.overlays[k.peer_id], max_async=max_async)
+            self.servers[k.peer_id] = c.server
+            self.nodes.append(c)
+
+    @property
+    def trainer(self) -> Checkpoints:
+        return self.nodes[0]
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        for c in self.nodes:
+            await nursery.start(c.run)
+
+    def link(self, i: int, peers: list[int]) -> None:
+        for j in peers:
+            self.nodes[i].add_peer(self.keys[j].peer_id)
+
+    async def publish(self, version: int, src: Path, anchor_every: int, **kw) -> bytes:
+        base = delta_base_for(self.trainer, version, anchor_every)
+        return await self.trainer.publish(self.keys[0], version, src, CHUNK, delta_base=base, **kw)
+
+
+async def test_chain_of_deltas_rebuilds_every_version_and_a_late_joiner_catches_up_from_peers(tmp_path):
+    srcs = make_versions(tmp_path / "src", 8, seed=1)
+    sw = Swarm(tmp_path, 4)
+    sw.link(1, [0, 2])
+    sw.link(2, [0, 1])
+    sw.link(3, [1, 2])  # the late joiner never asks the trainer
+    rebuilt: dict[int, bool] = {}
+    async with trio.open_nursery() as nursery:
+        await sw.start(nursery)
+        for v, src in enumerate(srcs):
+            raw = await sw.publish(v, src, anchor_every=4)
+            for follower in sw.nodes[1:3]:
+                follower.on_announce(raw)
+            with trio.fail_after(60):
+                for follower in sw.nodes[1:3]:
+                    await follower.wait_assembled(v)
+            for follower in sw.nodes[1:3]:
+                with follower.open_version(v) as files:
+                    rebuilt[v] = rebuilt.get(v, True) and equal_dirs(src, next(iter(files.values())).parent)
+        # the late joiner hears only the newest announce; the chain comes from peers 1 and 2
+        sw.nodes[3].on_announce(raw)
+        with trio.fail_after(60):
+            await sw.nodes[3].wait_assembled(7)
+        nursery.cancel_scope.cancel()
+    assert rebuilt == dict.fromkeys(range(8), True)
+    kinds = [sw.trainer.store.get(v) for v in range(8) if sw.trainer.store.get(v) is not None]
+    assert [s.delta is None for s in kinds] == [True, False, False, False]  # 4 (anchor) .. 7 kept
+    for follower in sw.nodes[1:]:
+        assert follower.deltas_applied >= 3
+    late = sw.nodes[3]
+    with late.open_version(7) as files:
+        assert equal_dirs(srcs[7], next(iter(files.values())).parent)
+    # it fetched the anchor (4) and the deltas 5..7, from the followers only
+    assert sorted(late.store.versions) == [4, 5, 6, 7]
+    assert late.store.get(4).delta is None
+    trainer_id = sw.keys[0].peer_id
+    assert all(trainer_id not in h.get("fed_from", []) for h in late.fetch_history.values())
+    # GC: versions behind the window are gone except the chain back to the anchor, whose
+    # chunks stay (to serve late joiners) while its full files go once 5 is applied
+    f1 = sw.nodes[1]
+    assert sorted(f1.store.versions) == [4, 5, 6, 7]
+    assert not f1.store.get(4).assembled and f1.store.get(4).complete
+    assert f1.store.get(7).assembled
+
+
+def _delta_between(a: Path, b: Path) -> bytes:
+    return encode_delta(_files(a), _files(b))[0]
+
+
+async def _two_nodes_at_v0(tmp_path, nursery, srcs):
+    sw = Swarm(tmp_path, 2)
+    sw.link(1, [0])
+    await sw.start(nursery)
+    raw = await sw.publish(0, srcs[0], anchor_every=10)
+    sw.nodes[1].on_announce(raw)
+    with trio.fail_after(30):
+        await sw.nodes[1].wait_assembled(0)
+    return sw
+
+
+@pytest.mark.parametrize("case", ["wrong_base", "wrong_result", "malformed"])
+async def test_bad_delta_is_refused_never_loaded_and_the_next_anchor_is_taken(tmp_path, caplog, case):
+    srcs = make_versions(tmp_path / "src", 3, seed=2)
+    other = write_version(tmp_path / "other", step(random_state(2), 99, 0.3))
+    caplog.set_level(logging.WARNING, logger="node.checkpoints.service")
+    async with trio.open_nursery() as nursery:
+        sw = await _two_nodes_at_v0(tmp_path, nursery, srcs)
+        t = sw.trainer.store
+        base = t.get(0)
+        from node.checkpoints import build_manifest
+
+        w1 = build_manifest(RUN_ID, 1, srcs[1], CHUNK, created_ms=0).root
+        if case == "wrong_base":  # names a base root this node does not hold as version 0
+            data, ref = _delta_between(srcs[0], srcs[1]), DeltaRef(0, sha256(b"not v0"), w1)
+            rule = "delta.base"
+        elif case == "wrong_result":  # encoded against other weights: applies, hashes wrong
+            data, ref = _delta_between(other, srcs[1]), DeltaRef(0, base.root, w1)
+            rule = "delta.result"
+        else:  # trainer-signed garbage: the chunks match their hashes, the content is no delta
+            data, ref = b"PNDL" + bytes(64), DeltaRef(0, base.root, w1)
+            rule = "delta.format"
+        raw = forge_delta(t, sw.keys[0], 1, data, ref, CHUNK, tmp_path / "forge")
+        follower = sw.nodes[1]
+        follower.on_announce(raw)
+        with trio.fail_after(30):
+            reason = await follower.wait_outcome(1)
+        assert reason is not None and reason.startswith(rule)
+        assert not follower.store.get(1).assembled and follower.newest_version() == 0
+        with pytest.raises(RuntimeError):
+            with follower.open_version(1):
+                pass
+        assert not (follower.store.versions_dir / follower.store.get(1).dirname / "files").exists()
+        # a delta on the refused version is refused too; the next anchor is loaded
+        raw2 = await sw.publish(2, srcs[2], anchor_every=2)
+        assert sw.trainer.store.get(2).delta is None
+        follower.on_announce(raw2)
+        with trio.fail_after(30):
+            await follower.wait_assembled(2)
+        nursery.cancel_scope.cancel()
+    with follower.open_version(2) as files:
+        assert equal_dirs(srcs[2], next(iter(files.values())).parent)
+    lines = [r.getMessage() for r in caplog.records if "refused checkpoint version 1" in r.getMessage()]
+    assert lines and rule in lines[0] and "never loaded" in lines[0]
+
+
+class TamperingServer(ChunkServer):
+    """Serves the delta file's chunks with one byte flipped (right length, wrong hash)."""
+
+    async def _send_chunk(self, sock, st, idx, peer):
+        data = bytearray(self.store.read_chunk_blocking(st, idx))
+        if st.delta is not None:
+            data[len(data) // 2] ^= 0xFF
+        await send_all(sock, F.REPLY.pack(F.OP_GET, F.OK, idx, len(data)) + bytes(data), self.stall_timeout_s)
+        self.bytes_served += len(data)
+
+
+async def test_tampered_delta_chunk_is_refused_and_charged_to_its_sender(tmp_path):
+    srcs = make_versions(tmp_path / "src", 2, seed=3)
+    sw = Swarm(tmp_path, 3)
+    bad = sw.keys[2].peer_id
+    sw.nodes[2].server = TamperingServer(sw.nodes[2].store, max_upload_mbps=0)
+    sw.servers[bad] = sw.nodes[2].server
+    sw.link(2, [0])
+    sw.link(1, [2])  # at first the follower knows only the tampering peer
+    overlay = sw.overlays[sw.keys[1].peer_id]
+    async with trio.open_nursery() as nursery:
+        await sw.start(nursery)
+        for v in (0, 1):
+            raw = await sw.publish(v, srcs[v], anchor_every=10)
+            sw.nodes[2].on_announce(raw)
+            with trio.fail_after(30):
+                await sw.nodes[2].wait_assembled(v)
+        assert sw.trainer.store.get(1).delta is not None
+        follower = sw.nodes[1]
+        follower.on_announce(sw.trainer.store.get(0).raw)
+        with trio.fail_after(30):
+            await follower.wait_assembled(0)  # the anchor's chunks come untampered
+        follower.on_announce(sw.trainer.store.get(1).raw)
+        await wait_until(lambda: bad in overlay.banned, timeout=30, what="the tampering peer to be banned")
+        assert not follower.store.get(1).complete  # no tampered chunk was kept
+        sw.link(1, [0])
+        with trio.fail_after(60):
+            await follower.wait_assembled(1)
+        nursery.cancel_scope.cancel()
+    with follower.open_version(1) as files:
+        assert equal_dirs(srcs[1], next(iter(files.values())).parent)
+    assert overlay.penalties[(bad, "bad_chunk")] >= 1
+    assert follower.deltas_applied == 1 and not follower.refused
+
+
+async def test_trainer_publishes_anchor_every_k_and_when_the_delta_is_not_small(tmp_path):
+    srcs = make_versions(tmp_path / "src", 6, seed=4)
+    sw = Swarm(tmp_path, 1)
+    async with trio.open_nursery() as nursery:
+        await sw.start(nursery)
+        for v in range(5):
+            await sw.publish(v, srcs[v], anchor_every=3)
+        # a delta must be under 1e-4 of the full files: this one is not, so an anchor
+        await sw.publish(5, srcs[5], anchor_every=3, max_delta_fraction=1e-4)
+        nursery.cancel_scope.cancel()
+    st = sw.trainer.store
+    assert [st.get(v).delta is None for v in range(3, 6)] == [True, False, True]
+    d4 = st.get(4)
+    assert d4.delta.base_version == 3 and d4.delta.base_root == st.get(3).root
+    assert [f.path for f in d4.manifest.files] == [DELTA_FILE]
+    assert d4.manifest.total_bytes < st.get(3).manifest.total_bytes / 10
+    with sw.trainer.open_version(4) as files:  # the trainer applied its own delta and checked it
+        assert equal_dirs(srcs[4], next(iter(files.values())).parent)
+
+
+def test_engine_loads_a_delta_in_place_touching_only_changed_tensors(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from node.engines.transformers_engine import TransformersEngine
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "v0", safe_serialization=True)
+    with torch.no_grad():  # a sparse step on two tensors
+        for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"):
+            p = model.get_parameter(name)
+            mask = torch.rand(p.shape) < 0.05
+            p.copy_(torch.where(mask, (p.float() + 0.1).to(p.dtype), p))
+    model.save_pretrained(tmp_path / "v1", safe_serialization=True)
+    data, _ = encode_delta(_files(tmp_path / "v0"), _files(tmp_path / "v1"))
+
+    engine = TransformersEngine(LlamaForCausalLM.from_pretrained(tmp_path / "v0").float(), device="cpu")
+    before = {k: v._version for k, v in engine.model.state_dict().items()}
+    touched = engine.load_delta(iter_changes(data))
+    assert sorted(touched) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
+    after = engine.model.state_dict()
+    untouched = [k for k in after if k not in touched and k != "lm_head.weight"]  # lm_head is tied to embed
+    assert untouched and all(after[k]._version == before[k] for k in untouched)
+    full = LlamaForCausalLM.from_pretrained(tmp_path / "v1").float().state_dict()
+    for k, v in full.items():  # same as a full load of v1 (cast to the engine's fp32 alike)
+        assert torch.equal(after[k], v), k
+    # a delta naming a tensor the model lacks is refused before anything is written
+    bad = next(iter_changes(data))
+    with pytest.raises(ValueError, match="does not have"):
+        engine.load_delta([type(bad)(bad.path, "nope", bad.dtype, bad.numel, bad.positions, bad.values)])
+
+
+def test_dense_encoding_when_nearly_everything_changed(tmp_path):
+    a = write_version(tmp_path / "a", random_state(5))
+    b = write_version(tmp_path / "b", {k: (v.float() + 1).to(v.dtype) for k, v in random_state(5).items()})
+    data, stats = encode_delta(_files(a), _files(b))
+    assert {r.encoding for r in parse_delta(data)} == {ENC_DENSE}
+    apply_delta(_files(a), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
+    assert equal_dirs(b, tmp_path / "out")
+    assert len(SHAPES) == stats.tensors
+
+
+def test_apply_refuses_a_delta_that_does_not_fit_the_base(tmp_path):
+    srcs = make_versions(tmp_path / "src", 2, seed=6)
+    data = _delta_between(srcs[0], srcs[1])
+    small = write_version(tmp_path / "small", {"embed.weight": torch.zeros(3, dtype=torch.bfloat16)})
+    with pytest.raises(ProtocolError) as exc:
+        apply_delta(_files(small), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
+    assert exc.value.rule == "delta.base"
