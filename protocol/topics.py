@@ -3,13 +3,15 @@ version, so nodes that disagree on what a message means never share a topic.
 
 Version history: 1, the first network; 2, seeded Gumbel-max sampling (the sample
 seed hashes the member and the manifest root; ``SamplingParams.top_k``; the rules
-``sampling``, ``termination``, ``counter``, ``slot``)."""
+``sampling``, ``termination``, ``counter``, ``slot``); 3, content-pinned runs and sparse
+deltas (``RunGenesis.model_root`` / ``dataset_hash``, ``CheckpointManifest.delta``,
+``ManifestRequest`` / ``ManifestResponse``)."""
 
 from __future__ import annotations
 
 from .messages import BanNotice, CheckpointAnnounce, Heartbeat, RolloutAnnounce, Vote
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 TOPIC_TYPES = {
     "heartbeat": Heartbeat.TYPE_ID,

@@ -288,8 +288,8 @@ def test_fixed_seed_gives_fixed_gumbel_noise():
 # length prefix, then fixarray(2) [str8 topic, bin8 ENVELOPE]
 GOSSIP_FRAME = (
     bytes.fromhex(
-        "000000fe92d9252f7072696d656e6f64652f396261633532346434353730376237382f726f6c6c6f75742f32c4d4"
-    )  # .../rollout/2: protocol 2
+        "000000fe92d9252f7072696d656e6f64652f396261633532346434353730376237382f726f6c6c6f75742f33c4d4"
+    )  # .../rollout/3: protocol 3
     + ENVELOPE
 )
 # length prefix, then fixarray(2) [kind, fixarray(1) [bin8 ENVELOPE_ID]]
@@ -303,7 +303,7 @@ def test_fixed_gossip_message_frame():
     assert gossip.frame_header(len(body)) + body == GOSSIP_FRAME
     assert gossip.frame_size(GOSSIP_FRAME[:4]) == len(body)
     assert gossip.decode_frame(GOSSIP_FRAME[4:]) == gossip.GossipMessage(
-        "/primenode/9bac524d45707b78/rollout/2", ENVELOPE
+        "/primenode/9bac524d45707b78/rollout/3", ENVELOPE
     )
     assert gossip.message_id(ENVELOPE) == ENVELOPE_ID
 
