@@ -54,8 +54,14 @@ async def test_steps_take_all_waiting_batches_and_report_ratios_by_staleness(tmp
     with trio.fail_after(400):
         async with trio.open_nursery() as nursery:
             _net, trainer, _validators, _workers = await start_network(nursery, tmp_path, genesis)
-            await wait_until(lambda: trainer.version >= 4, 380, poll=0.5, what="four trainer steps")
-            rows = [json.loads(line) for line in trainer.home.metrics_path.read_text().splitlines()]
+            metrics = trainer.home.metrics_path
+            await wait_until(
+                lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 4,
+                380,
+                poll=0.5,
+                what="four trainer steps in metrics.jsonl",
+            )
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
             status = trainer.status()
             nursery.cancel_scope.cancel()
     assert len(rows) >= 4

@@ -315,8 +315,10 @@ def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title
     t = Table(title=title)
     longest = max((len(name) for name, _, _ in nodes), default=4)
     for col in TABLE_COLUMNS:
-        # node names stay whole (the other cells fold on a narrow terminal)
-        t.add_column(col, overflow="fold", **({"min_width": longest, "no_wrap": True} if col == "node" else {}))
+        if col == "node":  # node names stay whole (the other cells fold on a narrow terminal)
+            t.add_column(col, min_width=longest, no_wrap=True)
+        else:
+            t.add_column(col, overflow="fold")
     for name, role, alive in nodes:
         s = snap.get(name) or {}
         rs = s.get("role_state") or {}
