@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from node.ops.devnet import TABLE_COLUMNS, status_table
+from node.ops.devnet import TABLE_COLUMNS, staleness_cell, status_table
 
 DIST = {"versions": [{"version": 3, "chunks_held": 2, "chunks_total": 2, "complete": True}]}
 SNAP = {
@@ -23,9 +23,16 @@ SNAP = {
             "pending": 1,
             "buffer": 2,
             "trained_batches": 3,
+            "discarded_batches": {"stale before training": 2},
             "restored_after_crash": 0,
             "dropped_announces": 0,
-            "last_step": {"loss": 0.1},
+            "last_step": {
+                "loss": 0.1,
+                "by_staleness": {
+                    "0": {"rollouts": 64, "tokens": 900, "ratio_mean": 1.0, "clip_fraction": 0.0},
+                    "2": {"rollouts": 64, "tokens": 850, "ratio_mean": 0.9621, "clip_fraction": 0.071},
+                },
+            },
             "distribution": DIST,
         },
     },
@@ -76,12 +83,19 @@ def rendered(width: int) -> tuple[str, dict[str, list[str]]]:
 
 
 def test_each_role_fills_its_own_columns():
-    _, rows = rendered(160)
+    text, rows = rendered(200)
     assert rows["node"] == list(TABLE_COLUMNS)
     col = {name: i for i, name in enumerate(TABLE_COLUMNS)}
     tr, wk, va, dead, boot = (rows[n] for n in ("trainer", "worker-0", "validator-0", "validator-1", "bootstrap"))
     assert (tr[col["version"]], tr[col["step"]], tr[col["reward"]]) == ("3", "3/40", "0.457")
     assert (tr[col["accepted"]], tr[col["rejected"]]) == ("17", "5")  # the trainer's ledger: admitted, rejected
+    # batches trained on, and those admitted but discarded (by reason); ratios per staleness
+    assert "".join(tr[col["used"]].split()).startswith("3(+2")
+    assert tr[col["reasons"]].startswith("stale before")
+    assert tr[col["ratios"]].startswith("s0 1.000/0%"), text
+    by_staleness = SNAP["trainer"]["role_state"]["last_step"]["by_staleness"]
+    assert staleness_cell(by_staleness) == "s0 1.000/0% s2 0.962/7%"  # mean ratio / clipped, per staleness
+    assert (wk[col["used"]], wk[col["ratios"]], va[col["ratios"]]) == ("-", "-", "-")
     assert (wk[col["version"]], wk[col["produced"]], wk[col["accepted"]], wk[col["rejected"]]) == ("2", "9", "6", "1")
     assert (va[col["version"]], va[col["accepted"]], va[col["rejected"]]) == ("3", "11", "4")  # its verdicts
     assert va[col["reasons"]] == "toploc 3, stale 1, unverifiable 1 (no vote)"

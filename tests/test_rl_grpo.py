@@ -118,11 +118,14 @@ def test_warmup_schedule():
 def test_staleness_bound_and_zero_advantage_filter_are_counted():
     tr = GRPOTrainer(char_llama(), GRPOConfig(lr=1e-3, warmup_steps=0, max_async=2, max_tokens=8))
     tr.version = 5
+    v3 = {k: v.clone() for k, v in tr.model.state_dict().items()}  # the weights that "generated" version 3
     groups = fake_groups(0, n_groups=3, version=3)  # 2 behind: admitted
     groups += fake_groups(1, n_groups=2, version=2)  # 3 behind: stale
     groups += [[Rollout([1, 4], [5, 6], 0.5, policy_version=5)] * 4]  # all-equal rewards
-    m = tr.step(groups)
-    assert m.stale_groups == 2 and m.filtered_groups == 1 and m.num_rollouts == 3 * 4 + 4
+    groups += fake_groups(2, n_groups=1, version=4)  # admitted, but nobody has version 4's weights
+    m = tr.step(groups, behaviour=lambda v: v3 if v == 3 else None)
+    assert m.stale_groups == 2 and m.filtered_groups == 1 and m.num_rollouts == 3 * 4 + 4 + 4
+    assert m.missing_policy_groups == 1 and m.by_staleness["2"]["rollouts"] == 3 * 4 and "1" not in m.by_staleness
     assert tr.version == 6
     only_flat = tr.step([[Rollout([1, 4], [5, 6], 1.0, policy_version=6)] * 4])
     assert only_flat.skipped and only_flat.filtered_groups == 1 and tr.version == 6

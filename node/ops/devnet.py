@@ -46,6 +46,9 @@ class DevnetOptions:
     max_tokens: int = 48
     temperature: float = 1.0
     seed: int = 0
+    # admitted batches a trainer step waits for (it then takes every fresh one up to its token
+    # budget); 0: one per worker, the batches each version brings (docs/benchmarks.md, issue 20)
+    batches_per_step: int = 0
     timeout_s: float = 900.0
     # inference engine of workers and validators: transformers, or vllm (needs vLLM installed)
     engine: str = "transformers"
@@ -125,9 +128,9 @@ class Devnet:
             "max_tokens": o.max_tokens,
             "temperature": o.temperature,
             "seed": o.seed,
-            "batches_per_step": 1,
-            # one batch per worker per version: with two workers the trainer always has a fresh
-            # batch and one a step old (two-step async), and little work goes stale
+            "batches_per_step": o.batches_per_step or o.workers,
+            # one batch per worker per version: a step waits for each worker's batch of the
+            # version, then trains on every admitted batch still in the window (none goes stale)
             "worker_batches_per_version": 1,
             # every devnet worker and validator runs one engine in fp32 on this CPU: one numerics
             # stack, so validators use the tight TOPLOC thresholds (docs/proofs.md)
@@ -263,7 +266,37 @@ def render_table(devnet: Devnet, snap: dict[str, Any], started: float) -> Table:
     return status_table(nodes, snap, title)
 
 
-TABLE_COLUMNS = ("node", "alive", "peers", "version", "step", "reward", "produced", "accepted", "rejected", "reasons")
+TABLE_COLUMNS = (
+    "node",
+    "alive",
+    "peers",
+    "version",
+    "step",
+    "reward",
+    "produced",
+    "accepted",
+    "rejected",
+    "used",
+    "ratios",
+    "reasons",
+)
+
+
+def staleness_cell(by_staleness: Any) -> str:
+    """The last step's importance ratios per staleness, e.g. ``s0 1.000/0% s2 0.962/7%``:
+    mean ratio of the tokens whose rollouts were that many versions behind, then the share of
+    them whose gradient the clip cut ("-" before the first step)."""
+    if not isinstance(by_staleness, dict) or not by_staleness:
+        return "-"
+    parts = []
+    for s, st in sorted(by_staleness.items(), key=lambda kv: int(kv[0])):
+        if isinstance(st, dict):
+            parts.append(f"s{s} {st.get('ratio_mean', 1.0):.3f}/{100 * st.get('clip_fraction', 0.0):.0f}%")
+    return " ".join(parts) or "-"
+
+
+def reasons_cell(reasons: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
 
 
 def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet") -> Table:
@@ -273,12 +306,19 @@ def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title
     trainer's step and reward; batches accepted / rejected as each role sees them: the
     trainer's ledger (admitted / rejected), a worker's own batches (a quorum of accept
     votes / a quorum no longer possible) next to how many it produced, a validator's
-    verdicts, with its rejection rules under "reasons". "-" where a column does not apply."""
+    verdicts, with its rejection rules under "reasons". The trainer's "used" is how many
+    admitted batches it trained on (and how many it discarded, by reason under "reasons");
+    "ratios" its last step's importance ratios and clip fractions per staleness
+    (:func:`staleness_cell`). "-" where a column does not apply."""
     from rich.table import Table
 
     t = Table(title=title)
+    longest = max((len(name) for name, _, _ in nodes), default=4)
     for col in TABLE_COLUMNS:
-        t.add_column(col, overflow="fold")
+        if col == "node":  # node names stay whole (the other cells fold on a narrow terminal)
+            t.add_column(col, min_width=longest, no_wrap=True)
+        else:
+            t.add_column(col, overflow="fold")
     for name, role, alive in nodes:
         s = snap.get(name) or {}
         rs = s.get("role_state") or {}
@@ -294,6 +334,12 @@ def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title
             reward = rs.get("reward_mean")
             cells["reward"] = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
             cells["accepted"], cells["rejected"] = str(rs.get("admitted", "-")), str(rs.get("rejected", "-"))
+            discarded = rs.get("discarded_batches") or {}
+            if "trained_batches" in rs:
+                lost = sum(discarded.values())
+                cells["used"] = str(rs["trained_batches"]) + (f" (+{lost} discarded)" if lost else "")
+            cells["ratios"] = staleness_cell((rs.get("last_step") or {}).get("by_staleness"))
+            cells["reasons"] = reasons_cell(discarded)
         elif role == "worker" and rs:
             cells["produced"] = str(rs.get("batches_produced", "-"))
             cells["accepted"] = str(rs.get("batches_accepted", "-"))
@@ -301,10 +347,11 @@ def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title
         elif role == "validator" and rs:
             verdicts, reasons = rs.get("verdicts") or {}, rs.get("reasons") or {}
             cells["accepted"], cells["rejected"] = str(verdicts.get("accept", 0)), str(verdicts.get("reject", 0))
-            parts = [f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]
+            cells["reasons"] = reasons_cell(reasons)
             if verdicts.get("unverifiable"):
-                parts.append(f"unverifiable {verdicts['unverifiable']} (no vote)")
-            cells["reasons"] = ", ".join(parts) or "-"
+                cells["reasons"] = ", ".join(
+                    [*([cells["reasons"]] if reasons else []), f"unverifiable {verdicts['unverifiable']} (no vote)"]
+                )
         t.add_row(*(cells[c] for c in TABLE_COLUMNS))
     return t
 
@@ -373,10 +420,14 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
     atomic_write_text(devnet.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows), durable=False)
     if rows:
         plot_rewards(rows, devnet.out / "reward_curve.png")
+    last10 = [r["reward_mean"] for r in rows[-10:] if "reward_mean" in r]
     summary = {
         "steps": rows[-1]["step"] if rows else 0,
         "first_reward": rows[0].get("reward_mean") if rows else None,
         "last_reward": rows[-1].get("reward_mean") if rows else None,
+        "reward_last10": round(sum(last10) / len(last10), 4) if last10 else None,
+        "batches_used": rows[-1].get("batches_used") if rows else None,
+        "batches_discarded": rows[-1].get("batches_discarded") if rows else None,
         "seconds": round(time.monotonic() - started, 1),
         "exit_codes": codes,
         "interrupted": interrupted,

@@ -208,6 +208,30 @@ def _fed_from(fed: Any, fed_bytes: Any = None) -> str:
     return "\n".join(lines)
 
 
+def _reasons(counts: dict[str, Any]) -> str:
+    """``{reason: n}`` as ``n in all`` (0 when nothing was discarded)."""
+    return f"{sum(int(v) for v in counts.values())} in all"
+
+
+def _staleness_rows(by: Any) -> list[tuple[str, Any]]:
+    """The last step's importance ratios and clip fraction, one row per staleness."""
+    if not isinstance(by, dict):
+        return []
+    rows = []
+    for s, st in sorted(by.items(), key=lambda kv: int(kv[0])):
+        if not isinstance(st, dict):
+            continue
+        rows.append(
+            (
+                f"last step: {s} versions behind",
+                f"{st.get('rollouts', 0)} rollouts, {st.get('tokens', 0)} tokens, ratio mean "
+                f"{st.get('ratio_mean', 1.0):.4f} [{st.get('ratio_min', 1.0):.3f}, {st.get('ratio_max', 1.0):.3f}], "
+                f"clipped {100 * st.get('clip_fraction', 0.0):.1f}%",
+            )
+        )
+    return rows
+
+
 def render_role_state(role: str, rs: dict[str, Any]) -> list[RenderableType]:
     from rich.table import Table
 
@@ -226,11 +250,18 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list[RenderableType]:
                 "pending",
                 "buffer",
                 "trained_batches",
-                "restored_after_crash",
-                "dropped_announces",
             )
         ]
-        rows += [(f"last step: {k}", v) for k, v in (rs.get("last_step") or {}).items()]
+        discarded = rs.get("discarded_batches")
+        if isinstance(discarded, dict):
+            rows.append(("discarded batches", _reasons(discarded)))
+            rows += [(f"discarded: {k}", v) for k, v in sorted(discarded.items(), key=lambda kv: -kv[1])]
+        rows += [(k, rs.get(k)) for k in ("restored_after_crash", "dropped_announces")]
+        for k, v in (rs.get("last_step") or {}).items():
+            if k == "by_staleness":
+                rows += _staleness_rows(v)
+            else:
+                rows.append((f"last step: {k}", json.dumps(v) if isinstance(v, (dict, list)) else v))
         out.append(_kv_table("trainer", rows))
     elif role == "worker":
         keys = ["policy_version"] + [k for k in rs if k.startswith("batches")] + ["tamper"]

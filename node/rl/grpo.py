@@ -6,8 +6,14 @@ One call to :meth:`GRPOTrainer.step` takes the groups admitted for a step:
    versions behind the trainer's are dropped (counted as ``stale_groups``);
 2. advantages per group, ``(r - mean) / (std + 1e-6)``; groups with all-zero
    advantages are dropped (counted as ``filtered_groups``);
-3. old log-probabilities are recomputed by the trainer with its current weights
-   (workers' numbers are never trusted, and they come from another engine);
+3. old log-probabilities: each rollout's tokens under the weights of the policy
+   version that *generated* it (the behaviour policy), recomputed by the trainer
+   from weights it published itself (workers' numbers are never trusted). The
+   current version is the live model; older ones come from ``behaviour`` (the
+   trainer role reads them back from its checkpoint store) or from snapshots the
+   trainer keeps (``keep_versions``). A group whose generating weights are
+   unavailable is dropped (``missing_policy_groups``), never trained with a
+   ratio against the wrong policy;
 4. the batch is cut into ``mini_batches`` optimizer steps (INTELLECT-2: 1), each
    accumulated over micro-batches of ``micro_batch_size`` rollouts, so memory
    does not decide the batch size: the loss of a micro-batch is divided by the
@@ -23,6 +29,8 @@ One call to :meth:`GRPOTrainer.step` takes the groups admitted for a step:
 Logits are divided by ``temperature`` before every log-softmax, the same value
 the workers sample with, so the trained distribution is the sampled one.
 The model runs in eval mode (no dropout) so old and new log-probabilities agree.
+Ratio statistics and clip fractions are reported per staleness (versions behind
+the trainer when the step starts): ``StepMetrics.by_staleness``.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +52,7 @@ import torch.nn.functional as F
 
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.logprobs import micro_batches, token_logprobs_and_entropy
-from node.rl.metrics import StepMetrics, reward_stats
+from node.rl.metrics import RatioStats, StepMetrics, reward_stats
 from protocol.rules import within_window
 
 
@@ -105,6 +113,57 @@ class Rollout:
 
 Group = Sequence[Rollout]
 
+# The weights (a state dict, as published) of a policy version, or None when they are not
+# available: what the trainer needs to compute a stale rollout's old log-probabilities.
+BehaviourWeights = Callable[[int], Mapping[str, torch.Tensor] | None]
+
+
+class WithWeights:
+    """``model`` run with another version's weights, without copying them into it:
+    ``torch.func.functional_call`` substitutes the tensors for one call, so the trainer
+    needs no second model, and the live parameters (and their gradients) are untouched.
+
+    ``state`` must cover every parameter (tied weights count once, as in HF checkpoints);
+    tensors are cast to the parameter's dtype and device (a bf16 checkpoint runs in the
+    trainer's compute dtype, as a CPU worker would run it)."""
+
+    def __init__(self, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        params = dict(model.named_parameters())  # de-duplicated: a tied weight appears once
+        missing = sorted(set(params) - set(state))
+        if missing:
+            raise ValueError(f"behaviour weights lack {len(missing)} parameters of the model, e.g. {missing[:3]}")
+        own = {**dict(model.named_buffers()), **params}
+        self.model = model
+        self.state = {k: (v.to(dtype=own[k].dtype, device=own[k].device) if k in own else v) for k, v in state.items()}
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return torch.func.functional_call(self.model, self.state, args=(), kwargs=kwargs, strict=False)
+
+    def parts(self) -> tuple[Callable[..., Any], Callable[[torch.Tensor], torch.Tensor], int]:
+        """The decoder and the LM head under these weights, for ``node.rl.logprobs`` (which runs
+        the head over chunks of rows instead of the whole model's logits), and the vocabulary."""
+        canonical = {id(p): n for n, p in self.model.named_parameters()}  # a tied weight: its first name
+        lm: Any = self.model
+        decoder, head = lm.get_decoder(), lm.get_output_embeddings()
+
+        def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+            return {
+                n: self.state[canonical[id(p)]]
+                for n, p in module.named_parameters(remove_duplicate=False)
+                if canonical.get(id(p)) in self.state
+            }
+
+        dec_state, head_state = state_of(decoder), state_of(head)
+
+        def run_decoder(**kwargs: Any) -> Any:
+            return torch.func.functional_call(decoder, dec_state, args=(), kwargs=kwargs, strict=False)
+
+        def run_head(hidden: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = torch.func.functional_call(head, head_state, (hidden,), strict=False)
+            return out
+
+        return run_decoder, run_head, int(head.weight.shape[0])
+
 
 def grpo_token_loss(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float, delta: float
@@ -129,7 +188,9 @@ class GRPOTrainer:
     """Owns the policy, its optimizer and schedule; one :meth:`step` per admitted batch of groups.
 
     ``version`` is the policy version (number of optimizer-step batches done); samples generated by
-    version v are admitted while ``v >= version - max_async``.
+    version v are admitted while ``v >= version - max_async``. ``keep_versions``: how many past
+    versions' weights to keep in memory as behaviour policies when :meth:`step` gets no
+    ``behaviour`` source (0: only the current version's rollouts can be trained without one).
     """
 
     def __init__(
@@ -140,8 +201,13 @@ class GRPOTrainer:
         pad_token_id: int = 0,
         device: str | torch.device = "cpu",
         reference_model: torch.nn.Module | None = None,
+        keep_versions: int = 0,
     ) -> None:
         self.config = config
+        # past versions' weights kept in memory for stale rollouts' old log-probs (in-process
+        # asynchronous loops; the trainer role reads them from its checkpoint store instead)
+        self.keep_versions = keep_versions
+        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.device = torch.device(device)
         self.model: Any = model.to(self.device)  # a transformers causal LM (save_pretrained, config)
         self.model.eval()
@@ -196,7 +262,7 @@ class GRPOTrainer:
         budget = cfg.micro_batch_tokens if cfg.micro_batch_tokens > 0 else 1 << 62
         return micro_batches(lengths, budget, max(1, cfg.micro_batch_size))
 
-    def _logprobs(self, model: torch.nn.Module, rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, ...]:
+    def _logprobs(self, model: Any, rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, ...]:
         return token_logprobs_and_entropy(
             model,
             rollouts,
@@ -219,8 +285,12 @@ class GRPOTrainer:
         finally:
             self.model.eval()
 
-    def step(self, groups: Sequence[Group]) -> StepMetrics:
-        """One GRPO update on ``groups`` (each: rollouts of one prompt). Returns the step's metrics."""
+    def step(self, groups: Sequence[Group], behaviour: BehaviourWeights | None = None) -> StepMetrics:
+        """One GRPO update on ``groups`` (each: rollouts of one prompt). Returns the step's metrics.
+
+        ``behaviour(v)`` gives the published weights of policy version ``v`` (or None); without
+        it, the current version is the live model and older ones come from the snapshots kept
+        by ``keep_versions``."""
         cfg = self.config
         t0 = time.perf_counter()
         m = StepMetrics(step=self.version, num_groups=len(groups))
@@ -241,45 +311,51 @@ class GRPOTrainer:
                 setattr(m, name, value)
         advs = [group_advantages([r.reward for r in g], cfg.adv_eps) for g in fresh]
         kept, kept_adv, m.filtered_groups = filter_zero_advantage(fresh, advs)
-        items = [(r, a) for g, adv in zip(kept, kept_adv) for r, a in zip(g, adv)]
         m.lr = self.lr_at(self._opt_steps)
+        normaliser = float(len(rollouts_all) * cfg.max_tokens)
+
+        # 3. old log-probabilities, under the weights of the version that generated each group
+        kept, kept_adv, old, m.missing_policy_groups = self._behaviour_logprobs(kept, kept_adv, behaviour)
+        items = [(r, a, o) for g, adv, olds in zip(kept, kept_adv, old) for r, a, o in zip(g, adv, olds)]
         if not items:
             m.skipped = True
             m.step_time_s = time.perf_counter() - t0
             return m
-        normaliser = float(len(rollouts_all) * cfg.max_tokens)
-
-        # 3. old log-probabilities, recomputed with the current weights
-        spans = self.micro_batches([r for r, _ in items])
-        old: list[torch.Tensor] = []
+        spans = self.micro_batches([r for r, _, _ in items])
         ref: list[torch.Tensor] = []
-        with torch.no_grad():
-            for i, j in spans:
-                chunk = [r for r, _ in items[i:j]]
-                lp, _, _ = self._logprobs(self.model, chunk)
-                old.extend(row[: len(r.completion_tokens)] for row, r in zip(lp, chunk))
-                if self.reference_model is not None and cfg.kl_coef > 0:
+        if self.reference_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                for i, j in spans:
+                    chunk = [r for r, _, _ in items[i:j]]
                     rlp, _, _ = self._logprobs(self.reference_model, chunk)
                     ref.extend(row[: len(r.completion_tokens)] for row, r in zip(rlp, chunk))
 
         # 4-6. mini-batches of optimizer steps, each accumulated over micro-batches
+        generating = self._weights_copy() if self.keep_versions > 0 else None  # this version, before it changes
         n_mini = max(1, min(cfg.mini_batches, len(items)))
         bounds = [round(k * len(items) / n_mini) for k in range(n_mini + 1)]
         tot_loss = tot_ent = tot_kl = 0.0
         tot_tokens = tot_clipped = 0
+        ratios = RatioStats()
         grad_norms = []
         for k in range(n_mini):
             lo, hi = bounds[k], bounds[k + 1]
             mini_norm = normaliser * (hi - lo) / len(items)
             self.optimizer.zero_grad(set_to_none=True)
             for i, j in [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]:
-                chunk = [r for r, _ in items[i:j]]
-                adv = torch.tensor([a for _, a in items[i:j]], dtype=torch.float32, device=self.device).unsqueeze(-1)
+                chunk = [r for r, _, _ in items[i:j]]
+                adv = torch.tensor([a for _, a, _ in items[i:j]], dtype=torch.float32, device=self.device).unsqueeze(-1)
                 with self._grad_mode():
                     lp, ent, mask = self._logprobs(self.model, chunk)
                 width = lp.shape[1]
-                old_lp = torch.stack([F.pad(o, (0, width - o.shape[0])) for o in old[i:j]])
+                old_lp = torch.stack([F.pad(o, (0, width - o.shape[0])) for _, _, o in items[i:j]])
                 tok_loss, clipped = grpo_token_loss(lp, old_lp, adv, cfg.clip_eps, cfg.delta)
+                ratios.add(
+                    [self.version - r.policy_version for r in chunk],
+                    torch.exp(lp.detach() - old_lp),
+                    clipped,
+                    mask,
+                )
                 loss = (tok_loss * mask).sum() / mini_norm
                 if cfg.entropy_coef:
                     loss = loss - cfg.entropy_coef * (ent * mask).sum() / mini_norm
@@ -300,6 +376,8 @@ class GRPOTrainer:
             self.optimizer.step()
             self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if generating is not None:
+            self._remember(self.version, generating)
         self.version += 1
         self._set_lr()
 
@@ -308,11 +386,77 @@ class GRPOTrainer:
         m.entropy = tot_ent / max(1, tot_tokens)
         m.kl = tot_kl / max(1, tot_tokens)
         m.clip_fraction = tot_clipped / max(1, tot_tokens)
+        m.by_staleness = ratios.as_dict()
         m.trained_tokens = tot_tokens
         m.step_time_s = time.perf_counter() - t0
-        seq_tokens = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r, _ in items)
+        seq_tokens = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r, _, _ in items)
         m.tokens_per_s = seq_tokens / m.step_time_s if m.step_time_s > 0 else 0.0
         return m
+
+    def old_logprobs(
+        self, rollouts: Sequence[Rollout], behaviour: BehaviourWeights | None = None
+    ) -> list[torch.Tensor | None]:
+        """Per-token log-probs of each rollout's completion under the weights of the version
+        that generated it (at the run's temperature), or None where those weights are not at
+        hand. One version's weights are in memory at a time."""
+        out: list[torch.Tensor | None] = [None] * len(rollouts)
+        by_version: dict[int, list[int]] = {}
+        for i, r in enumerate(rollouts):
+            by_version.setdefault(r.policy_version, []).append(i)
+        with torch.no_grad():
+            for version in sorted(by_version):
+                forward = self._behaviour_forward(version, behaviour)
+                if forward is None:
+                    continue
+                idx = by_version[version]
+                for a, b in self.micro_batches([rollouts[i] for i in idx]):
+                    part = idx[a:b]
+                    lp, _, _ = self._logprobs(forward, [rollouts[i] for i in part])
+                    for i, row in zip(part, lp):
+                        out[i] = row[: len(rollouts[i].completion_tokens)]
+                del forward  # drop this version's weights before reading the next
+        return out
+
+    def _behaviour_logprobs(
+        self, groups: list[Group], advantages: list[list[float]], behaviour: BehaviourWeights | None
+    ) -> tuple[list[Group], list[list[float]], list[list[torch.Tensor]], int]:
+        """:meth:`old_logprobs` of the kept groups. Returns the groups (and advantages) whose
+        generating weights were available, their per-rollout old log-probs, and how many
+        groups were dropped because they were not."""
+        flat = [r for g in groups for r in g]
+        olds = self.old_logprobs(flat, behaviour)
+        out_g, out_a, out_o = [], [], []
+        pos = 0
+        for g, adv in zip(groups, advantages):
+            mine = olds[pos : pos + len(g)]
+            pos += len(g)
+            if all(o is not None for o in mine):
+                out_g.append(g)
+                out_a.append(adv)
+                out_o.append([o for o in mine if o is not None])
+        return out_g, out_a, out_o, len(groups) - len(out_g)
+
+    def _behaviour_forward(self, version: int, behaviour: BehaviourWeights | None) -> Callable[..., Any] | None:
+        """What computes log-probs under ``version``: its published weights (``behaviour``), a
+        kept snapshot, the live model for the current version; None when none is at hand."""
+        if version < 0:
+            return None
+        state = behaviour(version) if behaviour is not None else self._snapshots.get(version)
+        if state is not None:
+            return WithWeights(self.model, state)
+        if version == self.version:
+            return self.model  # the live weights are the current version's
+        return None
+
+    def _weights_copy(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _remember(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Keep the weights ``version`` had (it generated rollouts that may still be trained)
+        while it is inside the last ``keep_versions`` versions."""
+        self._snapshots[version] = weights
+        for v in [v for v in self._snapshots if v <= version - self.keep_versions]:
+            del self._snapshots[v]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:

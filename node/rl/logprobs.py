@@ -59,7 +59,7 @@ def _padded_batch(
 
 
 def _head_stats(
-    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, softcap: float | None
+    hidden: torch.Tensor, targets: torch.Tensor, head: Any, temperature: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``log p(target)`` and the entropy of ``softmax(head(hidden) / temperature)`` per row."""
     logits = head(hidden).float()
@@ -73,13 +73,23 @@ def _head_stats(
     return tok_lp, entropy
 
 
+def _parts(model: Any) -> tuple[Any, Any, int]:
+    """The decoder, the LM head and the vocabulary of a transformers causal LM, or of a
+    wrapper that runs one under other weights (``node.rl.grpo.WithWeights.parts``)."""
+    if hasattr(model, "parts"):
+        decoder, head, vocab = model.parts()
+        return decoder, head, int(vocab)
+    head = model.get_output_embeddings()
+    return model.get_decoder(), head, int(head.weight.shape[0])
+
+
 def _softcap(model: Any) -> float | None:
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return float(cap) if cap else None
 
 
 def token_logprobs_and_entropy(
-    model: torch.nn.Module,
+    model: Any,
     rollouts: Sequence[HasTokens],
     temperature: float,
     pad_token_id: int,
@@ -113,11 +123,10 @@ def token_logprobs_and_entropy(
         tok_lp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         tok_ent = -(log_probs.exp() * log_probs).sum(-1)
     else:
-        decoder: Any = model.get_decoder()  # type: ignore[operator]
-        head: Any = model.get_output_embeddings()  # type: ignore[operator]
+        decoder, head, vocab = _parts(model)
         hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[rows, src]
-        step = chunk_tokens or default_chunk_tokens(int(head.weight.shape[0]))
-        softcap = _softcap(model)
+        step = chunk_tokens or default_chunk_tokens(vocab)
+        softcap = _softcap(getattr(model, "model", model))  # a WithWeights wraps the model
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         for s in range(0, hidden.shape[0], step):
             h, t = hidden[s : s + step], targets[s : s + step]

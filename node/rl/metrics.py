@@ -18,6 +18,7 @@ class StepMetrics:
     num_rollouts: int = 0
     filtered_groups: int = 0  # dropped by the zero-advantage filter
     stale_groups: int = 0  # dropped by the max_async staleness bound
+    missing_policy_groups: int = 0  # dropped: the generating version's weights were not available
     reward_mean: float = 0.0
     reward_std: float = 0.0
     reward_min: float = 0.0
@@ -30,6 +31,8 @@ class StepMetrics:
     loss: float = 0.0
     grad_norm: float = 0.0  # before clipping
     clip_fraction: float = 0.0
+    # ratio statistics and clip fraction per staleness ("0", "1", "2": versions behind): RatioStats
+    by_staleness: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     entropy: float = 0.0  # mean per trained token
     kl: float = 0.0
     trained_tokens: int = 0
@@ -39,6 +42,53 @@ class StepMetrics:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class RatioStats:
+    """Importance ratios ``exp(logp - logp_old)`` of trained tokens and the clip's work, per
+    staleness (how many versions behind the trainer the generating policy was). Staleness 0 is
+    on-policy data (ratio 1 on the first mini-batch); with stale data the ratios move away from 1
+    and the clip starts cutting gradients: this is how a run sees what asynchrony costs."""
+
+    def __init__(self) -> None:
+        self._by: dict[int, dict[str, float]] = {}
+
+    def add(self, staleness: Sequence[int], ratio: Any, clipped: Any, mask: Any) -> None:
+        """One micro-batch: ``staleness`` per row; ``ratio`` (raw, before the delta cap),
+        ``clipped`` and ``mask`` are (rows, tokens) tensors."""
+        for row, s in enumerate(staleness):
+            m = mask[row] > 0
+            n = int(m.sum())
+            r = ratio[row][m].double()
+            acc = self._by.setdefault(
+                s, {"rollouts": 0, "tokens": 0, "sum": 0.0, "dev": 0.0, "min": float("inf"), "max": 0.0, "clipped": 0}
+            )
+            acc["rollouts"] += 1
+            if n == 0:
+                continue
+            acc["tokens"] += n
+            acc["sum"] += float(r.sum())
+            acc["dev"] += float((r - 1.0).abs().sum())
+            acc["min"] = min(acc["min"], float(r.min()))
+            acc["max"] = max(acc["max"], float(r.max()))
+            acc["clipped"] += int((clipped[row] & m).sum())
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """``{"0": {rollouts, tokens, ratio_mean, ratio_dev, ratio_min, ratio_max, clip_fraction}, ...}``
+        (string keys: the record goes to JSON)."""
+        out = {}
+        for s, a in sorted(self._by.items()):
+            t = max(1, int(a["tokens"]))
+            out[str(s)] = {
+                "rollouts": int(a["rollouts"]),
+                "tokens": int(a["tokens"]),
+                "ratio_mean": a["sum"] / t,
+                "ratio_dev": a["dev"] / t,  # mean |ratio - 1|
+                "ratio_min": a["min"] if a["tokens"] else 1.0,
+                "ratio_max": a["max"] if a["tokens"] else 1.0,
+                "clip_fraction": a["clipped"] / t,
+            }
+        return out
 
 
 def histogram(values: Sequence[float], bins: int = 10) -> list[int]:

@@ -127,6 +127,10 @@ ORPHAN_VOTE_TTL_S = 3600.0
 # times out, so honest validators agree exactly; the slack only absorbs float rounding.
 REWARD_AGREEMENT = 1e-6
 
+# Why an admitted batch was never trained on (ledger.discarded() counts them by reason).
+STALE_BEFORE_TRAINING = "stale before training"  # it fell out of the max_async window while queued
+NO_POLICY_WEIGHTS = "generating policy weights unavailable"  # its old log-probs cannot be computed
+
 # A row was admitted at some point (admitted, or aged out of the window before training):
 # such rows and their bytes are never deleted.
 _EVER_ADMITTED = "admitted_ms IS NOT NULL"
@@ -458,12 +462,17 @@ class Ledger:
         }
 
     # ------------------------------------------------------------- training
-    def untrained(self, limit: int | None = None) -> list[AdmittedBatch]:
-        """Admitted batches no step has consumed yet, freshest policy first (the most
-        on-policy data trains first; older leftovers age out through ``drop_stale``)."""
+    def untrained(self, limit: int | None = None, *, oldest_first: bool = False) -> list[AdmittedBatch]:
+        """Admitted batches no step has consumed yet, freshest policy first, or with
+        ``oldest_first`` the ones closest to falling out of the window first (the trainer's
+        order: a step takes them all up to its token budget, so nothing ages out while fresher
+        batches wait)."""
+        order = (
+            "policy_version, admitted_ms, batch_id" if oldest_first else "policy_version DESC, admitted_ms, batch_id"
+        )
         q = (
             "SELECT batch_id, worker, policy_version, batch_counter, envelope, rewards FROM batches "
-            "WHERE status = 'admitted' AND trained_step IS NULL ORDER BY policy_version DESC, admitted_ms, batch_id"
+            f"WHERE status = 'admitted' AND trained_step IS NULL ORDER BY {order}"
         )
         if limit is not None:
             q += f" LIMIT {int(limit)}"
@@ -472,11 +481,36 @@ class Ledger:
     def drop_stale(self) -> int:
         """Admitted-but-untrained batches that fell out of the window: never trained on."""
         cur = self.db.execute(
-            "UPDATE batches SET status = 'rejected', reason = 'stale before training' "
+            "UPDATE batches SET status = 'rejected', reason = ? "
             "WHERE status = 'admitted' AND trained_step IS NULL AND policy_version < ?",
-            (window_floor(self.policy_version, self.max_async),),
+            (STALE_BEFORE_TRAINING, window_floor(self.policy_version, self.max_async)),
         )
         return cur.rowcount
+
+    def discard(self, batch_ids: Iterable[bytes], reason: str) -> int:
+        """Admitted-but-untrained batches the trainer cannot train on (``reason``): they keep
+        their bytes and their admission record, like batches that aged out."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            n = 0
+            for b in batch_ids:
+                n += self.db.execute(
+                    "UPDATE batches SET status = 'rejected', reason = ? "
+                    "WHERE batch_id = ? AND status = 'admitted' AND trained_step IS NULL",
+                    (reason, b),
+                ).rowcount
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return n
+
+    def discarded(self) -> dict[str, int]:
+        """Batches admitted and then never trained on, by reason (the trainer's waste)."""
+        rows = self.db.execute(
+            f"SELECT reason, COUNT(*) FROM batches WHERE status = 'rejected' AND {_EVER_ADMITTED} GROUP BY reason"
+        )
+        return {reason: n for reason, n in rows}
 
     def mark_trained(self, batch_ids: Iterable[bytes], step: int) -> None:
         self.db.execute("BEGIN IMMEDIATE")

@@ -7,6 +7,7 @@ one travels.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -22,14 +23,20 @@ from node.roles.ledger import (
     MAX_PENDING,
     MAX_PENDING_BYTES,
     MAX_UNADMITTED_ROWS,
+    NO_POLICY_WEIGHTS,
     ORPHAN_VOTE_TTL_S,
     REWARD_AGREEMENT,
+    STALE_BEFORE_TRAINING,
     AdmittedBatch,
     Ledger,
 )
 from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
 
 log = logging.getLogger(__name__)
+
+# Tokens (prompt + completion, all samples) one step trains on at most; the default devnet
+# brings ~3.5k per batch, so every fresh batch fits; a run with many workers caps its step here.
+STEP_TOKEN_BUDGET = 1 << 16
 
 LEDGER_LIMITS: dict[str, Any] = {
     "max_pending": MAX_PENDING,
@@ -53,8 +60,15 @@ class TrainerRole(LearningRole):
             )
         self.device = device
         self.steps = int(self.ctx.config.get("steps", 0)) or None  # None: train forever
-        self.batches_per_step = int(self.ctx.config.get("batches_per_step", 1))
         cfg = self.ctx.config
+        # A step starts once this many admitted batches wait, then takes every admitted batch
+        # still inside the max_async window, oldest policy first, up to step_token_budget
+        # prompt + completion tokens (always at least one batch): all honest work is used.
+        self.batches_per_step = int(cfg.get("batches_per_step", 1))
+        self.step_token_budget = int(cfg.get("step_token_budget", STEP_TOKEN_BUDGET))
+        # Old log-probs need the weights of each batch's generating version: read back from the
+        # store one version at a time (docs/rl.md: memory of one state dict, milliseconds a version).
+        self.weights.capacity = 1
         # retention caps of the ledger (docs/security.md); the run config may override them.
         # reward_agreement: how far apart the admitting validators' rewards may be (docs/protocol.md)
         self.ledger = Ledger(
@@ -228,37 +242,77 @@ class TrainerRole(LearningRole):
             log.info("fetching evicted batch %s again: a quorum accepts it", batch_id.hex()[:12])
 
     # ------------------------------------------------------------ training
-    def _groups(self, batches: list[AdmittedBatch]):
+    def _batch_groups(self, b: AdmittedBatch) -> list[list[Any]]:
+        """One admitted batch as GRPO groups (rollouts with the validators' rewards)."""
         from node.rl.grpo import Rollout
 
         g = self.ctx.genesis
-        groups = []
-        for b in batches:
-            env = open_envelope(b.envelope, run_id=g.run_id, now_ms=0, guard=None, allowed_types={RolloutBatch.TYPE_ID})
-            batch = env.body
-            assert isinstance(batch, RolloutBatch)
-            rollouts = [
-                Rollout(
-                    self.ctx.prompt_tokens(s.prompt_index), s.token_ids(), reward, policy_version=batch.policy_version
-                )
-                for s, reward in zip(batch.samples, b.rewards)
-            ]
-            groups += [rollouts[i : i + g.group_size] for i in range(0, len(rollouts), g.group_size)]
-        return groups
+        env = open_envelope(b.envelope, run_id=g.run_id, now_ms=0, guard=None, allowed_types={RolloutBatch.TYPE_ID})
+        batch = env.body
+        assert isinstance(batch, RolloutBatch)
+        rollouts = [
+            Rollout(self.ctx.prompt_tokens(s.prompt_index), s.token_ids(), reward, policy_version=batch.policy_version)
+            for s, reward in zip(batch.samples, b.rewards)
+        ]
+        return [rollouts[i : i + g.group_size] for i in range(0, len(rollouts), g.group_size)]
+
+    def _weights_held(self, version: int) -> bool:
+        """Whether the weights that generated ``version``'s rollouts can be read back: the
+        current version is the live model; older ones must still be in the store."""
+        return version == self.version or self.weights.held(version)
+
+    def _select(self, candidates: list[AdmittedBatch]) -> tuple[list[AdmittedBatch], list[list[Any]], int, list[bytes]]:
+        """The step's batches from the untrained ones (oldest policy first): every one that
+        fits in the token budget (the first always does). Returns the batches, their groups,
+        their tokens, and the batches whose generating weights are gone (to discard)."""
+        chosen: list[AdmittedBatch] = []
+        groups: list[list[Any]] = []
+        tokens = 0
+        unusable: list[bytes] = []
+        for b in candidates:
+            if not self._weights_held(b.policy_version):
+                unusable.append(b.batch_id)
+                continue
+            bg = self._batch_groups(b)
+            n = sum(len(r.prompt_tokens) + len(r.completion_tokens) for g in bg for r in g)
+            if chosen and tokens + n > self.step_token_budget:
+                break
+            chosen.append(b)
+            groups += bg
+            tokens += n
+        return chosen, groups, tokens, unusable
+
+    def _behaviour_weights(self, version: int) -> Any:
+        """The published weights of ``version`` for the step's old log-probs. Called from the
+        step's worker thread: the store is read on the trio thread (it pins the version)."""
+        try:
+            return trio.from_thread.run(self.weights.get, version)
+        except Exception as exc:  # a store problem: the step drops the groups (missing_policy_groups)
+            log.warning("cannot read the weights of policy version %d: %s", version, exc)
+            return None
 
     async def _train_loop(self) -> None:
+        discarded_step: dict[str, int] = {}
         while self.steps is None or self.version < self.steps:
-            self.ledger.drop_stale()
-            batches = self.ledger.untrained(limit=self.batches_per_step)
-            if len(batches) < self.batches_per_step:
+            if n := self.ledger.drop_stale():
+                discarded_step[STALE_BEFORE_TRAINING] = discarded_step.get(STALE_BEFORE_TRAINING, 0) + n
+            candidates = self.ledger.untrained(oldest_first=True)
+            if len(candidates) < self.batches_per_step:
                 self._admitted = trio.Event()
                 with trio.move_on_after(1.0):
                     await self._admitted.wait()
                 continue
-            groups = self._groups(batches)
+            batches, groups, step_tokens, unusable = self._select(candidates)
+            if unusable:
+                n = self.ledger.discard(unusable, NO_POLICY_WEIGHTS)
+                discarded_step[NO_POLICY_WEIGHTS] = discarded_step.get(NO_POLICY_WEIGHTS, 0) + n
+                log.warning("discarded %d admitted batches: %s", n, NO_POLICY_WEIGHTS)
+            if not batches:
+                continue
             t0 = time.monotonic()
-            metrics = await trio.to_thread.run_sync(self.trainer.step, groups)
+            metrics = await trio.to_thread.run_sync(self.trainer.step, groups, self._behaviour_weights)
             await trio.to_thread.run_sync(release_free_memory)  # the step's transient tensors (node/memory.py)
+            staleness = collections.Counter(str(self.version - b.policy_version) for b in batches)
             if metrics.skipped:
                 # every group filtered out (all-equal rewards): no optimizer step, the policy
                 # is unchanged, so the batches are consumed at the current checkpoint
@@ -276,19 +330,26 @@ class TrainerRole(LearningRole):
                 "policy_version": self.version,
                 "batches": len(batches),
                 "batch_versions": sorted({b.policy_version for b in batches}),
+                "batch_staleness": dict(sorted(staleness.items())),
+                "step_tokens": step_tokens,
+                "discarded": discarded_step,
+                "batches_used": counts["trained"],
+                "batches_discarded": self.ledger.discarded(),
                 "admitted": counts["admitted"],
                 "rejected": counts["rejected"],
                 "buffer": counts["buffer"],
                 "step_wall_s": round(time.monotonic() - t0, 3),
                 "time": time.time(),
             }
+            discarded_step = {}
             await trio.to_thread.run_sync(self._append_metrics, json.dumps(self.last_metrics))
             log.info(
-                "step %d%s: reward %.3f over %d rollouts",
+                "step %d%s: reward %.3f over %d rollouts from %d batches",
                 self.version,
                 " (skipped: no group with signal)" if metrics.skipped else "",
                 metrics.reward_mean,
                 metrics.num_rollouts,
+                len(batches),
             )
             assert self.checkpoints is not None
             self.checkpoints.gc()
@@ -317,6 +378,7 @@ class TrainerRole(LearningRole):
             "pending": counts["pending"],
             "buffer": counts["buffer"],
             "trained_batches": counts["trained"],
+            "discarded_batches": self.ledger.discarded(),
             "restored_after_crash": self.restored,
             "dropped_announces": self.dropped_announces,
             "ledger": {**self.ledger.storage(), "refetches": self.refetches},
@@ -329,6 +391,11 @@ class TrainerRole(LearningRole):
                     "entropy",
                     "filtered_groups",
                     "stale_groups",
+                    "missing_policy_groups",
+                    "batches",
+                    "batch_staleness",
+                    "step_tokens",
+                    "by_staleness",
                     "tokens_per_s",
                     "length_mean",
                 )
