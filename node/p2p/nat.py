@@ -88,8 +88,11 @@ class NatConfig:
     max_reservations: int = 64
     max_circuits_per_peer: int = 16
     reservation_ttl_s: int = 3600
-    # DCUtR: upgrade relayed connections to direct ones.
+    # DCUtR: upgrade relayed connections to direct ones. The library gives a peer 3 attempts and
+    # then never tries again; a TCP simultaneous open fails when the two sides' dials are far
+    # apart (a loaded machine), so the budget is renewed this often while a peer stays relayed.
     hole_punch: bool = True
+    hole_punch_retry_s: float = 30.0
 
 
 def conn_is_relayed(conn: Any) -> bool:
@@ -459,9 +462,22 @@ class NatService:
             if self.dcutr is None:
                 yield
                 return
-            async with background_trio_service(self.dcutr):
+            async with background_trio_service(self.dcutr), trio.open_nursery() as nursery:
                 await self.dcutr.event_started.wait()
+                nursery.start_soon(self._renew_hole_punch_budget)
                 yield
+                nursery.cancel_scope.cancel()
+
+    async def _renew_hole_punch_budget(self) -> None:
+        """Give relayed peers fresh DCUtR attempts every ``hole_punch_retry_s`` (the library's
+        own loop then tries again; it skips peers already direct or in a session)."""
+        assert self.dcutr is not None
+        while True:
+            await trio.sleep(self.config.hole_punch_retry_s)
+            attempts: dict[Any, int] = self.dcutr._hole_punch_attempts
+            for peer in list(attempts):
+                if peer not in self.dcutr._direct_connections:
+                    attempts.pop(peer, None)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
