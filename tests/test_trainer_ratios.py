@@ -10,6 +10,7 @@ the trainer's old log-probs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -188,3 +189,40 @@ def test_weights_that_do_not_cover_the_model_are_refused(run):
     state.pop("model.norm.weight")
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):
         WithWeights(trainer.model, state)
+
+
+def test_on_policy_rollouts_take_their_old_log_probs_from_the_training_forward(run):
+    """Rollouts of the current version need no second pass: before the step's single optimizer
+    step the live model is their behaviour policy. The shortcut must give the numbers a pass over
+    the published files gives (bit for bit), and save that pass."""
+    trainer, published, engine, _stale, _ = run
+    fresh, _ = sample(engine, 2, seed=7)
+    rollouts = [r for g in fresh for r in g]
+    from_files = trainer.old_logprobs(rollouts, behaviour=published)  # the long way: version 2's files
+    with trainer._grad_mode():
+        live, _, _ = token_logprobs_and_entropy(trainer.model, rollouts, TEMPERATURE, 0, trainer.device)
+    for i, (r, o) in enumerate(zip(rollouts, from_files)):
+        assert o is not None and torch.equal(live[i, : len(r.completion_tokens)].detach(), o)
+
+    forwards: list[int] = []
+    hook = trainer.model.model.register_forward_hook(lambda *_: forwards.append(1))
+    published.loads.clear()
+    try:
+        m = trainer.step(fresh, behaviour=published)
+    finally:
+        hook.remove()
+    # one forward per micro-batch (the training one), no file read, no second pass
+    assert published.loads == [] and len(forwards) == len(trainer.micro_batches(rollouts)) == 2
+    assert m.by_staleness["0"]["ratio_dev"] == 0.0 and m.clip_fraction == 0.0
+
+
+def test_with_several_optimizer_steps_on_policy_rollouts_get_a_separate_pass(run):
+    """After the first of several mini-batch optimizer steps the live model has moved: then the
+    current version's old log-probs must come from its weights as they were (a separate pass)."""
+    trainer, published, engine, _stale, _ = run
+    trainer.config = dataclasses.replace(trainer.config, mini_batches=2)
+    fresh, _ = sample(engine, 2, seed=8)
+    published.loads.clear()
+    m = trainer.step(fresh, behaviour=published)
+    assert published.loads == [2]
+    assert m.by_staleness["0"]["ratio_dev"] > 0  # the second mini-batch sees the moved policy
