@@ -2,6 +2,7 @@
 (``--max-async 0``) and the single-process GRPO loop on the same model, task and settings.
 
     python bench/learning.py [--runs 3] [--steps 40] [--no-sync] [--demo-seeds 0] [--out DIR]
+                             [--baseline-tree DIR]   # e.g. a git worktree of main before issue 20
     python bench/learning.py --summarise DIR [DIR ...]     # only read finished devnet folders
 
 Each devnet is started through the CLI (``python -m node.ops.cli devnet``: six OS
@@ -84,19 +85,25 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run_devnet(out: Path, steps: int, extra: list[str]) -> dict[str, Any]:
+def run_devnet(out: Path, steps: int, extra: list[str], tree: Path = REPO) -> dict[str, Any]:
+    """One devnet through the CLI of the source tree ``tree`` (this one, or a baseline's)."""
     load = os.getloadavg()[0]
     cmd = [sys.executable, "-m", "node.ops.cli", "devnet", "--out", str(out), "--steps", str(steps), *extra]
+    env = dict(os.environ, PYTHONPATH=str(tree))
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    cpu0 = os.times()
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
+    cpu1 = os.times()
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
-        "run": " ".join(["devnet", *extra]) or "devnet",
+        "run": " ".join(["devnet", *extra]) + ("" if tree == REPO else f" (tree {tree})"),
         "seconds": summary["seconds"],
         "process_s": round(wall, 1),
+        # CPU of the devnet and all its node processes (children's user + system time)
+        "cpu_s": round((cpu1.children_user - cpu0.children_user) + (cpu1.children_system - cpu0.children_system), 1),
         "load_before": round(load, 2),
         "load_after": round(os.getloadavg()[0], 2),
         **summarise(read_metrics(out)),
@@ -205,7 +212,17 @@ def measure_cost(repeats: int = 5) -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> None:
-    cols = ("run", "seconds", "load_before", "reward_31_40", "batches_per_step", "used", "discarded", "staleness_mix")
+    cols = (
+        "run",
+        "seconds",
+        "cpu_s",
+        "load_before",
+        "reward_31_40",
+        "batches_per_step",
+        "used",
+        "discarded",
+        "staleness_mix",
+    )
     print(" | ".join(cols))
     for r in results:
         print(" | ".join(json.dumps(r.get(c)) if isinstance(r.get(c), dict) else str(r.get(c)) for c in cols))
@@ -251,6 +268,12 @@ def main() -> None:
     ap.add_argument("--summarise", nargs="+", type=Path, default=None, help="only summarise these devnet folders")
     ap.add_argument("--cost", action="store_true", help="only measure the old-log-prob cost")
     ap.add_argument("--plot", type=Path, default=None, help="write the reward curves here (PNG)")
+    ap.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="also run the default devnet of this source tree (before the change) first: the wall-time baseline",
+    )
     args = ap.parse_args()
     results = []
     if args.cost:
@@ -264,6 +287,9 @@ def main() -> None:
                 results.append({"run": folder.name, **summarise(read_metrics(folder))})
     else:
         out = args.out or Path(tempfile.mkdtemp(prefix="learning-"))
+        if args.baseline_tree:
+            results.append(run_devnet(out / "devnet-baseline", args.steps, [], tree=args.baseline_tree.resolve()))
+            print(json.dumps(results[-1]), flush=True)
         for i in range(args.runs):
             results.append(run_devnet(out / f"devnet-{i}", args.steps, []))
             print(json.dumps(results[-1]), flush=True)
@@ -276,7 +302,13 @@ def main() -> None:
     table(results)
     if args.plot:
         plot(results, args.plot)
-    print(json.dumps({"results": results}))
+    final: dict[str, Any] = {"results": results}
+    base = [r for r in results if "(tree " in r["run"]]
+    mine = [r for r in results if r["run"] == "devnet"]
+    if base and mine:  # wall time of the default devnet against the baseline tree's, same machine, same run
+        final["wall_ratio_to_baseline"] = [round(r["seconds"] / base[0]["seconds"], 3) for r in mine]
+        print("wall time / baseline:", final["wall_ratio_to_baseline"])
+    print(json.dumps(final))
 
 
 if __name__ == "__main__":

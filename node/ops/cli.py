@@ -363,6 +363,15 @@ def devnet(
     engine: Annotated[
         str, typer.Option("--engine", help="Engine of workers and validators: transformers or vllm.")
     ] = "transformers",
+    prompts_per_step: Annotated[
+        int,
+        typer.Option(
+            "--prompts-per-step", help="Prompts a trainer step learns from, split across the workers' batches."
+        ),
+    ] = 16,
+    prompts_per_batch: Annotated[
+        int, typer.Option("--prompts-per-batch", help="Prompts per worker batch (overrides the split; 0: split).")
+    ] = 0,
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from node.ops.devnet import DevnetOptions, run_devnet
@@ -378,6 +387,8 @@ def devnet(
             max_async=max_async,
             timeout_s=timeout,
             engine=engine,
+            prompts_per_step=prompts_per_step,
+            prompts_per_batch=prompts_per_batch,
         )
     )
     if summary["interrupted"]:

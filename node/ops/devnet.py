@@ -40,7 +40,11 @@ class DevnetOptions:
     model: str = "tiny"
     task: str = "target-length"
     max_async: int = 2
-    prompts_per_batch: int = 8
+    # prompts each trainer step learns from, split across the workers' batches (16: 8 per
+    # worker; 8 learned less by step 40, docs/benchmarks.md, issue 20); prompts_per_batch, when
+    # set, overrides the split
+    prompts_per_step: int = 16
+    prompts_per_batch: int = 0
     group_size: int = 8
     lr: float = 1e-4
     max_tokens: int = 48
@@ -148,7 +152,7 @@ class Devnet:
             validators=[v.load_key().peer_id for v in validators],
             quorum=min(quorum, o.validators),
             max_async=o.max_async,
-            prompts_per_batch=o.prompts_per_batch,
+            prompts_per_batch=o.prompts_per_batch or -(-o.prompts_per_step // o.workers),
             group_size=o.group_size,
             chunk_size=1 << 20,
         )
@@ -192,7 +196,12 @@ class Devnet:
     def start(self, node: NodeProc) -> None:
         # open for the process's whole life; stop_all() and a restart close it
         node.log = open(self.out / "logs" / f"{node.name}.log", "ab")  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        # One compute thread per node process: six processes share this machine's cores. The
+        # trainer takes every core: its step runs while the workers and validators wait for the
+        # version it makes (a step trains on the batches of the version before, issue 20), so
+        # the other cores would idle.
+        threads = str(os.cpu_count() or 1) if node.role == "trainer" else "1"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
         node.proc = subprocess.Popen(
             primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
