@@ -28,7 +28,7 @@ from protocol import DeltaRef, ProtocolError, sha256
 from protocol import chunk_frames as F
 from protocol.delta import DELTA_FILE, ENC_DENSE, ENC_SPARSE, SEGMENT, parse_delta
 from tests.support.checkpoints import RUN_ID, keys
-from tests.support.deltas import SHAPES, equal_dirs, forge_delta, make_versions, random_state, write_version
+from tests.support.deltas import SHAPES, bits, equal_dirs, forge_delta, make_versions, random_state, write_version
 
 CHUNK = 64 * 1024
 
@@ -228,6 +228,38 @@ async def _two_nodes_at_v0(tmp_path, nursery, srcs):
     with trio.fail_after(30):
         await sw.nodes[1].wait_assembled(0)
     return sw
+
+
+async def test_delta_changes_decode_against_the_base_the_engine_holds(tmp_path):
+    """What a role's in-place load gets: the changes of v1 on exactly v0, decoded against
+    v0's files (format 2 codes them against the base). Another base, or a base whose files
+    are gone: None, and the role does a full load."""
+    srcs = make_versions(tmp_path / "src", 2, seed=4)
+    async with trio.open_nursery() as nursery:
+        sw = await _two_nodes_at_v0(tmp_path, nursery, srcs)
+        raw = await sw.publish(1, srcs[1], anchor_every=10)
+        f = sw.nodes[1]
+        f.on_announce(raw)
+        with trio.fail_after(30):
+            await f.wait_assembled(1)
+        changes = await f.delta_changes(1, 0)
+        assert await f.delta_changes(1, 1) is None
+        base = f.store.get(0)
+        base.assembled = False  # as after GC dropped the base's files
+        assert await f.delta_changes(1, 0) is None
+        base.assembled = True
+        nursery.cancel_scope.cancel()
+    assert changes
+    old = load_file(str(srcs[0] / "model.safetensors"))
+    new = load_file(str(srcs[1] / "model.safetensors"))
+    for c in changes:
+        got = bits(old[c.name]).reshape(-1).copy()
+        if c.positions is None:
+            got[:] = c.values.view(got.dtype)
+        else:
+            got[c.positions] = c.values.view(got.dtype)
+        assert np.array_equal(got, bits(new[c.name]).reshape(-1)), c.name
+    assert {c.name for c in changes} == {k for k in new if not np.array_equal(bits(old[k]), bits(new[k]))}
 
 
 @pytest.mark.parametrize("case", ["wrong_base", "wrong_result", "malformed"])
