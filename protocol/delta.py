@@ -12,29 +12,48 @@ dtype) rebuild exactly, and the result is checked against the manifest's
 
 Layout (all integers little-endian)::
 
-    header   16 bytes  "PNDL", u16 format version (1), u16 flags (0), u32 records, u32 0
+    header   16 bytes  "PNDL", u16 format version (2), u16 flags (0), u32 records, u32 0
     record   32 bytes  u16 path length, u16 name length, u8 dtype length, u8 encoding, 2 x 0,
                        u64 elements in the tensor, u64 elements changed, u64 payload length
              then      path (utf-8), tensor name (utf-8), dtype (ascii, as safetensors spells it)
              then      payload: one zstandard frame (content size in its header)
 
 Records are sorted by (path, name), strictly (so one tensor has one record), and
-list only tensors with at least one changed element. The payload decompresses
-to exactly ``payload_size(encoding, numel, changed, element size)`` bytes:
+list only tensors with at least one changed element.
 
-* ``ENC_BITMAP`` (1): a bitmap of the changed elements, bit i = element i,
-  byte i // 8, mask 1 << (i % 8), ceil(numel / 8) bytes (bits past ``numel`` zero),
-  then the values;
-* ``ENC_GAPS`` (2): ``changed`` u32 gaps (the first changed index, then each
-  index minus the previous, so every gap after the first is >= 1), then the
-  values; only for tensors under 2**32 elements;
-* ``ENC_DENSE`` (3): every element changed (``changed == numel``): the values only.
+**Values** are sent as the difference of bit patterns, not the new patterns: for
+each changed element ``d = (new - old) mod 2**bits`` of its unsigned bit pattern,
+zigzag-mapped (``(d << 1) ^ (d >> (bits - 1))`` on the signed reading, so -1 -> 1,
+1 -> 2), byte-planed (the lowest byte of every value, then the next, ...). After an
+RL step a changed bf16 weight moves by one or two units in the last place, so
+almost every difference is 1..4 with zero high bytes (measured on SmolLM2: about
+1.2 bytes a value after zstd as new patterns, 0.3 as differences). The receiver holds the old bits (the base), so this is
+exact for any dtype.
 
-Values: the new bit patterns of the changed elements in index order, byte-planed:
-the lowest byte of every value, then the next byte of every value, and so on
-(element size s gives s planes of ``changed`` bytes). Splitting the planes puts
-the slowly varying sign/exponent bytes together, which the compressor packs far
-better than interleaved values.
+**Positions** are coded against the *classes* of the base's elements: for float
+dtypes the exponent field of the old bit pattern (``CLASS_FIELD``: shift, bits),
+one class otherwise. Why: one optimizer step moves a weight by about the same
+amount whatever its size, so whether its bf16 bits change depends on its unit in
+the last place, i.e. its exponent, which the receiver knows. Per class the changed
+elements' ranks among that class's elements (in index order) are sent as gaps
+(first rank, then each rank minus the previous minus 1), Rice-coded with a
+per-class parameter r: the low r bits of every gap in one stream, the rest
+(``gap >> r``) in unary (that many 0 bits, then a 1) in another, both bit-packed
+LSB first. On a simulated Adam step on SmolLM2 the entropy of the change pattern
+was 4.95 MB unconditioned and 4.04 MB given the exponent; a zstd-compressed bitmap
+took 6.4 MB (docs/benchmarks.md, "Sparse deltas").
+
+Positions are coded per *segment* of ``SEGMENT`` (2**22) elements (element i is in
+segment i // SEGMENT; ranks count within the segment), so the receiver sorts at most
+one segment by class at a time whatever the tensor's size. Payload of ``ENC_SPARSE``
+(1), decompressed: per segment a class table, C x u8 Rice parameters (<= 48) then
+C x u32 changed elements per class (C = ``class_count(dtype)``; all counts add up to
+``changed``); then the remainder stream (segments, then classes, then ranks in order,
+as in the unary stream; ceil(sum of count x r / 8) bytes, padding bits 0), the values (``changed`` x element size bytes), then the unary
+stream to the end (exactly ``changed`` 1 bits, fewer than 8 zero bits after the
+last). ``ENC_DENSE`` (2), every element changed (``changed == numel``): the
+values only. The decompressed size is at most ``payload_bound`` (checked against
+the frame's declared size before decompressing).
 
 This module is pure (it parses and builds the container and safetensors
 headers; it never decompresses or touches numbers): ``node/checkpoints/delta.py``
@@ -51,19 +70,21 @@ import struct
 from .errors import ProtocolError
 
 MAGIC = b"PNDL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DELTA_FILE = "weights.pndl"
 
-ENC_BITMAP = 1
-ENC_GAPS = 2
-ENC_DENSE = 3
-ENCODINGS = (ENC_BITMAP, ENC_GAPS, ENC_DENSE)
+ENC_SPARSE = 1
+ENC_DENSE = 2
+ENCODINGS = (ENC_SPARSE, ENC_DENSE)
+MAX_RICE = 48
+# positions are coded per segment of this many elements (each with its own class table):
+# bounds the receiver's class sort (8 bytes of index an element) whatever the tensor's size
+SEGMENT = 1 << 22
 
 HEADER = struct.Struct("<4sHHII")
 RECORD = struct.Struct("<HHBB2xQQQ")
 MAX_RECORDS = 1 << 20
 MAX_NUMEL = 1 << 48
-MAX_GAPS_NUMEL = 1 << 32
 
 # safetensors dtype -> bytes per element (the only thing a delta needs to know of a dtype)
 ELEMENT_SIZE = {
@@ -84,6 +105,16 @@ ELEMENT_SIZE = {
     "F64": 8,
 }
 
+# float dtypes: (shift, bits) of the exponent field, the class of an element for positions
+CLASS_FIELD = {"BF16": (7, 8), "F16": (10, 5), "F32": (23, 8), "F64": (52, 11)}
+
+
+def class_count(dtype: str) -> int:
+    """How many position classes a tensor of ``dtype`` has (1 for non-float dtypes)."""
+    field = CLASS_FIELD.get(dtype)
+    return 1 << field[1] if field is not None else 1
+
+
 # safetensors: the header's size, a u64, comes first; we refuse headers over this
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 
@@ -92,15 +123,15 @@ def _err(detail: str) -> ProtocolError:
     return ProtocolError("delta.format", detail)
 
 
-def payload_size(encoding: int, numel: int, changed: int, element_size: int) -> int:
-    """Exact decompressed payload length of a record."""
-    values = changed * element_size
-    if encoding == ENC_BITMAP:
-        return (numel + 7) // 8 + values
-    if encoding == ENC_GAPS:
-        return 4 * changed + values
+def payload_bound(encoding: int, numel: int, changed: int, dtype: str) -> int:
+    """Largest decompressed payload a record may declare (dense: exactly this)."""
+    values = changed * ELEMENT_SIZE[dtype]
     if encoding == ENC_DENSE:
         return values
+    if encoding == ENC_SPARSE:
+        # class tables + remainders (<= MAX_RICE bits a gap) + values + unary (<= numel bits)
+        tables = 5 * class_count(dtype) * -(-numel // SEGMENT)
+        return tables + (changed * MAX_RICE + 7) // 8 + values + (numel + 7) // 8
     raise _err(f"unknown position encoding {encoding}")
 
 
@@ -121,9 +152,9 @@ class DeltaRecord:
         return ELEMENT_SIZE[self.dtype]
 
     @property
-    def raw_size(self) -> int:
-        """Length of the decompressed payload."""
-        return payload_size(self.encoding, self.numel, self.changed, self.element_size)
+    def raw_bound(self) -> int:
+        """Most bytes the payload may decompress to."""
+        return payload_bound(self.encoding, self.numel, self.changed, self.dtype)
 
     def check(self) -> None:
         """The record's own rules (raises ProtocolError ``delta.format``)."""
@@ -139,8 +170,6 @@ class DeltaRecord:
             raise _err(f"{self.name}: {self.changed} changed of {self.numel} elements")
         if self.encoding == ENC_DENSE and self.changed != self.numel:
             raise _err(f"{self.name}: dense encoding with {self.changed} of {self.numel} changed")
-        if self.encoding == ENC_GAPS and self.numel > MAX_GAPS_NUMEL:
-            raise _err(f"{self.name}: u32 gaps for a tensor of {self.numel} elements")
         if not self.payload:
             raise _err(f"{self.name}: empty payload")
 

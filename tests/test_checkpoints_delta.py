@@ -16,7 +16,7 @@ import torch
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
 from node.checkpoints.delta import DeltaIncompatible, apply_delta, encode_delta, iter_changes
@@ -26,9 +26,9 @@ from node.checkpoints.wire import send_all
 from node.p2p.testing import wait_until
 from protocol import DeltaRef, ProtocolError, sha256
 from protocol import chunk_frames as F
-from protocol.delta import DELTA_FILE, ENC_DENSE, parse_delta
+from protocol.delta import DELTA_FILE, ENC_DENSE, ENC_SPARSE, SEGMENT, parse_delta
 from tests.support.checkpoints import RUN_ID, keys
-from tests.support.deltas import SHAPES, equal_dirs, forge_delta, make_versions, random_state, step, write_version
+from tests.support.deltas import SHAPES, bits, equal_dirs, forge_delta, make_versions, random_state, write_version
 
 CHUNK = 64 * 1024
 
@@ -44,17 +44,23 @@ def _files(d: Path) -> dict[str, Path]:
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     numel=st.integers(1, 3000),
     density=st.sampled_from([0.0, 0.001, 0.02, 0.3, 0.97, 1.0]),
+    small_moves=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_apply_of_encode_is_the_new_version_bit_for_bit(dtype, numel, density, seed):
-    """Any bit patterns (NaN payloads, -0.0, infinities included), any share changed."""
+def test_apply_of_encode_is_the_new_version_bit_for_bit(dtype, numel, density, small_moves, seed):
+    """Any bit patterns (NaN payloads, -0.0, infinities, wrap-around of the difference
+    included), any share changed; or what an optimizer step does: moves of a few units in
+    the last place."""
     rng = np.random.default_rng(seed)
     signed = {torch.float32: np.int32, torch.bfloat16: np.int16}[dtype]
     info = np.iinfo(signed)
     old = rng.integers(info.min, info.max, size=numel, endpoint=True, dtype=signed)
     new = old.copy()
     mask = rng.random(numel) < density
-    new[mask] = rng.integers(info.min, info.max, size=int(mask.sum()), endpoint=True, dtype=signed)
+    if small_moves:
+        new[mask] = old[mask] + rng.integers(-3, 4, size=int(mask.sum())).astype(signed)  # may wrap
+    else:
+        new[mask] = rng.integers(info.min, info.max, size=int(mask.sum()), endpoint=True, dtype=signed)
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         for name, arr in (("a", old), ("b", new)):
@@ -64,9 +70,9 @@ def test_apply_of_encode_is_the_new_version_bit_for_bit(dtype, numel, density, s
         data, stats = encode_delta(_files(t / "a"), _files(t / "b"))
         apply_delta(_files(t / "a"), data, t / "out", chunk_size=4096, durable=False)
         assert (t / "out" / "m.safetensors").read_bytes() == (t / "b" / "m.safetensors").read_bytes()
+        decoded = list(iter_changes(data, _files(t / "a")))
     changed = np.flatnonzero(old != new)
     assert stats.changed == len(changed)
-    decoded = list(iter_changes(data))
     if not len(changed):
         assert decoded == []
         return
@@ -77,6 +83,29 @@ def test_apply_of_encode_is_the_new_version_bit_for_bit(dtype, numel, density, s
     else:
         assert np.array_equal(c.positions, changed)
         assert np.array_equal(c.values.view(signed), new[changed])
+
+
+def test_an_optimizer_step_over_several_segments_is_small_and_exact(tmp_path):
+    """What the format is for: fp32 master weights moved by about lr, cast to bf16, in a
+    tensor spanning two position segments (protocol.delta.SEGMENT). Exact, sparse, and
+    far under the new bit patterns' size: values as differences, positions by exponent."""
+    g = torch.Generator().manual_seed(7)
+    n = SEGMENT + 12345
+    master = torch.randn(n, generator=g) * 0.02
+    move = 1e-5 * torch.sign(torch.randn(n, generator=g))
+    a = write_version(tmp_path / "a", {"w": master.to(torch.bfloat16)})
+    b = write_version(tmp_path / "b", {"w": (master + move).to(torch.bfloat16)})
+    data, stats = encode_delta(_files(a), _files(b))
+    (rec,) = parse_delta(data)
+    assert rec.encoding == ENC_SPARSE and 0.01 < stats.changed_fraction < 0.5
+    # a plain bitmap alone would be n / 8 bytes; the new bf16 bits 2 bytes per change
+    assert stats.delta_bytes < 0.5 * (n / 8 + 2 * stats.changed)
+    apply_delta(_files(a), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
+    assert equal_dirs(b, tmp_path / "out")
+    (c,) = iter_changes(data, _files(a))
+    old = load_file(str(a / "model.safetensors"))["w"].view(torch.int16).numpy()
+    new = load_file(str(b / "model.safetensors"))["w"].view(torch.int16).numpy()
+    assert c.positions is not None and np.array_equal(c.positions, np.flatnonzero(old != new))
 
 
 def test_structure_change_cannot_be_a_delta(tmp_path):
@@ -201,10 +230,41 @@ async def _two_nodes_at_v0(tmp_path, nursery, srcs):
     return sw
 
 
+async def test_delta_changes_decode_against_the_base_the_engine_holds(tmp_path):
+    """What a role's in-place load gets: the changes of v1 on exactly v0, decoded against
+    v0's files (format 2 codes them against the base). Another base, or a base whose files
+    are gone: None, and the role does a full load."""
+    srcs = make_versions(tmp_path / "src", 2, seed=4)
+    async with trio.open_nursery() as nursery:
+        sw = await _two_nodes_at_v0(tmp_path, nursery, srcs)
+        raw = await sw.publish(1, srcs[1], anchor_every=10)
+        f = sw.nodes[1]
+        f.on_announce(raw)
+        with trio.fail_after(30):
+            await f.wait_assembled(1)
+        changes = await f.delta_changes(1, 0)
+        assert await f.delta_changes(1, 1) is None
+        base = f.store.get(0)
+        base.assembled = False  # as after GC dropped the base's files
+        assert await f.delta_changes(1, 0) is None
+        base.assembled = True
+        nursery.cancel_scope.cancel()
+    assert changes
+    old = load_file(str(srcs[0] / "model.safetensors"))
+    new = load_file(str(srcs[1] / "model.safetensors"))
+    for c in changes:
+        got = bits(old[c.name]).reshape(-1).copy()
+        if c.positions is None:
+            got[:] = c.values.view(got.dtype)
+        else:
+            got[c.positions] = c.values.view(got.dtype)
+        assert np.array_equal(got, bits(new[c.name]).reshape(-1)), c.name
+    assert {c.name for c in changes} == {k for k in new if not np.array_equal(bits(old[k]), bits(new[k]))}
+
+
 @pytest.mark.parametrize("case", ["wrong_base", "wrong_result", "malformed"])
 async def test_bad_delta_is_refused_never_loaded_and_the_next_anchor_is_taken(tmp_path, caplog, case):
     srcs = make_versions(tmp_path / "src", 3, seed=2)
-    other = write_version(tmp_path / "other", step(random_state(2), 99, 0.3))
     caplog.set_level(logging.WARNING, logger="node.checkpoints.service")
     async with trio.open_nursery() as nursery:
         sw = await _two_nodes_at_v0(tmp_path, nursery, srcs)
@@ -216,8 +276,9 @@ async def test_bad_delta_is_refused_never_loaded_and_the_next_anchor_is_taken(tm
         if case == "wrong_base":  # names a base root this node does not hold as version 0
             data, ref = _delta_between(srcs[0], srcs[1]), DeltaRef(0, sha256(b"not v0"), w1)
             rule = "delta.base"
-        elif case == "wrong_result":  # encoded against other weights: applies, hashes wrong
-            data, ref = _delta_between(other, srcs[1]), DeltaRef(0, base.root, w1)
+        elif case == "wrong_result":  # a sound delta to v1 claiming v2's weights: applies, hashes wrong
+            w2 = build_manifest(RUN_ID, 1, srcs[2], CHUNK, created_ms=0).root
+            data, ref = _delta_between(srcs[0], srcs[1]), DeltaRef(0, base.root, w2)
             rule = "delta.result"
         else:  # trainer-signed garbage: the chunks match their hashes, the content is no delta
             data, ref = b"PNDL" + bytes(64), DeltaRef(0, base.root, w1)
@@ -333,7 +394,7 @@ def test_engine_loads_a_delta_in_place_touching_only_changed_tensors(tmp_path):
 
     engine = TransformersEngine(LlamaForCausalLM.from_pretrained(tmp_path / "v0").float(), device="cpu")
     before = {k: v._version for k, v in engine.model.state_dict().items()}
-    touched = engine.load_delta(iter_changes(data))
+    touched = engine.load_delta(iter_changes(data, _files(tmp_path / "v0")))
     assert sorted(touched) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
     after = engine.model.state_dict()
     untouched = [k for k in after if k not in touched and k != "lm_head.weight"]  # lm_head is tied to embed
@@ -342,7 +403,7 @@ def test_engine_loads_a_delta_in_place_touching_only_changed_tensors(tmp_path):
     for k, v in full.items():  # same as a full load of v1 (cast to the engine's fp32 alike)
         assert torch.equal(after[k], v), k
     # a delta naming a tensor the model lacks is refused before anything is written
-    bad = next(iter_changes(data))
+    bad = next(iter_changes(data, _files(tmp_path / "v0")))
     with pytest.raises(ValueError, match="does not have"):
         engine.load_delta([type(bad)(bad.path, "nope", bad.dtype, bad.numel, bad.positions, bad.values)])
 
@@ -364,3 +425,51 @@ def test_apply_refuses_a_delta_that_does_not_fit_the_base(tmp_path):
     with pytest.raises(ProtocolError) as exc:
         apply_delta(_files(small), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
     assert exc.value.rule == "delta.base"
+
+
+def test_malformed_sparse_payloads_are_refused_before_anything_is_written(tmp_path):
+    """Each part of a sparse payload (protocol/delta.py) broken in turn: the decoder
+    refuses it with ``delta.format`` (never an IndexError, never a wrong tensor)."""
+    import dataclasses
+
+    import zstandard
+
+    from node.checkpoints.delta import decode_record
+
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(20000, generator=g) * 0.02
+    a = write_version(tmp_path / "a", {"w": master.to(torch.bfloat16)})
+    b = write_version(tmp_path / "b", {"w": (master + 3e-5).to(torch.bfloat16)})
+    data, _ = encode_delta(_files(a), _files(b))
+    (rec,) = parse_delta(data)
+    assert rec.encoding == ENC_SPARSE
+    old = load_file(str(a / "model.safetensors"))["w"].view(torch.int16).numpy().view(np.uint16)
+    assert decode_record(rec, old).positions is not None  # the honest control
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(rec.payload))
+    counts = np.frombuffer(bytes(raw[256:1280]), dtype="<u4")
+    e = int(np.flatnonzero(counts)[0])  # a class holding changes
+
+    def with_raw(b: bytes | bytearray) -> object:
+        return dataclasses.replace(rec, payload=zstandard.ZstdCompressor().compress(bytes(b)))
+
+    def edit(at: int, value: int) -> bytearray:
+        out = bytearray(raw)
+        out[at] = value
+        return out
+
+    cases = {
+        "class counts": edit(256 + 4 * e, raw[256 + 4 * e] + 1),
+        "Rice parameter": edit(e, 60),
+        "unary stream": raw + b"\x01",  # one code too many
+        "stray bytes": raw + b"\x00",  # padding past a byte
+        "class tables": raw[:100],
+        "remainders and values": raw[:1400],
+    }
+    for says, bad in cases.items():
+        with pytest.raises(ProtocolError) as exc:
+            decode_record(with_raw(bad), old)
+        assert exc.value.rule == "delta.format" and says in exc.value.detail, (says, exc.value.detail)
+    # a frame declaring more than the record allows is refused before decompressing
+    huge = dataclasses.replace(rec, payload=zstandard.ZstdCompressor().compress(bytes(rec.raw_bound + 1)))
+    with pytest.raises(ProtocolError, match="allows"):
+        decode_record(huge, old)

@@ -15,55 +15,60 @@ import pytest
 import protocol.messages as m
 from protocol import ProtocolError, sha256
 from protocol.delta import (
-    ENC_BITMAP,
     ENC_DENSE,
-    ENC_GAPS,
+    ENC_SPARSE,
     MAGIC,
+    SEGMENT,
     DeltaRecord,
+    class_count,
     pack_delta,
     parse_delta,
     parse_safetensors_header,
-    payload_size,
+    payload_bound,
 )
 
 RUN_ID = bytes(range(32))
-GAPS = DeltaRecord("model.safetensors", "w", "BF16", ENC_GAPS, 10, 2, b"\x28\xb5\x2f\xfd\x00")
+SPARSE = DeltaRecord("model.safetensors", "w", "BF16", ENC_SPARSE, 10, 2, b"\x28\xb5\x2f\xfd\x00")
 DENSE = DeltaRecord("model.safetensors", "b", "F32", ENC_DENSE, 1, 1, b"PAYL")
 
 # bytes.fromhex skips the spaces
 DELTA_HEX = (
-    "504e444c 0100 0000 02000000 00000000"  # "PNDL", version 1, flags 0, 2 records, 0
+    "504e444c 0200 0000 02000000 00000000"  # "PNDL", version 2, flags 0, 2 records, 0
     # record "b": path 17, name 1, dtype 3, dense, pad, numel 1, changed 1, payload 4; path, name, dtype, payload
-    " 1100 0100 03 03 0000 0100000000000000 0100000000000000 0400000000000000"
+    " 1100 0100 03 02 0000 0100000000000000 0100000000000000 0400000000000000"
     " 6d6f64656c2e7361666574656e736f7273 62 463332 5041594c"
-    # record "w": gaps, numel 10, changed 2, payload 5
-    " 1100 0100 04 02 0000 0a00000000000000 0200000000000000 0500000000000000"
+    # record "w": sparse, numel 10, changed 2, payload 5
+    " 1100 0100 04 01 0000 0a00000000000000 0200000000000000 0500000000000000"
     " 6d6f64656c2e7361666574656e736f7273 77 42463136 28b52ffd00"
 )
 
 
 def test_fixed_records_pack_to_fixed_bytes_sorted_by_path_and_name():
-    data = pack_delta([GAPS, DENSE])  # given out of order: the file is sorted
+    data = pack_delta([SPARSE, DENSE])  # given out of order: the file is sorted
     assert data == bytes.fromhex(DELTA_HEX)
-    assert parse_delta(data) == [DENSE, GAPS]
+    assert parse_delta(data) == [DENSE, SPARSE]
 
 
-def test_payload_sizes_per_encoding():
-    assert payload_size(ENC_BITMAP, 10, 3, 2) == 2 + 6  # ceil(10/8) bitmap bytes + 3 bf16 values
-    assert payload_size(ENC_GAPS, 10, 3, 4) == 12 + 12
-    assert payload_size(ENC_DENSE, 10, 10, 2) == 20
+def test_payload_bounds_per_encoding():
+    assert payload_bound(ENC_DENSE, 10, 10, "BF16") == 20  # dense: exactly the values
+    # sparse: one segment's class table (256 exponent classes x (u8 + u32)), remainders of
+    # at most 48 bits a gap, the values, a unary stream of at most numel bits
+    assert payload_bound(ENC_SPARSE, 10, 3, "BF16") == 5 * 256 + 18 + 6 + 2
+    assert payload_bound(ENC_SPARSE, 10, 3, "I32") == 5 * 1 + 18 + 12 + 2  # one class
+    assert payload_bound(ENC_SPARSE, SEGMENT + 1, 1, "F16") == 2 * 5 * 32 + 6 + 2 + (SEGMENT + 8) // 8
+    assert (class_count("BF16"), class_count("F32"), class_count("F16"), class_count("F64")) == (256, 256, 32, 2048)
 
 
 def _file(*records: bytes, count: int | None = None, header: bytes | None = None) -> bytes:
     head = (
         header
         if header is not None
-        else struct.pack("<4sHHII", MAGIC, 1, 0, len(records) if count is None else count, 0)
+        else struct.pack("<4sHHII", MAGIC, 2, 0, len(records) if count is None else count, 0)
     )
     return head + b"".join(records)
 
 
-def _record(path=b"a.safetensors", name=b"w", dtype=b"F32", enc=ENC_GAPS, numel=4, changed=1, payload=b"x", pad=0):
+def _record(path=b"a.safetensors", name=b"w", dtype=b"F32", enc=ENC_SPARSE, numel=4, changed=1, payload=b"x", pad=0):
     return struct.pack("<HHBBHQQQ", len(path), len(name), len(dtype), enc, pad, numel, changed, len(payload)) + (
         path + name + dtype + payload
     )
@@ -73,9 +78,9 @@ def _record(path=b"a.safetensors", name=b"w", dtype=b"F32", enc=ENC_GAPS, numel=
     ("data", "says"),
     [
         (b"PND", "shorter than the header"),
-        (_file(header=struct.pack("<4sHHII", b"XXXX", 1, 0, 0, 0)), "bad magic"),
-        (_file(header=struct.pack("<4sHHII", MAGIC, 2, 0, 0, 0)), "format version 2"),
-        (_file(header=struct.pack("<4sHHII", MAGIC, 1, 1, 0, 0)), "flags 1"),
+        (_file(header=struct.pack("<4sHHII", b"XXXX", 2, 0, 0, 0)), "bad magic"),
+        (_file(header=struct.pack("<4sHHII", MAGIC, 1, 0, 0, 0)), "format version 1"),  # the old format
+        (_file(header=struct.pack("<4sHHII", MAGIC, 2, 1, 0, 0)), "flags 1"),
         (_file(count=1), "truncated header"),
         (_file(_record()[:-1]), "past the end"),
         (_file(_record()) + b"\x00", "after the last record"),
@@ -86,7 +91,6 @@ def _record(path=b"a.safetensors", name=b"w", dtype=b"F32", enc=ENC_GAPS, numel=
         (_file(_record(changed=5)), "5 changed of 4"),
         (_file(_record(numel=0, changed=0)), "0 elements"),
         (_file(_record(enc=ENC_DENSE, changed=2)), "dense encoding"),
-        (_file(_record(numel=(1 << 32) + 1)), "u32 gaps"),
         (_file(_record(payload=b"")), "empty payload"),
         (_file(_record(name=b"b"), _record(name=b"a")), "out of order"),
         (_file(_record(), _record()), "repeated"),

@@ -4,12 +4,16 @@ Why bit patterns: after the cast to the run's dtype (bf16) most weights of an RL
 step do not change at all, so "which elements changed and to what bits" is small
 and exact, where a float difference would round. Encoding compares each tensor
 of the two versions as unsigned integers of its element size (numpy, read
-through ``np.memmap`` so a checkpoint is never held twice in memory); applying
-copies the base files and writes the changed elements in place. Payloads are
-compressed with zstandard (the format most delta-sync systems settled on: fast
-at level 3, and its frame header carries the decompressed size, which we check
-before decompressing, so a hostile payload cannot inflate past what its record
-declares).
+through ``np.memmap`` so a checkpoint is never held twice in memory). What is
+sent is coded against the base, which every receiver holds: the values as
+differences of bit patterns (a changed bf16 weight moves by a unit or two in the
+last place), the positions grouped by the base element's exponent (whether a
+weight's bits change depends on its unit in the last place). So decoding needs
+the base tensor (``decode_record(rec, old)``). Applying copies the base files and
+writes the changed elements in place. Payloads are compressed with zstandard
+(fast at level 3, and its frame header carries the decompressed size, which we
+check against the record's bound before decompressing, so a hostile payload
+cannot inflate past it).
 
 Blocking throughout (numpy, file I/O): call from ``trio.to_thread``.
 """
@@ -31,17 +35,18 @@ from node.checkpoints import directio
 from node.checkpoints.directio import DirectIOUnsupported
 from protocol import ProtocolError
 from protocol.delta import (
+    CLASS_FIELD,
     ELEMENT_SIZE,
-    ENC_BITMAP,
     ENC_DENSE,
-    ENC_GAPS,
-    MAX_GAPS_NUMEL,
+    ENC_SPARSE,
+    MAX_RICE,
+    SEGMENT,
     DeltaRecord,
     TensorSpan,
+    class_count,
     pack_delta,
     parse_delta,
     parse_safetensors_header,
-    payload_size,
     safetensors_header_size,
 )
 
@@ -101,33 +106,116 @@ def _tensor(path: Path, span: TensorSpan, mode: Literal["r", "r+"] = "r") -> np.
     return np.memmap(path, dtype=dt, mode=mode, offset=span.start, shape=(span.numel,))
 
 
+def _classes(dtype: str, old: np.ndarray) -> np.ndarray | None:
+    """The position class of every element (protocol/delta.py: the exponent field of
+    its old bits), or None for a one-class dtype."""
+    field = CLASS_FIELD.get(dtype)
+    if field is None:
+        return None
+    shift, bits = field
+    return ((np.asarray(old) >> shift) & ((1 << bits) - 1)).astype(np.uint8 if bits <= 8 else np.uint16)
+
+
+def _class_order(classes: np.ndarray | None, n: int, count: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """One segment's element indices grouped by class (stable: index order within a class;
+    None for one class) and where each class starts in that order (``count + 1`` offsets)."""
+    if classes is None:
+        return None, np.array([0, n], dtype=np.int64)
+    order = np.argsort(classes, kind="stable")  # a radix sort on u8/u16 keys
+    starts = np.searchsorted(classes[order], np.arange(count + 1)).astype(np.int64)
+    return order, starts
+
+
+def _segments(n: int) -> range:
+    return range(0, n, SEGMENT)
+
+
+def _zigzag(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """(new - old) mod 2**bits as zigzag unsigned ints (small moves either way -> small)."""
+    s = new.dtype.itemsize
+    d = (new - old).view(f"<i{s}")
+    return ((d << 1) ^ (d >> (8 * s - 1))).view(_UINT[s])
+
+
+def _unzigzag_add(old: np.ndarray, zz: np.ndarray) -> np.ndarray:
+    one = zz.dtype.type(1)
+    return old + ((zz >> one) ^ (zz.dtype.type(0) - (zz & one)))
+
+
+def _planes(values: np.ndarray) -> bytes:
+    k, s = len(values), values.dtype.itemsize
+    return values.view(np.uint8).reshape(k, s).T.tobytes()
+
+
+def _rice_param(gaps: np.ndarray) -> int:
+    """The Rice parameter giving the fewest bits for ``gaps`` (near log2 of their mean)."""
+    mean = float(gaps.mean()) if len(gaps) else 0.0
+    r0 = max(0, int(np.log2(mean + 1.0)))
+    best, best_r = None, 0
+    for r in range(max(0, r0 - 2), min(MAX_RICE, r0 + 1) + 1):
+        cost = int((gaps >> np.uint64(r)).sum()) + r * len(gaps)
+        if best is None or cost < best:
+            best, best_r = cost, r
+    return best_r
+
+
+def _encode_sparse(changed_mask: np.ndarray, classes: np.ndarray | None, count: int) -> tuple[bytes, bytes, bytes]:
+    """(class tables, remainder stream, unary stream) of the changed positions."""
+    n = len(changed_mask)
+    tables: list[bytes] = []
+    rem_bits: list[np.ndarray] = []
+    quotients: list[np.ndarray] = []
+    for s0 in _segments(n):
+        s1 = min(n, s0 + SEGMENT)
+        order, starts = _class_order(None if classes is None else classes[s0:s1], s1 - s0, count)
+        mask = changed_mask[s0:s1]
+        ranks = np.flatnonzero(mask if order is None else mask[order])  # class e: [starts[e], starts[e+1])
+        rparams = np.zeros(count, dtype=np.uint8)
+        counts = np.zeros(count, dtype="<u4")
+        bounds = np.searchsorted(ranks, starts)
+        for e in np.flatnonzero(np.diff(bounds)):
+            local = ranks[bounds[e] : bounds[e + 1]] - starts[e]
+            gaps = np.diff(local, prepend=-1).astype(np.uint64) - np.uint64(1)
+            r = _rice_param(gaps)
+            rparams[e], counts[e] = r, len(gaps)
+            if r:
+                bits = (gaps[:, None] >> np.arange(r, dtype=np.uint64)) & np.uint64(1)
+                rem_bits.append(bits.astype(np.uint8).ravel())
+            quotients.append(gaps >> np.uint64(r))
+        tables.append(rparams.tobytes() + counts.tobytes())
+    rem = np.packbits(np.concatenate(rem_bits), bitorder="little").tobytes() if rem_bits else b""
+    q = np.concatenate(quotients).astype(np.int64)
+    ones = np.cumsum(q + 1) - 1
+    unary_bits = np.zeros(int(ones[-1]) + 1, dtype=np.uint8)
+    unary_bits[ones] = 1
+    return b"".join(tables), rem, np.packbits(unary_bits, bitorder="little").tobytes()
+
+
 def _encode_tensor(
     path: str, name: str, span: TensorSpan, old: np.ndarray, new: np.ndarray, level: int
-) -> tuple[DeltaRecord | None, int]:
-    """The record of one tensor (None if nothing changed) and how many elements changed."""
+) -> tuple[DeltaRecord | None, int, int]:
+    """The record of one tensor (None if nothing changed), how many elements changed and
+    the payload's raw (uncompressed) size."""
     ne = old != new
-    k = changed = int(np.count_nonzero(ne))
+    k = int(np.count_nonzero(ne))
     if k == 0:
-        return None, 0
+        return None, 0, 0
     n = span.numel
     s = new.dtype.itemsize
-    costs = {ENC_BITMAP: (n + 7) // 8 + k * s, ENC_DENSE: n * s}
-    if n <= MAX_GAPS_NUMEL:
-        costs[ENC_GAPS] = 4 * k + k * s
-    enc = min(costs, key=lambda e: costs[e])
-    if enc == ENC_DENSE:
-        k, prefix, values = n, b"", np.asarray(new)
-    else:
+    enc, raw = ENC_DENSE, b""
+    if k < n:
         positions = np.flatnonzero(ne)
-        values = np.asarray(new)[positions]
-        if enc == ENC_BITMAP:
-            prefix = np.packbits(ne, bitorder="little").tobytes()
-        else:
-            prefix = np.diff(positions, prepend=0).astype("<u4").tobytes()
-    planes = values.view(np.uint8).reshape(k, s).T.tobytes()  # byte-planed (protocol/delta.py)
-    raw = prefix + planes
+        old_k = np.asarray(old)[positions]
+        table, rem, unary = _encode_sparse(ne, _classes(span.dtype, old), class_count(span.dtype))
+        # the class tables are mostly zeros (compressed to little): count the used entries
+        used = 5 * int(np.count_nonzero(np.frombuffer(table, dtype=np.uint8)))
+        if used + len(rem) + len(unary) + k * s < n * s:
+            enc = ENC_SPARSE
+            raw = table + rem + _planes(_zigzag(old_k, np.asarray(new)[positions])) + unary
+    if enc == ENC_DENSE:
+        raw = _planes(_zigzag(np.asarray(old), np.asarray(new)))
     payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
-    return DeltaRecord(path, name, span.dtype, enc, n, k, payload), changed
+    return DeltaRecord(path, name, span.dtype, enc, n, n if enc == ENC_DENSE else k, payload), k, len(raw)
 
 
 def encode_delta(
@@ -166,12 +254,12 @@ def encode_delta(
             stats.elements += span.numel
             if span.numel == 0:
                 continue
-            rec, changed = _encode_tensor(rel, name, span, _tensor(a, span), _tensor(b, span), level)
+            rec, changed, raw_size = _encode_tensor(rel, name, span, _tensor(a, span), _tensor(b, span), level)
             if rec is not None:
                 records.append(rec)
                 stats.tensors_changed += 1
                 stats.changed += changed
-                stats.raw_bytes += rec.raw_size
+                stats.raw_bytes += raw_size
                 stats.delta_bytes += len(rec.payload)
                 if max_bytes is not None and stats.delta_bytes >= max_bytes:
                     raise DeltaIncompatible(f"the delta passed {max_bytes} bytes at tensor {name}")
@@ -181,45 +269,116 @@ def encode_delta(
     return data, stats
 
 
-def decode_record(rec: DeltaRecord) -> TensorChange:
-    """Decompress and check one record (raises ProtocolError ``delta.format``)."""
-    want = rec.raw_size
+def _bad(rec: DeltaRecord, detail: str) -> ProtocolError:
+    return ProtocolError("delta.format", f"{rec.name}: {detail}")
+
+
+def _decompress(rec: DeltaRecord) -> np.ndarray:
+    bound = rec.raw_bound
     size = zstandard.frame_content_size(rec.payload) if len(rec.payload) >= 4 else -1
-    if size != want:
-        raise ProtocolError("delta.format", f"{rec.name}: payload declares {size} bytes, the record {want}")
+    if not 0 <= size <= bound or (rec.encoding == ENC_DENSE and size != bound):
+        raise _bad(rec, f"payload declares {size} bytes, the record allows {bound}")
     try:
-        raw = zstandard.ZstdDecompressor().decompress(rec.payload, max_output_size=want, allow_extra_data=False)
+        raw = zstandard.ZstdDecompressor().decompress(rec.payload, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise ProtocolError("delta.format", f"{rec.name}: bad zstandard frame: {exc}") from None
-    if len(raw) != want:
-        raise ProtocolError("delta.format", f"{rec.name}: payload is {len(raw)} bytes, expected {want}")
-    s, n, k = rec.element_size, rec.numel, rec.changed
-    buf = np.frombuffer(raw, dtype=np.uint8)
-    positions: np.ndarray | None
+        raise _bad(rec, f"bad zstandard frame: {exc}") from None
+    if len(raw) != size:
+        raise _bad(rec, f"payload is {len(raw)} bytes, it declares {size}")
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _unplane(buf: np.ndarray, k: int, s: int) -> np.ndarray:
+    return buf.reshape(s, k).T.copy().view(_UINT[s]).reshape(k)
+
+
+def _decode_positions(rec: DeltaRecord, buf: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted changed positions of a sparse record and its values' bytes."""
+    n, k, s = rec.numel, rec.changed, rec.element_size
+    count = class_count(rec.dtype)
+    segs = _segments(n)
+    tsize = 5 * count * len(segs)
+    if len(buf) < tsize:
+        raise _bad(rec, "payload shorter than its class tables")
+    tables = buf[:tsize].reshape(len(segs), 5 * count)
+    rparams = tables[:, :count].astype(np.int64)
+    counts = tables[:, count:].copy().view("<u4").astype(np.int64)
+    if int(rparams.max()) > MAX_RICE:
+        raise _bad(rec, f"Rice parameter {int(rparams.max())} over {MAX_RICE}")
+    if int(counts.sum()) != k:
+        raise _bad(rec, f"class counts add up to {int(counts.sum())} changed elements, not {k}")
+    rem_total = int((rparams * counts).sum())
+    rem_end = tsize + (rem_total + 7) // 8
+    val_end = rem_end + k * s
+    if len(buf) < val_end:
+        raise _bad(rec, "payload shorter than its remainders and values")
+    rem_bits = np.unpackbits(buf[tsize:rem_end], bitorder="little")
+    if np.count_nonzero(rem_bits[rem_total:]):
+        raise _bad(rec, "remainder padding is not zero")
+    unary = np.unpackbits(buf[val_end:], bitorder="little")
+    ones = np.flatnonzero(unary)
+    if len(ones) != k or len(unary) - 1 - int(ones[-1]) >= 8:
+        raise _bad(rec, f"unary stream holds {len(ones)} codes for {k} changed elements, or stray bytes")
+    quotients = np.diff(ones, prepend=-1) - 1
+    parts: list[np.ndarray] = []
+    i = b = 0
+    for si, s0 in enumerate(segs):
+        if not counts[si].any():
+            continue
+        s1 = min(n, s0 + SEGMENT)
+        classes = _classes(rec.dtype, old[s0:s1])
+        order, starts = _class_order(classes, s1 - s0, count)
+        seg: list[np.ndarray] = []
+        for e in np.flatnonzero(counts[si]):
+            ke, r = int(counts[si, e]), int(rparams[si, e])
+            ne = int(starts[e + 1] - starts[e])
+            rem = np.zeros(ke, dtype=np.int64)
+            if r:
+                weights = np.int64(1) << np.arange(r, dtype=np.int64)
+                rem = rem_bits[b : b + ke * r].reshape(ke, r).astype(np.int64) @ weights
+            b += ke * r
+            q = quotients[i : i + ke]
+            i += ke
+            # bound every term before summing, so a hostile stream cannot overflow int64
+            if ke > ne or r > max(1, ne.bit_length()) or int(q.max()) > ne >> r:
+                raise _bad(rec, f"segment {si}, class {e}: a gap past its {ne} elements")
+            steps = (q << r) + rem + 1
+            if float(steps.sum(dtype=np.float64)) > ne:
+                raise _bad(rec, f"segment {si}, class {e}: positions past its {ne} elements")
+            local = np.cumsum(steps) - 1 + starts[e]
+            seg.append(local if order is None else order[local])
+        parts.append(s0 + (seg[0] if order is None else np.sort(np.concatenate(seg))))
+    positions = np.concatenate(parts)
+    return positions, buf[rem_end:val_end]
+
+
+def decode_record(rec: DeltaRecord, old: np.ndarray) -> TensorChange:
+    """Decompress and check one record against ``old``, the base tensor's bits (unsigned
+    ints of the element size: positions are coded by the old elements' classes and values
+    as differences from them). Raises ProtocolError ``delta.format``."""
+    if len(old) != rec.numel or old.dtype.itemsize != rec.element_size:
+        raise ProtocolError("delta.base", f"{rec.name}: the base tensor does not match the record")
+    buf = _decompress(rec)
     if rec.encoding == ENC_DENSE:
-        positions, vbuf = None, buf
-    elif rec.encoding == ENC_BITMAP:
-        nb = (n + 7) // 8
-        bits = np.unpackbits(buf[:nb], bitorder="little")
-        if int(np.count_nonzero(bits[:n])) != k or np.count_nonzero(bits[n:]):
-            raise ProtocolError("delta.format", f"{rec.name}: bitmap does not mark exactly {k} of {n} elements")
-        positions, vbuf = np.flatnonzero(bits[:n]), buf[nb:]
-    else:
-        gaps = buf[: 4 * k].view("<u4").astype(np.int64)
-        if k > 1 and int(gaps[1:].min()) < 1:
-            raise ProtocolError("delta.format", f"{rec.name}: positions not strictly increasing")
-        positions = np.cumsum(gaps)
-        if int(positions[-1]) >= n:
-            raise ProtocolError("delta.format", f"{rec.name}: position {int(positions[-1])} past {n} elements")
-        vbuf = buf[4 * k :]
-    values = vbuf.reshape(s, k).T.copy().view(_UINT[s]).reshape(k)
-    return TensorChange(rec.path, rec.name, rec.dtype, n, positions, values)
+        return TensorChange(
+            rec.path,
+            rec.name,
+            rec.dtype,
+            rec.numel,
+            None,
+            _unzigzag_add(np.asarray(old), _unplane(buf, rec.numel, rec.element_size)),
+        )
+    positions, vbuf = _decode_positions(rec, buf, old)
+    values = _unzigzag_add(np.asarray(old)[positions], _unplane(vbuf, rec.changed, rec.element_size))
+    return TensorChange(rec.path, rec.name, rec.dtype, rec.numel, positions, values)
 
 
-def iter_changes(data: bytes | memoryview) -> Iterator[TensorChange]:
-    """Every tensor the delta changes, decoded (the engines' in-place load reads this)."""
-    for rec in parse_delta(data):
-        yield decode_record(rec)
+def iter_changes(data: bytes | memoryview, base: Mapping[str, Path]) -> Iterator[TensorChange]:
+    """Every tensor the delta changes on ``base`` ({path: file}), decoded (the engines'
+    in-place load reads this). Raises ProtocolError ``delta.*``."""
+    records = parse_delta(data)
+    layouts = check_against_base(records, base)
+    for rec in records:
+        yield decode_record(rec, _tensor(Path(base[rec.path]), layouts[rec.path][rec.name]))
 
 
 def check_against_base(records: list[DeltaRecord], base: Mapping[str, Path]) -> dict[str, dict[str, TensorSpan]]:
@@ -268,11 +427,13 @@ class _Patch:
                 blk[self.offsets[i0:i1] + (j - b0)] = plane[i0:i1]
 
 
-def _patches(records: list[DeltaRecord], layouts: dict[str, dict[str, TensorSpan]]) -> dict[str, list[_Patch]]:
+def _patches(
+    records: list[tuple[DeltaRecord, Path]], layouts: dict[str, dict[str, TensorSpan]]
+) -> dict[str, list[_Patch]]:
     out: dict[str, list[_Patch]] = {}
-    for rec in records:
-        change = decode_record(rec)
+    for rec, base_file in records:
         span = layouts[rec.path][rec.name]
+        change = decode_record(rec, _tensor(base_file, span))
         s = rec.element_size
         if change.positions is None:
             patch = _Patch(span.start, span.end, None, [change.values.view(np.uint8).reshape(-1)])
@@ -349,7 +510,7 @@ def apply_delta(
     """
     records = parse_delta(data)
     layouts = check_against_base(records, base)
-    patches = _patches(records, layouts)
+    patches = _patches([(r, Path(base[r.path])) for r in records], layouts)
     io = _BlockIO(direct and chunk_size % directio.ALIGN == 0)
     out_dir.mkdir(parents=True, exist_ok=True)
     hashes: dict[str, list[bytes]] = {}
@@ -397,5 +558,4 @@ __all__ = [
     "decode_record",
     "encode_delta",
     "iter_changes",
-    "payload_size",
 ]

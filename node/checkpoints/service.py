@@ -514,9 +514,13 @@ class Checkpoints:
         st = self.store.versions.get(version)
         if st is None or st.delta is None or not st.assembled or st.delta.base_version != loaded:
             return None
-        with self.store.pin(version):
+        base = self.store.base_of(st)
+        if base is None or base.root != st.delta.base_root or not base.assembled:
+            return None  # decoding needs the base's bits (values are differences from them)
+        with self.store.pin(version), self.store.pin(base.version):
             data = await trio.to_thread.run_sync(self.store.delta_bytes_blocking, st)
-            return await trio.to_thread.run_sync(lambda: list(iter_changes(data)))
+            files = self.store.version_files(base)
+            return await trio.to_thread.run_sync(lambda: list(iter_changes(data, files)))
 
     def newest_version(self) -> int:
         """Newest complete, assembled version, or -1 (``Heartbeat.policy_version``)."""
