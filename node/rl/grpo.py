@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.logprobs import micro_batches, token_logprobs_and_entropy
 from node.rl.metrics import RatioStats, StepMetrics, reward_stats
+from node.util import crash_point, fsync_dir, fsync_tree
 from protocol.rules import within_window
 
 
@@ -459,15 +460,18 @@ class GRPOTrainer:
             del self._snapshots[v]
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
-        """Write ``path`` atomically: the model as safetensors + config (``from_pretrained`` loads it),
-        ``trainer_state.pt`` (optimizer, step counters, RNG states) and ``grpo_config.json``."""
-        out = Path(path)
-        tmp = out.with_name(out.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    def write_checkpoint_files(self, folder: str | os.PathLike[str]) -> None:
+        """Write this trainer's whole state into the new, empty ``folder`` and fsync it (files,
+        then folders): the model as safetensors + config (``from_pretrained`` loads it),
+        ``trainer_state.pt`` (optimizer, step counters, RNG states), ``grpo_config.json``.
+
+        Nothing here is atomic: the caller makes the folder visible with a rename (and an
+        fsync of its parent) once this returns; a folder a crash interrupted is never loaded
+        because it never got its final name (``save_checkpoint``, ``node.roles.resume``)."""
+        tmp = Path(folder)
         tmp.mkdir(parents=True)
         self.model.save_pretrained(tmp, safe_serialization=True)
+        crash_point("state.partial", self.version)
         if self.reference_model is not None:
             from safetensors.torch import save_file
 
@@ -487,15 +491,33 @@ class GRPOTrainer:
         # sdpa differ in the last bits, which would break exact resume, so keep the choice here.
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         (tmp / "trainer_meta.json").write_text(json.dumps({"attn_implementation": attn}))
+        fsync_tree(tmp)
+        crash_point("state.written", self.version)
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Replace the checkpoint folder ``path`` (one folder, for scripts and tests; the trainer
+        role keeps versioned folders committed through its ledger, ``node.roles.resume``).
+
+        The new state is complete and fsynced under ``path.tmp`` before the old folder moves
+        aside, and every rename is made durable by an fsync of the parent. A crash between the
+        two renames leaves ``path.old`` (complete) and ``path.tmp`` (complete) but no ``path``:
+        :meth:`from_checkpoint` then loads ``path.tmp``, the newer one."""
+        out = Path(path)
+        tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        self.write_checkpoint_files(tmp)
         if out.exists():
-            old = out.with_name(out.name + ".old")
             if old.exists():
                 shutil.rmtree(old)
             os.replace(out, old)
+            fsync_dir(out.parent)
             os.replace(tmp, out)
+            fsync_dir(out.parent)
             shutil.rmtree(old)
         else:
             os.replace(tmp, out)
+            fsync_dir(out.parent)
         return out
 
     def load_state(self, path: str | os.PathLike[str], restore_rng: bool = True) -> None:
@@ -524,6 +546,10 @@ class GRPOTrainer:
         from transformers import AutoModelForCausalLM
 
         p = Path(path)
+        if not p.exists() and (p.with_name(p.name + ".tmp") / "trainer_meta.json").exists():
+            # save_checkpoint died between its two renames: the .tmp folder is complete (fsynced,
+            # trainer_meta.json is its last file) and newer than .old
+            p = p.with_name(p.name + ".tmp")
         if config is None:
             config = GRPOConfig.from_dict(json.loads((p / "grpo_config.json").read_text()))
         kwargs: dict[str, Any] = {}
