@@ -81,6 +81,9 @@ class GRPOConfig:
     micro_batch_tokens: int = 0  # padded tokens per forward/backward (0: only micro_batch_size counts)
     logprob_chunk_tokens: int | None = None  # completion rows per lm_head chunk (None: 64 MiB; 0: full logits)
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (memory for time)
+    # forward/backward precision ("float32" or "bfloat16", the genesis's policy_dtype): torch.autocast
+    # runs matmuls in it while parameters, gradients and AdamW state stay fp32 (mixed precision)
+    compute_dtype: str = "float32"
     max_async: int = 2  # INTELLECT-2: 2; admit rollouts from policy versions >= version - max_async
     adv_eps: float = 1e-6  # INTELLECT-2: 1e-6
     pass_threshold: float = 1.0  # a rollout "passes" when its reward >= this (metrics only)
@@ -263,15 +266,27 @@ class GRPOTrainer:
         budget = cfg.micro_batch_tokens if cfg.micro_batch_tokens > 0 else 1 << 62
         return micro_batches(lengths, budget, max(1, cfg.micro_batch_size))
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed precision: the policy dtype for compute, fp32 for the master weights and the
+        optimizer (autocast casts each op's inputs; nothing stored changes dtype)."""
+        if self.config.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        if self.config.compute_dtype != "bfloat16":
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.config.compute_dtype!r}")
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
     def _logprobs(self, model: Any, rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, ...]:
-        return token_logprobs_and_entropy(
-            model,
-            rollouts,
-            self.config.temperature,
-            self.pad_token_id,
-            self.device,
-            chunk_tokens=self.config.logprob_chunk_tokens,
-        )
+        with self._autocast():
+            out = token_logprobs_and_entropy(
+                model,
+                rollouts,
+                self.config.temperature,
+                self.pad_token_id,
+                self.device,
+                chunk_tokens=self.config.logprob_chunk_tokens,
+            )
+        # the loss and its statistics in fp32, whatever the forward ran in
+        return tuple(t.float() if t.is_floating_point() else t for t in out)
 
     @contextlib.contextmanager
     def _grad_mode(self) -> Iterator[None]:

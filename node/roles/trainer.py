@@ -189,7 +189,7 @@ class TrainerRole(LearningRole):
         if self.version == 0 and self.ctx.model_dir is not None:
             out = self.ctx.model_dir  # a pinned model: version 0 is the genesis's files, byte for byte
         else:
-            await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
+            await trio.to_thread.run_sync(export_weights, self.trainer.model, out, self.ctx.policy_dtype)
         assert self.checkpoints is not None
         await publish_checkpoint(self.node, self.checkpoints, self.version, out)
         log.info("published policy version %d", self.version)
