@@ -25,10 +25,9 @@ def test_the_genesis_names_the_policy_dtype(tmp_path):
     assert policy_dtype_for({"numerics": "transformers-fp32-cpu"}) == "float32"
     with pytest.raises(ConfigError, match="policy_dtype must be one of"):
         policy_dtype_for({"policy_dtype": "float16"})
-    # a numerics stack carries the dtype: a bf16 run cannot reuse an fp32 stack's name
-    with pytest.raises(ConfigError, match="must name the policy dtype"):
-        policy_dtype_for({"policy_dtype": "bfloat16", "numerics": "transformers-fp32-cpu"})
-    with pytest.raises(ConfigError, match="must name the policy dtype"):
+    # a numerics stack names the dtype its engines compute in (CPU workers may run bf16 weights in fp32)
+    assert policy_dtype_for({"policy_dtype": "bfloat16", "numerics": "transformers-fp32-cpu"}) == "bfloat16"
+    with pytest.raises(ConfigError, match="must name its compute dtype"):
         policy_dtype_for({"numerics": "transformers-cpu"})
     ctx = tiny_context(tmp_path / "bf16", policy_dtype="bfloat16")
     assert ctx.policy_dtype is torch.bfloat16 and ctx.grpo_config().compute_dtype == "bfloat16"

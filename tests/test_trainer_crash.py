@@ -24,7 +24,6 @@ import trio
 
 from node.errors import CheckpointError
 from node.home import NodeHome
-from node.roles.ledger import Ledger
 from node.roles.resume import TrainerStates
 from node.roles.trainer import TrainerRole
 from node.util import CRASH_ENV
@@ -98,6 +97,16 @@ def run_child(tmp_path: Path, crash_at: str | None) -> subprocess.CompletedProce
     )
 
 
+def commit_one_step(tmp_path: Path) -> None:
+    """Version 1 committed, in this process (for the tests about what a restart finds)."""
+    r = role(tmp_path)
+    r._load_or_init()
+    assert not r.trainer.step(fake_groups(0, version=0)).skipped
+    trio.run(r._commit_step, [b.batch_id for b in r.ledger.untrained()])
+    assert r.ledger.committed_version() == 1
+    r.ledger.close()
+
+
 def trained_at(r: TrainerRole) -> dict[bytes, int | None]:
     out = {}
     for b in BATCHES:
@@ -112,17 +121,20 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 # (crash point, committed when the process dies there)
+# (each case starts a child process: the default run keeps one rollback, one roll-forward and
+# the control; the slow run, and the devnet test, every point)
+SLOW = pytest.mark.slow
 POINTS = [
-    ("state.partial", False),  # some files of version 1 under the temporary name
-    ("state.written", False),  # version 1 complete and fsynced, not yet renamed
-    ("state.renamed", False),  # folder v1 in place; the ledger still commits version 0
-    ("ledger.committed", True),  # the ledger commits 1; folder v0 still there; not published
-    ("state.pruned", True),  # v0 deleted; not published
-    (None, True),  # control: no crash
+    pytest.param("state.partial", False, marks=SLOW),  # some files of version 1 under the temporary name
+    pytest.param("state.written", False, marks=SLOW),  # version 1 complete and fsynced, not yet renamed
+    pytest.param("state.renamed", False),  # folder v1 in place; the ledger still commits version 0
+    pytest.param("ledger.committed", True),  # the ledger commits 1; folder v0 still there; not published
+    pytest.param("state.pruned", True, marks=SLOW),  # v0 deleted; not published
+    pytest.param(None, True, id="no-crash"),  # control: no crash
 ]
 
 
-@pytest.mark.parametrize(("point", "lands"), POINTS, ids=[p or "no-crash" for p, _ in POINTS])
+@pytest.mark.parametrize(("point", "lands"), POINTS)
 def test_kill_at_each_step_of_the_commit_then_resume(tmp_path, point, lands):
     torch.set_num_threads(1)
     v0 = seed(tmp_path)
@@ -160,7 +172,7 @@ def test_kill_at_each_step_of_the_commit_then_resume(tmp_path, point, lands):
 
 def test_refuses_when_the_ledger_commits_a_version_whose_folder_is_gone(tmp_path):
     seed(tmp_path)
-    assert run_child(tmp_path, None).returncode == 0
+    commit_one_step(tmp_path)
     states = TrainerStates(NodeHome(tmp_path / "home").trainer_states_dir)
     for v in states.versions():
         shutil.rmtree(states.folder(v))
@@ -174,7 +186,7 @@ def test_refuses_when_the_ledger_commits_a_version_whose_folder_is_gone(tmp_path
 
 def test_refuses_when_state_folders_exist_but_the_ledger_was_lost(tmp_path):
     seed(tmp_path)
-    assert run_child(tmp_path, None).returncode == 0
+    commit_one_step(tmp_path)
     home = NodeHome(tmp_path / "home")
     home.ledger_path.unlink()
     for extra in ("-wal", "-shm"):
@@ -187,29 +199,20 @@ def test_refuses_when_state_folders_exist_but_the_ledger_was_lost(tmp_path):
 
 
 def test_a_first_start_that_died_before_committing_version_0_starts_again(tmp_path):
-    """Control for the refusal: an initial state whose commit never landed is no progress."""
+    """Control for the refusals: an initial state whose commit never landed is no progress.
+    (What the kill leaves, made directly: the folder of version 0, no commit in the ledger.)"""
+    from node.rl.grpo import GRPOTrainer
+
     (tmp_path / "home").mkdir()
-    script = CHILD.split("role._load_or_init()")[0] + "role._load_or_init()\n"
-    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{CRASH_ENV: "state.renamed@0"})
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "home"), str(tmp_path / "ctx")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    home = NodeHome(tmp_path / "home")
-    assert TrainerStates(home.trainer_states_dir).versions() == [0]
-    lg = Ledger(home.ledger_path, [], 1, 2)
-    assert lg.committed_version() is None
-    lg.close()
     r = role(tmp_path)
-    r._load_or_init()
-    assert r.version == r.ledger.committed_version() == 0
+    r.states.write(GRPOTrainer(r.ctx.initial_model(), r.ctx.grpo_config()))
+    assert r.states.versions() == [0] and r.ledger.committed_version() is None
     r.ledger.close()
+    again = role(tmp_path)
+    again._load_or_init()
+    assert again.version == again.ledger.committed_version() == 0
+    assert again.states.versions() == [0]
+    again.ledger.close()
 
 
 def test_pending_batches_are_decided_again_after_a_restart(tmp_path):

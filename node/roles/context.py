@@ -134,20 +134,18 @@ POLICY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 def policy_dtype_for(config: dict[str, Any]) -> str:
     """The run's policy dtype name from its genesis [config] (``policy_dtype``, default
-    "float32"). A declared ``numerics`` stack must name the same precision, so two runs that
-    differ in dtype never share a stack name (and its tight TOPLOC thresholds)."""
+    "float32"). A declared ``numerics`` stack must name the dtype its engines compute in
+    ("transformers-bf16-cpu"), so tight TOPLOC thresholds stay per stack *and* precision. That
+    may differ from the policy dtype: CPU workers may run bf16 weights in fp32."""
     name = config.get("policy_dtype", "float32")
     if name not in POLICY_DTYPES:
         raise ConfigError(f"genesis policy_dtype must be one of {sorted(POLICY_DTYPES)}, got {name!r}")
     numerics = config.get("numerics")
-    if numerics:
-        parts = str(numerics).split("-")
-        named = [p for p in parts if p in POLICY_DTYPES.values()]
-        if named != [POLICY_DTYPES[name]]:
-            raise ConfigError(
-                f"genesis numerics {numerics!r} must name the policy dtype once as "
-                f"{POLICY_DTYPES[name]!r} (policy_dtype {name!r}), e.g. 'transformers-{POLICY_DTYPES[name]}-cpu'"
-            )
+    if numerics and len([p for p in str(numerics).split("-") if p in POLICY_DTYPES.values()]) != 1:
+        raise ConfigError(
+            f"genesis numerics {numerics!r} must name its compute dtype once "
+            f"({' or '.join(sorted(POLICY_DTYPES.values()))}), e.g. 'transformers-fp32-cpu'"
+        )
     return str(name)
 
 
