@@ -230,3 +230,28 @@ def test_pending_batches_are_decided_again_after_a_restart(tmp_path):
     again._reevaluate_pending()
     assert again.ledger.batch(b"late").status == "admitted"
     again.ledger.close()
+
+
+def test_refuses_when_the_chunk_store_holds_a_version_beyond_the_commit(tmp_path):
+    """A version the run has seen is never trained again: if the store holds a signed version
+    newer than the ledger's commit (the ledger restored from an older backup), the trainer
+    stops before publishing anything, instead of announcing a second, different version 1."""
+    from node.roles.common import export_weights
+    from tests.support.roles import TRAINER
+
+    seed(tmp_path)
+    r = role(tmp_path)
+    r._load_or_init()
+
+    def announce(version: int) -> None:
+        src = tmp_path / f"export-{version}"
+        export_weights(r.trainer.model, src)
+        _, raw = r.store.import_directory_blocking(TRAINER, version, src)
+        r.store.add_announce(raw)
+
+    announce(0)
+    r._check_store()  # control: the store holds what the ledger committed
+    announce(1)
+    with pytest.raises(CheckpointError, match=r"published versions \[1\]"):
+        r._check_store()
+    r.ledger.close()

@@ -158,7 +158,9 @@ class TrainerRole(LearningRole):
     def _reevaluate_pending(self) -> None:
         """Batches undecided at a crash: decide each again (its votes may all be in, or it may
         have gone stale against the resumed version); quorum-accepted ones whose bytes are
-        gone are fetched again."""
+        gone are fetched again. Retention runs first: pending rows out of the window are
+        rejected in one query instead of one by one."""
+        self.ledger.prune()
         pending = self.ledger.pending_ids()
         for b in pending:
             self._decide(b)
