@@ -44,7 +44,7 @@ def store_roots(devnet: Devnet) -> dict[int, str]:
     return out
 
 
-@pytest.mark.slow  # one devnet, six trainer crashes and restarts: ~4-6 min on 2 shared cores
+@pytest.mark.slow  # one devnet, six trainer crashes and restarts: 3 min at load ~6, 16 min at load ~19
 def test_trainer_killed_at_each_step_of_its_commit(tmp_path, monkeypatch):
     devnet = Devnet(small_options(tmp_path))
     devnet.prepare()
