@@ -10,7 +10,9 @@ This module is the one place that knows the layout; every other module asks
     HOME/cache/               run context cache: SmolLM2 folder, version-0 HF folders
     HOME/node.db              trainer: SQLite ledger of batches, votes, admissions, steps
     HOME/metrics.jsonl        trainer: one line per training step
-    HOME/trainer/checkpoint/  trainer: the resumable training state (model + optimizer)
+    HOME/trainer/states/      trainer: the resumable training state, a folder per version
+                              (model + optimizer; node/roles/resume.py); older homes kept
+                              one folder, HOME/trainer/checkpoint/, adopted at start
     HOME/trainer/export/      trainer: each published version's files before chunking
 """
 
@@ -69,6 +71,10 @@ class NodeHome:
     @property
     def trainer_checkpoint_dir(self) -> Path:
         return self.path / TRAINER_DIR / "checkpoint"
+
+    @property
+    def trainer_states_dir(self) -> Path:
+        return self.path / TRAINER_DIR / "states"
 
     @property
     def trainer_export_dir(self) -> Path:

@@ -5,12 +5,15 @@
 * ``atomic_write_bytes`` / ``atomic_write_text`` / ``fsync_dir``: the crash-safe
   file write (temp file, fsync, rename, fsync of the folder) that the node home,
   the chunk store, the ledger's neighbours and the RL checkpoints rely on.
+* ``crash_point``: a named place where a test can have the process SIGKILL itself
+  (``PRIMENODE_CRASH_AT=name``), so crash tests kill a real process at an exact step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -45,6 +48,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path``, then every folder, deepest first: after this, a rename
+    of ``path`` (and an fsync of its parent) publishes content that survives a crash. Files
+    written by libraries (``save_pretrained``, ``torch.save``) are not fsynced by them."""
+    path = Path(path)
+    folders = [path]
+    for p in sorted(path.rglob("*")):
+        if p.is_dir():
+            folders.append(p)
+        else:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in sorted(folders, key=lambda d: -len(d.parts)):
+        fsync_dir(d)
+
+
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically: readers see the old file or the new one, never
     a half-written one. ``durable`` adds the fsyncs (file, then folder) that make the new
@@ -68,3 +90,20 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644, durable: b
 def atomic_write_text(path: Path, text: str, *, mode: int = 0o644, durable: bool = True) -> None:
     """``atomic_write_bytes`` for UTF-8 text."""
     atomic_write_bytes(path, text.encode(), mode=mode, durable=durable)
+
+
+CRASH_ENV = "PRIMENODE_CRASH_AT"
+
+
+def crash_point(name: str, version: int | None = None) -> None:
+    """SIGKILL this process here if ``PRIMENODE_CRASH_AT`` names this point: ``name``, or
+    ``name@version`` to crash only while handling that policy version (a test that restarts
+    a trainer aims each crash at the next step, not at the restart).
+
+    Why a real SIGKILL and not an exception: a crash test must see what the disk and the
+    ledger hold when nothing more runs (no ``finally``, no atexit, no buffered flush), exactly
+    as after ``kill -9`` or a power cut of the process. Unset (every normal run), it is a
+    dictionary lookup."""
+    want = os.environ.get(CRASH_ENV)
+    if want is not None and want in (name, f"{name}@{version}"):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -407,8 +407,10 @@ def load_state_dict(files: dict[str, Path]) -> dict:
     return state
 
 
-def export_weights(model, out_dir: Path) -> Path:
-    """Write only what workers need (safetensors weights + config), never optimizer state."""
+def export_weights(model, out_dir: Path, dtype: Any = None) -> Path:
+    """Write only what workers need (safetensors weights + config), never optimizer state.
+    ``dtype`` (the run's policy dtype, a ``torch.dtype``): floating-point tensors are published
+    in it, whatever the trainer's master weights are (fp32); None keeps them as they are."""
     import shutil
 
     from transformers.utils import logging as hf_logging
@@ -417,7 +419,17 @@ def export_weights(model, out_dir: Path) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    state = None
+    if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+    if state is not None:  # config.json names the dtype the weights are in
+        import json
+
+        cfg_path = tmp / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(dtype).removeprefix("torch.")
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

@@ -125,6 +125,30 @@ def replay_config_for(config: dict[str, Any]) -> ReplayConfig:
     )
 
 
+# [config] policy_dtype: the precision of the published policy weights (and of the trainer's
+# forward/backward; its master weights and optimizer state stay fp32). Absent: float32, so
+# geneses written before the key existed keep their meaning. The short name is the one a
+# numerics stack carries ("transformers-bf16-cpu").
+POLICY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def policy_dtype_for(config: dict[str, Any]) -> str:
+    """The run's policy dtype name from its genesis [config] (``policy_dtype``, default
+    "float32"). A declared ``numerics`` stack must name the dtype its engines compute in
+    ("transformers-bf16-cpu"), so tight TOPLOC thresholds stay per stack *and* precision. That
+    may differ from the policy dtype: CPU workers may run bf16 weights in fp32."""
+    name = config.get("policy_dtype", "float32")
+    if name not in POLICY_DTYPES:
+        raise ConfigError(f"genesis policy_dtype must be one of {sorted(POLICY_DTYPES)}, got {name!r}")
+    numerics = config.get("numerics")
+    if numerics and len([p for p in str(numerics).split("-") if p in POLICY_DTYPES.values()]) != 1:
+        raise ConfigError(
+            f"genesis numerics {numerics!r} must name its compute dtype once "
+            f"({' or '.join(sorted(POLICY_DTYPES.values()))}), e.g. 'transformers-fp32-cpu'"
+        )
+    return str(name)
+
+
 def slot_rule_for(config: dict[str, Any]) -> SlotRule:
     """Batch slots per version: ``worker_batches_per_version`` (default 2), ``worker_idle_s``
     (default 20) and ``counter_slack`` (default 1)."""
@@ -165,6 +189,7 @@ class RunContext:
         proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
         replay_config_for(config)
         slot_rule_for(config)
+        policy_dtype_for(config)
         ctx = cls(genesis, config, problems, None, Path(cache_dir))
         if genesis.model_root:
             ctx._use_local_model()
@@ -266,6 +291,16 @@ class RunContext:
         return str(value) if value else None
 
     @property
+    def policy_dtype(self) -> Any:
+        """The run's policy dtype as a ``torch.dtype`` (``torch.float32`` or ``torch.bfloat16``):
+        published weights are in it, and the trainer computes forward/backward in it."""
+        import torch
+
+        dtype = getattr(torch, policy_dtype_for(self.config))
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
     def proof_config(self) -> ProofConfig:
         return proof_config_for(self.config)
 
@@ -339,6 +374,7 @@ class RunContext:
         )
         base.update({k: v for k, v in self.config.items() if k in GRPOConfig.__dataclass_fields__})
         base["max_async"] = self.genesis.max_async
+        base["compute_dtype"] = policy_dtype_for(self.config)
         return GRPOConfig.from_dict(base)
 
     # ------------------------------------------------------------ prompts

@@ -106,6 +106,7 @@ class BatchRecord:
     status: str
     reason: str
     envelope: bytes | None
+    trained_step: int | None = None  # the committed version a step trained it into (None: untrained)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,9 +514,30 @@ class Ledger:
         return {reason: n for reason, n in rows}
 
     def mark_trained(self, batch_ids: Iterable[bytes], step: int) -> None:
+        """Batches a step consumed without changing the policy (every group filtered out): they
+        are used up at the current version, no checkpoint is involved."""
         self.db.execute("BEGIN IMMEDIATE")
         self.db.executemany("UPDATE batches SET trained_step = ? WHERE batch_id = ?", [(step, b) for b in batch_ids])
         self.db.execute("COMMIT")
+
+    def commit_step(self, batch_ids: Iterable[bytes], version: int) -> None:
+        """The trainer's commit point: the training state of ``version`` is durably on disk, and
+        ``batch_ids`` are the batches the step that made it trained on. In one transaction the
+        batches become trained and ``version`` becomes the resume point, so after a crash
+        either both happened or neither did: a batch is trained into exactly one committed
+        version, and a state folder newer than the commit is known to be uncommitted."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.executemany(
+                "UPDATE batches SET trained_step = ? WHERE batch_id = ? AND trained_step IS NULL",
+                [(version, b) for b in batch_ids],
+            )
+            self.set_state("checkpoint_step", version)
+            self.set_state("policy_version", version)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
 
     def commit_checkpoint(self, step: int, policy_version: int) -> None:
         """A checkpoint for ``step`` is safely on disk: make it the resume point."""
@@ -524,12 +546,24 @@ class Ledger:
         self.set_state("policy_version", policy_version)
         self.db.execute("COMMIT")
 
+    def committed_version(self) -> int | None:
+        """The version of the last committed training state, or None if none was ever committed
+        (a new ledger)."""
+        row = self.db.execute("SELECT value FROM state WHERE key = 'checkpoint_step'").fetchone()
+        return None if row is None else int(row[0])
+
     def recover(self) -> int:
         """After a crash: batches consumed by steps newer than the last checkpoint go back
-        to the queue. Returns how many were restored."""
+        to the queue. Returns how many were restored. (Ledgers written by :meth:`commit_step`
+        never hold such rows; older ones, which marked batches before saving, may.)"""
         step = self.get_state("checkpoint_step", 0)
         cur = self.db.execute("UPDATE batches SET trained_step = NULL WHERE trained_step > ?", (step,))
         return cur.rowcount
+
+    def pending_ids(self) -> list[bytes]:
+        """Batches still undecided, oldest first: after a restart each is decided again (its
+        votes may all have arrived before a crash cut the decision off)."""
+        return [r[0] for r in self.db.execute("SELECT batch_id FROM batches WHERE status = 'pending' ORDER BY rowid")]
 
     # ---------------------------------------------------------------- stats
     def counts(self) -> dict[str, int]:
@@ -545,8 +579,8 @@ class Ledger:
     def batch(self, batch_id: bytes) -> BatchRecord | None:
         """The ledger's record of one batch, or None if it holds none."""
         row = self.db.execute(
-            "SELECT batch_id, worker, policy_version, batch_counter, status, reason, envelope FROM batches "
-            "WHERE batch_id = ?",
+            "SELECT batch_id, worker, policy_version, batch_counter, status, reason, envelope, trained_step "
+            "FROM batches WHERE batch_id = ?",
             (batch_id,),
         ).fetchone()
         return BatchRecord(*row) if row is not None else None
@@ -566,7 +600,7 @@ class Ledger:
             args.append(status)
         if ever_admitted:
             where.append(_EVER_ADMITTED)
-        sql = "SELECT batch_id, worker, policy_version, batch_counter, status, reason, envelope FROM batches"
+        sql = "SELECT batch_id, worker, policy_version, batch_counter, status, reason, envelope, trained_step FROM batches"
         if where:
             sql += " WHERE " + " AND ".join(where)
         return [BatchRecord(*row) for row in self.db.execute(sql + " ORDER BY rowid", args)]

@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from node.errors import ModelError
+from node.errors import CheckpointError, ModelError
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake, LearningRole, export_weights
@@ -30,6 +30,8 @@ from node.roles.ledger import (
     AdmittedBatch,
     Ledger,
 )
+from node.roles.resume import TrainerStates
+from node.util import crash_point
 from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class TrainerRole(LearningRole):
         self.prune_interval_s = float(cfg.get("ledger_prune_interval_s", 30.0))
         self.refetches = 0
         self._refetching: set[bytes] = set()  # queued second fetches (bounded like the queue)
-        self.ckpt_dir = self.home.trainer_checkpoint_dir
+        self.states = TrainerStates(self.home.trainer_states_dir, legacy=self.home.trainer_checkpoint_dir)
         self.export_root = self.home.trainer_export_dir
         self.metrics_path = self.home.metrics_path
         self.trainer: Any = None
@@ -99,7 +101,9 @@ class TrainerRole(LearningRole):
         async with trio.open_nursery() as nursery:
             await self.start_common(node, nursery)
             await trio.to_thread.run_sync(self._load_or_init)
+            self._check_store()
             await self._publish_current()
+            self._reevaluate_pending()
             node.gossip.on("rollout", self._on_announce)
             node.gossip.on("vote", self._on_vote)
             for _ in range(FETCH_TASKS):
@@ -109,22 +113,71 @@ class TrainerRole(LearningRole):
             await self._train_loop()
 
     def _load_or_init(self) -> None:
+        """Resume at the version the ledger last committed (node/roles/resume.py decides what a
+        crash left on disk), or start the run from the initial model and commit version 0."""
         from node.rl.grpo import GRPOTrainer
 
         cfg = self.ctx.grpo_config()
-        if (self.ckpt_dir / "trainer_state.pt").exists():
+        version = self.states.reconcile(self.ledger.committed_version(), self.ledger.counts()["trained"])
+        if version is not None:
             self.trainer = GRPOTrainer.from_checkpoint(
-                self.ckpt_dir, config=cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
+                self.states.folder(version), config=cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
             )
-            self.restored = self.ledger.recover()
-            log.info("resumed at step %d (%d admitted batches back in the queue)", self.trainer.version, self.restored)
+            if self.trainer.version != version:
+                raise CheckpointError(
+                    f"{self.states.folder(version)} holds version {self.trainer.version}, not {version}"
+                )
+            self.restored = self.ledger.recover()  # ledgers from before commit_step only
+            log.info(
+                "resumed at version %d, the ledger's last commit (%d batches back in the queue)",
+                version,
+                self.restored,
+            )
         else:
             self.trainer = GRPOTrainer(
                 self.ctx.initial_model(), cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
             )
-            self.trainer.save_checkpoint(self.ckpt_dir)
+            self.states.write(self.trainer)
+            self.ledger.commit_step([], 0)
+            self.states.prune(keep=0)
         self.version = self.trainer.version
-        self.ledger.commit_checkpoint(self.version, self.version)
+
+    def _check_store(self) -> None:
+        """Refuse to run if this node's chunk store holds a version newer than the one resumed:
+        it was announced, so training that number again would give the run two different
+        versions under one number. Commit-before-publish makes this impossible unless the
+        ledger or the training state was rolled back by hand."""
+        ahead = sorted(v for v in self.store.versions if v > self.version)
+        if ahead:
+            raise CheckpointError(
+                f"the chunk store holds published versions {ahead} but the trainer resumes at version "
+                f"{self.version} (the ledger's last commit): the ledger or {self.states.root} was rolled back; "
+                "refusing to publish a second, different version under a number the run has seen"
+            )
+
+    def _reevaluate_pending(self) -> None:
+        """Batches undecided at a crash: decide each again (its votes may all be in, or it may
+        have gone stale against the resumed version); quorum-accepted ones whose bytes are
+        gone are fetched again. Retention runs first: pending rows out of the window are
+        rejected in one query instead of one by one."""
+        self.ledger.prune()
+        pending = self.ledger.pending_ids()
+        for b in pending:
+            self._decide(b)
+        if pending:
+            log.info("re-evaluated %d pending batches after the restart", len(pending))
+
+    async def _commit_step(self, batch_ids: list[bytes]) -> None:
+        """Make the step just taken durable, then tell the run (order: node/roles/resume.py)."""
+        version = self.trainer.version
+        await trio.to_thread.run_sync(self.states.write, self.trainer)
+        self.ledger.commit_step(batch_ids, version)  # the commit point
+        crash_point("ledger.committed", version)
+        self.version = version
+        await trio.to_thread.run_sync(self.states.prune, version)
+        crash_point("state.pruned", version)
+        await self._publish_current()
+        crash_point("published", version)
 
     async def _publish_current(self) -> None:
         """Announce the current version; after a restart, re-announce the manifest already in the store."""
@@ -138,7 +191,7 @@ class TrainerRole(LearningRole):
         if self.version == 0 and self.ctx.model_dir is not None:
             out = self.ctx.model_dir  # a pinned model: version 0 is the genesis's files, byte for byte
         else:
-            await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
+            await trio.to_thread.run_sync(export_weights, self.trainer.model, out, self.ctx.policy_dtype)
         assert self.checkpoints is not None
         await publish_checkpoint(self.node, self.checkpoints, self.version, out)
         log.info("published policy version %d", self.version)
@@ -318,11 +371,7 @@ class TrainerRole(LearningRole):
                 # is unchanged, so the batches are consumed at the current checkpoint
                 self.ledger.mark_trained([b.batch_id for b in batches], self.version)
             else:
-                self.ledger.mark_trained([b.batch_id for b in batches], self.version + 1)
-                await trio.to_thread.run_sync(self.trainer.save_checkpoint, self.ckpt_dir)
-                self.version = self.trainer.version
-                self.ledger.commit_checkpoint(self.version, self.version)
-                await self._publish_current()
+                await self._commit_step([b.batch_id for b in batches])
             counts = self.ledger.counts()
             self.last_metrics = {
                 **metrics.as_dict(),
