@@ -70,3 +70,19 @@ def test_bf16_compute_keeps_fp32_master_weights_and_optimizer_state():
     diffs = [float((a - b).abs().max()) for a, b in zip(runs["float32"][0], runs["bfloat16"][0])]
     assert max(diffs) > 0, "bf16 compute gave fp32's exact numbers: autocast did not act"
     assert max(diffs) < 0.2, diffs
+
+
+def test_under_mixed_precision_the_current_versions_old_log_probs_come_from_the_published_weights():
+    """Autocast computes other numbers than the workers' forward: the training forward's own
+    log-probs are then no stand-in for the behaviour policy's (control: fp32 takes the shortcut)."""
+    for dtype, shortcut in (("float32", True), ("bfloat16", False)):
+        trainer = GRPOTrainer(char_llama(seed=5), GRPOConfig(**CFG, compute_dtype=dtype))
+        assert trainer.live_is_published is shortcut
+        reads: list[int] = []
+
+        def published(version: int, trainer: GRPOTrainer = trainer) -> dict[str, torch.Tensor]:
+            reads.append(version)
+            return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+        trainer.step(fake_groups(0, version=0), behaviour=published)
+        assert reads == ([] if shortcut else [0]), dtype

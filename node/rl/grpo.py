@@ -219,10 +219,11 @@ class GRPOTrainer:
         # past versions' weights kept in memory for stale rollouts' old log-probs (in-process
         # asynchronous loops; the trainer role reads them from its checkpoint store instead)
         self.keep_versions = keep_versions
-        # True while the weights workers run are the live weights bit for bit (same dtype): then
-        # the current version's old log-probs come from the training forward (``LIVE``). A trainer
-        # that publishes in another dtype than it trains in must set it False.
-        self.live_is_published = True
+        # True while the weights workers run are the live weights bit for bit and the training
+        # forward computes what their forward does (fp32 both): then the current version's old
+        # log-probs come from the training forward (``LIVE``). Mixed precision (autocast) computes
+        # other numbers; a trainer that publishes in another dtype than it trains in sets it False.
+        self.live_is_published = config.compute_dtype == "float32"
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.device = torch.device(device)
         self.model: Any = model.to(self.device)  # a transformers causal LM (save_pretrained, config)

@@ -19,6 +19,7 @@ from node.errors import CheckpointError, ModelError
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake, LearningRole, export_weights
+from node.roles.context import policy_dtype_for
 from node.roles.ledger import (
     MAX_PENDING,
     MAX_PENDING_BYTES,
@@ -140,6 +141,11 @@ class TrainerRole(LearningRole):
             self.states.write(self.trainer)
             self.ledger.commit_step([], 0)
             self.states.prune(keep=0)
+        # published weights in another dtype are not the live ones: old log-probs of the current
+        # version then come from the published files too (docs/rl.md, "no extra pass")
+        self.trainer.live_is_published = (
+            self.trainer.live_is_published and policy_dtype_for(self.ctx.config) == "float32"
+        )
         self.version = self.trainer.version
 
     def _check_store(self) -> None:
