@@ -39,7 +39,7 @@ from typing import Any
 
 import multiaddr
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.connection_types import ConnectionType
 from libp2p.host.autonat import AutoNATService
 from libp2p.host.autonat.pb.autonat_pb2 import Message as AutoNATMessage
@@ -66,6 +66,8 @@ DIAL_BACK_MAX_ADDRS = 4
 DIAL_BACK_EVERY_S = 5.0
 # A peer that refused a reservation (not a relay, full) is asked again after this long.
 RELAY_RETRY_S = 30.0
+# One relayed dial, when the caller set no deadline.
+RELAY_DIAL_S = 10.0
 
 
 @dataclasses.dataclass
@@ -199,6 +201,31 @@ class LimitedRelay(CircuitV2Protocol):
         return len(getattr(self.resource_manager, "_reservations", {}) or {})
 
 
+class _ConnWatch(INotifee):
+    """Network events :class:`NatService` keeps its own records from (see there)."""
+
+    def __init__(self, service: NatService) -> None:
+        self.service = service
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        self.service._stream_closed(stream)
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self.service._note_upgrade(conn.muxed_conn.peer_id)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self.service._conn_closed(conn)
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+
 class NatService:
     """Reachability of one node, its relay reservations, and the relay it serves.
 
@@ -243,6 +270,16 @@ class NatService:
         self.autonat = DialBackAutoNAT(host, timeout=config.dial_back_timeout_s)
         self.dcutr = DCUtRProtocol(host) if config.hole_punch else None
         self.relay_dials = {"ok": 0, "failed": 0}
+        # Peers whose relayed connection was joined by a direct one (a hole punch, or the
+        # NAT'd side dialling a public peer). Kept here, not read from DCUtR: the library
+        # records only the side whose own dial completed (in a simultaneous open the other
+        # side's listener may accept instead), and forgets the peer when *any* connection
+        # to it closes, which happens at once when the relayed leg is trimmed.
+        self._upgraded: set[str] = set()
+        # Streams that ran over relayed connections, by protocol (closed ones: a finished
+        # request/response, a gossip stream that ended). Proves what crossed relays.
+        self.relayed_streams: dict[str, int] = {}
+        self._watch = _ConnWatch(self)
         self._nursery: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ queries
@@ -266,10 +303,37 @@ class NatService:
         return out
 
     def hole_punched(self) -> list[str]:
-        """Peers DCUtR turned into direct connections (after a relayed one)."""
+        """Peers we now reach directly after a relayed connection (DCUtR's upgrade)."""
         if self.dcutr is None:
             return []
-        return sorted(p.to_base58() for p in self.dcutr._direct_connections)
+        peers = self._upgraded | {p.to_base58() for p in self.dcutr._direct_connections}
+        return sorted(p for p in peers if self._has_direct(ID.from_base58(p)))
+
+    def _conns(self, pid: ID) -> list[Any]:
+        conns = self.host.get_network().connections.get(pid) or []
+        return conns if isinstance(conns, list) else [conns]
+
+    def _has_direct(self, pid: ID) -> bool:
+        return any(not conn_is_relayed(c) and not getattr(c, "is_closed", False) for c in self._conns(pid))
+
+    def _note_upgrade(self, pid: ID) -> None:
+        """A peer holding a relayed and a direct connection at once has been upgraded."""
+        conns = self._conns(pid)
+        if any(conn_is_relayed(c) for c in conns) and self._has_direct(pid):
+            self._upgraded.add(pid.to_base58())
+
+    def _conn_closed(self, conn: Any) -> None:
+        pid = conn.muxed_conn.peer_id
+        if conn_is_relayed(conn) and self._has_direct(pid):
+            self._upgraded.add(pid.to_base58())  # the relayed leg went, the direct one stays
+        elif not self._has_direct(pid):
+            self._upgraded.discard(pid.to_base58())
+
+    def _stream_closed(self, stream: Any) -> None:
+        conn = getattr(stream, "swarm_conn", None)
+        if conn is not None and conn_is_relayed(conn):
+            proto = str(stream.get_protocol() or "unnegotiated")
+            self.relayed_streams[proto] = self.relayed_streams.get(proto, 0) + 1
 
     def summary(self) -> str:
         """One line for ``primenode status``."""
@@ -303,6 +367,7 @@ class NatService:
             "relayed_peers": self.relayed_peers(),
             "hole_punched": self.hole_punched(),
             "relay_dials": dict(self.relay_dials),
+            "relayed_streams": dict(self.relayed_streams),
             "relay_service": {
                 "serving": self.relay.serving,
                 "reservations": self.relay.reservations(),
@@ -314,20 +379,29 @@ class NatService:
 
     # ------------------------------------------------------------------ dialling
     async def dial_via_relay(self, peer_id: str, addrs: list[str]) -> None:
-        """Open a relayed connection to ``peer_id`` through one of its circuit addresses."""
+        """Open a relayed connection to ``peer_id`` through one of its circuit addresses.
+
+        The caller's deadline is shared out between the addresses still to try: a relay that
+        swallows the dial (one behind a NAT that wrongly thinks itself public, one that went
+        away) costs its share, not the whole budget, so the next relay still gets a turn.
+        """
+        circuits = [a for a in addrs if is_circuit(a)]
         errors = []
-        for a in addrs:
-            if not is_circuit(a):
-                continue
+        for i, a in enumerate(circuits):
             text = a if a.endswith(f"/p2p/{peer_id}") else f"{a}/p2p/{peer_id}"
+            left = trio.current_effective_deadline() - trio.current_time()
+            share = left / (len(circuits) - i) if left != float("inf") else RELAY_DIAL_S
             try:
                 ma = multiaddr.Multiaddr(text)
-                conn = await self.transport.dial(ma)
+                with trio.fail_after(max(share, 0.0)):
+                    conn = await self.transport.dial(ma)
                 self.relay_dials["ok"] += 1
                 if not conn_is_relayed(conn):  # the outbound upgrade path leaves it untagged
                     with contextlib.suppress(Exception):
                         conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
                 return
+            except trio.TooSlowError:
+                errors.append(f"{a}: no answer within {share:.1f} s")
             except Exception as exc:
                 errors.append(f"{a}: {type(exc).__name__}: {exc}")
         self.relay_dials["failed"] += 1
@@ -480,6 +554,14 @@ class NatService:
                     attempts.pop(peer, None)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        network = self.host.get_network()
+        network.register_notifee(self._watch)
+        try:
+            await self._run(task_status)
+        finally:
+            network.remove_notifee(self._watch)
+
+    async def _run(self, task_status: Any) -> None:
         cfg = self.config
         async with self._services(), trio.open_nursery() as nursery:
             self._nursery = nursery

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
 
 import trio
 
+from node.p2p.host import attach_libp2p_logging
 from node.p2p.nat import NatConfig
 from node.p2p.node import Node, RoleHook
 from node.p2p.testing import fast_config
@@ -24,6 +26,11 @@ RUN_ID = bytes(range(32))
 
 
 async def main(args: argparse.Namespace) -> None:
+    # The log is what a failed test prints: reachability changes, reservations, hole punches.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    logging.getLogger("node.p2p.nat").setLevel(logging.INFO)
+    attach_libp2p_logging(logging.WARNING)
+    logging.getLogger("libp2p.relay.circuit_v2.dcutr").setLevel(logging.INFO)
     if args.stock_autonat:
         # Shows the library's own dial-back (``host.connect()``: reuses the requester's
         # connection) next to ours; see node/p2p/nat.py.
