@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reaso
 REPO = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 120  # hang guards, not performance thresholds
 PORT = 4001
+DATA_PORT = 9000  # advertised only: these nodes run no chunk server
 
 
 def _py(code: str) -> list[str]:
@@ -108,7 +109,15 @@ class Net:
         log = self.tmp / f"{name}.log"
         self.logs[name] = log
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        args = [sys.executable, "-m", "tests.support.nat_child", "--seed", key.seed.hex()]
+        args = [
+            sys.executable,
+            "-m",
+            "tests.support.nat_child",
+            "--seed",
+            key.seed.hex(),
+            "--data-port",
+            str(DATA_PORT),
+        ]
         args += ["--status", str(self.tmp / f"{name}.json"), *extra]
         with open(log, "wb") as f:
             host.popen(args, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -174,12 +183,20 @@ def test_nat_nodes_learn_reachability_reserve_relays_and_reach_each_other(tmp_pa
             )
             assert "behind NAT via relay" in net.nat(name)["summary"], net.nat(name)
         assert addrs
-        # Peers see data port 0 for NAT'd nodes: nobody tries to fetch chunks from them.
-        seen = net.wait(
-            lambda: {p["peer_id"]: p for p in (net.status("pub").get("swarm") or {}).get("peers", [])}.get(n1),
-            "pub to hear n1's heartbeat",
+
+        # Peers see data port 0 for NAT'd nodes (nobody tries to fetch chunks from them) once
+        # they know they are behind NAT (earlier heartbeats carried their own addresses); every
+        # node here is configured with data port DATA_PORT, and public ones advertise it.
+        def seen_by_pub(pid: str) -> dict | None:
+            return {p["peer_id"]: p for p in (net.status("pub").get("swarm") or {}).get("peers", [])}.get(pid)
+
+        net.wait(
+            lambda: (p := seen_by_pub(n1)) and p["addrs"] and all("/p2p-circuit" in a for a in p["addrs"]),
+            "pub to hear n1's heartbeat with circuit addresses",
         )
-        assert seen["data_port"] == 0 and all("/p2p-circuit" in a for a in seen["addrs"]), seen
+        assert seen_by_pub(n1)["data_port"] == 0, seen_by_pub(n1)
+        boot_id = net.keys["boot"].peer_id
+        net.wait(lambda: (p := seen_by_pub(boot_id)) and p["data_port"] == DATA_PORT, "boot's data port (control)")
         # The relay counts what it carried.
         net.wait(lambda: net.nat("boot")["relay_service"]["reservations"] >= 1, "boot to hold reservations")
 
@@ -191,7 +208,7 @@ def test_nat_nodes_learn_reachability_reserve_relays_and_reach_each_other(tmp_pa
 
         net.wait(lambda: pair() is not None, "n1 and n2 to connect")
         relayed_bytes = lambda: sum(  # noqa: E731
-            net.nat(r)["relay_service"]["bytes_relayed"] for r in ("boot", "pub", "liar")
+            (net.nat(r).get("relay_service") or {}).get("bytes_relayed", 0) for r in ("boot", "pub", "liar")
         )
         net.wait(lambda: relayed_bytes() > 0, "bytes to cross a relay")
         net.wait(
@@ -209,7 +226,6 @@ def test_nat_nodes_learn_reachability_reserve_relays_and_reach_each_other(tmp_pa
         # Adversarial: the liar is told "reachable" only by the stock AutoNAT server (it answers
         # with the connection the request came on); our fresh dial-back says it is not.
         pub_id = net.keys["pub"].peer_id
-        boot_id = net.keys["boot"].peer_id
         verdicts = net.wait(
             lambda: (v := net.nat("liar").get("verdicts") or {}) and pub_id in v and boot_id in v and v,
             "the liar's verdicts from both servers",
