@@ -83,6 +83,11 @@ class NatConfig:
     first_check_s: float = 2.0
     check_interval_s: float = 60.0
     dial_back_timeout_s: float = 5.0
+    # A public node is called private only after this many checks in a row without one
+    # successful dial-back (checks come every ``first_check_s`` while in doubt): on a loaded
+    # machine every dial-back of one round can time out, and one such round used to stop the
+    # relay service and swap every advertised address for circuit ones.
+    demote_after: int = 3
     # Relay limits (per circuit): control traffic only, so modest.
     circuit_max_s: int = 3600
     circuit_max_bytes: int = 256 << 20
@@ -111,6 +116,20 @@ def conn_is_relayed(conn: Any) -> bool:
         pass
     addrs = getattr(conn, "_actual_transport_addresses", None) or []
     return any(is_circuit(str(a)) for a in addrs)
+
+
+def next_reachability(current: str, verdicts: dict[str, str], misses: int, demote_after: int) -> tuple[str, int]:
+    """The reachability after one round of dial-back ``verdicts``, and the count of rounds in a
+    row without a success. Any success: public. No verdict: nothing learnt. Only refusals and
+    failures: private, except that a public node needs ``demote_after`` such rounds in a row."""
+    if any(v == "ok" for v in verdicts.values()):
+        return PUBLIC, 0
+    if not verdicts:
+        return current, misses
+    misses += 1
+    if current == PUBLIC and misses < demote_after:
+        return PUBLIC, misses
+    return PRIVATE, misses
 
 
 class DialBackAutoNAT(AutoNATService):
@@ -251,6 +270,7 @@ class NatService:
         self.reachability = config.mode if config.mode != "auto" else UNKNOWN
         self.verdicts: dict[str, str] = {}  # server peer id -> ok / refused / error
         self.checked_at = 0.0
+        self.misses = 0  # checks in a row without a successful dial-back
         self.relays: dict[str, list[str]] = {}  # relay peer id -> our circuit addrs through it
         self.relay_errors: dict[str, str] = {}
         self._relay_retry_at: dict[str, float] = {}
@@ -361,6 +381,7 @@ class NatService:
             "summary": self.summary(),
             "mode": self.config.mode,
             "verdicts": dict(self.verdicts),
+            "misses": self.misses,
             "checked_s_ago": round(time.monotonic() - self.checked_at, 1) if self.checked_at else None,
             "relays": {k: list(v) for k, v in self.relays.items()},
             "relay_errors": dict(self.relay_errors),
@@ -454,7 +475,8 @@ class NatService:
         """Ask up to four directly connected peers to dial us back; update ``reachability``.
 
         Any success means reachable (the dial-back authenticated us on a fresh connection);
-        only verdicts (no success) mean private; no verdict at all leaves it unchanged.
+        only verdicts (no success) mean private (for a public node: ``demote_after`` rounds in
+        a row, see :func:`next_reachability`); no verdict at all leaves it unchanged.
         """
         if self.config.mode != "auto":
             return self.reachability
@@ -472,10 +494,7 @@ class NatService:
             self.verdicts = verdicts
         self.checked_at = time.monotonic()
         before = self.reachability
-        if any(v == "ok" for v in verdicts.values()):
-            self.reachability = PUBLIC
-        elif verdicts:
-            self.reachability = PRIVATE
+        self.reachability, self.misses = next_reachability(before, verdicts, self.misses, self.config.demote_after)
         if self.reachability != before:
             log.info("reachability: %s -> %s (%s)", before, self.reachability, verdicts)
         return self.reachability
@@ -573,7 +592,8 @@ class NatService:
                 now = time.monotonic()
                 if now >= next_check:
                     await self.check()
-                    next_check = now + (cfg.first_check_s if self.reachability == UNKNOWN else cfg.check_interval_s)
+                    in_doubt = self.reachability == UNKNOWN or (self.reachability == PUBLIC and self.misses > 0)
+                    next_check = now + (cfg.first_check_s if in_doubt else cfg.check_interval_s)
                 self.relay.serving = cfg.relay_service and self.reachability == PUBLIC
                 if self.reachability == PRIVATE:
                     await self.ensure_relays()
