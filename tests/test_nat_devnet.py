@@ -5,8 +5,9 @@ a public worker and validator, and one worker and one validator each behind its 
 router (iptables MASQUERADE, outbound only). Quorum 2 of 2: a batch is admitted only if
 the NAT'd validator votes too. The NAT'd worker's batches must be accepted (the validators
 and the trainer fetch them over its own connections or a relay), it must load the trainer's
-checkpoints (fetched from reachable peers: it advertises data port 0, so nobody fetches
-from it), and ``primenode status`` on it must say it is behind NAT via a relay.
+checkpoints (fetched from public peers over connections it opens: it advertises data port 0,
+so nobody fetches from it, and no chunk crosses a relay), and ``primenode status`` on it must
+say it is behind NAT via a relay.
 
 Skipped, with one line saying why, where namespaces cannot be built.
 """
@@ -55,7 +56,7 @@ def test_nat_worker_and_validator_contribute(tmp_path):
             _wait(
                 wan, lambda n=name: nat(n).get("reachability") == "private" and nat(n).get("relays"), f"{name} relayed"
             )
-        assert nat("trainer").get("reachability") == "public"
+        _wait(wan, lambda: nat("trainer").get("reachability") == "public", "the trainer to find itself public")
 
         # The NAT'd worker's batches pass a quorum that includes the NAT'd validator's vote.
         _wait(wan, lambda: role_state("worker-1").get("batches_accepted", 0) >= 1, "a NAT'd worker's accepted batch")
@@ -68,6 +69,15 @@ def test_nat_worker_and_validator_contribute(tmp_path):
         seen = next(p for p in peers if p["peer_id"] == me)
         assert seen["data_port"] == 0, seen
         assert all("/p2p-circuit" in a for a in seen["addrs"]), seen
+
+        # Bulk never crossed a relay: every chunk the NAT'd worker fetched came over the data
+        # plane (raw TCP connections it opened) from public peers, and no NAT'd node served any.
+        public = {wan.node(n.name).home.load_key().peer_id for n in wan.nodes if n.name not in placement}
+        versions = (role_state("worker-1").get("distribution") or {}).get("versions") or []
+        fed = {pid for v in versions for pid in v.get("fed_from_bytes") or {}}
+        assert fed and fed <= public, (fed, public)
+        for name in placement:
+            assert role_state(name)["distribution"]["bytes_served"] == 0, role_state(name)["distribution"]
 
         out = wan.cli_status("worker-1")
         assert out.returncode == 0, out.stderr

@@ -14,6 +14,10 @@
 * :func:`install_libp2p_fixes` makes a connection's close run to the end even
   when the task closing it is cancelled: stopping a node by cancellation (SIGTERM,
   a killed in-process node) otherwise left every connection's socket open.
+* :func:`make_host` switches off the swarm's negative dial cache: after one failed dial
+  the library refuses every dial to that peer for 60 s without trying, so our own
+  back-off (``ConnectionManager``, ``connect_bootstrap``'s retries) never got a second
+  try: a node started a moment before its bootstrap listened gave up and exited.
 * The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
 """
 
@@ -163,7 +167,18 @@ def libp2p_key_pair(key: NodeKey):
 def make_host(key: NodeKey, *, dial_timeout: float = 5.0) -> IHost:
     install_libp2p_fixes()
     cfg = ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout)
-    return new_host(key_pair=libp2p_key_pair(key), connection_config=cfg)
+    host = new_host(key_pair=libp2p_key_pair(key), connection_config=cfg)
+    _no_negative_dial_cache(host)
+    return host
+
+
+def _no_negative_dial_cache(host: IHost) -> None:
+    """Give the swarm a negative-dial cache that forgets at once (see the module docstring)."""
+    from libp2p.network.swarm import _NegativePeerCache
+
+    network = host.get_network()
+    if hasattr(network, "_negative_peer_cache"):
+        network._negative_peer_cache = _NegativePeerCache(ttl=0.0)
 
 
 @contextlib.asynccontextmanager

@@ -39,7 +39,7 @@ from typing import Any
 
 import multiaddr
 import trio
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.connection_types import ConnectionType
 from libp2p.host.autonat import AutoNATService
 from libp2p.host.autonat.pb.autonat_pb2 import Message as AutoNATMessage
@@ -66,6 +66,8 @@ DIAL_BACK_MAX_ADDRS = 4
 DIAL_BACK_EVERY_S = 5.0
 # A peer that refused a reservation (not a relay, full) is asked again after this long.
 RELAY_RETRY_S = 30.0
+# One relayed dial, when the caller set no deadline.
+RELAY_DIAL_S = 10.0
 
 
 @dataclasses.dataclass
@@ -81,6 +83,11 @@ class NatConfig:
     first_check_s: float = 2.0
     check_interval_s: float = 60.0
     dial_back_timeout_s: float = 5.0
+    # A public node is called private only after this many checks in a row without one
+    # successful dial-back (checks come every ``first_check_s`` while in doubt): on a loaded
+    # machine every dial-back of one round can time out, and one such round used to stop the
+    # relay service and swap every advertised address for circuit ones.
+    demote_after: int = 3
     # Relay limits (per circuit): control traffic only, so modest.
     circuit_max_s: int = 3600
     circuit_max_bytes: int = 256 << 20
@@ -109,6 +116,20 @@ def conn_is_relayed(conn: Any) -> bool:
         pass
     addrs = getattr(conn, "_actual_transport_addresses", None) or []
     return any(is_circuit(str(a)) for a in addrs)
+
+
+def next_reachability(current: str, verdicts: dict[str, str], misses: int, demote_after: int) -> tuple[str, int]:
+    """The reachability after one round of dial-back ``verdicts``, and the count of rounds in a
+    row without a success. Any success: public. No verdict: nothing learnt. Only refusals and
+    failures: private, except that a public node needs ``demote_after`` such rounds in a row."""
+    if any(v == "ok" for v in verdicts.values()):
+        return PUBLIC, 0
+    if not verdicts:
+        return current, misses
+    misses += 1
+    if current == PUBLIC and misses < demote_after:
+        return PUBLIC, misses
+    return PRIVATE, misses
 
 
 class DialBackAutoNAT(AutoNATService):
@@ -199,6 +220,31 @@ class LimitedRelay(CircuitV2Protocol):
         return len(getattr(self.resource_manager, "_reservations", {}) or {})
 
 
+class _ConnWatch(INotifee):
+    """Network events :class:`NatService` keeps its own records from (see there)."""
+
+    def __init__(self, service: NatService) -> None:
+        self.service = service
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        self.service._stream_closed(stream)
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self.service._note_upgrade(conn.muxed_conn.peer_id)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self.service._conn_closed(conn)
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+
 class NatService:
     """Reachability of one node, its relay reservations, and the relay it serves.
 
@@ -224,6 +270,7 @@ class NatService:
         self.reachability = config.mode if config.mode != "auto" else UNKNOWN
         self.verdicts: dict[str, str] = {}  # server peer id -> ok / refused / error
         self.checked_at = 0.0
+        self.misses = 0  # checks in a row without a successful dial-back
         self.relays: dict[str, list[str]] = {}  # relay peer id -> our circuit addrs through it
         self.relay_errors: dict[str, str] = {}
         self._relay_retry_at: dict[str, float] = {}
@@ -243,6 +290,16 @@ class NatService:
         self.autonat = DialBackAutoNAT(host, timeout=config.dial_back_timeout_s)
         self.dcutr = DCUtRProtocol(host) if config.hole_punch else None
         self.relay_dials = {"ok": 0, "failed": 0}
+        # Peers whose relayed connection was joined by a direct one (a hole punch, or the
+        # NAT'd side dialling a public peer). Kept here, not read from DCUtR: the library
+        # records only the side whose own dial completed (in a simultaneous open the other
+        # side's listener may accept instead), and forgets the peer when *any* connection
+        # to it closes, which happens at once when the relayed leg is trimmed.
+        self._upgraded: set[str] = set()
+        # Streams that ran over relayed connections, by protocol (closed ones: a finished
+        # request/response, a gossip stream that ended). Proves what crossed relays.
+        self.relayed_streams: dict[str, int] = {}
+        self._watch = _ConnWatch(self)
         self._nursery: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ queries
@@ -266,10 +323,37 @@ class NatService:
         return out
 
     def hole_punched(self) -> list[str]:
-        """Peers DCUtR turned into direct connections (after a relayed one)."""
+        """Peers we now reach directly after a relayed connection (DCUtR's upgrade)."""
         if self.dcutr is None:
             return []
-        return sorted(p.to_base58() for p in self.dcutr._direct_connections)
+        peers = self._upgraded | {p.to_base58() for p in self.dcutr._direct_connections}
+        return sorted(p for p in peers if self._has_direct(ID.from_base58(p)))
+
+    def _conns(self, pid: ID) -> list[Any]:
+        conns = self.host.get_network().connections.get(pid) or []
+        return conns if isinstance(conns, list) else [conns]
+
+    def _has_direct(self, pid: ID) -> bool:
+        return any(not conn_is_relayed(c) and not getattr(c, "is_closed", False) for c in self._conns(pid))
+
+    def _note_upgrade(self, pid: ID) -> None:
+        """A peer holding a relayed and a direct connection at once has been upgraded."""
+        conns = self._conns(pid)
+        if any(conn_is_relayed(c) for c in conns) and self._has_direct(pid):
+            self._upgraded.add(pid.to_base58())
+
+    def _conn_closed(self, conn: Any) -> None:
+        pid = conn.muxed_conn.peer_id
+        if conn_is_relayed(conn) and self._has_direct(pid):
+            self._upgraded.add(pid.to_base58())  # the relayed leg went, the direct one stays
+        elif not self._has_direct(pid):
+            self._upgraded.discard(pid.to_base58())
+
+    def _stream_closed(self, stream: Any) -> None:
+        conn = getattr(stream, "swarm_conn", None)
+        if conn is not None and conn_is_relayed(conn):
+            proto = str(stream.get_protocol() or "unnegotiated")
+            self.relayed_streams[proto] = self.relayed_streams.get(proto, 0) + 1
 
     def summary(self) -> str:
         """One line for ``primenode status``."""
@@ -297,12 +381,14 @@ class NatService:
             "summary": self.summary(),
             "mode": self.config.mode,
             "verdicts": dict(self.verdicts),
+            "misses": self.misses,
             "checked_s_ago": round(time.monotonic() - self.checked_at, 1) if self.checked_at else None,
             "relays": {k: list(v) for k, v in self.relays.items()},
             "relay_errors": dict(self.relay_errors),
             "relayed_peers": self.relayed_peers(),
             "hole_punched": self.hole_punched(),
             "relay_dials": dict(self.relay_dials),
+            "relayed_streams": dict(self.relayed_streams),
             "relay_service": {
                 "serving": self.relay.serving,
                 "reservations": self.relay.reservations(),
@@ -314,20 +400,29 @@ class NatService:
 
     # ------------------------------------------------------------------ dialling
     async def dial_via_relay(self, peer_id: str, addrs: list[str]) -> None:
-        """Open a relayed connection to ``peer_id`` through one of its circuit addresses."""
+        """Open a relayed connection to ``peer_id`` through one of its circuit addresses.
+
+        The caller's deadline is shared out between the addresses still to try: a relay that
+        swallows the dial (one behind a NAT that wrongly thinks itself public, one that went
+        away) costs its share, not the whole budget, so the next relay still gets a turn.
+        """
+        circuits = [a for a in addrs if is_circuit(a)]
         errors = []
-        for a in addrs:
-            if not is_circuit(a):
-                continue
+        for i, a in enumerate(circuits):
             text = a if a.endswith(f"/p2p/{peer_id}") else f"{a}/p2p/{peer_id}"
+            left = trio.current_effective_deadline() - trio.current_time()
+            share = left / (len(circuits) - i) if left != float("inf") else RELAY_DIAL_S
             try:
                 ma = multiaddr.Multiaddr(text)
-                conn = await self.transport.dial(ma)
+                with trio.fail_after(max(share, 0.0)):
+                    conn = await self.transport.dial(ma)
                 self.relay_dials["ok"] += 1
                 if not conn_is_relayed(conn):  # the outbound upgrade path leaves it untagged
                     with contextlib.suppress(Exception):
                         conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
                 return
+            except trio.TooSlowError:
+                errors.append(f"{a}: no answer within {share:.1f} s")
             except Exception as exc:
                 errors.append(f"{a}: {type(exc).__name__}: {exc}")
         self.relay_dials["failed"] += 1
@@ -380,7 +475,8 @@ class NatService:
         """Ask up to four directly connected peers to dial us back; update ``reachability``.
 
         Any success means reachable (the dial-back authenticated us on a fresh connection);
-        only verdicts (no success) mean private; no verdict at all leaves it unchanged.
+        only verdicts (no success) mean private (for a public node: ``demote_after`` rounds in
+        a row, see :func:`next_reachability`); no verdict at all leaves it unchanged.
         """
         if self.config.mode != "auto":
             return self.reachability
@@ -398,10 +494,7 @@ class NatService:
             self.verdicts = verdicts
         self.checked_at = time.monotonic()
         before = self.reachability
-        if any(v == "ok" for v in verdicts.values()):
-            self.reachability = PUBLIC
-        elif verdicts:
-            self.reachability = PRIVATE
+        self.reachability, self.misses = next_reachability(before, verdicts, self.misses, self.config.demote_after)
         if self.reachability != before:
             log.info("reachability: %s -> %s (%s)", before, self.reachability, verdicts)
         return self.reachability
@@ -480,6 +573,14 @@ class NatService:
                     attempts.pop(peer, None)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        network = self.host.get_network()
+        network.register_notifee(self._watch)
+        try:
+            await self._run(task_status)
+        finally:
+            network.remove_notifee(self._watch)
+
+    async def _run(self, task_status: Any) -> None:
         cfg = self.config
         async with self._services(), trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -491,7 +592,8 @@ class NatService:
                 now = time.monotonic()
                 if now >= next_check:
                     await self.check()
-                    next_check = now + (cfg.first_check_s if self.reachability == UNKNOWN else cfg.check_interval_s)
+                    in_doubt = self.reachability == UNKNOWN or (self.reachability == PUBLIC and self.misses > 0)
+                    next_check = now + (cfg.first_check_s if in_doubt else cfg.check_interval_s)
                 self.relay.serving = cfg.relay_service and self.reachability == PUBLIC
                 if self.reachability == PRIVATE:
                     await self.ensure_relays()

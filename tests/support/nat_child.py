@@ -1,7 +1,7 @@
 """One overlay node as its own process, for the namespace tests (tests/test_nat_netns.py).
 
 ``python -m tests.support.nat_child --seed HEX --listen MADDR --status FILE [--bootstrap MADDR]
-[--advertise IP] [--target-peers N] [--stock-autonat]``: runs a :class:`node.p2p.Node` (no role: the overlay,
+[--advertise IP] [--target-peers N] [--stock-autonat] [--data-port N]``: runs a :class:`node.p2p.Node` (no role: the overlay,
 AutoNAT, relay and hole punching are what is under test) and rewrites ``FILE`` with the
 node's status JSON twice a second, so the test (in another network namespace) can read it.
 """
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
 
 import trio
 
+from node.p2p.host import attach_libp2p_logging
 from node.p2p.nat import NatConfig
 from node.p2p.node import Node, RoleHook
 from node.p2p.testing import fast_config
@@ -24,6 +26,11 @@ RUN_ID = bytes(range(32))
 
 
 async def main(args: argparse.Namespace) -> None:
+    # The log is what a failed test prints: reachability changes, reservations, hole punches.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    logging.getLogger("node.p2p.nat").setLevel(logging.INFO)
+    attach_libp2p_logging(logging.WARNING)
+    logging.getLogger("libp2p.relay.circuit_v2.dcutr").setLevel(logging.INFO)
     if args.stock_autonat:
         # Shows the library's own dial-back (``host.connect()``: reuses the requester's
         # connection) next to ours; see node/p2p/nat.py.
@@ -41,6 +48,7 @@ async def main(args: argparse.Namespace) -> None:
         advertise_host=args.advertise or "127.0.0.1",
         dial_timeout_s=5.0,
         nat=nat,
+        data_port=args.data_port,
     )
     if args.heartbeat_s:
         cfg.heartbeat_interval_s = args.heartbeat_s
@@ -66,4 +74,5 @@ if __name__ == "__main__":
     p.add_argument("--target-peers", type=int, default=4)
     p.add_argument("--stock-autonat", action="store_true")
     p.add_argument("--heartbeat-s", type=float, default=0.0)
+    p.add_argument("--data-port", type=int, default=0, help="advertised in heartbeats (no chunk server runs)")
     trio.run(main, p.parse_args())

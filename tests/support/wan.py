@@ -102,8 +102,19 @@ class WanDevnet:
             n.log = open(self.devnet.out / "logs" / f"{n.name}.log", "ab")  # noqa: SIM115  (closed by stop_all)
             n.proc = self.hosts[n.name].popen(primenode_cmd() + n.args, stdout=n.log, stderr=subprocess.STDOUT, env=env)
             if n.role == "bootstrap":
-                time.sleep(1.0)
+                self._wait_listening(n)
         self._start_pollers()
+
+    def _wait_listening(self, n: NodeProc, guard_s: float = 120.0) -> None:
+        """Until ``n`` wrote its runtime file (it does once it listens): the others dial it
+        first thing. A hang guard, not a threshold."""
+        deadline = time.monotonic() + guard_s
+        while not n.home.runtime_path.exists():
+            if n.proc is not None and n.proc.poll() is not None:
+                raise RuntimeError(f"{n.name} exited before it listened{self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{n.name} did not listen within {guard_s:g} s{self.logs()}")
+            time.sleep(0.1)
 
     def status(self, name: str) -> dict[str, Any] | None:
         """The node's newest status object (written by its poller; None until it answers)."""
