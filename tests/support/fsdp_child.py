@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed
 from node.rl.grpo import GRPOConfig
@@ -53,20 +54,26 @@ def step_groups(step: int, version: int) -> list:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank, world, device = init_distributed(spec.get("device", "cpu"))
+    print(f"pid {os.getpid()} rank {rank} of {world}", flush=True)
+    out = Path(spec["out"])
     if rank == 0:
-        print(f"pid {os.getpid()} rank {rank} of {world}", flush=True)
-    else:
-        print(f"pid {os.getpid()} rank {rank} of {world}", flush=True)
+        (out / "backend.txt").write_text(torch.distributed.get_backend())
     if spec.get("resume"):
         tr = DistributedGRPOTrainer.from_checkpoint(spec["resume"], config=config(), device=device)
-        tr.keep_versions = 2
     else:
-        tr = DistributedGRPOTrainer(tiny(spec["seed"], spec["tied"]), config(), device=device, keep_versions=2)
-    out = Path(spec["out"])
+        tr = DistributedGRPOTrainer(tiny(spec["seed"], spec["tied"]), config(), device=device)
+    published = Path(spec["published"])  # every version's weights, as the trainer role publishes them
+
+    def behaviour(version: int) -> dict[str, torch.Tensor] | None:
+        f = published / f"v{version}" / "model.safetensors"
+        return load_file(f) if f.exists() else None
+
+    tr.export(published / f"v{tr.version}")
     for _ in range(spec["steps"]):
         step = tr.version + 1
         groups = broadcast_groups(step_groups(step, tr.version) if rank == 0 else None)
-        m = tr.step(groups)
+        m = tr.step(groups, behaviour if rank == 0 else None)
+        tr.export(published / f"v{tr.version}")
         weights = tr.full_state_dict()
         if spec.get("save"):
             tr.save_checkpoint(spec["save"])
