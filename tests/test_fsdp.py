@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 
+from node.ops.launch import torchrun_argv
 from node.rl.grpo import GRPOTrainer
 from tests.support.fsdp_child import config, step_groups, tiny
 
@@ -44,7 +45,7 @@ def torchrun(tmp: Path, nproc: int, **spec) -> tuple[list[str], dict[str, str], 
 def launch(tmp: Path, nproc: int, **spec) -> Path:
     """Run the child as ``nproc`` ranks and wait for the group to finish; its output folder."""
     cmd, env, out = torchrun(tmp, nproc, **spec)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -91,6 +92,26 @@ def test_two_ranks_take_the_single_process_steps_and_one_rank_resumes(tmp_path: 
     assert not torch.allclose(ref[0][1]["model.norm.weight"], ref[1][1]["model.norm.weight"])
     assert not torch.allclose(ref[1][1]["model.norm.weight"], ref[2][1]["model.norm.weight"])
     assert ref[1][0]["num_groups"] == 4 and ref[1][0]["missing_policy_groups"] == 0
+
+
+def test_rank_group_drives_followers_as_the_trainer_role_does(tmp_path: Path) -> None:
+    """RankGroup (rank 0, the network node's trainer) orders steps, exports and checkpoints;
+    rank 1 runs ``follow``; the published weights equal one process's. Untied head."""
+    ref = reference(4, False, 2)
+    ckpt = tmp_path / "checkpoint"
+    out = launch(tmp_path, 2, group=True, seed=4, tied=False, steps=2, save=str(ckpt))
+    for v in (1, 2):
+        assert_same(out, v, ref[v - 1])
+    assert json.loads((ckpt / "trainer_state.json").read_text())["version"] == 2
+
+
+def test_nproc_relaunches_join_under_torchrun_without_itself() -> None:
+    argv = ["join", "--role", "trainer", "--nproc", "2", "--home", "h", "--nproc=3", "--device", "cuda"]
+    cmd = torchrun_argv(argv, 2)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--max-restarts=0" in cmd
+    assert cmd[-8:] == ["-m", "node.ops.cli", "join", "--role", "trainer", "--home", "h", "--device", "cuda"][-8:]
+    assert not any(a.startswith("--nproc=") or a == "--nproc" for a in cmd)
 
 
 @pytest.mark.slow

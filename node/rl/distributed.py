@@ -244,6 +244,12 @@ class DistributedGRPOTrainer(GRPOTrainer):
             self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         )
 
+    def adopt_rank0_weights(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Collective: every rank's shards take rank 0's weights (``full``, its model's state
+        dict from before sharding; ignored elsewhere). Starts a group from one model."""
+        self._load_full(full)
+        self._live = None
+
     def _restore_live(self) -> None:
         if self._live is None:
             return

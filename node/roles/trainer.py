@@ -110,7 +110,11 @@ class TrainerRole(LearningRole):
 
     def _load_or_init(self) -> None:
         from node.rl.grpo import GRPOTrainer
+        from node.rl.ranks import under_torchrun
 
+        if under_torchrun():  # rank 0 of `join --nproc N`: the trainer is the rank group
+            self._load_or_init_group()
+            return
         cfg = self.ctx.grpo_config()
         if (self.ckpt_dir / "trainer_state.pt").exists():
             self.trainer = GRPOTrainer.from_checkpoint(
@@ -122,6 +126,25 @@ class TrainerRole(LearningRole):
             self.trainer = GRPOTrainer(
                 self.ctx.initial_model(), cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
             )
+            self.trainer.save_checkpoint(self.ckpt_dir)
+        self.version = self.trainer.version
+        self.ledger.commit_checkpoint(self.version, self.version)
+
+    def _load_or_init_group(self) -> None:
+        """:meth:`_load_or_init` for N ranks (node/rl/ranks.py): the same resume rule, with a
+        group (DCP) checkpoint; followers receive the model from this rank."""
+        from node.rl.distributed import init_distributed
+        from node.rl.ranks import RankGroup, is_group_checkpoint
+
+        init_distributed(self.device)
+        cfg, pad = self.ctx.grpo_config(), self.ctx.pad_token_id
+        if is_group_checkpoint(self.ckpt_dir):
+            self.trainer = RankGroup.start(config=cfg, pad_token_id=pad, device=self.device, checkpoint=self.ckpt_dir)
+            self.restored = self.ledger.recover()
+            log.info("resumed at step %d on %d ranks", self.trainer.version, self.trainer.world)
+        else:
+            model = self.ctx.initial_model()
+            self.trainer = RankGroup.start(config=cfg, pad_token_id=pad, device=self.device, model=model)
             self.trainer.save_checkpoint(self.ckpt_dir)
         self.version = self.trainer.version
         self.ledger.commit_checkpoint(self.version, self.version)
@@ -138,7 +161,11 @@ class TrainerRole(LearningRole):
         if self.version == 0 and self.ctx.model_dir is not None:
             out = self.ctx.model_dir  # a pinned model: version 0 is the genesis's files, byte for byte
         else:
-            await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
+            group_export = getattr(self.trainer, "export", None)  # a rank group gathers its shards
+            if group_export is not None:
+                await trio.to_thread.run_sync(group_export, out)
+            else:
+                await trio.to_thread.run_sync(export_weights, self.trainer.model, out)
         assert self.checkpoints is not None
         await publish_checkpoint(self.node, self.checkpoints, self.version, out)
         log.info("published policy version %d", self.version)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed
 from node.rl.grpo import GRPOConfig
+from node.rl.ranks import RankGroup, follow
 from tests.support.rl import fake_groups
 
 torch.set_num_threads(1)
@@ -51,6 +52,29 @@ def step_groups(step: int, version: int) -> list:
     return groups
 
 
+def group_mode(spec: dict, rank: int) -> None:
+    """The trainer role's use: rank 0 drives a RankGroup, the other ranks follow its orders."""
+    out, published = Path(spec["out"]), Path(spec["published"])
+    if rank != 0:
+        follow(spec.get("device", "cpu"))
+        return
+
+    def behaviour(version: int) -> dict[str, torch.Tensor] | None:
+        f = published / f"v{version}" / "model.safetensors"
+        return load_file(f) if f.exists() else None
+
+    grp = RankGroup.start(config=config(), model=tiny(spec["seed"], spec["tied"]))
+    grp.export(published / f"v{grp.version}")
+    for _ in range(spec["steps"]):
+        m = grp.step(step_groups(grp.version + 1, grp.version), behaviour)
+        grp.export(published / f"v{grp.version}")
+        grp.save_checkpoint(spec["save"])
+        torch.save(behaviour(grp.version), out / f"weights_{grp.version}.pt")
+        (out / f"metrics_{grp.version}.json").write_text(json.dumps(m.__dict__, default=str))
+    grp.stop()
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank, world, device = init_distributed(spec.get("device", "cpu"))
@@ -58,6 +82,9 @@ def main() -> None:
     out = Path(spec["out"])
     if rank == 0:
         (out / "backend.txt").write_text(torch.distributed.get_backend())
+    if spec.get("group"):
+        group_mode(spec, rank)
+        return
     if spec.get("resume"):
         tr = DistributedGRPOTrainer.from_checkpoint(spec["resume"], config=config(), device=device)
     else:
