@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from node.errors import ModelError
+from node.errors import ConfigError, ModelError
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake, LearningRole, export_weights
@@ -110,11 +110,13 @@ class TrainerRole(LearningRole):
 
     def _load_or_init(self) -> None:
         from node.rl.grpo import GRPOTrainer
-        from node.rl.ranks import under_torchrun
+        from node.rl.ranks import is_group_checkpoint, under_torchrun
 
         if under_torchrun():  # rank 0 of `join --nproc N`: the trainer is the rank group
             self._load_or_init_group()
             return
+        if is_group_checkpoint(self.ckpt_dir):  # never start over on top of a group's progress
+            raise ConfigError(f"{self.ckpt_dir} was written by a group of ranks: join with --nproc N")
         cfg = self.ctx.grpo_config()
         if (self.ckpt_dir / "trainer_state.pt").exists():
             self.trainer = GRPOTrainer.from_checkpoint(
@@ -137,6 +139,8 @@ class TrainerRole(LearningRole):
         from node.rl.ranks import RankGroup, is_group_checkpoint
 
         init_distributed(self.device)
+        if (self.ckpt_dir / "trainer_state.pt").exists():
+            raise ConfigError(f"{self.ckpt_dir} was written by a single-process trainer: join without --nproc")
         cfg, pad = self.ctx.grpo_config(), self.ctx.pad_token_id
         if is_group_checkpoint(self.ckpt_dir):
             self.trainer = RankGroup.start(config=cfg, pad_token_id=pad, device=self.device, checkpoint=self.ckpt_dir)
