@@ -120,9 +120,23 @@ def join(
     tamper: Annotated[
         str | None, typer.Option("--tamper", hidden=True, help="Adversarial tests: misbehave this way.")
     ] = None,
+    nproc: Annotated[
+        int, typer.Option("--nproc", help="Trainer only: ranks of one torchrun group (FSDP2), one per GPU.")
+    ] = 1,
 ) -> None:
     """Join a run as trainer, worker or validator."""
+    from node.ops import launch
     from node.ops.daemon import run_join
+
+    if nproc > 1 and role != Role.trainer:
+        raise typer.BadParameter("--nproc is for --role trainer")
+    if nproc > 1 and not launch.under_torchrun():
+        launch.exec_torchrun(sys.argv[1:], nproc)
+    if launch.under_torchrun() and launch.launched_rank() != 0:
+        from node.rl.ranks import follow
+
+        follow(device)  # the network node is rank 0; this rank takes part in its steps
+        return
 
     run_join(
         home=home,

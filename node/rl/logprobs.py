@@ -88,6 +88,33 @@ def _softcap(model: Any) -> float | None:
     return float(cap) if cap else None
 
 
+def completion_stats(
+    model: Any,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    rows: torch.Tensor,
+    src: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log p`` and entropy of ``targets`` at positions ``(rows, src)`` of the padded batch:
+    the decoder once, then the head over chunks of the gathered rows (see the module doc)."""
+    decoder, head, vocab = _parts(model)
+    hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[rows, src]
+    step = chunk_tokens or default_chunk_tokens(vocab)
+    softcap = _softcap(getattr(model, "model", model))  # a WithWeights wraps the model
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for s in range(0, hidden.shape[0], step):
+        h, t = hidden[s : s + step], targets[s : s + step]
+        if torch.is_grad_enabled() and h.requires_grad:
+            out = checkpoint(_head_stats, h, t, head, temperature, softcap, use_reentrant=False)
+        else:
+            out = _head_stats(h, t, head, temperature, softcap)
+        parts.append(out)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def token_logprobs_and_entropy(
     model: Any,
     rollouts: Sequence[HasTokens],
@@ -123,20 +150,11 @@ def token_logprobs_and_entropy(
         tok_lp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         tok_ent = -(log_probs.exp() * log_probs).sum(-1)
     else:
-        decoder, head, vocab = _parts(model)
-        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[rows, src]
-        step = chunk_tokens or default_chunk_tokens(vocab)
-        softcap = _softcap(getattr(model, "model", model))  # a WithWeights wraps the model
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for s in range(0, hidden.shape[0], step):
-            h, t = hidden[s : s + step], targets[s : s + step]
-            if torch.is_grad_enabled() and h.requires_grad:
-                out = checkpoint(_head_stats, h, t, head, temperature, softcap, use_reentrant=False)
-            else:
-                out = _head_stats(h, t, head, temperature, softcap)
-            parts.append(out)
-        tok_lp = torch.cat([p[0] for p in parts])
-        tok_ent = torch.cat([p[1] for p in parts])
+        # a module whose own forward runs decoder and head (node.rl.distributed: an FSDP root
+        # must see the head run inside its forward, or its parameters are never gathered)
+        fused = getattr(model, "completion_stats", None)
+        args = (ids, attn, rows, src, targets, temperature, chunk_tokens)
+        tok_lp, tok_ent = fused(*args) if fused is not None else completion_stats(model, *args)
     lp = lp.index_put((rows, cols), tok_lp)
     ent = ent.index_put((rows, cols), tok_ent)
     return lp, ent, mask
@@ -168,6 +186,7 @@ def micro_batches(lengths: Sequence[int], token_budget: int, max_rows: int = 0) 
 
 __all__ = [
     "CHUNK_BYTES",
+    "completion_stats",
     "default_chunk_tokens",
     "logits_bytes",
     "micro_batches",

@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from node.errors import CheckpointError, ModelError
+from node.errors import CheckpointError, ConfigError, ModelError
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake, LearningRole, export_weights
@@ -115,19 +115,36 @@ class TrainerRole(LearningRole):
 
     def _load_or_init(self) -> None:
         """Resume at the version the ledger last committed (node/roles/resume.py decides what a
-        crash left on disk), or start the run from the initial model and commit version 0."""
+        crash left on disk), or start the run from the initial model and commit version 0. Under
+        torchrun (``join --nproc N``) this process is rank 0 and the trainer is the rank group
+        (node/rl/ranks.py), with group (DCP) state folders; one kind never resumes the other's."""
         from node.rl.grpo import GRPOTrainer
+        from node.rl.ranks import RankGroup, is_group_checkpoint, under_torchrun
 
-        cfg = self.ctx.grpo_config()
+        group = under_torchrun()
+        if group:
+            from node.rl.distributed import init_distributed
+
+            init_distributed(self.device)
+        cfg, pad = self.ctx.grpo_config(), self.ctx.pad_token_id
+        dtype = policy_dtype_for(self.ctx.config)
         version = self.states.reconcile(self.ledger.committed_version(), self.ledger.counts()["trained"])
         if version is not None:
-            self.trainer = GRPOTrainer.from_checkpoint(
-                self.states.folder(version), config=cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
-            )
-            if self.trainer.version != version:
-                raise CheckpointError(
-                    f"{self.states.folder(version)} holds version {self.trainer.version}, not {version}"
+            folder = self.states.folder(version)
+            if is_group_checkpoint(folder) != group:
+                raise ConfigError(
+                    f"{folder} was written by a single-process trainer: join without --nproc"
+                    if group
+                    else f"{folder} was written by a group of ranks: join with --nproc N"
                 )
+            if group:
+                self.trainer = RankGroup.start(
+                    config=cfg, pad_token_id=pad, device=self.device, dtype=dtype, checkpoint=folder
+                )
+            else:
+                self.trainer = GRPOTrainer.from_checkpoint(folder, config=cfg, pad_token_id=pad, device=self.device)
+            if self.trainer.version != version:
+                raise CheckpointError(f"{folder} holds version {self.trainer.version}, not {version}")
             self.restored = self.ledger.recover()  # ledgers from before commit_step only
             log.info(
                 "resumed at version %d, the ledger's last commit (%d batches back in the queue)",
@@ -135,17 +152,21 @@ class TrainerRole(LearningRole):
                 self.restored,
             )
         else:
-            self.trainer = GRPOTrainer(
-                self.ctx.initial_model(), cfg, pad_token_id=self.ctx.pad_token_id, device=self.device
-            )
+            model = self.ctx.initial_model()
+            if group:
+                self.trainer = RankGroup.start(
+                    config=cfg, pad_token_id=pad, device=self.device, dtype=dtype, model=model
+                )
+            else:
+                self.trainer = GRPOTrainer(model, cfg, pad_token_id=pad, device=self.device)
             self.states.write(self.trainer)
             self.ledger.commit_step([], 0)
             self.states.prune(keep=0)
-        # published weights in another dtype are not the live ones: old log-probs of the current
-        # version then come from the published files too (docs/rl.md, "no extra pass")
-        self.trainer.live_is_published = (
-            self.trainer.live_is_published and policy_dtype_for(self.ctx.config) == "float32"
-        )
+        if not group:
+            # published weights in another dtype are not the live ones: old log-probs of the current
+            # version then come from the published files too (docs/rl.md, "no extra pass"); a rank
+            # group decides it on every rank alike from the config (compute dtype = policy dtype)
+            self.trainer.live_is_published = self.trainer.live_is_published and dtype == "float32"
         self.version = self.trainer.version
 
     def _check_store(self) -> None:
@@ -197,7 +218,11 @@ class TrainerRole(LearningRole):
         if self.version == 0 and self.ctx.model_dir is not None:
             out = self.ctx.model_dir  # a pinned model: version 0 is the genesis's files, byte for byte
         else:
-            await trio.to_thread.run_sync(export_weights, self.trainer.model, out, self.ctx.policy_dtype)
+            group_export = getattr(self.trainer, "export", None)  # a rank group gathers its shards
+            if group_export is not None:
+                await trio.to_thread.run_sync(group_export, out, self.ctx.policy_dtype)
+            else:
+                await trio.to_thread.run_sync(export_weights, self.trainer.model, out, self.ctx.policy_dtype)
         assert self.checkpoints is not None
         await publish_checkpoint(self.node, self.checkpoints, self.version, out)
         log.info("published policy version %d", self.version)
