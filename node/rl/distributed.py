@@ -197,10 +197,10 @@ class DistributedGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ behaviour weights
     def old_logprobs(
-        self, rollouts: Sequence[Rollout], behaviour: BehaviourWeights | None = None
+        self, rollouts: Sequence[Rollout], behaviour: BehaviourWeights | None = None, live: int | None = None
     ) -> list[torch.Tensor | None]:
         try:
-            return super().old_logprobs(rollouts, behaviour)
+            return super().old_logprobs(rollouts, behaviour, live)
         finally:
             self._restore_live()
 
