@@ -9,7 +9,7 @@ ranks run ``node.rl.ranks.follow``.
 
 from __future__ import annotations
 
-import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -46,9 +46,20 @@ def torchrun_argv(argv: Sequence[str], nproc: int) -> list[str]:
 
 
 def exec_torchrun(argv: Sequence[str], nproc: int) -> None:
-    """Replace this process by torchrun (signals to the node reach the launcher)."""
+    """Run torchrun in this process and exit with its outcome. Signals to the node reach the
+    launcher, which stops every rank: SIGTERM or Ctrl+C (a requested stop) exits 0 without a
+    traceback, as the single-process node does; a failed rank exits non-zero."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
     cmd = torchrun_argv(argv, nproc)
-    os.execv(cmd[0], cmd)
+    try:
+        torchrun(cmd[3:])  # the arguments after "python -m torch.distributed.run"
+    except SignalException as exc:
+        stop = exc.sigval in (signal.SIGTERM, signal.SIGINT)
+        print(f"trainer group stopped by {exc.sigval.name}", file=sys.stderr)
+        sys.exit(0 if stop else 128 + int(exc.sigval))
+    sys.exit(0)
 
 
 __all__ = ["exec_torchrun", "launched_rank", "torchrun_argv", "under_torchrun", "without_nproc"]
