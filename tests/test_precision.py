@@ -80,7 +80,9 @@ def test_under_mixed_precision_the_current_versions_old_log_probs_come_from_the_
         assert trainer.live_is_published is shortcut
         reads: list[int] = []
 
-        def published(version: int, trainer: GRPOTrainer = trainer) -> dict[str, torch.Tensor]:
+        def published(
+            version: int, trainer: GRPOTrainer = trainer, reads: list[int] = reads
+        ) -> dict[str, torch.Tensor]:
             reads.append(version)
             return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
