@@ -108,6 +108,10 @@ def main() -> None:
             torch.save(weights, out / f"weights_{tr.version}.pt")
             (out / f"metrics_{tr.version}.json").write_text(json.dumps(m.__dict__, default=str))
             print(f"committed {tr.version}", flush=True)
+    # every rank done with its collectives before any tears the group down: a rank leaving while
+    # the other still talks aborted once in gloo's teardown ("terminate called without an active
+    # exception", CI 2026-11-24)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
