@@ -124,7 +124,10 @@ class RankGroup:
         return self.trainer.export(out_dir, dtype)
 
     def stop(self) -> None:
+        """Collective: the followers leave their loop; every rank passes a barrier first, so no
+        rank tears the group down while another still talks (gloo aborted the process then)."""
         _order("stop")
+        dist.barrier()
 
 
 def follow(device: str = "cpu") -> None:
@@ -137,6 +140,7 @@ def follow(device: str = "cpu") -> None:
         if kind == "init":
             trainer = _build(*args)
         elif kind == "stop":
+            dist.barrier()  # with RankGroup.stop: nobody tears down while another rank still talks
             break
         else:
             assert trainer is not None, f"order {kind!r} before init"
