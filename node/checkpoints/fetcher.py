@@ -24,8 +24,17 @@
   connection: the peer's outstanding chunks go back to the pool and the peer
   cools down (exponential back-off) before it is tried again.
 * End game: once every missing chunk is on its way and a seed has a free slot,
-  the seed is also asked for the chunk requested longest ago; whichever copy
-  arrives first is kept, the other is read and dropped.
+  the seed is also asked for the chunk requested longest ago whose peer is a
+  *straggler*: it sends (bytes per second while a payload arrives) under
+  1/``STRAGGLER`` of our fastest source, or it has sent nothing and its current
+  chunk has taken ``STRAGGLER`` times what the fastest source would need.
+  Whichever copy arrives first is kept, the other is read and dropped. Why not
+  every late chunk: a fetcher whose own downlink is the bottleneck sees every
+  chunk as late (replies on one connection come one after another, and all
+  connections share the link), while each source sends at about its fair share;
+  a second copy then only takes link from the first. Measured (bench/distribution.py --link-caps): a 20 Mbit/s
+  fetcher received 10 duplicate 4 MiB chunks of a 64 MiB checkpoint and took
+  1.78x its bound.
 * Peers are ranked by measured throughput, discounted by failures.
 * Resume: the fetcher starts from whatever the store already holds.
 """
@@ -62,6 +71,10 @@ class TicketError(Exception):
 
 # Peers one fetch keeps track of: heartbeats from any identity add peers while a fetch runs.
 MAX_KNOWN_PEERS = 1024
+# End game: a peer sending at under 1/STRAGGLER of our fastest source's rate is a straggler
+# (its chunks may be asked from a seed as well); sources within that factor of each other are
+# more likely sharing our own downlink fairly, and a second copy would only compete with the first.
+STRAGGLER = 3.0
 
 
 @dataclasses.dataclass
@@ -81,6 +94,15 @@ class FetchPeer:
     last_error: str = ""
     refused: dict[int, float] = dataclasses.field(default_factory=dict)  # chunk -> retry after (ELSEWHERE)
     elsewhere: int = 0
+    # When the reply now due on this connection began to be served (trio clock): the previous
+    # reply's end, or the GET sent to an idle connection (replies come one after another).
+    service_start: float = 0.0
+
+    def straggles(self, fastest_bps: float, chunk_bytes: int, now: float) -> bool:
+        """Whether this peer is far slower than a source sending at ``fastest_bps``."""
+        if self.ewma_bps > 0:
+            return self.ewma_bps * STRAGGLER < fastest_bps
+        return bool(self.inflight) and now - self.service_start > STRAGGLER * chunk_bytes / fastest_bps
 
     @property
     def seed(self) -> bool:
@@ -291,15 +313,22 @@ class VersionFetcher:
     def _endgame_pick(self, p: FetchPeer) -> int | None:
         """End game: nothing is left to pick, every missing chunk is on its way from some peer.
         A seed with a free slot also asks for the chunk requested longest ago (at least
-        ``endgame_after_s``), so the tail does not wait on one slow, busy peer."""
+        ``endgame_after_s``) from a straggler, so the tail does not wait on one slow, busy peer
+        (see the module docstring for why not from any peer)."""
         if self.endgame_after_s is None:
             return None
         now = trio.current_time()
+        fastest = max((q.ewma_bps for q in self.peers.values()), default=0.0)
+        if fastest <= 0:
+            return None  # no chunk has arrived yet: nothing to compare with (stalls are cut anyway)
         held, verifying, owner = self.st.bitmap, self._verifying, self._inflight
+        peers = self.peers
         best, oldest = None, now - self.endgame_after_s
         for i, since in self._inflight_since.items():
+            q = peers.get(owner.get(i, ""))
             if (
                 since <= oldest
+                and (q is None or q.straggles(fastest, self._chunk_len, now))
                 and owner.get(i) != p.peer_id
                 and i not in p.inflight
                 and i not in verifying
@@ -416,9 +445,12 @@ class VersionFetcher:
         have_pending = True
         while not self.complete and not p.banned:
             while len(p.inflight) < self._depth(p) and len(self._verifying) < self.max_verifying:
+                idle = not p.inflight
                 i = self._pick(p)
                 if i is None:
                     break
+                if idle:
+                    p.service_start = trio.current_time()
                 await conn.send(F.OP_GET, i)
                 outstanding.append((F.OP_GET, i))
             now = trio.current_time()
@@ -450,6 +482,7 @@ class VersionFetcher:
                 self.update_have(p.peer_id, bytes(buf))
                 continue
             if status != F.OK:
+                p.service_start = trio.current_time()  # the next reply's service starts now
                 self._release(idx, p)
                 if status == F.ELSEWHERE:  # a super-seeding seed: someone else just got it from there
                     p.elsewhere += 1
@@ -471,6 +504,7 @@ class VersionFetcher:
             buf = self._free_bufs.pop() if length == self._chunk_len and self._free_bufs else bytearray(length)
             t0 = time.monotonic()
             await conn.read_payload_into(memoryview(buf))
+            p.service_start = trio.current_time()
             if idx in self.st.bitmap or idx in self._verifying:  # the other copy of an end-game request won
                 self.chunks_duplicate += 1
                 p.inflight.discard(idx)

@@ -1,9 +1,15 @@
 """One overlay node as its own process, for the namespace tests (tests/test_nat_netns.py).
 
 ``python -m tests.support.nat_child --seed HEX --listen MADDR --status FILE [--bootstrap MADDR]
-[--advertise IP] [--target-peers N] [--stock-autonat] [--data-port N]``: runs a :class:`node.p2p.Node` (no role: the overlay,
-AutoNAT, relay and hole punching are what is under test) and rewrites ``FILE`` with the
-node's status JSON twice a second, so the test (in another network namespace) can read it.
+[--advertise IP] [--target-peers N] [--stock-autonat] [--data-port N] [--heartbeat-s S]
+[--nat-interval-s S] [--deployed-intervals] [--measure-file PATH]``: runs a :class:`node.p2p.Node` (no role: the
+overlay, AutoNAT, relay and hole punching are what is under test) and rewrites ``FILE`` with
+the node's status JSON twice a second, so the test (in another network namespace) can read it.
+
+``--measure-file``: once that file exists (bench/wan.py creates it when every node has heard
+every other, i.e. after start-up), the node forgets the heartbeat delivery samples it has so
+far and records its gossip counters at that moment under ``"measure"`` in its status, so the
+bench reports the steady state, not connection set-up.
 """
 
 from __future__ import annotations
@@ -12,13 +18,14 @@ import argparse
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import trio
 
 from node.p2p.host import attach_libp2p_logging
 from node.p2p.nat import NatConfig
-from node.p2p.node import Node, RoleHook
+from node.p2p.node import Node, P2PConfig, RoleHook
 from node.p2p.testing import fast_config
 from protocol import NodeKey
 
@@ -40,7 +47,7 @@ async def main(args: argparse.Namespace) -> None:
 
         DialBackAutoNAT._try_dial = AutoNATService._try_dial  # type: ignore[method-assign]
     key = NodeKey(bytes.fromhex(args.seed))
-    nat = NatConfig(first_check_s=1.0, check_interval_s=10.0, dial_back_timeout_s=3.0)
+    nat = NatConfig(first_check_s=1.0, check_interval_s=args.nat_interval_s, dial_back_timeout_s=3.0)
     cfg = fast_config(
         listen=[args.listen],
         bootstrap=list(args.bootstrap),
@@ -50,16 +57,28 @@ async def main(args: argparse.Namespace) -> None:
         nat=nat,
         data_port=args.data_port,
     )
+    if args.deployed_intervals:
+        # the overlay's own defaults (node/p2p/node.py), not the short test intervals
+        base = P2PConfig()
+        cfg.conn_interval_s, cfg.px_interval_s = base.conn_interval_s, base.px_interval_s
     if args.heartbeat_s:
         cfg.heartbeat_interval_s = args.heartbeat_s
         cfg.forget_after_s = max(10.0, 5 * args.heartbeat_s)
     node = Node(key, run_id=RUN_ID, config=cfg, hook=RoleHook())
     out = Path(args.status)
+    measure: dict | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         while True:
+            if measure is None and args.measure_file and await trio.Path(args.measure_file).exists():
+                node.swarm.delivery_ms.clear()
+                accepted = node.metrics.gossip_summary().get("relayed", 0)  # valid new messages
+                measure = {"since_wall": time.time(), "accepted_before": accepted}
+            status = node.status()
+            if measure is not None:
+                status["measure"] = measure
             tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(node.status()))
+            tmp.write_text(json.dumps(status))
             os.replace(tmp, out)
             await trio.sleep(0.5)
 
@@ -75,4 +94,9 @@ if __name__ == "__main__":
     p.add_argument("--stock-autonat", action="store_true")
     p.add_argument("--heartbeat-s", type=float, default=0.0)
     p.add_argument("--data-port", type=int, default=0, help="advertised in heartbeats (no chunk server runs)")
+    p.add_argument("--nat-interval-s", type=float, default=10.0, help="AutoNAT re-check interval (production: 60)")
+    p.add_argument(
+        "--deployed-intervals", action="store_true", help="connection and peer-exchange intervals as deployed"
+    )
+    p.add_argument("--measure-file", default="", help="start measuring delivery once this file exists")
     trio.run(main, p.parse_args())
