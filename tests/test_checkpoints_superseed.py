@@ -207,3 +207,47 @@ async def test_a_peer_that_never_reads_pins_no_chunk_beyond_the_hold_off(tmp_pat
         for c in (ch, cb):
             await c.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_copy_sent_to_a_slow_recipient_holds_nothing_off(tmp_path, mock_clock):
+    """Super-seeding sends each chunk once and tells the others to get it from its recipient;
+    a recipient that takes the chunk at a fraction of the seed's fastest send rate (a slow
+    link: its uplink is as slow) would make everyone wait on it. Control: a send that runs
+    at a normal pace keeps the chunk held off."""
+    # chunks larger than both sockets' buffers (4 MiB each, doubled by the kernel), so that a
+    # send blocks until the recipient reads
+    _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=72, chunk=24 * 1024 * 1024)
+    fast, slow, other = (k.peer_id for k in keys(4)[1:])
+    server = ChunkServer(store)  # hold-off 10 s: longer than anything below
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        cf, cs, co = [await _connect(server, p, st) for p in (fast, slow, other)]
+
+        async def send_blocked_then_read(conn: DataConnection, idx: int, seconds: float) -> None:
+            """GET ``idx`` and read it only ``seconds`` (trio clock) after the server blocked
+            on the full socket: the send takes that long."""
+            await conn.send(F.OP_GET, idx)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            mock_clock.jump(seconds)
+            op, status, ridx, length = await conn.read_header()
+            assert (op, status, ridx) == (F.OP_GET, F.OK, idx)
+            await conn.read_payload_into(memoryview(bytearray(length)))
+
+        await send_blocked_then_read(cf, 1, 0.1)  # the fastest send: 24 MiB in 0.1-0.2 s
+        await cs.send(F.OP_GET, 0)  # the slow peer's send of chunk 0 starts and blocks
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        mock_clock.jump(0.2)  # within 3x the fast time: a normal pace, held off
+        assert (await _get(co, 0))[0] == F.ELSEWHERE
+        mock_clock.jump(1.8)  # 2 s: far over 3x what the fastest send needed: a slow recipient
+        status, data = await _get(co, 0)
+        assert status == F.OK and data == store.read_chunk_blocking(st, 0)
+        # a finished slow send holds nothing off either; a finished fast one does
+        op, status, ridx, length = await cs.read_header()  # the slow send of chunk 0, at last
+        assert (op, status, ridx) == (F.OP_GET, F.OK, 0)
+        await cs.read_payload_into(memoryview(bytearray(length)))
+        await send_blocked_then_read(cs, 2, 1.0)
+        assert (await _get(co, 2))[0] == F.OK
+        assert (await _get(co, 1))[0] == F.ELSEWHERE
+        for c in (cf, cs, co):
+            await c.aclose()
+        nursery.cancel_scope.cancel()

@@ -25,16 +25,18 @@
   cools down (exponential back-off) before it is tried again.
 * End game: once every missing chunk is on its way and a seed has a free slot,
   the seed is also asked for the chunk requested longest ago whose peer is a
-  *straggler*: it sends (bytes per second while a payload arrives) under
-  1/``STRAGGLER`` of our fastest source, or it has sent nothing and its current
-  chunk has taken ``STRAGGLER`` times what the fastest source would need.
-  Whichever copy arrives first is kept, the other is read and dropped. Why not
-  every late chunk: a fetcher whose own downlink is the bottleneck sees every
-  chunk as late (replies on one connection come one after another, and all
-  connections share the link), while each source sends at about its fair share;
-  a second copy then only takes link from the first. Measured (bench/distribution.py --link-caps): a 20 Mbit/s
-  fetcher received 10 duplicate 4 MiB chunks of a 64 MiB checkpoint and took
-  1.78x its bound.
+  *straggler*: its current reply has taken ``STRAGGLER`` times as long as a
+  chunk takes at a fair share of what this fetcher receives in all (payload
+  bytes in the last ``RATE_WINDOW_S`` over the connections busy now; not one
+  connection's rate while a payload arrives: the kernel buffers whole chunks
+  while the fetcher reads other connections, and such a read looks instant). Whichever copy arrives first is kept, the other is read
+  and dropped. Why not every late chunk: a fetcher whose own downlink is the
+  bottleneck sees every chunk as late (replies on one connection come one after
+  another, and all connections share the link), while each source sends its fair
+  share; a second copy then only takes link from the first. Measured
+  (bench/distribution.py --link-caps, docs/benchmarks.md): a 20 Mbit/s fetcher
+  received 10 duplicate 4 MiB chunks of a 64 MiB checkpoint and took 1.78x its
+  bound.
 * Peers are ranked by measured throughput, discounted by failures.
 * Resume: the fetcher starts from whatever the store already holds.
 """
@@ -71,10 +73,11 @@ class TicketError(Exception):
 
 # Peers one fetch keeps track of: heartbeats from any identity add peers while a fetch runs.
 MAX_KNOWN_PEERS = 1024
-# End game: a peer sending at under 1/STRAGGLER of our fastest source's rate is a straggler
-# (its chunks may be asked from a seed as well); sources within that factor of each other are
-# more likely sharing our own downlink fairly, and a second copy would only compete with the first.
+# End game: a peer whose reply takes STRAGGLER times as long as a chunk at its fair share of our
+# receive rate is a straggler (its chunks may be asked from a seed as well); below that, our own
+# downlink is the likelier bottleneck and a second copy would only compete with the first.
 STRAGGLER = 3.0
+RATE_WINDOW_S = 5.0
 
 
 @dataclasses.dataclass
@@ -98,11 +101,10 @@ class FetchPeer:
     # reply's end, or the GET sent to an idle connection (replies come one after another).
     service_start: float = 0.0
 
-    def straggles(self, fastest_bps: float, chunk_bytes: int, now: float) -> bool:
-        """Whether this peer is far slower than a source sending at ``fastest_bps``."""
-        if self.ewma_bps > 0:
-            return self.ewma_bps * STRAGGLER < fastest_bps
-        return bool(self.inflight) and now - self.service_start > STRAGGLER * chunk_bytes / fastest_bps
+    def straggles(self, fair_bps: float, chunk_bytes: int, now: float) -> bool:
+        """Whether this peer's current reply is far slower than ``fair_bps`` (its fair share of our
+        receive rate) would make it."""
+        return bool(self.inflight) and now - self.service_start > STRAGGLER * chunk_bytes / fair_bps
 
     @property
     def seed(self) -> bool:
@@ -197,6 +199,7 @@ class VersionFetcher:
         self._free_bufs: list[bytearray] = []
         # stats
         self.started = time.monotonic()
+        self.started_trio = trio.current_time()
         self.finished: float | None = None
         self.bytes_fetched = 0
         self.chunks_fetched = 0
@@ -205,6 +208,9 @@ class VersionFetcher:
         self.chunks_endgame = 0  # second requests sent to a seed in the end game
         self.chunks_duplicate = 0  # payloads that arrived after another copy of the chunk
         self.bytes_from_seeds = 0
+        # Payloads received (duplicates too: they took the link), for receive_bps().
+        self._received: collections.deque[tuple[float, int]] = collections.deque()
+        self._last_receive_bps = 0.0
         self.held_at_start = self.st.bitmap.count
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -318,9 +324,10 @@ class VersionFetcher:
         if self.endgame_after_s is None:
             return None
         now = trio.current_time()
-        fastest = max((q.ewma_bps for q in self.peers.values()), default=0.0)
-        if fastest <= 0:
+        rate = self.receive_bps()
+        if rate <= 0:
             return None  # no chunk has arrived yet: nothing to compare with (stalls are cut anyway)
+        fair = rate / max(1, self._busy_connections())
         held, verifying, owner = self.st.bitmap, self._verifying, self._inflight
         peers = self.peers
         best, oldest = None, now - self.endgame_after_s
@@ -328,7 +335,7 @@ class VersionFetcher:
             q = peers.get(owner.get(i, ""))
             if (
                 since <= oldest
-                and (q is None or q.straggles(fastest, self._chunk_len, now))
+                and (q is None or q.straggles(fair, self._chunk_len, now))
                 and owner.get(i) != p.peer_id
                 and i not in p.inflight
                 and i not in verifying
@@ -337,6 +344,21 @@ class VersionFetcher:
             ):
                 best, oldest = i, since
         return best
+
+    def receive_bps(self) -> float:
+        """Payload bytes per second over the last ``RATE_WINDOW_S`` (trio clock); while nothing
+        arrived in that window, the last rate measured (0.0 before anything arrived)."""
+        now = trio.current_time()
+        w = self._received
+        while w and w[0][0] < now - RATE_WINDOW_S:
+            w.popleft()
+        if w:
+            span = min(RATE_WINDOW_S, max(now - self.started_trio, 1e-3))
+            self._last_receive_bps = sum(b for _, b in w) / span
+        return self._last_receive_bps
+
+    def _busy_connections(self) -> int:
+        return sum(1 for q in self.peers.values() if q.running and q.inflight)
 
     def _release(self, i: int, p: FetchPeer | None = None) -> None:
         if p is None or self._inflight.get(i) == p.peer_id:
@@ -505,6 +527,7 @@ class VersionFetcher:
             t0 = time.monotonic()
             await conn.read_payload_into(memoryview(buf))
             p.service_start = trio.current_time()
+            self._received.append((p.service_start, length))
             if idx in self.st.bitmap or idx in self._verifying:  # the other copy of an end-game request won
                 self.chunks_duplicate += 1
                 p.inflight.discard(idx)

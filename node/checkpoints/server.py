@@ -12,6 +12,13 @@ about once and the fetchers multiply it among themselves. Once every chunk has b
 sent at least once the hold-off drops to ``reseed_after_all_s`` and the seed helps
 finish the tail. A hold-off always ends, so a recipient that disappears costs its
 chunks at most that long.
+
+A copy sent to a slow recipient holds nothing off: a send that ran (or, still
+running, has run) ``SLOW_RECIPIENT`` times as long as the same chunk takes at
+the fastest recent send rate. Such a peer's uplink is most likely as slow as its
+downlink, and the others would wait on it for the chunk (bench/distribution.py
+--link-caps: with a 20 Mbit/s fetcher in the swarm, the others' completion was
+1.7x what it was without it).
 """
 
 from __future__ import annotations
@@ -38,32 +45,49 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SLOW_RECIPIENT = 3.0  # see the module docstring
+FAST_DECAY = 0.9  # the fastest recent send rate decays by this factor per send
+
 
 class SeedLog:
     """Super-seeding memory for one version held entirely: who got each chunk, and when."""
 
-    __slots__ = ("ever", "sent", "unsent")
+    __slots__ = ("ever", "running", "sent", "slow", "unsent")
 
     def __init__(self, n: int) -> None:
         self.sent: dict[int, tuple[str, float]] = {}  # index -> (peer, send started at, or finished at)
+        self.running: dict[int, float] = {}  # index -> when its running send started
+        self.slow: set[int] = set()  # chunks whose last copy went to a slow recipient
         self.ever = bytearray(n)
         self.unsent = n
 
-    def held_off(self, idx: int, peer: str, now: float, hold_s: float, hold_all_s: float) -> bool:
+    def held_off(
+        self, idx: int, peer: str, now: float, hold_s: float, hold_all_s: float, slow_after_s: float = float("inf")
+    ) -> bool:
+        """Whether ``peer`` should get chunk ``idx`` elsewhere: someone else got it moments ago and
+        that send was not slow (finished slow, or running for over ``slow_after_s``)."""
         rec = self.sent.get(idx)
-        if rec is None or rec[0] == peer:
+        if rec is None or rec[0] == peer or idx in self.slow:
+            return False
+        started = self.running.get(idx)
+        if started is not None and now - started > slow_after_s:
             return False
         return now < rec[1] + (hold_s if self.unsent else hold_all_s)
 
     def start(self, idx: int, peer: str, now: float) -> None:
         self.sent[idx] = (peer, now)
+        self.running[idx] = now
+        self.slow.discard(idx)
 
-    def finish(self, idx: int, peer: str, ok: bool, now: float) -> None:
+    def finish(self, idx: int, peer: str, ok: bool, now: float, slow: bool = False) -> None:
+        self.running.pop(idx, None)
         if not ok:
             if self.sent.get(idx, ("",))[0] == peer:
                 del self.sent[idx]
             return
         self.sent[idx] = (peer, now)
+        if slow:
+            self.slow.add(idx)
         if not self.ever[idx]:
             self.ever[idx] = 1
             self.unsent -= 1
@@ -109,6 +133,7 @@ class ChunkServer:
         self.reseed_after_s = reseed_after_s
         self.reseed_after_all_s = reseed_after_all_s
         self._seeding: dict[tuple[int, bytes], SeedLog] = {}
+        self._fast_send_bps = 0.0  # the fastest recent chunk send (decays; see SLOW_RECIPIENT)
         self.tickets: dict[bytes, Ticket] = {}
         self.max_tickets = 8192  # bounded: tickets that are never used expire, and a peer holds at most
         self.max_tickets_per_peer = 32  # this many at once (its oldest is replaced)
@@ -258,24 +283,43 @@ class ChunkServer:
                 elif idx not in st.bitmap:
                     await send_all(sock, F.REPLY.pack(op, F.NOT_HELD, idx, 0), self.stall_timeout_s)
                 elif sl is not None and sl.held_off(
-                    idx, t.peer_id, trio.current_time(), self.reseed_after_s, self.reseed_after_all_s
+                    idx,
+                    t.peer_id,
+                    trio.current_time(),
+                    self.reseed_after_s,
+                    self.reseed_after_all_s,
+                    self._slow_after_s(st.chunks[idx][2]),
                 ):
                     self.chunks_elsewhere += 1
                     await send_all(sock, F.REPLY.pack(op, F.ELSEWHERE, idx, 0), self.stall_timeout_s)
                 else:
                     ok = False
+                    started = trio.current_time()
                     if sl is not None:
-                        sl.start(idx, t.peer_id, trio.current_time())
+                        sl.start(idx, t.peer_id, started)
                     try:
                         with self.store.pin(t.version):
                             await self._send_chunk(sock, st, idx, t.peer_id)
                         ok = True
                     finally:
+                        now = trio.current_time()
+                        slow = ok and self._sent_at(st.chunks[idx][2], now - started)
                         if sl is not None:
-                            sl.finish(idx, t.peer_id, ok, trio.current_time())
+                            sl.finish(idx, t.peer_id, ok, now, slow)
             else:
                 await send_all(sock, F.REPLY.pack(op, F.BAD_REQUEST, idx, 0), self.stall_timeout_s)
                 return
+
+    def _slow_after_s(self, length: int) -> float:
+        """A send of ``length`` bytes running longer than this goes to a slow recipient."""
+        fast = self._fast_send_bps
+        return SLOW_RECIPIENT * length / fast if fast > 0 else float("inf")
+
+    def _sent_at(self, length: int, seconds: float) -> bool:
+        """Record a finished send; whether its recipient was slow (SLOW_RECIPIENT)."""
+        rate = length / max(seconds, 1e-6)
+        self._fast_send_bps = max(rate, self._fast_send_bps * FAST_DECAY)
+        return rate * SLOW_RECIPIENT < self._fast_send_bps
 
     async def _send_chunk(self, sock: trio.socket.SocketType, st: VersionState, idx: int, peer: str) -> None:
         length = st.chunks[idx][2]
