@@ -15,7 +15,9 @@ chunks at most that long.
 
 A copy sent to a slow recipient holds nothing off: a send that ran (or, still
 running, has run) ``SLOW_RECIPIENT`` times as long as the same chunk takes at
-the fastest recent send rate. Such a peer's uplink is most likely as slow as its
+a fair share of the fastest recent upload rate (a send's rate times the sends
+running beside it: the upload cap and the uplink are shared, and that must not
+make every recipient look slow). Such a peer's uplink is most likely as slow as its
 downlink, and the others would wait on it for the chunk (bench/distribution.py
 --link-caps: with a 20 Mbit/s fetcher in the swarm, the others' completion was
 1.7x what it was without it).
@@ -133,7 +135,8 @@ class ChunkServer:
         self.reseed_after_s = reseed_after_s
         self.reseed_after_all_s = reseed_after_all_s
         self._seeding: dict[tuple[int, bytes], SeedLog] = {}
-        self._fast_send_bps = 0.0  # the fastest recent chunk send (decays; see SLOW_RECIPIENT)
+        self._fast_send_bps = 0.0  # the fastest recent upload rate, all sends (decays; SLOW_RECIPIENT)
+        self._sending = 0  # chunk sends running now
         self.tickets: dict[bytes, Ticket] = {}
         self.max_tickets = 8192  # bounded: tickets that are never used expire, and a peer holds at most
         self.max_tickets_per_peer = 32  # this many at once (its oldest is replaced)
@@ -297,13 +300,17 @@ class ChunkServer:
                     started = trio.current_time()
                     if sl is not None:
                         sl.start(idx, t.peer_id, started)
+                    self._sending += 1
+                    beside = self._sending
                     try:
                         with self.store.pin(t.version):
                             await self._send_chunk(sock, st, idx, t.peer_id)
                         ok = True
                     finally:
                         now = trio.current_time()
-                        slow = ok and self._sent_at(st.chunks[idx][2], now - started)
+                        share = max(beside, self._sending)
+                        self._sending -= 1
+                        slow = ok and self._sent_at(st.chunks[idx][2], now - started, share)
                         if sl is not None:
                             sl.finish(idx, t.peer_id, ok, now, slow)
             else:
@@ -312,14 +319,15 @@ class ChunkServer:
 
     def _slow_after_s(self, length: int) -> float:
         """A send of ``length`` bytes running longer than this goes to a slow recipient."""
-        fast = self._fast_send_bps
-        return SLOW_RECIPIENT * length / fast if fast > 0 else float("inf")
+        fair = self._fast_send_bps / max(1, self._sending)
+        return SLOW_RECIPIENT * length / fair if fair > 0 else float("inf")
 
-    def _sent_at(self, length: int, seconds: float) -> bool:
-        """Record a finished send; whether its recipient was slow (SLOW_RECIPIENT)."""
-        rate = length / max(seconds, 1e-6)
-        self._fast_send_bps = max(rate, self._fast_send_bps * FAST_DECAY)
-        return rate * SLOW_RECIPIENT < self._fast_send_bps
+    def _sent_at(self, length: int, seconds: float, share: int) -> bool:
+        """Record a finished send that ran beside ``share`` - 1 others; whether its recipient
+        was slow (SLOW_RECIPIENT)."""
+        total = length / max(seconds, 1e-6) * share
+        self._fast_send_bps = max(total, self._fast_send_bps * FAST_DECAY)
+        return total * SLOW_RECIPIENT < self._fast_send_bps
 
     async def _send_chunk(self, sock: trio.socket.SocketType, st: VersionState, idx: int, peer: str) -> None:
         length = st.chunks[idx][2]
