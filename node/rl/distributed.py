@@ -44,10 +44,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,24 @@ def init_distributed(device: str | torch.device = "cpu") -> tuple[int, int, torc
             backend_for(dev), timeout=COLLECTIVE_TIMEOUT, device_id=dev if dev.type == "cuda" else None
         )
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def leave_group(code: int = 0) -> NoReturn:
+    """End this rank's process: tear the process group down, flush stdio, ``os._exit(code)``.
+
+    Why not return and let Python exit: after its last collective, a gloo rank sometimes
+    aborted in the interpreter's finalization ("terminate called without an active
+    exception", about one CI run in three, a different test each time, with or without a
+    barrier before ``destroy_process_group``). Finalization destroys C++ objects of c10d and
+    gloo (worker threads, pending work that holds tensors) after the interpreter stopped
+    being able to run their Python parts. A rank has nothing left to finalize at this
+    point: its files are fsynced by the code that wrote them, so it leaves without it.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class FusedLM(torch.nn.Module):
@@ -398,5 +417,6 @@ __all__ = [
     "backend_for",
     "broadcast_groups",
     "init_distributed",
+    "leave_group",
     "shard",
 ]
