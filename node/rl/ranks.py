@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from node.rl.distributed import DistributedGRPOTrainer, init_distributed, leave_group
+from node.rl.distributed import DistributedGRPOTrainer, init_distributed, leave_group, meta_model
 from node.rl.grpo import BehaviourWeights, Group, GRPOConfig
 from node.rl.metrics import StepMetrics
 
@@ -61,7 +61,8 @@ def _build(
         attn = conf_dict.pop("_attn", None)
         conf = AutoConfig.for_model(conf_dict.pop("model_type"), **conf_dict)
         kwargs = {"attn_implementation": attn} if attn else {}
-        model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32, **kwargs).eval()
+        with meta_model():  # this rank's shards are filled from rank 0's weights below
+            model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32, **kwargs).eval()
     else:
         full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer = DistributedGRPOTrainer(model, cfg, pad_token_id=pad_token_id, device=device, dtype=torch_dtype)
