@@ -194,10 +194,11 @@ class DistributedGRPOTrainer(GRPOTrainer):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dtype = dtype
         on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and hasattr(model, "tie_weights"):
+        tie = getattr(model, "tie_weights", None)
+        if on_meta and callable(tie):
             # building under meta_model re-registers every parameter, a tied head included, as
             # its own meta tensor: tie again, or the head would train apart from the embeddings
-            model.tie_weights()
+            tie()
         self._aliases = _tied_names(model)
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if on_meta else {}
         # shard first, then move: only this rank's shards (and one unit at a time while
