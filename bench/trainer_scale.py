@@ -8,9 +8,9 @@ Each configuration runs in fresh processes (``torch.distributed.run`` for the ra
 process for the single-process baseline ``GRPOTrainer``) on the same synthetic groups (random
 completion tokens, rewards chosen so no group is filtered). The first step is a warm-up and
 not timed; seconds per step is the median of the rest. Peak RSS is each process's
-``ru_maxrss``: it includes loading the whole model before sharding it (every rank loads it
-today), so it shows what sharding saves on parameters, gradients and AdamW state, not the
-load peak. On a machine with fewer cores than ranks, ranks share cores: the timing then
+``ru_maxrss``. The FSDP2 ranks start as the trainer role's group does: rank 0 loads the
+weights, the other ranks build the model on the meta device and receive only their shards, so
+rank 0's peak includes one full copy of the weights at load and the others' do not. On a machine with fewer cores than ranks, ranks share cores: the timing then
 measures overhead, not speed-up. The machine's load average is printed with the table.
 The last line of output is one JSON object.
 """
@@ -60,6 +60,10 @@ def load_model(spec: dict[str, Any]) -> Any:
     from transformers import AutoModelForCausalLM
 
     os.environ["HF_HUB_OFFLINE"] = "1"
+    if spec.get("meta"):  # the architecture only (inside meta_model: parameters on the meta device)
+        from transformers import AutoConfig
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec["folder"]), dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
 
 
@@ -73,17 +77,28 @@ def worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     cfg = GRPOConfig(lr=1e-5, warmup_steps=0, max_tokens=spec["completion"], micro_batch_size=spec["micro"])
     rank, world = 0, 1
-    model = load_model(spec)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
     if spec["mode"] == "fsdp":
         import torch.distributed as dist
 
-        from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed
+        from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed, meta_model
 
+        # as the trainer role's group starts (node.rl.ranks): rank 0 loads the weights, the
+        # other ranks build the architecture on the meta device and receive their shards
         rank, world, _ = init_distributed("cpu")
+        full: dict[str, Any] = {}
+        if rank == 0:
+            model = load_model(spec)
+            full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            with meta_model():
+                model = load_model({**spec, "meta": True})
         trainer: Any = DistributedGRPOTrainer(model, cfg)
+        trainer.adopt_rank0_weights(full)
+        del full
     else:
+        model = load_model(spec)
         trainer = GRPOTrainer(model, cfg)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
     del model
     times = []
     for step in range(spec["steps"]):
