@@ -100,6 +100,7 @@ def worker(spec_path: str) -> None:
         trainer = GRPOTrainer(model, cfg)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     del model
+    setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the start-up's share of the peak
     times = []
     for step in range(spec["steps"]):
         groups = groups_for(step, spec["prompts"], spec["group"], spec["completion"], vocab, trainer.version)
@@ -109,7 +110,7 @@ def worker(spec_path: str) -> None:
         trainer.step(groups)
         times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    row = {"rank": rank, "peak_rss_bytes": rss, "step_s": times}
+    row = {"rank": rank, "peak_rss_bytes": rss, "setup_peak_rss_bytes": setup_peak, "step_s": times}
     rows = [row]
     if spec["mode"] == "fsdp":
         gathered: list[Any] = [None] * world
@@ -143,6 +144,9 @@ def run_config(tmp: Path, mode: str, ranks: int, base: dict[str, Any]) -> dict[s
         "ranks": ranks,
         "step_s": round(statistics.median(timed), 3),
         "peak_rss_mib_per_rank": [round(r["peak_rss_bytes"] / 2**20) for r in sorted(rows, key=lambda r: r["rank"])],
+        "setup_peak_rss_mib_per_rank": [
+            round(r["setup_peak_rss_bytes"] / 2**20) for r in sorted(rows, key=lambda r: r["rank"])
+        ],
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -176,9 +180,11 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nmodel {args.model}, {args.prompts} prompts x {args.group} completions x {args.completion} tokens,")
     print(f"{os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n")
-    print(f"{'configuration':30s} {'s/step':>8s}  peak RSS per rank (MiB)")
+    print(f"{'configuration':30s} {'s/step':>8s}  {'peak RSS per rank (MiB)':24s} of which start-up peak")
     for r in results:
-        print(f"{r['config']:30s} {r['step_s']:8.2f}  {r['peak_rss_mib_per_rank']}")
+        print(
+            f"{r['config']:30s} {r['step_s']:8.2f}  {r['peak_rss_mib_per_rank']!s:24s} {r['setup_peak_rss_mib_per_rank']}"
+        )
     print(json.dumps({"bench": "trainer_scale", **base, "load_avg": load[0], "results": results}))
 
 
