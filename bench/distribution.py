@@ -632,20 +632,24 @@ def main() -> None:
             out["no_fsync"] = True
         if args.buffered_io:
             out["buffered_io"] = True
+        os.sync()  # each stage starts with no dirty pages left by the one before
         out["raw_copy_seconds"] = None if args.no_raw else bench_raw(files, work, total)
         print(f"raw copy: {out['raw_copy_seconds']} s", file=sys.stderr)
-        fan = None if args.no_raw else bench_raw_fanout(files, work, total, args.fetchers)
-        out["raw_fanout_seconds"] = fan["seconds"] if fan else None
-        out["raw_fanout_by_receiver"] = fan["by_receiver"] if fan else None
-        print(f"raw fan-out to {args.fetchers}: {out['raw_fanout_seconds']} s", file=sys.stderr)
         out["bound_seconds"] = round(total * 8 / (args.max_upload_mbps * 1e6), 3) if args.max_upload_mbps else None
         out["seconds"] = out["loadable_seconds"] = out["seeder_bytes"] = None
         if not args.no_ours:
+            os.sync()
             (work / "ours").mkdir()
             ours = bench_ours(args, src, work / "ours", total)
             out.update(ours)
             shutil.rmtree(work / "ours", ignore_errors=True)
             print(f"primenode: {ours['seconds']} s, seeder uploaded {ours['seeder_copies']} copies", file=sys.stderr)
+        os.sync()
+        fan = None if args.no_raw else bench_raw_fanout(files, work, total, args.fetchers)
+        out["raw_fanout_seconds"] = fan["seconds"] if fan else None
+        out["raw_fanout_by_receiver"] = fan["by_receiver"] if fan else None
+        print(f"raw fan-out to {args.fetchers}: {out['raw_fanout_seconds']} s", file=sys.stderr)
+        os.sync()
         sc = None if args.no_shardcast else bench_shardcast(files, work, args.fetchers)
         out["shardcast_seconds"] = sc["seconds"] if sc else None
         out["shardcast_by_client"] = sc["by_client"] if sc else None
