@@ -211,3 +211,32 @@ async def test_chunks_shared_with_a_held_version_are_copied_not_fetched(tmp_path
     assert fetched[1] == len(store.get(1).chunks)
     assert fetched[2] == len(changed.chunk_hashes)  # the unchanged file's chunks came from version 1
     assert same_files(v2, store.files_dir(2)) and same_files(v1, store.files_dir(1))
+
+
+async def test_a_restart_between_the_last_chunk_and_the_rename_finishes_without_refetching(tmp_path):
+    src = make_checkpoint(tmp_path / "ckpt", 2, seed=16)
+    seed_store, raw = _seeder(tmp_path, src)
+    seed_st = seed_store.get(1)
+    store = ChunkStore(tmp_path / "node", RUN_ID, seed_store.trainer)
+    st, _ = store.add_announce(raw)
+    for i in range(len(st.chunks)):  # every chunk written, as a fetch leaves them; then the process dies
+        store.put_chunk_blocking(st, i, seed_store.read_chunk_blocking(seed_st, i))
+    journal = store.version_dir(st) / "held"
+    journal.write_bytes(journal.read_bytes() + b"\x07\x00")  # a record torn by the crash
+    del store, st
+
+    again = ChunkStore(tmp_path / "node", RUN_ID, seed_store.trainer)
+    st = again.get(1)
+    assert st.complete and not st.assembled and not (again.version_dir(st) / "files").exists()
+    files = await again.assemble(1)  # the rename only: nothing to fetch, nothing to copy
+    assert same_files(src, files)
+
+    # control: a journal that lost its last records means those chunks are fetched again
+    other = ChunkStore(tmp_path / "other", RUN_ID, seed_store.trainer)
+    st2, _ = other.add_announce(raw)
+    for i in range(len(st2.chunks)):
+        other.put_chunk_blocking(st2, i, seed_store.read_chunk_blocking(seed_st, i))
+    j2 = other.version_dir(st2) / "held"
+    j2.write_bytes(j2.read_bytes()[:-4])
+    restarted = ChunkStore(tmp_path / "other", RUN_ID, seed_store.trainer)
+    assert restarted.get(1).bitmap.count == len(st2.chunks) - 1 and not restarted.get(1).complete
