@@ -8,9 +8,9 @@ Each configuration runs in fresh processes (``torch.distributed.run`` for the ra
 process for the single-process baseline ``GRPOTrainer``) on the same synthetic groups (random
 completion tokens, rewards chosen so no group is filtered). The first step is a warm-up and
 not timed; seconds per step is the median of the rest. Peak RSS is each process's
-``ru_maxrss``: it includes loading the whole model before sharding it (every rank loads it
-today), so it shows what sharding saves on parameters, gradients and AdamW state, not the
-load peak. On a machine with fewer cores than ranks, ranks share cores: the timing then
+``ru_maxrss``. The FSDP2 ranks start as the trainer role's group does: rank 0 loads the
+weights, the other ranks build the model on the meta device and receive only their shards, so
+rank 0's peak includes one full copy of the weights at load and the others' do not. On a machine with fewer cores than ranks, ranks share cores: the timing then
 measures overhead, not speed-up. The machine's load average is printed with the table.
 The last line of output is one JSON object.
 """
@@ -60,6 +60,10 @@ def load_model(spec: dict[str, Any]) -> Any:
     from transformers import AutoModelForCausalLM
 
     os.environ["HF_HUB_OFFLINE"] = "1"
+    if spec.get("meta"):  # the architecture only (inside meta_model: parameters on the meta device)
+        from transformers import AutoConfig
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec["folder"]), dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
 
 
@@ -73,18 +77,30 @@ def worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     cfg = GRPOConfig(lr=1e-5, warmup_steps=0, max_tokens=spec["completion"], micro_batch_size=spec["micro"])
     rank, world = 0, 1
-    model = load_model(spec)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
     if spec["mode"] == "fsdp":
         import torch.distributed as dist
 
-        from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed
+        from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed, meta_model
 
+        # as the trainer role's group starts (node.rl.ranks): rank 0 loads the weights, the
+        # other ranks build the architecture on the meta device and receive their shards
         rank, world, _ = init_distributed("cpu")
+        full: dict[str, Any] = {}
+        if rank == 0:
+            model = load_model(spec)
+            full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            with meta_model():
+                model = load_model({**spec, "meta": True})
         trainer: Any = DistributedGRPOTrainer(model, cfg)
+        trainer.adopt_rank0_weights(full)
+        del full
     else:
+        model = load_model(spec)
         trainer = GRPOTrainer(model, cfg)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
     del model
+    setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the start-up's share of the peak
     times = []
     for step in range(spec["steps"]):
         groups = groups_for(step, spec["prompts"], spec["group"], spec["completion"], vocab, trainer.version)
@@ -94,7 +110,7 @@ def worker(spec_path: str) -> None:
         trainer.step(groups)
         times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    row = {"rank": rank, "peak_rss_bytes": rss, "step_s": times}
+    row = {"rank": rank, "peak_rss_bytes": rss, "setup_peak_rss_bytes": setup_peak, "step_s": times}
     rows = [row]
     if spec["mode"] == "fsdp":
         gathered: list[Any] = [None] * world
@@ -128,6 +144,9 @@ def run_config(tmp: Path, mode: str, ranks: int, base: dict[str, Any]) -> dict[s
         "ranks": ranks,
         "step_s": round(statistics.median(timed), 3),
         "peak_rss_mib_per_rank": [round(r["peak_rss_bytes"] / 2**20) for r in sorted(rows, key=lambda r: r["rank"])],
+        "setup_peak_rss_mib_per_rank": [
+            round(r["setup_peak_rss_bytes"] / 2**20) for r in sorted(rows, key=lambda r: r["rank"])
+        ],
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -161,9 +180,11 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nmodel {args.model}, {args.prompts} prompts x {args.group} completions x {args.completion} tokens,")
     print(f"{os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}\n")
-    print(f"{'configuration':30s} {'s/step':>8s}  peak RSS per rank (MiB)")
+    print(f"{'configuration':30s} {'s/step':>8s}  {'peak RSS per rank (MiB)':24s} of which start-up peak")
     for r in results:
-        print(f"{r['config']:30s} {r['step_s']:8.2f}  {r['peak_rss_mib_per_rank']}")
+        print(
+            f"{r['config']:30s} {r['step_s']:8.2f}  {r['peak_rss_mib_per_rank']!s:24s} {r['setup_peak_rss_mib_per_rank']}"
+        )
     print(json.dumps({"bench": "trainer_scale", **base, "load_avg": load[0], "results": results}))
 
 

@@ -12,7 +12,7 @@ dtype) rebuild exactly, and the result is checked against the manifest's
 
 Layout (all integers little-endian)::
 
-    header   16 bytes  "PNDL", u16 format version (2), u16 flags (0), u32 records, u32 0
+    header   16 bytes  "PNDL", u16 format version (3), u16 flags (0), u32 records, u32 0
     record   32 bytes  u16 path length, u16 name length, u8 dtype length, u8 encoding, 2 x 0,
                        u64 elements in the tensor, u64 elements changed, u64 payload length
              then      path (utf-8), tensor name (utf-8), dtype (ascii, as safetensors spells it)
@@ -22,38 +22,49 @@ Records are sorted by (path, name), strictly (so one tensor has one record), and
 list only tensors with at least one changed element.
 
 **Values** are sent as the difference of bit patterns, not the new patterns: for
-each changed element ``d = (new - old) mod 2**bits`` of its unsigned bit pattern,
-zigzag-mapped (``(d << 1) ^ (d >> (bits - 1))`` on the signed reading, so -1 -> 1,
-1 -> 2), byte-planed (the lowest byte of every value, then the next, ...). After an
-RL step a changed bf16 weight moves by one or two units in the last place, so
-almost every difference is 1..4 with zero high bytes (measured on SmolLM2: about
-1.2 bytes a value after zstd as new patterns, 0.3 as differences). The receiver holds the old bits (the base), so this is
+each changed element ``d = (new - old) mod 2**bits`` of its unsigned bit pattern, read
+as signed, sent as a sign bit (1: ``d < 0``) and a magnitude ``|d|`` (unsigned, the
+element size). The sign bits are bit-packed LSB first, the magnitudes byte-planed
+(the lowest byte of every value, then the next, ...). After an RL step a changed
+bf16 weight moves by one or two units in the last place: the signs are a coin toss
+(one bit each, incompressible) and the magnitudes almost all 1 or 2. Listed in
+decode order (below), values of one change-rate group sit side by side (measured
+on SmolLM2, lr 3e-6: about 1.5 bits a value after zstd, 2.6 as format 2's zigzag
+planes in index order). The receiver holds the old bits (the base), so this is
 exact for any dtype.
 
 **Positions** are coded against the *classes* of the base's elements: for float
 dtypes the exponent field of the old bit pattern (``CLASS_FIELD``: shift, bits),
 one class otherwise. Why: one optimizer step moves a weight by about the same
 amount whatever its size, so whether its bf16 bits change depends on its unit in
-the last place, i.e. its exponent, which the receiver knows. Per class the changed
-elements' ranks among that class's elements (in index order) are sent as gaps
-(first rank, then each rank minus the previous minus 1), Rice-coded with a
-per-class parameter r: the low r bits of every gap in one stream, the rest
-(``gap >> r``) in unary (that many 0 bits, then a 1) in another, both bit-packed
-LSB first. On a simulated Adam step on SmolLM2 the entropy of the change pattern
-was 4.95 MB unconditioned and 4.04 MB given the exponent; a zstd-compressed bitmap
-took 6.4 MB (docs/benchmarks.md, "Sparse deltas").
+the last place, i.e. its exponent, which the receiver knows. The encoder merges
+the classes into at most ``BINS`` (8) *bins* of similar change rate (a table in
+the payload, C x u8: the bin of each class) and per bin sends the changed
+elements' ranks among that bin's elements (in index order) as gaps (first rank,
+then each rank minus the previous minus 1), Rice-coded with a per-bin parameter r:
+the low r bits of every gap in one stream, the rest (``gap >> r``) in unary (that
+many 0 bits, then a 1) in another, both bit-packed LSB first. Why bins, not
+classes: the receiver then finds a bin's elements with one comparison and one
+``flatnonzero`` over the segment per bin (format 2 sorted every segment by class:
+1.8 of a fetcher's 2.2 CPU-s), and a few bins chosen by change rate code the
+positions almost as well as per-class coding (SmolLM2, lr 3e-6: the entropy of
+the positions given 6 bins is within 0.2 % of that given the class; the 4 bins the
+encoder uses make the delta 1.8 % larger than 8 bins do).
 
 Positions are coded per *segment* of ``SEGMENT`` (2**22) elements (element i is in
-segment i // SEGMENT; ranks count within the segment), so the receiver sorts at most
-one segment by class at a time whatever the tensor's size. Payload of ``ENC_SPARSE``
-(1), decompressed: per segment a class table, C x u8 Rice parameters (<= 48) then
-C x u32 changed elements per class (C = ``class_count(dtype)``; all counts add up to
-``changed``); then the remainder stream (segments, then classes, then ranks in order,
-as in the unary stream; ceil(sum of count x r / 8) bytes, padding bits 0), the values (``changed`` x element size bytes), then the unary
-stream to the end (exactly ``changed`` 1 bits, fewer than 8 zero bits after the
-last). ``ENC_DENSE`` (2), every element changed (``changed == numel``): the
-values only. The decompressed size is at most ``payload_bound`` (checked against
-the frame's declared size before decompressing).
+segment i // SEGMENT; ranks count within the segment), each with its own Rice
+parameters and counts. The changed elements are listed segment by segment, bin by
+bin, in index order within a bin (*decode order*), in every stream: remainders,
+signs, magnitudes, unary. Payload of ``ENC_SPARSE`` (1), decompressed: the bin
+table (C x u8, each < ``BINS``; C = ``class_count(dtype)``); per segment
+``BINS`` x u8 Rice parameters (<= 48) then ``BINS`` x u32 changed elements per bin
+(all counts add up to ``changed``); the remainder stream (ceil(sum of count x r / 8)
+bytes, padding bits 0); the signs (ceil(changed / 8) bytes, padding bits 0); the
+magnitudes (``changed`` x element size bytes); then the unary stream to the end
+(exactly ``changed`` 1 bits, fewer than 8 zero bits after the last). ``ENC_DENSE``
+(2), every element changed (``changed == numel``): the signs and magnitudes of
+every element in index order. The decompressed size is at most ``payload_bound``
+(checked against the frame's declared size before decompressing; dense: exactly).
 
 This module is pure (it parses and builds the container and safetensors
 headers; it never decompresses or touches numbers): ``node/checkpoints/delta.py``
@@ -70,16 +81,18 @@ import struct
 from .errors import ProtocolError
 
 MAGIC = b"PNDL"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 DELTA_FILE = "weights.pndl"
 
 ENC_SPARSE = 1
 ENC_DENSE = 2
 ENCODINGS = (ENC_SPARSE, ENC_DENSE)
 MAX_RICE = 48
-# positions are coded per segment of this many elements (each with its own class table):
-# bounds the receiver's class sort (8 bytes of index an element) whatever the tensor's size
+# positions are coded per segment of this many elements (each with its own Rice table):
+# bounds the receiver's working set (8 bytes of index an element) whatever the tensor's size
 SEGMENT = 1 << 22
+# classes are merged into at most this many bins of similar change rate
+BINS = 8
 
 HEADER = struct.Struct("<4sHHII")
 RECORD = struct.Struct("<HHBB2xQQQ")
@@ -125,12 +138,12 @@ def _err(detail: str) -> ProtocolError:
 
 def payload_bound(encoding: int, numel: int, changed: int, dtype: str) -> int:
     """Largest decompressed payload a record may declare (dense: exactly this)."""
-    values = changed * ELEMENT_SIZE[dtype]
+    values = (changed + 7) // 8 + changed * ELEMENT_SIZE[dtype]  # signs + magnitudes
     if encoding == ENC_DENSE:
         return values
     if encoding == ENC_SPARSE:
-        # class tables + remainders (<= MAX_RICE bits a gap) + values + unary (<= numel bits)
-        tables = 5 * class_count(dtype) * -(-numel // SEGMENT)
+        # bin table + Rice tables + remainders (<= MAX_RICE bits a gap) + values + unary (<= numel bits)
+        tables = class_count(dtype) + 5 * BINS * -(-numel // SEGMENT)
         return tables + (changed * MAX_RICE + 7) // 8 + values + (numel + 7) // 8
     raise _err(f"unknown position encoding {encoding}")
 

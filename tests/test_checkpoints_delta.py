@@ -26,7 +26,7 @@ from node.checkpoints.wire import send_all
 from node.p2p.testing import wait_until
 from protocol import DeltaRef, ProtocolError, sha256
 from protocol import chunk_frames as F
-from protocol.delta import DELTA_FILE, ENC_DENSE, ENC_SPARSE, SEGMENT, parse_delta
+from protocol.delta import BINS, DELTA_FILE, ENC_DENSE, ENC_SPARSE, SEGMENT, parse_delta
 from tests.support.checkpoints import RUN_ID, keys
 from tests.support.deltas import SHAPES, bits, equal_dirs, forge_delta, make_versions, random_state, write_version
 
@@ -81,8 +81,8 @@ def test_apply_of_encode_is_the_new_version_bit_for_bit(dtype, numel, density, s
     if c.positions is None:  # dense: every element carried
         assert np.array_equal(c.values.view(signed), new)
     else:
-        assert np.array_equal(c.positions, changed)
-        assert np.array_equal(c.values.view(signed), new[changed])
+        assert np.array_equal(np.sort(c.positions), changed)  # decode order: segment, bin, index
+        assert np.array_equal(c.values.view(signed), new[c.positions])
 
 
 def test_an_optimizer_step_over_several_segments_is_small_and_exact(tmp_path):
@@ -105,7 +105,20 @@ def test_an_optimizer_step_over_several_segments_is_small_and_exact(tmp_path):
     (c,) = iter_changes(data, _files(a))
     old = load_file(str(a / "model.safetensors"))["w"].view(torch.int16).numpy()
     new = load_file(str(b / "model.safetensors"))["w"].view(torch.int16).numpy()
-    assert c.positions is not None and np.array_equal(c.positions, np.flatnonzero(old != new))
+    assert c.positions is not None and np.array_equal(np.sort(c.positions), np.flatnonzero(old != new))
+    assert np.array_equal(c.values.view(np.int16), new[c.positions])
+    # the exponent classes present were merged into the encoder's few bins (one pass each
+    # for the receiver), by change rate: the classes changing most and least are apart
+    import zstandard
+
+    from node.checkpoints.delta import ENCODE_BINS
+
+    table = np.frombuffer(zstandard.ZstdDecompressor().decompress(rec.payload)[:256], dtype=np.uint8)
+    present = np.unique((old.view(np.uint16) >> 7) & 0xFF)
+    assert len(present) > ENCODE_BINS and len(np.unique(table[present])) == ENCODE_BINS
+    cls = (old.view(np.uint16) >> 7) & 0xFF
+    rate = np.bincount(cls[old != new], minlength=256)[present] / np.bincount(cls, minlength=256)[present]
+    assert table[present[np.argmax(rate)]] != table[present[np.argmin(rate)]]
 
 
 def test_structure_change_cannot_be_a_delta(tmp_path):
@@ -437,7 +450,7 @@ def test_malformed_sparse_payloads_are_refused_before_anything_is_written(tmp_pa
     from node.checkpoints.delta import decode_record
 
     g = torch.Generator().manual_seed(3)
-    master = torch.randn(20000, generator=g) * 0.02
+    master = torch.randn(20005, generator=g) * 0.02
     a = write_version(tmp_path / "a", {"w": master.to(torch.bfloat16)})
     b = write_version(tmp_path / "b", {"w": (master + 3e-5).to(torch.bfloat16)})
     data, _ = encode_delta(_files(a), _files(b))
@@ -446,8 +459,12 @@ def test_malformed_sparse_payloads_are_refused_before_anything_is_written(tmp_pa
     old = load_file(str(a / "model.safetensors"))["w"].view(torch.int16).numpy().view(np.uint16)
     assert decode_record(rec, old).positions is not None  # the honest control
     raw = bytearray(zstandard.ZstdDecompressor().decompress(rec.payload))
-    counts = np.frombuffer(bytes(raw[256:1280]), dtype="<u4")
-    e = int(np.flatnonzero(counts)[0])  # a class holding changes
+    t = 256  # the bin table: one byte per bf16 exponent class; then one segment's Rice table
+    rice = np.frombuffer(bytes(raw[t : t + BINS]), dtype=np.uint8).astype(np.int64)
+    counts = np.frombuffer(bytes(raw[t + BINS : t + 5 * BINS]), dtype="<u4").astype(np.int64)
+    e = int(np.flatnonzero(counts)[0])  # a bin holding changes
+    signs_end = t + 5 * BINS + (int((rice * counts).sum()) + 7) // 8 + (rec.changed + 7) // 8
+    assert rec.changed % 8  # the last sign byte has padding bits to break
 
     def with_raw(b: bytes | bytearray) -> object:
         return dataclasses.replace(rec, payload=zstandard.ZstdCompressor().compress(bytes(b)))
@@ -458,12 +475,14 @@ def test_malformed_sparse_payloads_are_refused_before_anything_is_written(tmp_pa
         return out
 
     cases = {
-        "class counts": edit(256 + 4 * e, raw[256 + 4 * e] + 1),
-        "Rice parameter": edit(e, 60),
+        "bin table": edit(int(np.flatnonzero(raw[:t])[0]), BINS),
+        "bin counts": edit(t + BINS + 4 * e, raw[t + BINS + 4 * e] + 1),
+        "Rice parameter": edit(t + e, 60),
+        "sign padding": edit(signs_end - 1, raw[signs_end - 1] | 0x80),
         "unary stream": raw + b"\x01",  # one code too many
         "stray bytes": raw + b"\x00",  # padding past a byte
-        "class tables": raw[:100],
-        "remainders and values": raw[:1400],
+        "bin and Rice tables": raw[:100],
+        "remainders and values": raw[: t + 5 * BINS + 10],
     }
     for says, bad in cases.items():
         with pytest.raises(ProtocolError) as exc:

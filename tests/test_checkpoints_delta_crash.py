@@ -57,7 +57,7 @@ def _copy_versions(src: ChunkStore, dst: ChunkStore) -> None:
         st = src.get(v)
         dst.add_announce(st.raw)
         for h in st.by_hash:
-            dst.write_object_blocking(h, src.object_path(h).read_bytes())
+            dst.write_object_blocking(h, src.read_object_blocking(h))
             dst.mark_held(h)
 
 

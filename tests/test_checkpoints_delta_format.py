@@ -15,6 +15,7 @@ import pytest
 import protocol.messages as m
 from protocol import ProtocolError, sha256
 from protocol.delta import (
+    BINS,
     ENC_DENSE,
     ENC_SPARSE,
     MAGIC,
@@ -33,7 +34,7 @@ DENSE = DeltaRecord("model.safetensors", "b", "F32", ENC_DENSE, 1, 1, b"PAYL")
 
 # bytes.fromhex skips the spaces
 DELTA_HEX = (
-    "504e444c 0200 0000 02000000 00000000"  # "PNDL", version 2, flags 0, 2 records, 0
+    "504e444c 0300 0000 02000000 00000000"  # "PNDL", version 3, flags 0, 2 records, 0
     # record "b": path 17, name 1, dtype 3, dense, pad, numel 1, changed 1, payload 4; path, name, dtype, payload
     " 1100 0100 03 02 0000 0100000000000000 0100000000000000 0400000000000000"
     " 6d6f64656c2e7361666574656e736f7273 62 463332 5041594c"
@@ -50,12 +51,14 @@ def test_fixed_records_pack_to_fixed_bytes_sorted_by_path_and_name():
 
 
 def test_payload_bounds_per_encoding():
-    assert payload_bound(ENC_DENSE, 10, 10, "BF16") == 20  # dense: exactly the values
-    # sparse: one segment's class table (256 exponent classes x (u8 + u32)), remainders of
-    # at most 48 bits a gap, the values, a unary stream of at most numel bits
-    assert payload_bound(ENC_SPARSE, 10, 3, "BF16") == 5 * 256 + 18 + 6 + 2
-    assert payload_bound(ENC_SPARSE, 10, 3, "I32") == 5 * 1 + 18 + 12 + 2  # one class
-    assert payload_bound(ENC_SPARSE, SEGMENT + 1, 1, "F16") == 2 * 5 * 32 + 6 + 2 + (SEGMENT + 8) // 8
+    assert payload_bound(ENC_DENSE, 10, 10, "BF16") == 2 + 20  # dense: exactly the signs and magnitudes
+    # sparse: the bin table (one byte per exponent class), one segment's Rice table (BINS x
+    # (u8 + u32)), remainders of at most 48 bits a gap, signs and magnitudes, a unary stream
+    # of at most numel bits
+    assert BINS == 8
+    assert payload_bound(ENC_SPARSE, 10, 3, "BF16") == 256 + 5 * 8 + 18 + 1 + 6 + 2
+    assert payload_bound(ENC_SPARSE, 10, 3, "I32") == 1 + 5 * 8 + 18 + 1 + 12 + 2  # one class
+    assert payload_bound(ENC_SPARSE, SEGMENT + 1, 1, "F16") == 32 + 2 * 5 * 8 + 6 + 1 + 2 + (SEGMENT + 8) // 8
     assert (class_count("BF16"), class_count("F32"), class_count("F16"), class_count("F64")) == (256, 256, 32, 2048)
 
 
@@ -63,7 +66,7 @@ def _file(*records: bytes, count: int | None = None, header: bytes | None = None
     head = (
         header
         if header is not None
-        else struct.pack("<4sHHII", MAGIC, 2, 0, len(records) if count is None else count, 0)
+        else struct.pack("<4sHHII", MAGIC, 3, 0, len(records) if count is None else count, 0)
     )
     return head + b"".join(records)
 
@@ -79,8 +82,9 @@ def _record(path=b"a.safetensors", name=b"w", dtype=b"F32", enc=ENC_SPARSE, nume
     [
         (b"PND", "shorter than the header"),
         (_file(header=struct.pack("<4sHHII", b"XXXX", 2, 0, 0, 0)), "bad magic"),
-        (_file(header=struct.pack("<4sHHII", MAGIC, 1, 0, 0, 0)), "format version 1"),  # the old format
-        (_file(header=struct.pack("<4sHHII", MAGIC, 2, 1, 0, 0)), "flags 1"),
+        (_file(header=struct.pack("<4sHHII", MAGIC, 1, 0, 0, 0)), "format version 1"),  # older formats
+        (_file(header=struct.pack("<4sHHII", MAGIC, 2, 0, 0, 0)), "format version 2"),
+        (_file(header=struct.pack("<4sHHII", MAGIC, 3, 1, 0, 0)), "flags 1"),
         (_file(count=1), "truncated header"),
         (_file(_record()[:-1]), "past the end"),
         (_file(_record()) + b"\x00", "after the last record"),

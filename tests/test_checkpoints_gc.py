@@ -36,11 +36,8 @@ def test_gc_keeps_exactly_the_window(tmp_path, max_async):
 
     kept = sorted(store.versions)
     assert kept == list(range(6 - max_async, 7))
-    # disk agrees with the index, and only referenced chunks remain
-    assert len(list(store.versions_dir.iterdir())) == len(kept)
-    live = {h.hex() for st in store.versions.values() for h in st.by_hash}
-    on_disk = {p.name for p in store.objects.rglob("*") if p.is_file()}
-    assert on_disk == live
+    # disk agrees with the index: a dropped version's folder (its files, which are its chunks) is gone
+    assert sorted(p.name for p in store.versions_dir.iterdir()) == sorted(st.dirname for st in store.versions.values())
     # after a restart the same versions are there, complete
     again = ChunkStore(tmp_path / "store", RUN_ID, trainer.peer_id)
     assert sorted(again.versions) == kept and all(st.complete and st.assembled for st in again.versions.values())
@@ -57,6 +54,7 @@ def test_gc_never_touches_a_pinned_version(tmp_path):
             assert 1 not in store.gc(2)
         assert sorted(store.versions) == [1, 2, 3, 4]
         assert all(p.exists() for p in files.values())
-        assert all(store.object_path(h).exists() for h in store.get(1).by_hash)
+        st1 = store.get(1)
+        assert all(len(store.read_chunk_blocking(st1, i)) == c[2] for i, c in enumerate(st1.chunks))
     assert store.gc(2) == [1]
     assert sorted(store.versions) == [2, 3, 4]

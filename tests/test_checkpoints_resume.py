@@ -1,12 +1,15 @@
-"""A fetcher killed (SIGKILL) half-way and restarted completes without re-fetching verified chunks."""
+"""A fetcher killed (SIGKILL) half-way and restarted completes without re-fetching verified
+chunks, and the half-written checkpoint is never loadable."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 
 from node.checkpoints import ChunkStore, LocalOverlay, VersionFetcher
@@ -48,10 +51,9 @@ async def test_killed_fetcher_resumes_from_disk(tmp_path):
             ],
             cwd=REPO,
         )
-        objects = node_dir / "objects"
 
-        def held() -> int:
-            return sum(1 for _ in objects.rglob("*") if _.is_file()) if objects.exists() else 0
+        def held() -> int:  # chunks the child's journal names (appended after each write)
+            return sum(j.stat().st_size // 4 for j in (node_dir / "versions").glob("*/held"))
 
         with trio.fail_after(60):
             while held() < n // 3:
@@ -67,6 +69,14 @@ async def test_killed_fetcher_resumes_from_disk(tmp_path):
         st = store.get(1)
         before = st.bitmap.count
         assert n // 3 <= before < n
+        # never loadable half-way: the partial file is under parts/, nothing under files/
+        vdir = store.version_dir(st)
+        assert not st.assembled and not (vdir / "files").exists() and (vdir / "parts").is_dir()
+        with pytest.raises(RuntimeError):
+            await store.assemble(1)
+        # every chunk the journal names is on disk, verified
+        for i in st.written:
+            assert hashlib.sha256(store.read_chunk_blocking(st, i)).digest() == st.chunks[i][3]
         assert not any((node_dir / "tmp").iterdir())  # crash leftovers cleared, never trusted
         server.set_max_upload_mbps(0)
         f = VersionFetcher(store, 1, LocalOverlay(fetcher_key.peer_id, {trainer.peer_id: server}))

@@ -23,11 +23,6 @@ from node.ops.launch import torchrun_argv
 from node.rl.grpo import GRPOTrainer
 from tests.support.fsdp_child import config, step_groups, tiny
 
-# The torchrun children abort in gloo's process-group teardown in about 1 CI run of 3 (after
-# their last step, "terminate called without an active exception"; issue 19, session 15 note):
-# opt-in until that is fixed. tests/test_fsdp_network.py (the group through the CLI) stays on.
-pytestmark = pytest.mark.skipif(os.environ.get("PRIMENODE_FSDP") != "1", reason="opt-in: PRIMENODE_FSDP=1")
-
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,9 @@ of the two versions as unsigned integers of its element size (numpy, read
 through ``np.memmap`` so a checkpoint is never held twice in memory). What is
 sent is coded against the base, which every receiver holds: the values as
 differences of bit patterns (a changed bf16 weight moves by a unit or two in the
-last place), the positions grouped by the base element's exponent (whether a
-weight's bits change depends on its unit in the last place). So decoding needs
+last place), the positions grouped by the base element's exponent, merged into a few
+bins of similar change rate (whether a weight's bits change depends on its unit in
+the last place). So decoding needs
 the base tensor (``decode_record(rec, old)``). Applying copies the base files and
 writes the changed elements in place. Payloads are compressed with zstandard
 (fast at level 3, and its frame header carries the decompressed size, which we
@@ -35,6 +36,7 @@ from node.checkpoints import directio
 from node.checkpoints.directio import DirectIOUnsupported
 from protocol import ProtocolError
 from protocol.delta import (
+    BINS,
     CLASS_FIELD,
     ELEMENT_SIZE,
     ENC_DENSE,
@@ -51,6 +53,10 @@ from protocol.delta import (
 )
 
 ZSTD_LEVEL = 3
+# bins the encoder uses (the format allows up to BINS): the receiver makes one pass over a
+# segment per bin, and on SmolLM2 (lr 3e-6) 4 bins cost 1.8 % more bytes than 8 and 30 %
+# less decoding (docs/benchmarks.md, "Sparse deltas")
+ENCODE_BINS = 4
 
 _UINT: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
@@ -85,7 +91,7 @@ class TensorChange:
     name: str
     dtype: str
     numel: int
-    positions: np.ndarray | None
+    positions: np.ndarray | None  # distinct, in the record's decode order (not sorted)
     values: np.ndarray  # unsigned ints of the element size, the new bit patterns
 
 
@@ -116,35 +122,77 @@ def _classes(dtype: str, old: np.ndarray) -> np.ndarray | None:
     return ((np.asarray(old) >> shift) & ((1 << bits) - 1)).astype(np.uint8 if bits <= 8 else np.uint16)
 
 
-def _class_order(classes: np.ndarray | None, n: int, count: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """One segment's element indices grouped by class (stable: index order within a class;
-    None for one class) and where each class starts in that order (``count + 1`` offsets)."""
-    if classes is None:
-        return None, np.array([0, n], dtype=np.int64)
-    order = np.argsort(classes, kind="stable")  # a radix sort on u8/u16 keys
-    starts = np.searchsorted(classes[order], np.arange(count + 1)).astype(np.int64)
-    return order, starts
-
-
 def _segments(n: int) -> range:
     return range(0, n, SEGMENT)
 
 
-def _zigzag(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """(new - old) mod 2**bits as zigzag unsigned ints (small moves either way -> small)."""
+def _entropy_bits(k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Bits to code k changed of n elements at their own rate (binary entropy x n)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = k / n
+        h = -(k * np.log2(p) + (n - k) * np.log2(1 - p))
+    return np.nan_to_num(h, nan=0.0)
+
+
+def _choose_bins(classes: np.ndarray | None, mask: np.ndarray, count: int) -> np.ndarray:
+    """The bin of every class (u8, < BINS): the classes present, ordered by their change
+    rate in this tensor, cut into at most BINS runs so that coding each run at its own
+    rate costs the fewest bits (an exact dynamic programme over the cut points; a few
+    dozen classes are present in practice)."""
+    table = np.zeros(count, dtype=np.uint8)
+    if classes is None:
+        return table
+    total = np.bincount(classes, minlength=count)
+    hit = np.bincount(classes[mask], minlength=count)
+    used = np.flatnonzero(total)
+    used = used[np.argsort(hit[used] / total[used], kind="stable")]
+    m = len(used)
+    if m <= ENCODE_BINS:
+        table[used] = np.arange(m, dtype=np.uint8)
+        return table
+    ck = np.concatenate([[0], np.cumsum(hit[used])]).astype(np.float64)
+    cn = np.concatenate([[0], np.cumsum(total[used])]).astype(np.float64)
+    # cost[i, j]: one bin holding the sorted classes i..j-1
+    cost = _entropy_bits(ck[None, :] - ck[:, None], cn[None, :] - cn[:, None])
+    cost[np.tril_indices(m + 1)] = np.inf
+    best = np.full(m + 1, np.inf)
+    best[0] = 0.0
+    cuts = []
+    for _ in range(ENCODE_BINS):
+        cand = best[:, None] + cost  # [i, j]: the best of the bins before i, then one bin i..j-1
+        arg = np.argmin(cand, axis=0)
+        best = cand[arg, np.arange(m + 1)]
+        best[0] = 0.0
+        cuts.append(arg)
+    j, b = m, ENCODE_BINS - 1
+    while j > 0:
+        i = int(cuts[b][j])
+        table[used[i:j]] = b
+        j, b = i, b - 1
+    return table
+
+
+def _bin_members(q: np.ndarray | None, n: int, b: int) -> np.ndarray:
+    """Indices (in the segment) of bin ``b``'s elements, in index order."""
+    return np.arange(n, dtype=np.int64) if q is None else np.flatnonzero(q == b)
+
+
+def _sign_magnitude(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(new - old) mod 2**bits as a sign (True: moved down) and an unsigned magnitude."""
     s = new.dtype.itemsize
     d = (new - old).view(f"<i{s}")
-    return ((d << 1) ^ (d >> (8 * s - 1))).view(_UINT[s])
+    neg = d < 0
+    return neg, np.where(neg, -d, d).view(_UINT[s])
 
 
-def _unzigzag_add(old: np.ndarray, zz: np.ndarray) -> np.ndarray:
-    one = zz.dtype.type(1)
-    return old + ((zz >> one) ^ (zz.dtype.type(0) - (zz & one)))
+def _apply_sign_magnitude(old: np.ndarray, neg: np.ndarray, mag: np.ndarray) -> np.ndarray:
+    return np.where(neg, old - mag, old + mag)
 
 
-def _planes(values: np.ndarray) -> bytes:
-    k, s = len(values), values.dtype.itemsize
-    return values.view(np.uint8).reshape(k, s).T.tobytes()
+def _values(neg: np.ndarray, mag: np.ndarray) -> bytes:
+    """Signs bit-packed LSB first, then the magnitudes byte-planed."""
+    k, s = len(mag), mag.dtype.itemsize
+    return np.packbits(neg, bitorder="little").tobytes() + mag.view(np.uint8).reshape(k, s).T.tobytes()
 
 
 def _rice_param(gaps: np.ndarray) -> int:
@@ -159,36 +207,43 @@ def _rice_param(gaps: np.ndarray) -> int:
     return best_r
 
 
-def _encode_sparse(changed_mask: np.ndarray, classes: np.ndarray | None, count: int) -> tuple[bytes, bytes, bytes]:
-    """(class tables, remainder stream, unary stream) of the changed positions."""
-    n = len(changed_mask)
-    tables: list[bytes] = []
+def _encode_sparse(mask: np.ndarray, classes: np.ndarray | None, count: int) -> tuple[bytes, bytes, bytes, np.ndarray]:
+    """(bin table + Rice tables, remainder stream, unary stream, changed positions in
+    decode order) of the changed elements ``mask``."""
+    n = len(mask)
+    table = _choose_bins(classes, mask, count)
+    live = np.flatnonzero(np.bincount(table[classes[mask]], minlength=BINS)) if classes is not None else [0]
+    tables: list[bytes] = [table.tobytes()]
     rem_bits: list[np.ndarray] = []
     quotients: list[np.ndarray] = []
+    order: list[np.ndarray] = []
     for s0 in _segments(n):
         s1 = min(n, s0 + SEGMENT)
-        order, starts = _class_order(None if classes is None else classes[s0:s1], s1 - s0, count)
-        mask = changed_mask[s0:s1]
-        ranks = np.flatnonzero(mask if order is None else mask[order])  # class e: [starts[e], starts[e+1])
-        rparams = np.zeros(count, dtype=np.uint8)
-        counts = np.zeros(count, dtype="<u4")
-        bounds = np.searchsorted(ranks, starts)
-        for e in np.flatnonzero(np.diff(bounds)):
-            local = ranks[bounds[e] : bounds[e + 1]] - starts[e]
-            gaps = np.diff(local, prepend=-1).astype(np.uint64) - np.uint64(1)
+        q = None if classes is None else table[classes[s0:s1]]
+        seg = mask[s0:s1]
+        rparams = np.zeros(BINS, dtype=np.uint8)
+        counts = np.zeros(BINS, dtype="<u4")
+        for b in live:
+            members = _bin_members(q, s1 - s0, int(b))
+            ranks = np.flatnonzero(seg[members])
+            if not len(ranks):
+                continue
+            gaps = np.diff(ranks, prepend=-1).astype(np.uint64) - np.uint64(1)
             r = _rice_param(gaps)
-            rparams[e], counts[e] = r, len(gaps)
+            rparams[b], counts[b] = r, len(gaps)
             if r:
                 bits = (gaps[:, None] >> np.arange(r, dtype=np.uint64)) & np.uint64(1)
                 rem_bits.append(bits.astype(np.uint8).ravel())
             quotients.append(gaps >> np.uint64(r))
+            order.append(s0 + members[ranks])
         tables.append(rparams.tobytes() + counts.tobytes())
     rem = np.packbits(np.concatenate(rem_bits), bitorder="little").tobytes() if rem_bits else b""
-    q = np.concatenate(quotients).astype(np.int64)
-    ones = np.cumsum(q + 1) - 1
+    qs = np.concatenate(quotients).astype(np.int64)
+    ones = np.cumsum(qs + 1) - 1
     unary_bits = np.zeros(int(ones[-1]) + 1, dtype=np.uint8)
     unary_bits[ones] = 1
-    return b"".join(tables), rem, np.packbits(unary_bits, bitorder="little").tobytes()
+    unary = np.packbits(unary_bits, bitorder="little").tobytes()
+    return b"".join(tables), rem, unary, np.concatenate(order)
 
 
 def _encode_tensor(
@@ -196,6 +251,7 @@ def _encode_tensor(
 ) -> tuple[DeltaRecord | None, int, int]:
     """The record of one tensor (None if nothing changed), how many elements changed and
     the payload's raw (uncompressed) size."""
+    old, new = np.asarray(old), np.asarray(new)
     ne = old != new
     k = int(np.count_nonzero(ne))
     if k == 0:
@@ -204,16 +260,15 @@ def _encode_tensor(
     s = new.dtype.itemsize
     enc, raw = ENC_DENSE, b""
     if k < n:
-        positions = np.flatnonzero(ne)
-        old_k = np.asarray(old)[positions]
-        table, rem, unary = _encode_sparse(ne, _classes(span.dtype, old), class_count(span.dtype))
-        # the class tables are mostly zeros (compressed to little): count the used entries
-        used = 5 * int(np.count_nonzero(np.frombuffer(table, dtype=np.uint8)))
-        if used + len(rem) + len(unary) + k * s < n * s:
+        classes = _classes(span.dtype, old)
+        tables, rem, unary, positions = _encode_sparse(ne, classes, class_count(span.dtype))
+        # the Rice tables are mostly zeros (compressed to little): count the used entries
+        used = 5 * int(np.count_nonzero(np.frombuffer(tables, dtype=np.uint8)))
+        if used + len(rem) + len(unary) + k * s + k // 8 < n * s + n // 8:
             enc = ENC_SPARSE
-            raw = table + rem + _planes(_zigzag(old_k, np.asarray(new)[positions])) + unary
+            raw = tables + rem + _values(*_sign_magnitude(old[positions], new[positions])) + unary
     if enc == ENC_DENSE:
-        raw = _planes(_zigzag(np.asarray(old), np.asarray(new)))
+        raw = _values(*_sign_magnitude(old, new))
     payload = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
     return DeltaRecord(path, name, span.dtype, enc, n, n if enc == ENC_DENSE else k, payload), k, len(raw)
 
@@ -291,24 +346,38 @@ def _unplane(buf: np.ndarray, k: int, s: int) -> np.ndarray:
     return buf.reshape(s, k).T.copy().view(_UINT[s]).reshape(k)
 
 
+def _decode_values(rec: DeltaRecord, buf: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(signs, magnitudes) of ``k`` values from the start of ``buf`` (exactly that long)."""
+    sbytes = (k + 7) // 8
+    neg = np.unpackbits(buf[:sbytes], bitorder="little")
+    if np.count_nonzero(neg[k:]):
+        raise _bad(rec, "sign padding is not zero")
+    return neg[:k].view(np.bool_), _unplane(buf[sbytes:], k, rec.element_size)
+
+
 def _decode_positions(rec: DeltaRecord, buf: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The sorted changed positions of a sparse record and its values' bytes."""
+    """The changed positions of a sparse record (distinct, in decode order: segment, bin,
+    index) and the bytes of their values. Every count, parameter and gap is checked
+    against the population it indexes before it is used."""
     n, k, s = rec.numel, rec.changed, rec.element_size
     count = class_count(rec.dtype)
     segs = _segments(n)
-    tsize = 5 * count * len(segs)
+    tsize = count + 5 * BINS * len(segs)
     if len(buf) < tsize:
-        raise _bad(rec, "payload shorter than its class tables")
-    tables = buf[:tsize].reshape(len(segs), 5 * count)
-    rparams = tables[:, :count].astype(np.int64)
-    counts = tables[:, count:].copy().view("<u4").astype(np.int64)
+        raise _bad(rec, "payload shorter than its bin and Rice tables")
+    table = buf[:count]
+    if int(table.max()) >= BINS:
+        raise _bad(rec, f"bin table names bin {int(table.max())}, there are {BINS}")
+    tables = buf[count:tsize].reshape(len(segs), 5 * BINS)
+    rparams = tables[:, :BINS].astype(np.int64)
+    counts = tables[:, BINS:].copy().view("<u4").astype(np.int64)
     if int(rparams.max()) > MAX_RICE:
         raise _bad(rec, f"Rice parameter {int(rparams.max())} over {MAX_RICE}")
     if int(counts.sum()) != k:
-        raise _bad(rec, f"class counts add up to {int(counts.sum())} changed elements, not {k}")
+        raise _bad(rec, f"bin counts add up to {int(counts.sum())} changed elements, not {k}")
     rem_total = int((rparams * counts).sum())
     rem_end = tsize + (rem_total + 7) // 8
-    val_end = rem_end + k * s
+    val_end = rem_end + (k + 7) // 8 + k * s
     if len(buf) < val_end:
         raise _bad(rec, "payload shorter than its remainders and values")
     rem_bits = np.unpackbits(buf[tsize:rem_end], bitorder="little")
@@ -319,36 +388,33 @@ def _decode_positions(rec: DeltaRecord, buf: np.ndarray, old: np.ndarray) -> tup
     if len(ones) != k or len(unary) - 1 - int(ones[-1]) >= 8:
         raise _bad(rec, f"unary stream holds {len(ones)} codes for {k} changed elements, or stray bytes")
     quotients = np.diff(ones, prepend=-1) - 1
+    classes_of = CLASS_FIELD.get(rec.dtype)
     parts: list[np.ndarray] = []
     i = b = 0
     for si, s0 in enumerate(segs):
         if not counts[si].any():
             continue
         s1 = min(n, s0 + SEGMENT)
-        classes = _classes(rec.dtype, old[s0:s1])
-        order, starts = _class_order(classes, s1 - s0, count)
-        seg: list[np.ndarray] = []
+        q = None if classes_of is None else table[_classes(rec.dtype, old[s0:s1])]
         for e in np.flatnonzero(counts[si]):
             ke, r = int(counts[si, e]), int(rparams[si, e])
-            ne = int(starts[e + 1] - starts[e])
+            members = _bin_members(q, s1 - s0, int(e))
+            ne = len(members)
             rem = np.zeros(ke, dtype=np.int64)
             if r:
                 weights = np.int64(1) << np.arange(r, dtype=np.int64)
                 rem = rem_bits[b : b + ke * r].reshape(ke, r).astype(np.int64) @ weights
             b += ke * r
-            q = quotients[i : i + ke]
+            qe = quotients[i : i + ke]
             i += ke
             # bound every term before summing, so a hostile stream cannot overflow int64
-            if ke > ne or r > max(1, ne.bit_length()) or int(q.max()) > ne >> r:
-                raise _bad(rec, f"segment {si}, class {e}: a gap past its {ne} elements")
-            steps = (q << r) + rem + 1
+            if ke > ne or r > max(1, ne.bit_length()) or int(qe.max()) > ne >> r:
+                raise _bad(rec, f"segment {si}, bin {e}: a gap past its {ne} elements")
+            steps = (qe << r) + rem + 1
             if float(steps.sum(dtype=np.float64)) > ne:
-                raise _bad(rec, f"segment {si}, class {e}: positions past its {ne} elements")
-            local = np.cumsum(steps) - 1 + starts[e]
-            seg.append(local if order is None else order[local])
-        parts.append(s0 + (seg[0] if order is None else np.sort(np.concatenate(seg))))
-    positions = np.concatenate(parts)
-    return positions, buf[rem_end:val_end]
+                raise _bad(rec, f"segment {si}, bin {e}: positions past its {ne} elements")
+            parts.append(s0 + members[np.cumsum(steps) - 1])
+    return np.concatenate(parts), buf[rem_end:val_end]
 
 
 def decode_record(rec: DeltaRecord, old: np.ndarray) -> TensorChange:
@@ -358,17 +424,13 @@ def decode_record(rec: DeltaRecord, old: np.ndarray) -> TensorChange:
     if len(old) != rec.numel or old.dtype.itemsize != rec.element_size:
         raise ProtocolError("delta.base", f"{rec.name}: the base tensor does not match the record")
     buf = _decompress(rec)
+    base = np.asarray(old)
     if rec.encoding == ENC_DENSE:
-        return TensorChange(
-            rec.path,
-            rec.name,
-            rec.dtype,
-            rec.numel,
-            None,
-            _unzigzag_add(np.asarray(old), _unplane(buf, rec.numel, rec.element_size)),
-        )
+        neg, mag = _decode_values(rec, buf, rec.numel)
+        return TensorChange(rec.path, rec.name, rec.dtype, rec.numel, None, _apply_sign_magnitude(base, neg, mag))
     positions, vbuf = _decode_positions(rec, buf, old)
-    values = _unzigzag_add(np.asarray(old)[positions], _unplane(vbuf, rec.changed, rec.element_size))
+    neg, mag = _decode_values(rec, vbuf, rec.changed)
+    values = _apply_sign_magnitude(base[positions], neg, mag)
     return TensorChange(rec.path, rec.name, rec.dtype, rec.numel, positions, values)
 
 
@@ -405,8 +467,8 @@ def check_against_base(records: list[DeltaRecord], base: Mapping[str, Path]) -> 
 @dataclasses.dataclass
 class _Patch:
     """One record's changes as byte positions in its file: a contiguous range (dense) or
-    sorted element offsets with the values split into byte planes (so an element that
-    straddles a block border lands byte by byte)."""
+    element offsets (in decode order, not sorted) with the values split into byte planes
+    (so an element that straddles a block border lands byte by byte)."""
 
     start: int
     end: int
@@ -421,10 +483,17 @@ class _Patch:
             lo, hi = max(self.start, b0), min(self.end, b1)
             blk[lo - b0 : hi - b0] = self.planes[0][lo - self.start : hi - self.start]
             return
+        if b0 <= self.start and self.end <= b1:  # the whole tensor is in this block
+            for j, plane in enumerate(self.planes):
+                blk[self.offsets + (j - b0)] = plane
+            return
+        s = len(self.planes)
+        sel = np.flatnonzero((self.offsets > b0 - s) & (self.offsets < b1))
+        offs = self.offsets[sel]
         for j, plane in enumerate(self.planes):
-            i0, i1 = np.searchsorted(self.offsets, [b0 - j, b1 - j])
-            if i1 > i0:
-                blk[self.offsets[i0:i1] + (j - b0)] = plane[i0:i1]
+            at = offs + (j - b0)
+            inside = (at >= 0) & (at < len(blk))
+            blk[at[inside]] = plane[sel[inside]]
 
 
 def _patches(
@@ -438,7 +507,7 @@ def _patches(
         if change.positions is None:
             patch = _Patch(span.start, span.end, None, [change.values.view(np.uint8).reshape(-1)])
         else:
-            offsets = span.start + change.positions.astype(np.int64) * s
+            offsets = span.start + change.positions * s
             planes = [((change.values >> (8 * j)) & 0xFF).astype(np.uint8) for j in range(s)]
             patch = _Patch(span.start, span.end, offsets, planes)
         out.setdefault(rec.path, []).append(patch)

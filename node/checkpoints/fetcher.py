@@ -16,8 +16,9 @@
   the peers. Once every chunk is held by some non-seed peer, a seed is used
   like any other peer (rarest first), which speeds up the tail.
 * Every chunk is size- and hash-checked in a worker thread (the event loop
-  never hashes), written atomically and marked held - from that moment the
-  node's own chunk server offers it to others.
+  never hashes), written once at its offset in the version's preallocated file
+  (store.py) and marked held - from that moment the node's own chunk server
+  offers it to others, read from that same file.
 * A bad chunk: thrown away, the chunk goes back to the pool (another peer will
   serve it), the sender is penalised; ``max_strikes`` bad chunks -> banned.
 * A stall (no byte for ``stall_timeout`` s), a refused ticket or a broken
@@ -38,7 +39,8 @@
   received 10 duplicate 4 MiB chunks of a 64 MiB checkpoint and took 1.78x its
   bound.
 * Peers are ranked by measured throughput, discounted by failures.
-* Resume: the fetcher starts from whatever the store already holds.
+* Resume: the fetcher starts from whatever the store already holds (its journal
+  of written chunks), after copying in chunks other versions here share.
 """
 
 from __future__ import annotations
@@ -381,6 +383,10 @@ class VersionFetcher:
 
     async def run(self) -> None:
         """Fetch until the version is complete (cancel the caller's scope to give up)."""
+        if not self.complete:  # chunks another version here shares are copied, not fetched
+            for h in await trio.to_thread.run_sync(self.store.adopt_blocking, self.st):
+                self.store.mark_held(h)
+            self._missing = {i for i in self._missing if i not in self.st.bitmap}
         self._report()
         if self.complete:
             self.finished = time.monotonic()

@@ -330,9 +330,8 @@ class ChunkServer:
         return total * SLOW_RECIPIENT < self._fast_send_bps
 
     async def _send_chunk(self, sock: trio.socket.SocketType, st: VersionState, idx: int, peer: str) -> None:
-        length = st.chunks[idx][2]
-        path = self.store.object_path(st.chunks[idx][3])
-        fd = os.open(path, os.O_RDONLY)
+        # the chunk's range of the version's file (written in place as it was verified)
+        fd, base, length = self.store.open_chunk(st, idx)
         try:
             await send_all(sock, F.REPLY.pack(F.OP_GET, F.OK, idx, length), self.stall_timeout_s)
             off = 0
@@ -343,7 +342,7 @@ class ChunkServer:
                 end = off + n
                 while off < end:
                     try:
-                        w = os.sendfile(out, fd, off, end - off)
+                        w = os.sendfile(out, fd, base + off, end - off)
                     except BlockingIOError:
                         with trio.fail_after(self.stall_timeout_s):
                             await trio.lowlevel.wait_writable(out)

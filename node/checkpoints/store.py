@@ -1,36 +1,53 @@
-"""The content-addressed chunk store in the node home.
+"""The chunk store in the node home: every verified chunk written once, in place.
 
 Layout (under ``HOME/chunks``)::
 
-    objects/<h[:2]>/<sha256 hex>     one verified chunk, named by its hash
-    tmp/                             writes in progress (emptied at open)
-    versions/<version>-<root[:8]>/
+    tmp/                             imports in progress (emptied at open)
+    versions/<version>-<root[:16]>/
         announce                     the trainer's signed CheckpointAnnounce, verbatim
-        files/<path>                 the assembled safetensors files (once complete); for a
-                                     delta version, the full files applying it rebuilt
+        parts/<path>                 the manifest's files while they are fetched: created at
+                                     their full size from the manifest (fallocate), each
+                                     verified chunk written once at its offset
+        held                         journal of the chunk indices written to parts/ (uint32 LE
+                                     each), appended only after the chunk's bytes are on disk
+        files/<path>                 anchor: parts/ renamed once the last chunk landed: the
+                                     loadable checkpoint, and what the node serves chunks from;
+                                     delta: the full files applying the delta rebuilt
+        delta/<path>                 delta: parts/ renamed once complete (the delta file)
 
-Crash safety: a chunk is written to ``tmp/``, fsynced, then renamed into
-``objects/`` - a name in ``objects/`` always holds a complete, verified chunk.
-Chunk objects and assembled files are written with ``O_DIRECT`` where the
-filesystem allows it (directio.py says why: fresh page-cache pages are the
-dominant cost of receiving on a virtual machine), buffered elsewhere.
-After a restart the store rebuilds every version's bitmap from the names in
-``objects/`` (and their sizes) and re-checks each stored announce against the
-trainer's key; nothing is downloaded again.  Assembled files are written the
-same way (``files.tmp/`` then one rename).
+Why in place: the store used to keep each chunk as its own object and then make an
+assembly pass that read every chunk back to write the checkpoint files, so a
+version was loadable only about twice the fetch time after its announce
+(docs/benchmarks.md, "Checkpoint distribution"). Now the last verified chunk's
+write is the last write: completing a version is an fsync and one rename. The
+node serves a chunk by reading its range of the version's file (the manifest
+gives path, offset and length); there is no second copy.
 
-Content addressing means a chunk shared by two versions (an unchanged tensor)
-is stored and fetched once.
+Crash safety: a version is loadable only under ``files/``, and ``parts/`` becomes
+``files/`` only after every chunk was verified and written (one rename, then a
+directory fsync), so a crash never leaves a partial file under that name. A chunk
+index is appended to ``held`` only after its bytes were written (and, when
+``durable``, fdatasync'ed), so after a kill -9 or a power loss the journal names
+only chunks whose bytes are on disk; the node resumes from it and fetches only the
+rest. A torn last record is ignored. Writes use ``O_DIRECT`` where the filesystem
+allows it (directio.py says why), buffered elsewhere.
 
-Delta versions (protocol/delta.py) hold one delta file as chunks; "assembling"
-one applies it to its base's files and checks the result against the
-manifest's ``weights_root`` before the rename into ``files/`` (so a crash or a
-refusal never leaves a loadable wrong version). GC keeps the window's versions
-and their base chain down to the newest anchor, for late joiners.
+Chunks shared between versions (an unchanged tensor) are fetched once: a chunk
+written for one version is written into every other version being fetched that
+lists its hash, and a version announced later copies the chunks it shares with
+versions held here before its fetch asks peers (:meth:`ChunkStore.adopt_blocking`).
+
+Delta versions (protocol/delta.py) hold one delta file; "assembling" one applies it
+to its base's files and checks the result against the manifest's ``weights_root``
+before the rename of ``files.tmp/`` into ``files/`` (so a crash or a refusal never
+leaves a loadable wrong version). GC keeps the window's versions and their base
+chain down to the newest anchor, for late joiners.
 
 Thread model: the index (versions, bitmaps, pins) lives on the trio thread;
 ``*_blocking`` methods do disk work and hashing and are meant for
-``trio.to_thread.run_sync``; they never touch the index.
+``trio.to_thread.run_sync``; they read the index but only change a version's
+``written`` set (under the version's lock); bitmaps are set on the trio thread
+(:meth:`ChunkStore.mark_held`) from what was written.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import itertools
 import logging
 import os
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -112,6 +130,13 @@ class VersionState:
     pins: int = 0
     assembled: bool = False
     added_at: float = dataclasses.field(default_factory=time.time)
+    # chunk indices whose bytes are in the version's file (set by writer threads under
+    # ``lock``; the bitmap follows on the trio thread, see ChunkStore.mark_held)
+    written: set[int] = dataclasses.field(default_factory=set)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    final: bool = False  # parts/ renamed to files/ (anchor) or delta/ (delta): every chunk written
+    parts_ready: bool = False  # parts/ created at full size
+    dropped: bool = False  # removed by GC: writers skip it
 
     @property
     def version(self) -> int:
@@ -135,6 +160,16 @@ def _version_dirname(m: CheckpointManifest) -> str:
     return f"{m.version:010d}-{m.root.hex()[:16]}"
 
 
+PARTS = "parts"  # a version's files while they are fetched
+JOURNAL = "held"  # chunk indices written to parts/, uint32 little-endian each
+
+
+def _final_name(st: VersionState) -> str:
+    """Where a complete version's fetched files live: an anchor's are the checkpoint
+    (``files/``), a delta's are the delta file (``delta/``; ``files/`` is what applying it gives)."""
+    return "files" if st.delta is None else "delta"
+
+
 class ChunkStore:
     """Chunks, manifests and assembled files of a run's checkpoint versions."""
 
@@ -147,13 +182,12 @@ class ChunkStore:
         self.durable = durable
         # O_DIRECT writes; switched off for good the first time the filesystem refuses them
         self.direct_io = direct_io
-        self.objects = self.root / "objects"
         self.tmp = self.root / "tmp"
         self.versions_dir = self.root / "versions"
         # versions GC never drops: version 0 of a run whose genesis pins the model, which
         # late joiners fetch whatever the newest version is (roles/common.py)
         self.keep: set[int] = set()
-        for d in (self.objects, self.tmp, self.versions_dir):
+        for d in (self.tmp, self.versions_dir):
             d.mkdir(parents=True, exist_ok=True)
         for p in self.tmp.iterdir():  # leftovers of a crash: never trusted
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -174,28 +208,50 @@ class ChunkStore:
                 log.warning("dropping stored version %s: %s", d.name, exc)
                 shutil.rmtree(d, ignore_errors=True)
                 continue
-            st = self._index(manifest, ann.read_bytes())
-            if (d / "files").is_dir():
-                st.assembled = st.complete
             shutil.rmtree(d / "files.tmp", ignore_errors=True)
+            self._index(manifest, ann.read_bytes())
 
     def _index(self, manifest: CheckpointManifest, raw: bytes) -> VersionState:
+        """Remember a version and what of it is on disk: everything once its fetched files
+        were renamed into place, else the journal's chunks (parts/ of the wrong size, from
+        another layout or a damaged disk, is started over)."""
         chunks = manifest.chunks()
         by_hash: dict[bytes, list[int]] = {}
         for i, (_, _, _, h) in enumerate(chunks):
             by_hash.setdefault(h, []).append(i)
-        bm = Bitmap(len(chunks))
-        for h, idxs in by_hash.items():
-            try:
-                size = self.object_path(h).stat().st_size
-            except FileNotFoundError:
-                continue
-            if size == chunks[idxs[0]][2]:
-                for i in idxs:
-                    bm.set(i)
-        st = VersionState(manifest, raw, _version_dirname(manifest), bm, chunks, by_hash)
+        st = VersionState(manifest, raw, _version_dirname(manifest), Bitmap(len(chunks)), chunks, by_hash)
+        d = self.versions_dir / st.dirname
+        if (d / _final_name(st)).is_dir():
+            st.final = True
+            st.written = set(range(len(chunks)))
+        elif (d / PARTS).is_dir():
+            if all(self._size_or_none(d / PARTS / f.path) == f.size for f in manifest.files):
+                st.parts_ready = True
+                st.written = self._read_journal(d / JOURNAL, len(chunks))
+            else:
+                shutil.rmtree(d / PARTS, ignore_errors=True)
+                (d / JOURNAL).unlink(missing_ok=True)
+        for i in st.written:
+            st.bitmap.set(i)
+        st.assembled = st.final and (d / "files").is_dir()
         self.versions[manifest.version] = st
         return st
+
+    @staticmethod
+    def _size_or_none(path: Path) -> int | None:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _read_journal(path: Path, n: int) -> set[int]:
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return set()
+        raw = raw[: len(raw) - len(raw) % 4]  # a record torn by a crash: that chunk is fetched again
+        return {i for (i,) in struct.iter_unpack("<I", raw) if i < n}
 
     def add_announce(
         self, raw: bytes, now_ms: int | None = None, guard: ReplayGuard | None = None
@@ -239,16 +295,55 @@ class ChunkStore:
         return tuple(HaveEntry(version=v.version, root=v.root, bitmap=v.bitmap.to_bytes()) for v in vs)
 
     # ------------------------------------------------------------ chunks
-    def object_path(self, h: bytes) -> Path:
-        x = h.hex()
-        return self.objects / x[:2] / x
+    def version_dir(self, st: VersionState) -> Path:
+        return self.versions_dir / st.dirname
+
+    def open_chunk(self, st: VersionState, index: int) -> tuple[int, int, int]:
+        """An open read-only descriptor on the file holding chunk ``index`` of ``st`` (a held
+        one), with the chunk's offset in it and its length. The caller closes the descriptor.
+
+        Tries the final folder, then parts/, then the final folder again: a version that
+        completes meanwhile renames parts/ away, and an open descriptor outlives the rename."""
+        path, offset, length, _ = st.chunks[index]
+        d = self.version_dir(st)
+        for sub in (_final_name(st), PARTS, _final_name(st)):
+            try:
+                return os.open(d / sub / path, os.O_RDONLY), offset, length
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(f"chunk {index} of version {st.version} is not on disk")
+
+    def read_chunk_blocking(self, st: VersionState, index: int) -> bytes:
+        """The bytes of held chunk ``index`` of ``st``, read from the version's file."""
+        fd, offset, length = self.open_chunk(st, index)
+        try:
+            out = bytearray(length)
+            view = memoryview(out)
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    raise OSError(f"chunk {index} of version {st.version} is short on disk")
+                got += n
+            return bytes(out)
+        finally:
+            os.close(fd)
+
+    def read_object_blocking(self, h: bytes) -> bytes:
+        """The bytes of the chunk with hash ``h``, from any version that holds it."""
+        for st in list(self.versions.values()):
+            for i in st.by_hash.get(h, ()):
+                if i in st.written:
+                    return self.read_chunk_blocking(st, i)
+        raise FileNotFoundError(f"no version here holds chunk {h.hex()[:16]}")
 
     def mark_held(self, h: bytes) -> list[tuple[int, int]]:
-        """Record that the object ``h`` exists; returns the (version, index) pairs that became held."""
+        """Set the bitmap bits of every chunk with hash ``h`` whose bytes were written to its
+        version's file; returns the (version, index) pairs that became held."""
         newly = []
         for st in self.versions.values():
             for i in st.by_hash.get(h, ()):
-                if st.bitmap.set(i):
+                if i in st.written and st.bitmap.set(i):
                     newly.append((st.version, i))
         return newly
 
@@ -262,21 +357,151 @@ class ChunkStore:
         return h
 
     def write_object_blocking(self, h: bytes, data: Buffer) -> None:
-        """Atomically store a verified chunk (temp + fsync + rename). Idempotent."""
-        final = self.object_path(h)
-        if final.exists():
-            return
-        final.parent.mkdir(exist_ok=True)
-        self._atomic_write(final, data)
+        """Write a verified chunk (``data`` hashes to ``h``) at its offset in every version
+        being fetched that lists ``h`` and lacks it. Idempotent. Call :meth:`mark_held` after."""
+        for st in list(self.versions.values()):
+            idxs = st.by_hash.get(h)
+            if not idxs or st.final or st.dropped:
+                continue
+            todo = [i for i in idxs if i not in st.written]
+            if not todo:
+                continue
+            try:
+                self._write_in_place(st, todo, data)
+            except FileNotFoundError:
+                if not st.dropped:  # GC removed it meanwhile: nothing to write into
+                    raise
 
     def put_chunk_blocking(self, st: VersionState, index: int, data: Buffer) -> bytes:
-        """Check and store one chunk (blocking). Raise ChunkRejected if it is wrong."""
+        """Check one chunk and write it in place (blocking). Raise ChunkRejected if it is
+        wrong: then not a byte of it reaches the disk."""
         h = self.check_chunk_blocking(st, index, data)
         self.write_object_blocking(h, data)
         return h
 
-    def read_chunk_blocking(self, st: VersionState, index: int) -> bytes:
-        return self.object_path(st.chunks[index][3]).read_bytes()
+    def adopt_blocking(self, st: VersionState) -> list[bytes]:
+        """Copy into ``st``'s file the chunks it shares with versions held here (an unchanged
+        tensor), so its fetch asks peers only for the rest. Returns the hashes written
+        (:meth:`mark_held` each on the trio thread). Each copy is hashed again first."""
+        missing = {h for h, idxs in st.by_hash.items() if any(i not in st.written for i in idxs)}
+        adopted: list[bytes] = []
+        for other in list(self.versions.values()):
+            if not missing:
+                break
+            if other is st or other.dropped:
+                continue
+            for h in [h for h in missing if h in other.by_hash]:
+                src = next((i for i in other.by_hash[h] if i in other.written), None)
+                if src is None:
+                    continue
+                try:
+                    data = self.read_chunk_blocking(other, src)
+                except FileNotFoundError:
+                    continue
+                if hashlib.sha256(data).digest() != h:
+                    log.warning("version %d: chunk %d on disk does not match its hash", other.version, src)
+                    continue
+                self.write_object_blocking(h, data)
+                missing.discard(h)
+                adopted.append(h)
+        return adopted
+
+    def _ensure_parts(self, st: VersionState) -> None:
+        """Create ``parts/`` with every manifest file at its full size (blocking, once)."""
+        with st.lock:
+            if st.parts_ready:
+                return
+            parts = self.version_dir(st) / PARTS
+            for f in st.manifest.files:
+                path = parts / f.path
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    if os.fstat(fd).st_size != f.size:
+                        directio.preallocate(fd, f.size)
+                    if self.durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if self.durable:
+                for d in sorted({(parts / f.path).parent for f in st.manifest.files}, key=lambda p: -len(p.parts)):
+                    fsync_dir(d)
+                fsync_dir(parts.parent)
+            st.parts_ready = True
+
+    def _write_in_place(self, st: VersionState, indices: list[int], data: Buffer) -> None:
+        """Write ``data`` as chunks ``indices`` of ``st`` (all with the same hash), then journal
+        them: the journal never names a chunk whose bytes are not on disk."""
+        self._ensure_parts(st)
+        parts = self.version_dir(st) / PARTS
+        for i in indices:
+            path, offset, _, _ = st.chunks[i]
+            self._pwrite(parts / path, data, offset)
+        with st.lock:
+            new = [i for i in indices if i not in st.written]
+            if not new:
+                return
+            fd = os.open(self.version_dir(st) / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, struct.pack(f"<{len(new)}I", *new))
+            finally:
+                os.close(fd)
+            st.written.update(new)
+
+    def _pwrite(self, path: Path, data: Buffer, offset: int) -> None:
+        """``data`` at ``offset`` of the existing file ``path``; O_DIRECT where the filesystem
+        takes it; fdatasync'ed when durable."""
+        if self.direct_io:
+            try:
+                fd = directio.open_direct(path, os.O_WRONLY)
+            except DirectIOUnsupported as exc:
+                self._direct_refused(exc)
+            else:
+                try:
+                    directio.pwrite_direct(fd, data, offset)
+                    if self.durable:
+                        os.fdatasync(fd)
+                    return
+                except DirectIOUnsupported as exc:
+                    self._direct_refused(exc)
+                finally:
+                    os.close(fd)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+            if self.durable:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def finish_blocking(self, st: VersionState) -> Path:
+        """Every chunk of ``st`` is written: fsync its files and rename ``parts/`` into place
+        (``files/`` for an anchor: from here on it is loadable). Idempotent. No byte is read."""
+        d = self.version_dir(st)
+        final = d / _final_name(st)
+        if st.final or final.is_dir():
+            st.final = True
+            return final
+        if len(st.written) != len(st.chunks):
+            raise RuntimeError(f"version {st.version} is incomplete ({len(st.written)}/{len(st.chunks)} chunks)")
+        self._ensure_parts(st)  # a version of empty files has no chunk to have created them
+        parts = d / PARTS
+        if self.durable:
+            for f in st.manifest.files:
+                fd = os.open(parts / f.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        os.replace(parts, final)
+        if self.durable:
+            fsync_dir(d)
+        (d / JOURNAL).unlink(missing_ok=True)
+        st.final = True
+        return final
 
     def _direct_refused(self, exc: DirectIOUnsupported) -> None:
         if self.direct_io:
@@ -284,17 +509,10 @@ class ChunkStore:
             log.info("chunk store %s: %s; using buffered writes", self.root, exc)
 
     def _atomic_write(self, final: Path, data: Buffer) -> None:
+        """Small files (the announce): temp + fsync + rename."""
         with self._tmp_lock:
             n = next(self._tmp_counter)
         tmp = self.tmp / f"{final.name}.{os.getpid()}.{n}"
-        if self.direct_io:
-            try:
-                directio.write_new_file(tmp, data, durable=self.durable)
-            except DirectIOUnsupported as exc:
-                self._direct_refused(exc)
-            else:
-                os.replace(tmp, final)
-                return
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -321,9 +539,44 @@ class ChunkStore:
         """
         if key.peer_id != self.trainer:
             raise ValueError("only the run's trainer can publish a checkpoint")
-        manifest = build_manifest(
-            self.run_id, version, src_dir, chunk_size, on_chunk=lambda h, data: self.write_object_blocking(h, data)
-        )
+        with self._tmp_lock:
+            n = next(self._tmp_counter)
+        out = self.tmp / f"import-{version}.{os.getpid()}.{n}"
+        try:
+            sizes = []
+            for rel, path in checkpoint_files(src_dir):
+                size = path.stat().st_size
+                (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(out / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    directio.preallocate(fd, size)
+                finally:
+                    os.close(fd)
+                sizes.append((out / rel, size))
+            pos = [0, 0]  # (file index, offset): build_manifest reads the files in this order
+
+            def copy(_h: bytes, data: memoryview) -> None:
+                while pos[1] == sizes[pos[0]][1]:
+                    pos[0], pos[1] = pos[0] + 1, 0
+                self._pwrite(sizes[pos[0]][0], data, pos[1])
+                pos[1] += len(data)
+
+            manifest = build_manifest(self.run_id, version, src_dir, chunk_size, on_chunk=copy)
+            if self.durable:
+                for path, _ in sizes:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            vdir = self.versions_dir / _version_dirname(manifest)
+            vdir.mkdir(parents=True, exist_ok=True)
+            if not (vdir / "files").is_dir():  # the announce is written next; without it _load drops the folder
+                os.replace(out, vdir / "files")
+                if self.durable:
+                    fsync_dir(vdir)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
         return manifest, sign_announce(key, manifest)
 
     def import_delta_blocking(
@@ -359,20 +612,15 @@ class ChunkStore:
         ddir.mkdir()
         try:
             (ddir / DELTA_FILE).write_bytes(data)
-            manifest = build_manifest(
-                self.run_id,
-                version,
-                ddir,
-                chunk_size,
-                on_chunk=lambda h, chunk: self.write_object_blocking(h, chunk),
-                delta=ref,
-            )
+            manifest = build_manifest(self.run_id, version, ddir, chunk_size, delta=ref)
+            vdir = self.versions_dir / _version_dirname(manifest)
+            vdir.mkdir(parents=True, exist_ok=True)
+            if not (vdir / "delta").is_dir():
+                os.replace(ddir, vdir / "delta")  # the delta's chunks, served from here
         finally:
             shutil.rmtree(ddir, ignore_errors=True)
         # Apply it here exactly as every receiver will, and check the result before signing:
         # a delta that does not rebuild the export is never announced (an anchor is).
-        vdir = self.versions_dir / _version_dirname(manifest)
-        vdir.mkdir(parents=True, exist_ok=True)
         tmp = vdir / "files.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         hashes = apply_delta(
@@ -398,11 +646,11 @@ class ChunkStore:
         return dict(checkpoint_files(d))
 
     def delta_bytes_blocking(self, st: VersionState) -> bytes:
-        """The delta file of a complete delta version, from its chunk objects."""
+        """The delta file of a complete delta version (every chunk of it verified)."""
         names = [f.path for f in st.manifest.files]
         if names != [DELTA_FILE]:
             raise ProtocolError("delta.format", f"a delta version holds the one file {DELTA_FILE}, not {names[:4]}")
-        data = b"".join(self.object_path(h).read_bytes() for h in st.manifest.files[0].chunk_hashes)
+        data = (self.finish_blocking(st) / DELTA_FILE).read_bytes()
         if len(data) != st.manifest.files[0].size:
             raise ProtocolError("delta.format", "the delta file's chunks do not add up to its size")
         return data
@@ -413,36 +661,25 @@ class ChunkStore:
         base: VersionState | None = None,
         on_block: Callable[[str, int], None] | None = None,
     ) -> Path:
-        """Write the version's files: an anchor's from its chunks (byte-identical to the
-        trainer's), a delta version's by applying it to ``base``'s files and checking the
+        """Make the version loadable: an anchor's chunks were written in place, so this only
+        fsyncs and renames its files into ``files/`` (byte-identical to the trainer's); a
+        delta version's files come from applying it to ``base``'s files and checking the
         result against the manifest's ``weights_root`` (ProtocolError ``delta.*`` if
         anything is off: nothing is renamed into place, so nothing loads it)."""
         d = self.versions_dir / st.dirname
         final = d / "files"
+        if st.delta is None:
+            return self.finish_blocking(st)  # no byte is read or copied: the chunks are the files
         if final.is_dir():
             return final
-        if not st.complete:
-            raise RuntimeError(f"version {st.version} is incomplete ({st.bitmap.count}/{st.bitmap.n} chunks)")
+        self.finish_blocking(st)  # the delta file, complete (RuntimeError if not)
         tmp = d / "files.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        if st.delta is not None:
-            try:
-                self._apply_blocking(st, base, tmp, on_block)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            os.replace(tmp, final)
-            if self.durable:
-                fsync_dir(d)
-            return final
-        if self.direct_io:
-            try:
-                self._write_files(st, tmp, direct=True)
-            except DirectIOUnsupported as exc:
-                self._direct_refused(exc)
-                shutil.rmtree(tmp, ignore_errors=True)
-        if not self.direct_io:
-            self._write_files(st, tmp, direct=False)
+        try:
+            self._apply_blocking(st, base, tmp, on_block)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         os.replace(tmp, final)
         if self.durable:
             fsync_dir(d)
@@ -492,43 +729,6 @@ class ChunkStore:
             entries.append(FileEntry(path=rel, size=path.stat().st_size, chunk_hashes=tuple(hashes[rel])))
         return CheckpointManifest.compute_root(self.run_id, version, chunk_size, tuple(entries))
 
-    def _write_files(self, st: VersionState, tmp: Path, *, direct: bool) -> None:
-        """The version's files under ``tmp``, chunk by chunk: O_DIRECT reads and writes, or
-        ``copy_file_range`` through the page cache."""
-        idx = 0
-        for f in st.manifest.files:
-            out = tmp / f.path
-            out.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            fd = directio.open_direct(out, flags) if direct else os.open(out, flags, 0o644)
-            try:
-                pos = 0
-                for h in f.chunk_hashes:
-                    length = st.chunks[idx][2]
-                    if direct:
-                        with directio.read_file_into(self.object_path(h), length) as data:
-                            directio.pwrite_direct(fd, data, pos)
-                    else:
-                        self._copy_object(h, fd, pos, length)
-                    pos += length
-                    idx += 1
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def _copy_object(self, h: bytes, fd: int, pos: int, length: int) -> None:
-        src = os.open(self.object_path(h), os.O_RDONLY)
-        try:
-            copied = 0
-            while copied < length:
-                n = os.copy_file_range(src, fd, length - copied, copied, pos + copied)
-                if n == 0:
-                    raise OSError(f"chunk object {h.hex()} is short")
-                copied += n
-        finally:
-            os.close(src)
-
     def base_of(self, st: VersionState) -> VersionState | None:
         """The version a delta applies to, if this store holds that version (any root)."""
         return None if st.delta is None else self.versions.get(st.delta.base_version)
@@ -567,7 +767,7 @@ class ChunkStore:
 
     # ------------------------------------------------------------ garbage collection
     def gc(self, max_async: int) -> list[int]:
-        """Drop versions behind the ``max_async`` window unless pinned; delete unreferenced chunks.
+        """Drop versions behind the ``max_async`` window unless pinned, with their files.
 
         The window is counted from the newest version known (complete or not).
         Returns the versions removed.
@@ -582,6 +782,7 @@ class ChunkStore:
         for v, st in sorted(self.versions.items()):
             if v not in keep:
                 del self.versions[v]  # from now on nobody can pin it
+                st.dropped = True  # a writer thread still holding it skips it
                 removed.append((v, st))
         for v in sorted(keep):
             st = self.versions[v]
@@ -589,18 +790,6 @@ class ChunkStore:
                 self._drop_files_if_unneeded(st)
         for _v, st in removed:
             shutil.rmtree(self.versions_dir / st.dirname, ignore_errors=True)
-        if removed:
-            live: set[bytes] = set()
-            for st in self.versions.values():
-                live.update(st.by_hash)
-            for sub in self.objects.iterdir():
-                for obj in sub.iterdir():
-                    try:
-                        h = bytes.fromhex(obj.name)
-                    except ValueError:
-                        h = b""
-                    if h not in live:
-                        obj.unlink(missing_ok=True)
         return [v for v, _ in removed]
 
     def chain(self, versions: set[int]) -> set[int]:
@@ -621,13 +810,16 @@ class ChunkStore:
         return out
 
     def _drop_files_if_unneeded(self, st: VersionState) -> None:
-        """A chain version behind the window keeps its chunks (to serve) but not its full
-        files, once every delta applying to it has been applied."""
+        """A chain version behind the window keeps its chunks (to serve) but is no longer
+        offered for loading once every delta applying to it has been applied. A delta
+        version's full files are deleted (its chunks are the delta file); an anchor's files
+        are its chunks, so they stay on disk, only marked not assembled."""
         users = [u for u in self.versions.values() if u.delta is not None and u.delta.base_version == st.version]
         if not users or not all(u.assembled for u in users):
             return
         st.assembled = False
-        shutil.rmtree(self.versions_dir / st.dirname / "files", ignore_errors=True)
+        if st.delta is not None:
+            shutil.rmtree(self.versions_dir / st.dirname / "files", ignore_errors=True)
 
     # ------------------------------------------------------------ status
     def status(self) -> list[dict[str, Any]]:

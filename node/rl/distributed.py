@@ -44,10 +44,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,37 @@ def init_distributed(device: str | torch.device = "cpu") -> tuple[int, int, torc
             backend_for(dev), timeout=COLLECTIVE_TIMEOUT, device_id=dev if dev.type == "cuda" else None
         )
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def meta_model() -> Any:
+    """Context in which a model is built with its parameters on the meta device (no memory,
+    no random init) and its buffers for real (rotary tables are computed, not loaded).
+
+    Why: a rank must never hold the whole model. Ranks that take their weights from rank 0
+    or from a DCP checkpoint build the architecture here; :class:`DistributedGRPOTrainer`
+    shards it and gives each rank room for its own shards only. accelerate's
+    ``init_empty_weights(include_buffers=False)`` does exactly this for any HF model."""
+    from accelerate import init_empty_weights
+
+    return init_empty_weights(include_buffers=False)
+
+
+def leave_group(code: int = 0) -> NoReturn:
+    """End this rank's process: tear the process group down, flush stdio, ``os._exit(code)``.
+
+    Why not return and let Python exit: after its last collective, a gloo rank sometimes
+    aborted in the interpreter's finalization ("terminate called without an active
+    exception", about one CI run in three, a different test each time, with or without a
+    barrier before ``destroy_process_group``). Finalization destroys C++ objects of c10d and
+    gloo (worker threads, pending work that holds tensors) after the interpreter stopped
+    being able to run their Python parts. A rank has nothing left to finalize at this
+    point: its files are fsynced by the code that wrote them, so it leaves without it.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class FusedLM(torch.nn.Module):
@@ -161,9 +193,27 @@ class DistributedGRPOTrainer(GRPOTrainer):
             raise ValueError("the distributed trainer has no KL reference model (kl_coef must be 0)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dtype = dtype
+        on_meta = any(p.is_meta for p in model.parameters())
+        tie = getattr(model, "tie_weights", None)
+        if on_meta and callable(tie):
+            # building under meta_model re-registers every parameter, a tied head included, as
+            # its own meta tensor: tie again, or the head would train apart from the embeddings
+            tie()
         self._aliases = _tied_names(model)
-        model.to(device)
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if on_meta else {}
+        # shard first, then move: only this rank's shards (and one unit at a time while
+        # sharding) ever reach the device, never the whole model
         self.root = shard(model, dtype)
+        if on_meta:
+            # parameters never existed here: room for this rank's shards only; their values come
+            # from rank 0 (adopt_rank0_weights) or the checkpoint (load_state). Buffers were built
+            # for real (meta_model) and to_empty erased them: put them back.
+            model.to_empty(device=device)
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    if n in buffers:
+                        b.copy_(buffers[n])
+        model.to(device)
         self._live: list[torch.Tensor] | None = None  # local shards put aside while a behaviour version is loaded
         super().__init__(model, config, pad_token_id=pad_token_id, device=device, keep_versions=keep_versions)
 
@@ -363,7 +413,8 @@ class DistributedGRPOTrainer(GRPOTrainer):
         state = json.loads((p / STATE_FILE).read_text())
         kwargs = {"attn_implementation": state["attn"]} if state.get("attn") else {}
         lm_config = AutoConfig.from_pretrained(p)
-        model = AutoModelForCausalLM.from_config(lm_config, dtype=torch.float32, **kwargs)
+        with meta_model():
+            model = AutoModelForCausalLM.from_config(lm_config, dtype=torch.float32, **kwargs)
         trainer = cls(model.eval(), config, pad_token_id=pad_token_id, device=device, dtype=dtype)
         trainer.load_state(p, restore_rng=restore_rng)
         return trainer
@@ -398,5 +449,7 @@ __all__ = [
     "backend_for",
     "broadcast_groups",
     "init_distributed",
+    "leave_group",
+    "meta_model",
     "shard",
 ]

