@@ -39,6 +39,14 @@ class DevnetOptions:
     steps: int = 30
     model: str = "tiny"
     task: str = "target-length"
+    # a dataset file or folder (e.g. ``primenode dataset filter``'s output) instead of the
+    # built-in task; pinned in the genesis by its content hash like any run's data
+    dataset: Path | None = None
+    # genesis [config] overrides (None: the run's defaults): the prompt style of math problems
+    # and the precision of the published policy (float32 or bfloat16)
+    system_prompt: str | None = None
+    math_instruction: str | None = None
+    policy_dtype: str = "float32"
     max_async: int = 2
     # prompts each trainer step learns from, split across the workers' batches (16: 8 per
     # worker; 8 learned less by step 40, docs/benchmarks.md, issue 20); prompts_per_batch, when
@@ -104,6 +112,7 @@ class Devnet:
     # ------------------------------------------------------------- set-up
     def prepare(self) -> None:
         from node.genesis_file import make_genesis, write_genesis
+        from node.roles.context import POLICY_DTYPES
         from node.roles.engines import check_engine_choice
 
         o = self.opts
@@ -125,8 +134,10 @@ class Devnet:
         workers = [home(f"worker-{i}") for i in range(o.workers)]
         validators = [home(f"validator-{i}") for i in range(o.validators)]
         quorum = o.quorum or max(1, (o.validators // 2) + 1 if o.validators > 2 else o.validators)
+        dataset, size, pins = self._dataset()
+        style = {"system_prompt": o.system_prompt, "math_instruction": o.math_instruction}
         config = {
-            "task": o.task,
+            "task": o.task if o.dataset is None else "dataset",
             "steps": o.steps,
             "lr": o.lr,
             "max_tokens": o.max_tokens,
@@ -136,18 +147,21 @@ class Devnet:
             # one batch per worker per version: a step waits for each worker's batch of the
             # version, then trains on every admitted batch still in the window (none goes stale)
             "worker_batches_per_version": 1,
-            # every devnet worker and validator runs one engine in fp32 on this CPU: one numerics
-            # stack, so validators use the tight TOPLOC thresholds (docs/proofs.md)
-            "numerics": f"{o.engine}-fp32-cpu",
+            "policy_dtype": o.policy_dtype,
+            **{k: v for k, v in style.items() if v is not None},
+            # every devnet worker and validator runs one engine in the policy's dtype on this
+            # CPU: one numerics stack, so validators use its tight TOPLOC thresholds (docs/proofs.md)
+            "numerics": f"{o.engine}-{POLICY_DTYPES.get(o.policy_dtype, o.policy_dtype)}-cpu",
             **o.extra_config,
         }
         signed = make_genesis(
             owner,
             config,
-            name=f"devnet-{o.task}",
+            name=f"devnet-{o.task if o.dataset is None else Path(o.dataset).stem}",
             model=o.model,
-            dataset=f"builtin:{o.task}",
-            dataset_size=1024,
+            dataset=dataset,
+            dataset_size=size,
+            **pins,
             trainer=trainer.load_key().peer_id,
             validators=[v.load_key().peer_id for v in validators],
             quorum=min(quorum, o.validators),
@@ -192,6 +206,24 @@ class Devnet:
             )
         for n in self.nodes:
             n.args += self.opts.node_args.get(n.name, [])
+
+    def _dataset(self) -> tuple[str, int, dict[str, Any]]:
+        """(genesis dataset spec, size, extra genesis fields): the built-in task's 1024 seeded
+        problems, or the file given, every problem of it, pinned by ``dataset_hash`` (every node
+        loads the same file here and checks the hash, as a real run's nodes do)."""
+        o = self.opts
+        if o.dataset is None:
+            return f"builtin:{o.task}", 1024, {}
+        from node.rl.tasks import dataset_hash, load_dataset
+
+        path = Path(o.dataset).resolve()
+        try:
+            problems = load_dataset(path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"dataset {path}: {exc}") from None
+        if not problems:
+            raise ConfigError(f"dataset {path} holds no problems")
+        return str(path), len(problems), {"dataset_hash": dataset_hash(problems)}
 
     def start(self, node: NodeProc) -> None:
         # open for the process's whole life; stop_all() and a restart close it

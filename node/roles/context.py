@@ -149,6 +149,21 @@ def policy_dtype_for(config: dict[str, Any]) -> str:
     return str(name)
 
 
+def engine_dtype_for(config: dict[str, Any]) -> str:
+    """The dtype workers' and validators' engines compute in: the one the genesis's
+    ``numerics`` stack names ("transformers-bf16-cpu" -> "bfloat16"), else the policy dtype.
+    A bf16 policy is thus sampled and re-prefilled in bf16 (as INTELLECT-2's vLLM workers
+    did), not upcast to fp32; a run may still declare an fp32 stack over bf16 weights."""
+    policy = policy_dtype_for(config)
+    numerics = config.get("numerics")
+    if numerics:
+        by_short = {short: name for name, short in POLICY_DTYPES.items()}
+        for part in str(numerics).split("-"):
+            if part in by_short:
+                return by_short[part]
+    return policy
+
+
 def slot_rule_for(config: dict[str, Any]) -> SlotRule:
     """Batch slots per version: ``worker_batches_per_version`` (default 2), ``worker_idle_s``
     (default 20) and ``counter_slack`` (default 1)."""
@@ -297,6 +312,15 @@ class RunContext:
         import torch
 
         dtype = getattr(torch, policy_dtype_for(self.config))
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def engine_dtype(self) -> Any:
+        """The ``torch.dtype`` engines compute in (``engine_dtype_for``)."""
+        import torch
+
+        dtype = getattr(torch, engine_dtype_for(self.config))
         assert isinstance(dtype, torch.dtype)
         return dtype
 
@@ -473,10 +497,11 @@ def check_dataset(genesis: RunGenesis, problems: list[Any]) -> None:
 def load_problems(spec: str, size: int, seed: int) -> list[Any]:
     from node.rl import tasks
 
-    if spec in ("builtin:target-length", "builtin:length"):
-        problems = tasks.length_problems(size, seed)
-    elif spec in ("builtin:arithmetic", "builtin:math"):
-        problems = tasks.arithmetic_problems(size, seed)
+    if spec.startswith("builtin:"):
+        try:
+            problems = tasks.builtin_problems(spec.removeprefix("builtin:"), size, seed)
+        except ValueError as exc:
+            raise ModelError(f"dataset {spec}: {exc}") from None
     else:
         problems = tasks.load_dataset(spec)
     if len(problems) != size:
