@@ -384,6 +384,10 @@ def devnet(
     ] = None,
     max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch may lag behind the trainer.")] = 2,
     timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds.")] = 900.0,
+    duration: Annotated[
+        float,
+        typer.Option("--duration", help="Stop cleanly after this many seconds, whatever the step (0: off)."),
+    ] = 0.0,
     engine: Annotated[
         str, typer.Option("--engine", help="Engine of workers and validators: transformers or vllm.")
     ] = "transformers",
@@ -428,6 +432,7 @@ def devnet(
             dataset=dataset,
             max_async=max_async,
             timeout_s=timeout,
+            duration_s=duration,
             engine=engine,
             prompts_per_step=prompts_per_step,
             prompts_per_batch=prompts_per_batch,

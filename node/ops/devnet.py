@@ -62,6 +62,9 @@ class DevnetOptions:
     # budget); 0: one per worker, the batches each version brings (docs/benchmarks.md, issue 20)
     batches_per_step: int = 0
     timeout_s: float = 900.0
+    # stop cleanly (metrics, curve, summary) after this many seconds whatever the step; 0: off.
+    # A learning budget ("does it learn within 30 minutes"), unlike timeout_s, which is a failure.
+    duration_s: float = 0.0
     # inference engine of workers and validators: transformers, or vllm (needs vLLM installed)
     engine: str = "transformers"
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -172,6 +175,9 @@ class Devnet:
         )
         write_genesis(signed, self.genesis_path)
 
+        if o.model == "smollm2":
+            self._share_smollm2([trainer, *workers, *validators])
+
         port = free_port()
         boot_id = boot.load_key().peer_id
         self.bootstrap_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}"
@@ -206,6 +212,31 @@ class Devnet:
             )
         for n in self.nodes:
             n.args += self.opts.node_args.get(n.name, [])
+
+    def _share_smollm2(self, homes: list[NodeHome]) -> None:
+        """Convert SmolLM2's packaged GGUF once (``out/cache``) and hard-link the folder into
+        every node's cache: five nodes converting it at once took ~3 minutes of a 2-core
+        machine before the first step. Each node still loads the model files itself."""
+        import shutil
+
+        from node.models import SMOLLM2_DIRNAME, load_smollm2
+
+        shared = self.out / "cache" / SMOLLM2_DIRNAME
+        if not (shared / "config.json").exists():
+            load_smollm2(self.out / "cache")
+        for h in homes:
+            folder = h.cache_dir / SMOLLM2_DIRNAME
+            if (folder / "config.json").exists():
+                continue
+            tmp = folder.with_name(folder.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for f in shared.iterdir():
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:  # another file system: copy
+                    shutil.copy2(f, tmp / f.name)
+            tmp.rename(folder)
 
     def _dataset(self) -> tuple[str, int, dict[str, Any]]:
         """(genesis dataset spec, size, extra genesis fields): the built-in task's 1024 seeded
@@ -443,6 +474,8 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
                 view.update(render_table(devnet, snap, started))
                 rows = devnet.trainer_metrics()
                 if rows and rows[-1].get("step", 0) >= opts.steps:
+                    break
+                if opts.duration_s and time.monotonic() - started >= opts.duration_s:
                     break
                 trainer = devnet.node("trainer")
                 if trainer.proc and trainer.proc.poll() is not None:

@@ -32,7 +32,10 @@ TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
 # defaults calibrated across GPUs (mixed hardware). "tight": for a run whose nodes all
 # compute on one numerics stack, where honest chunks give ~0 mismatches; catches the
 # one-token prompt edits the paper's thresholds miss (docs/proofs.md).
-TOPLOC_PRESETS = {"paper": ProofConfig(), "tight": ProofConfig.tight()}
+# "cross-stack": the paper's thresholds under the name that says when to use them: a worker and
+# a validator on different stacks (a bf16 worker, an fp32 validator; another GPU or kernel)
+# differ by precision noise that tight may not absorb; the default when no stack is declared.
+TOPLOC_PRESETS = {"paper": ProofConfig(), "cross-stack": ProofConfig(), "tight": ProofConfig.tight()}
 _THRESHOLD_KEYS = {
     "toploc_max_exp_mismatches": int,
     "toploc_max_mant_err_mean": float,
@@ -42,10 +45,11 @@ _THRESHOLD_KEYS = {
 
 def proof_config_for(config: dict[str, Any]) -> ProofConfig:
     """The run's TOPLOC thresholds from its genesis [config]: ``toploc_thresholds``
-    ("paper" or "tight"; default "tight" when the genesis declares one ``numerics``
-    stack for every node, else "paper"), then any explicit ``toploc_max_*`` values.
+    ("paper", "cross-stack": the same numbers, or "tight"; default "tight" when the genesis
+    declares one ``numerics`` stack for every node, else "cross-stack"), then any explicit
+    ``toploc_max_*`` values.
     Chunking (32 tokens, top-128, prefill included) is the wire format and fixed."""
-    default = "tight" if config.get("numerics") else "paper"
+    default = "tight" if config.get("numerics") else "cross-stack"
     name = config.get("toploc_thresholds", default)
     if name not in TOPLOC_PRESETS:
         raise ConfigError(f"genesis toploc_thresholds must be one of {sorted(TOPLOC_PRESETS)}, got {name!r}")
