@@ -288,6 +288,25 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"model_root   {g.model_root.hex() or '(built-in model, not pinned)'}")
 
 
+@dataset_app.command("make")
+def dataset_make(
+    task: Annotated[str, typer.Argument(help="Built-in task: target-length, arithmetic or addition.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Dataset file to write (.jsonl or .parquet).")],
+    n: Annotated[int, typer.Option("-n", "--n", help="Number of problems.")] = 1024,
+    seed: Annotated[int, typer.Option("--seed", help="Seed (same seed, same problems).")] = 0,
+) -> None:
+    """Write a built-in task's seeded problems as a dataset file (to filter, edit or pin by hash)."""
+    from node.rl.tasks import builtin_problems, save_dataset
+
+    if n < 1:
+        raise ConfigError("-n must be at least 1")
+    try:
+        problems = builtin_problems(task, n, seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    typer.echo(f"{len(problems)} {task} problems -> {save_dataset(problems, output)}")
+
+
 @dataset_app.command("filter")
 def dataset_filter(
     input_path: Annotated[
