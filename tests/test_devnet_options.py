@@ -73,3 +73,15 @@ def test_a_bad_dataset_file_is_refused_before_anything_starts(tmp_path):
         Devnet(DevnetOptions(out=tmp_path / "net", validators=1, dataset=empty)).prepare()
     with pytest.raises(ConfigError, match="not found"):
         Devnet(DevnetOptions(out=tmp_path / "net", validators=1, dataset=tmp_path / "missing.jsonl")).prepare()
+
+
+def test_a_bf16_stack_replays_sampling_with_the_mixed_tolerance():
+    """bf16 engines round differently between a worker's cached decode and a validator's
+    batched prefill (a bf16 devnet on the 1e-3 "same" tolerance rejected honest workers), so
+    a declared bf16 stack defaults to "mixed"; a declared fp32 stack keeps "same"."""
+    from node.roles.context import REPLAY_PRESETS, replay_config_for
+
+    assert replay_config_for({"numerics": "transformers-fp32-cpu"}) == REPLAY_PRESETS["same"]
+    bf16 = {"numerics": "transformers-bf16-cpu", "policy_dtype": "bfloat16"}
+    assert replay_config_for(bf16) == REPLAY_PRESETS["mixed"]
+    assert replay_config_for({**bf16, "sampling_tolerance": "same"}) == REPLAY_PRESETS["same"]

@@ -113,8 +113,11 @@ def replay_config_for(config: dict[str, Any]) -> ReplayConfig:
     """The run's replay tolerance from its genesis [config]: ``sampling_tolerance`` ("same"
     or "mixed"), then explicit ``sampling_delta`` / ``sampling_max_near_ties`` /
     ``sampling_near_tie_rate``."""
-    default = "same" if config.get("numerics") else "mixed"
-    name = config.get("sampling_tolerance", default)
+    # "same" only for a declared fp32 stack: bf16 engines are not batch-invariant at 1e-3 (a
+    # worker's cached decode and a validator's batched prefill round differently; a bf16 devnet
+    # on "same" rejected honest workers by score gaps of ~0.005), so a bf16 stack gets "mixed"
+    same = config.get("numerics") and engine_dtype_for(config) == "float32"
+    name = config.get("sampling_tolerance", "same" if same else "mixed")
     if name not in REPLAY_PRESETS:
         raise ConfigError(f"genesis sampling_tolerance must be one of {sorted(REPLAY_PRESETS)}, got {name!r}")
     base = REPLAY_PRESETS[name]
