@@ -54,3 +54,37 @@ def test_weights_that_do_not_fit_are_refused() -> None:
 def test_numerics_names_the_dtype_and_device(engine: TransformersEngine) -> None:
     assert engine.numerics == "transformers-fp32-cpu"
     assert TransformersEngine(tiny_llama(seed=0).to(torch.bfloat16)).numerics == "transformers-bf16-cpu"
+
+
+def test_a_bf16_engine_proves_what_a_bf16_validator_and_an_fp32_validator_recompute() -> None:
+    """A bf16 policy's engines compute in bf16 (issue 16, point 2): a bf16 worker's TOPLOC
+    proofs pass a bf16 validator under the same-stack (tight) thresholds, and an fp32
+    validator of the same weights under the cross-stack (paper) ones; a completion the
+    worker did not generate fails both (the control that the check can fail)."""
+    from node.engines.base import group_seeds
+    from node.roles.context import TOPLOC_PRESETS
+    from proofs import build_sequence_proofs, verify_sequence
+    from protocol.messages import SamplingParams
+
+    weights = tiny_llama(eos_token_id=EOS, seed=4)
+    bf16 = TransformersEngine(tiny_llama(eos_token_id=EOS, seed=4).to(torch.bfloat16))
+    bf16.load_weights(weights.state_dict())  # fp32 weights cast on load, as a published version is
+    fp32 = TransformersEngine(weights)
+    assert bf16.model.model.norm.weight.dtype == torch.bfloat16
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=40)
+    comps = bf16.generate(PROMPTS, 2, params, group_seeds([7, 8], 2), capture_hidden=True)
+    tight, cross = TOPLOC_PRESETS["tight"], TOPLOC_PRESETS["cross-stack"]
+    for group in comps:
+        for c in group:
+            proofs = build_sequence_proofs(c.hidden, len(c.prompt_tokens), tight)
+            same = bf16.prefill_hidden(c.prompt_tokens, c.tokens)
+            other = fp32.prefill_hidden(c.prompt_tokens, c.tokens)
+            assert verify_sequence(same, len(c.prompt_tokens), proofs, tight).ok
+            assert verify_sequence(other, len(c.prompt_tokens), proofs, cross).ok
+            forged = [(t + 17) % bf16.vocab_size for t in c.tokens]
+            assert not verify_sequence(
+                bf16.prefill_hidden(c.prompt_tokens, forged), len(c.prompt_tokens), proofs, tight
+            ).ok
+            assert not verify_sequence(
+                fp32.prefill_hidden(c.prompt_tokens, forged), len(c.prompt_tokens), proofs, cross
+            ).ok

@@ -194,3 +194,28 @@ def test_dataset_filter_cli_on_the_cached_dataset_with_a_model_folder(hub, tmp_p
     assert "kept 3/3 problems" in res.stdout
     kept = load_dataset(out)
     assert [p.answer for p in kept] == ["72", "1200", "-2"] and all(p.pass_rate == 0.0 for p in kept)
+
+
+def test_dataset_make_writes_a_builtin_task_that_loads_back_the_same(tmp_path):
+    """``primenode dataset make``: a built-in task as a dataset file (what the filter reads),
+    the same problems a genesis naming ``builtin:addition`` loads; an unknown task is refused."""
+    from node.rl.tasks import addition_problems
+
+    out = tmp_path / "addition.jsonl"
+    res = subprocess.run(
+        [*BASE, "dataset", "make", "addition", "-n", "7", "-o", str(out)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    assert dataset_hash(load_dataset(out)) == dataset_hash(addition_problems(7, 0))
+    assert len({p.prompt for p in addition_problems(400, 0)}) == 400  # distinct pairs before repeats
+    bad = subprocess.run([*BASE, "dataset", "make", "nope", "-o", str(out)], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown built-in task" in bad.stderr + bad.stdout
+
+
+def test_dataset_filter_help_names_its_pass_rate_window():
+    """The help text once lost its ``[lo, hi]`` to rich markup ("keep problems inside .")."""
+    res = subprocess.run(
+        [*BASE, "dataset", "filter", "--help"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}
+    )
+    assert res.returncode == 0, res.stderr
+    assert "from --min-pass to --max-pass" in res.stdout

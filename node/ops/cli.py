@@ -288,6 +288,25 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"model_root   {g.model_root.hex() or '(built-in model, not pinned)'}")
 
 
+@dataset_app.command("make")
+def dataset_make(
+    task: Annotated[str, typer.Argument(help="Built-in task: target-length, arithmetic or addition.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Dataset file to write (.jsonl or .parquet).")],
+    n: Annotated[int, typer.Option("-n", "--n", help="Number of problems.")] = 1024,
+    seed: Annotated[int, typer.Option("--seed", help="Seed (same seed, same problems).")] = 0,
+) -> None:
+    """Write a built-in task's seeded problems as a dataset file (to filter, edit or pin by hash)."""
+    from node.rl.tasks import builtin_problems, save_dataset
+
+    if n < 1:
+        raise ConfigError("-n must be at least 1")
+    try:
+        problems = builtin_problems(task, n, seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    typer.echo(f"{len(problems)} {task} problems -> {save_dataset(problems, output)}")
+
+
 @dataset_app.command("filter")
 def dataset_filter(
     input_path: Annotated[
@@ -326,7 +345,7 @@ def dataset_filter(
         typer.Option("--math-instruction", help="Instruction after a math problem ([config] math_instruction)."),
     ] = None,
 ) -> None:
-    """Sample k completions per problem, record pass rates, keep problems inside [min-pass, max-pass].
+    """Sample k completions per problem, record pass rates, keep problems whose rate lies from --min-pass to --max-pass.
 
     Prompts go through the model's chat template with the system prompt and the \\boxed{}
     instruction the run will use; pass --system-prompt / --math-instruction when the genesis
@@ -371,9 +390,23 @@ def devnet(
     model: Annotated[
         str, typer.Option("--model", help="Model: tiny (random init, char vocabulary) or smollm2.")
     ] = "tiny",
-    task: Annotated[str, typer.Option("--task", help="Built-in task: target-length or arithmetic.")] = "target-length",
+    task: Annotated[
+        str, typer.Option("--task", help="Built-in task: target-length, arithmetic or addition.")
+    ] = "target-length",
+    dataset: Annotated[
+        Path | None,
+        typer.Option(
+            "--dataset",
+            help="Dataset file or folder (e.g. `primenode dataset filter` output) instead of --task; "
+            "pinned in the genesis by its content hash.",
+        ),
+    ] = None,
     max_async: Annotated[int, typer.Option("--max-async", help="Versions a batch may lag behind the trainer.")] = 2,
     timeout: Annotated[float, typer.Option("--timeout", help="Give up after this many seconds.")] = 900.0,
+    duration: Annotated[
+        float,
+        typer.Option("--duration", help="Stop cleanly after this many seconds, whatever the step (0: off)."),
+    ] = 0.0,
     engine: Annotated[
         str, typer.Option("--engine", help="Engine of workers and validators: transformers or vllm.")
     ] = "transformers",
@@ -386,6 +419,23 @@ def devnet(
     prompts_per_batch: Annotated[
         int, typer.Option("--prompts-per-batch", help="Prompts per worker batch (overrides the split; 0: split).")
     ] = 0,
+    group_size: Annotated[int, typer.Option("--group-size", help="Completions sampled per prompt (GRPO group).")] = 8,
+    lr: Annotated[float, typer.Option("--lr", help="Trainer AdamW learning rate.")] = 1e-4,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Max new tokens per completion.")] = 48,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature.")] = 1.0,
+    policy_dtype: Annotated[
+        str,
+        typer.Option(
+            "--policy-dtype", help="Precision of the published policy and of the engines: float32 or bfloat16."
+        ),
+    ] = "float32",
+    system_prompt: Annotated[
+        str | None,
+        typer.Option("--system-prompt", help="System prompt of math problems (empty: the chat template's own)."),
+    ] = None,
+    math_instruction: Annotated[
+        str | None, typer.Option("--math-instruction", help="Instruction appended to a math problem.")
+    ] = None,
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from node.ops.devnet import DevnetOptions, run_devnet
@@ -398,11 +448,20 @@ def devnet(
             steps=steps,
             model=model,
             task=task,
+            dataset=dataset,
             max_async=max_async,
             timeout_s=timeout,
+            duration_s=duration,
             engine=engine,
             prompts_per_step=prompts_per_step,
             prompts_per_batch=prompts_per_batch,
+            group_size=group_size,
+            lr=lr,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            policy_dtype=policy_dtype,
+            system_prompt=system_prompt,
+            math_instruction=math_instruction,
         )
     )
     if summary["interrupted"]:

@@ -39,6 +39,14 @@ class DevnetOptions:
     steps: int = 30
     model: str = "tiny"
     task: str = "target-length"
+    # a dataset file or folder (e.g. ``primenode dataset filter``'s output) instead of the
+    # built-in task; pinned in the genesis by its content hash like any run's data
+    dataset: Path | None = None
+    # genesis [config] overrides (None: the run's defaults): the prompt style of math problems
+    # and the precision of the published policy (float32 or bfloat16)
+    system_prompt: str | None = None
+    math_instruction: str | None = None
+    policy_dtype: str = "float32"
     max_async: int = 2
     # prompts each trainer step learns from, split across the workers' batches (16: 8 per
     # worker; 8 learned less by step 40, docs/benchmarks.md, issue 20); prompts_per_batch, when
@@ -54,6 +62,9 @@ class DevnetOptions:
     # budget); 0: one per worker, the batches each version brings (docs/benchmarks.md, issue 20)
     batches_per_step: int = 0
     timeout_s: float = 900.0
+    # stop cleanly (metrics, curve, summary) after this many seconds whatever the step; 0: off.
+    # A learning budget ("does it learn within 30 minutes"), unlike timeout_s, which is a failure.
+    duration_s: float = 0.0
     # inference engine of workers and validators: transformers, or vllm (needs vLLM installed)
     engine: str = "transformers"
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -104,6 +115,7 @@ class Devnet:
     # ------------------------------------------------------------- set-up
     def prepare(self) -> None:
         from node.genesis_file import make_genesis, write_genesis
+        from node.roles.context import POLICY_DTYPES
         from node.roles.engines import check_engine_choice
 
         o = self.opts
@@ -125,8 +137,10 @@ class Devnet:
         workers = [home(f"worker-{i}") for i in range(o.workers)]
         validators = [home(f"validator-{i}") for i in range(o.validators)]
         quorum = o.quorum or max(1, (o.validators // 2) + 1 if o.validators > 2 else o.validators)
+        dataset, size, pins = self._dataset()
+        style = {"system_prompt": o.system_prompt, "math_instruction": o.math_instruction}
         config = {
-            "task": o.task,
+            "task": o.task if o.dataset is None else "dataset",
             "steps": o.steps,
             "lr": o.lr,
             "max_tokens": o.max_tokens,
@@ -136,18 +150,21 @@ class Devnet:
             # one batch per worker per version: a step waits for each worker's batch of the
             # version, then trains on every admitted batch still in the window (none goes stale)
             "worker_batches_per_version": 1,
-            # every devnet worker and validator runs one engine in fp32 on this CPU: one numerics
-            # stack, so validators use the tight TOPLOC thresholds (docs/proofs.md)
-            "numerics": f"{o.engine}-fp32-cpu",
+            "policy_dtype": o.policy_dtype,
+            **{k: v for k, v in style.items() if v is not None},
+            # every devnet worker and validator runs one engine in the policy's dtype on this
+            # CPU: one numerics stack, so validators use its tight TOPLOC thresholds (docs/proofs.md)
+            "numerics": f"{o.engine}-{POLICY_DTYPES.get(o.policy_dtype, o.policy_dtype)}-cpu",
             **o.extra_config,
         }
         signed = make_genesis(
             owner,
             config,
-            name=f"devnet-{o.task}",
+            name=f"devnet-{o.task if o.dataset is None else Path(o.dataset).stem}",
             model=o.model,
-            dataset=f"builtin:{o.task}",
-            dataset_size=1024,
+            dataset=dataset,
+            dataset_size=size,
+            **pins,
             trainer=trainer.load_key().peer_id,
             validators=[v.load_key().peer_id for v in validators],
             quorum=min(quorum, o.validators),
@@ -157,6 +174,9 @@ class Devnet:
             chunk_size=1 << 20,
         )
         write_genesis(signed, self.genesis_path)
+
+        if o.model == "smollm2":
+            self._share_smollm2([trainer, *workers, *validators])
 
         port = free_port()
         boot_id = boot.load_key().peer_id
@@ -192,6 +212,49 @@ class Devnet:
             )
         for n in self.nodes:
             n.args += self.opts.node_args.get(n.name, [])
+
+    def _share_smollm2(self, homes: list[NodeHome]) -> None:
+        """Convert SmolLM2's packaged GGUF once (``out/cache``) and hard-link the folder into
+        every node's cache: five nodes converting it at once took ~3 minutes of a 2-core
+        machine before the first step. Each node still loads the model files itself."""
+        import shutil
+
+        from node.models import SMOLLM2_DIRNAME, load_smollm2
+
+        shared = self.out / "cache" / SMOLLM2_DIRNAME
+        if not (shared / "config.json").exists():
+            load_smollm2(self.out / "cache")
+        for h in homes:
+            folder = h.cache_dir / SMOLLM2_DIRNAME
+            if (folder / "config.json").exists():
+                continue
+            tmp = folder.with_name(folder.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for f in shared.iterdir():
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:  # another file system: copy
+                    shutil.copy2(f, tmp / f.name)
+            tmp.rename(folder)
+
+    def _dataset(self) -> tuple[str, int, dict[str, Any]]:
+        """(genesis dataset spec, size, extra genesis fields): the built-in task's 1024 seeded
+        problems, or the file given, every problem of it, pinned by ``dataset_hash`` (every node
+        loads the same file here and checks the hash, as a real run's nodes do)."""
+        o = self.opts
+        if o.dataset is None:
+            return f"builtin:{o.task}", 1024, {}
+        from node.rl.tasks import dataset_hash, load_dataset
+
+        path = Path(o.dataset).resolve()
+        try:
+            problems = load_dataset(path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"dataset {path}: {exc}") from None
+        if not problems:
+            raise ConfigError(f"dataset {path} holds no problems")
+        return str(path), len(problems), {"dataset_hash": dataset_hash(problems)}
 
     def start(self, node: NodeProc) -> None:
         # open for the process's whole life; stop_all() and a restart close it
@@ -411,6 +474,8 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
                 view.update(render_table(devnet, snap, started))
                 rows = devnet.trainer_metrics()
                 if rows and rows[-1].get("step", 0) >= opts.steps:
+                    break
+                if opts.duration_s and time.monotonic() - started >= opts.duration_s:
                     break
                 trainer = devnet.node("trainer")
                 if trainer.proc and trainer.proc.poll() is not None:

@@ -327,6 +327,44 @@ def arithmetic_problems(n: int, seed: int, max_operand: int = 99, ops: str = "+-
     return out
 
 
+# The instruction of the built-in addition task: a worked format example, because
+# SmolLM2-135M-Instruct almost never writes \\boxed{} unasked (0 of 32 samples at temperature
+# 0.7) and writes it in ~6% of samples with the example: a pass rate the offline filter can
+# work with (docs/benchmarks.md, "A real model learns").
+ADDITION_FORMAT = "Give the answer in the form \\boxed{number}, for example \\boxed{12}."
+
+
+def addition_problems(n: int, seed: int, lo: int = 1, hi: int = 20) -> list[Problem]:
+    """``n`` seeded one-step additions ``a + b`` with ``lo <= a, b <= hi`` (same seed, same
+    problems; distinct pairs until ``n`` exceeds them, then they repeat). Short answers, so a
+    small chat model's completion fits in ~32 tokens: the task a real model learns on two cores."""
+    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+    random.Random(seed).shuffle(pairs)
+    out = []
+    for i in range(n):
+        a, b = pairs[i % len(pairs)]
+        out.append(
+            Problem(
+                id=f"add-{seed}-{i}", prompt=f"What is {a} + {b}? {ADDITION_FORMAT}", task="math", answer=str(a + b)
+            )
+        )
+    return out
+
+
+BUILTIN_TASKS = ("target-length", "arithmetic", "addition")
+
+
+def builtin_problems(task: str, n: int, seed: int) -> list[Problem]:
+    """The problems of a built-in task (``builtin:<task>`` in a genesis)."""
+    if task in ("target-length", "length"):
+        return length_problems(n, seed)
+    if task in ("arithmetic", "math"):
+        return arithmetic_problems(n, seed)
+    if task == "addition":
+        return addition_problems(n, seed)
+    raise ValueError(f"unknown built-in task {task!r} (expected one of {', '.join(BUILTIN_TASKS)})")
+
+
 LENGTH_TARGETS = (8, 16, 24, 32)
 
 

@@ -32,7 +32,10 @@ TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
 # defaults calibrated across GPUs (mixed hardware). "tight": for a run whose nodes all
 # compute on one numerics stack, where honest chunks give ~0 mismatches; catches the
 # one-token prompt edits the paper's thresholds miss (docs/proofs.md).
-TOPLOC_PRESETS = {"paper": ProofConfig(), "tight": ProofConfig.tight()}
+# "cross-stack": the paper's thresholds under the name that says when to use them: a worker and
+# a validator on different stacks (a bf16 worker, an fp32 validator; another GPU or kernel)
+# differ by precision noise that tight may not absorb; the default when no stack is declared.
+TOPLOC_PRESETS = {"paper": ProofConfig(), "cross-stack": ProofConfig(), "tight": ProofConfig.tight()}
 _THRESHOLD_KEYS = {
     "toploc_max_exp_mismatches": int,
     "toploc_max_mant_err_mean": float,
@@ -42,10 +45,11 @@ _THRESHOLD_KEYS = {
 
 def proof_config_for(config: dict[str, Any]) -> ProofConfig:
     """The run's TOPLOC thresholds from its genesis [config]: ``toploc_thresholds``
-    ("paper" or "tight"; default "tight" when the genesis declares one ``numerics``
-    stack for every node, else "paper"), then any explicit ``toploc_max_*`` values.
+    ("paper", "cross-stack": the same numbers, or "tight"; default "tight" when the genesis
+    declares one ``numerics`` stack for every node, else "cross-stack"), then any explicit
+    ``toploc_max_*`` values.
     Chunking (32 tokens, top-128, prefill included) is the wire format and fixed."""
-    default = "tight" if config.get("numerics") else "paper"
+    default = "tight" if config.get("numerics") else "cross-stack"
     name = config.get("toploc_thresholds", default)
     if name not in TOPLOC_PRESETS:
         raise ConfigError(f"genesis toploc_thresholds must be one of {sorted(TOPLOC_PRESETS)}, got {name!r}")
@@ -109,8 +113,11 @@ def replay_config_for(config: dict[str, Any]) -> ReplayConfig:
     """The run's replay tolerance from its genesis [config]: ``sampling_tolerance`` ("same"
     or "mixed"), then explicit ``sampling_delta`` / ``sampling_max_near_ties`` /
     ``sampling_near_tie_rate``."""
-    default = "same" if config.get("numerics") else "mixed"
-    name = config.get("sampling_tolerance", default)
+    # "same" only for a declared fp32 stack: bf16 engines are not batch-invariant at 1e-3 (a
+    # worker's cached decode and a validator's batched prefill round differently; a bf16 devnet
+    # on "same" rejected honest workers by score gaps of ~0.005), so a bf16 stack gets "mixed"
+    same = config.get("numerics") and engine_dtype_for(config) == "float32"
+    name = config.get("sampling_tolerance", "same" if same else "mixed")
     if name not in REPLAY_PRESETS:
         raise ConfigError(f"genesis sampling_tolerance must be one of {sorted(REPLAY_PRESETS)}, got {name!r}")
     base = REPLAY_PRESETS[name]
@@ -147,6 +154,21 @@ def policy_dtype_for(config: dict[str, Any]) -> str:
             f"({' or '.join(sorted(POLICY_DTYPES.values()))}), e.g. 'transformers-fp32-cpu'"
         )
     return str(name)
+
+
+def engine_dtype_for(config: dict[str, Any]) -> str:
+    """The dtype workers' and validators' engines compute in: the one the genesis's
+    ``numerics`` stack names ("transformers-bf16-cpu" -> "bfloat16"), else the policy dtype.
+    A bf16 policy is thus sampled and re-prefilled in bf16 (as INTELLECT-2's vLLM workers
+    did), not upcast to fp32; a run may still declare an fp32 stack over bf16 weights."""
+    policy = policy_dtype_for(config)
+    numerics = config.get("numerics")
+    if numerics:
+        by_short = {short: name for name, short in POLICY_DTYPES.items()}
+        for part in str(numerics).split("-"):
+            if part in by_short:
+                return by_short[part]
+    return policy
 
 
 def slot_rule_for(config: dict[str, Any]) -> SlotRule:
@@ -297,6 +319,15 @@ class RunContext:
         import torch
 
         dtype = getattr(torch, policy_dtype_for(self.config))
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def engine_dtype(self) -> Any:
+        """The ``torch.dtype`` engines compute in (``engine_dtype_for``)."""
+        import torch
+
+        dtype = getattr(torch, engine_dtype_for(self.config))
         assert isinstance(dtype, torch.dtype)
         return dtype
 
@@ -473,10 +504,11 @@ def check_dataset(genesis: RunGenesis, problems: list[Any]) -> None:
 def load_problems(spec: str, size: int, seed: int) -> list[Any]:
     from node.rl import tasks
 
-    if spec in ("builtin:target-length", "builtin:length"):
-        problems = tasks.length_problems(size, seed)
-    elif spec in ("builtin:arithmetic", "builtin:math"):
-        problems = tasks.arithmetic_problems(size, seed)
+    if spec.startswith("builtin:"):
+        try:
+            problems = tasks.builtin_problems(spec.removeprefix("builtin:"), size, seed)
+        except ValueError as exc:
+            raise ModelError(f"dataset {spec}: {exc}") from None
     else:
         problems = tasks.load_dataset(spec)
     if len(problems) != size:

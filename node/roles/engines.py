@@ -42,9 +42,10 @@ def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
     if kind == "transformers":
         from node.engines.transformers_engine import TransformersEngine
 
-        engine = TransformersEngine(
-            ctx.initial_model(), device=device, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id
-        )
+        # the engine computes in the run's engine dtype (bf16 for a bf16 policy): version 0 is
+        # built in fp32 and cast once; later versions are cast on load (load_weights/load_delta)
+        model = ctx.initial_model().to(ctx.engine_dtype)
+        engine = TransformersEngine(model, device=device, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id)
     else:
         from node.engines.vllm_engine import VLLMEngine, vllm_available
 
@@ -53,7 +54,9 @@ def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
                 "--engine vllm needs vLLM in this Python environment "
                 "(`pip install -e '.[vllm]'` on a GPU box; docs/proofs.md, section vLLM)"
             )
-        engine = VLLMEngine(model_folder(ctx), eos_token_id=ctx.eos_token_id)
+        engine = VLLMEngine(
+            model_folder(ctx), dtype=str(ctx.engine_dtype).removeprefix("torch."), eos_token_id=ctx.eos_token_id
+        )
     ctx.check_engine(engine)
     return engine
 
