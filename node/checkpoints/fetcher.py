@@ -201,7 +201,8 @@ class VersionFetcher:
         self._free_bufs: list[bytearray] = []
         # stats
         self.started = time.monotonic()
-        self.started_trio = trio.current_time()
+        # trio's clock when run() began (a fetcher may be built outside trio: set there)
+        self.started_trio: float | None = None
         self.finished: float | None = None
         self.bytes_fetched = 0
         self.chunks_fetched = 0
@@ -355,7 +356,8 @@ class VersionFetcher:
         while w and w[0][0] < now - RATE_WINDOW_S:
             w.popleft()
         if w:
-            span = min(RATE_WINDOW_S, max(now - self.started_trio, 1e-3))
+            began = self.started_trio if self.started_trio is not None else now
+            span = min(RATE_WINDOW_S, max(now - began, 1e-3))
             self._last_receive_bps = sum(b for _, b in w) / span
         return self._last_receive_bps
 
@@ -383,6 +385,7 @@ class VersionFetcher:
 
     async def run(self) -> None:
         """Fetch until the version is complete (cancel the caller's scope to give up)."""
+        self.started_trio = trio.current_time()
         if not self.complete:  # chunks another version here shares are copied, not fetched
             for h in await trio.to_thread.run_sync(self.store.adopt_blocking, self.st):
                 self.store.mark_held(h)

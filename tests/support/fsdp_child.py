@@ -80,6 +80,8 @@ def main() -> None:
     rank, world, device = init_distributed(spec.get("device", "cpu"))
     print(f"pid {os.getpid()} rank {rank} of {world}", flush=True)
     out = Path(spec["out"])
+    # the kill test reads the pids from files: lines on the ranks' shared stdout can interleave
+    (out / f"pid_{rank}").write_text(str(os.getpid()))
     if rank == 0:
         (out / "backend.txt").write_text(torch.distributed.get_backend())
     if spec.get("group"):
