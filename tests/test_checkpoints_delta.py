@@ -256,6 +256,7 @@ async def test_delta_changes_decode_against_the_base_the_engine_holds(tmp_path):
         with trio.fail_after(30):
             await f.wait_assembled(1)
         changes = await f.delta_changes(1, 0)
+        records = await f.delta_changes(1, 0, values=False)  # what the vLLM engine asks: names, checked
         assert await f.delta_changes(1, 1) is None
         base = f.store.get(0)
         base.assembled = False  # as after GC dropped the base's files
@@ -263,6 +264,7 @@ async def test_delta_changes_decode_against_the_base_the_engine_holds(tmp_path):
         base.assembled = True
         nursery.cancel_scope.cancel()
     assert changes
+    assert records is not None and [(r.path, r.name) for r in records] == [(c.path, c.name) for c in changes]
     old = load_file(str(srcs[0] / "model.safetensors"))
     new = load_file(str(srcs[1] / "model.safetensors"))
     for c in changes:

@@ -92,3 +92,56 @@ def test_smollm2_chat_rollouts_verify_against_transformers(setup: dict[str, Any]
         assert result.ok, result
         sampled = replay(completion_logits(ref, len(c.prompt_tokens), head), c.tokens, seed, params, 1e-3)
         assert sampled.first_bad < 0 and sampled.near_ties == 0, sampled
+
+
+def test_a_sparse_delta_reloads_only_the_changed_layers_in_place(
+    setup: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 17 point 4 on vLLM: a real delta (encode_delta / iter_changes) that changes q of
+    layer 0, up of layer 1 and the final norm goes in through vLLM's layerwise reload. The
+    fused layers get all their parts (k, v with q; gate with up), read from the new files;
+    nothing else is sent. After it, greedy log-probs equal a transformers engine on the new
+    weights and differ from the old ones (the control); a delta naming a tensor the files
+    lack is refused before anything loads. The module's engine is put back on v0 after."""
+    from node.checkpoints.delta import encode_delta, iter_changes
+    from node.checkpoints.manifest import checkpoint_files
+    from node.engines.transformers_engine import TransformersEngine
+    from protocol.messages import SamplingParams
+
+    engine = setup["engine"]
+    v0 = Path(engine.model_path)
+    model = reference_model()
+    changed = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name in changed:
+            p = model.get_parameter(name)
+            mask = torch.rand(p.shape, generator=gen) < 0.05
+            p.copy_(torch.where(mask, p + 0.5, p))
+    v1: Path = tmp_path_factory.mktemp("tiny-llama-v1")
+    model.save_pretrained(v1)
+    files0, files1 = dict(checkpoint_files(v0)), dict(checkpoint_files(v1))
+    data, _ = encode_delta(files0, files1)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    before = engine.generate([PROMPTS[0]], 1, params, [[0]])[0][0]
+    try:
+        with pytest.raises(ValueError, match="do not have"):
+            bad = next(iter_changes(data, files0))
+            engine.load_delta([type(bad)(bad.path, "nope", bad.dtype, bad.numel, bad.positions, bad.values)], files1)
+        sent = engine.load_delta(list(iter_changes(data, files0)), files1)
+        layer0, layer1 = "model.layers.0.self_attn.", "model.layers.1.mlp."
+        assert sent == sorted(
+            [f"{layer0}{x}_proj.weight" for x in "qkv"]
+            + [f"{layer1}{x}_proj.weight" for x in ("gate", "up")]
+            + ["model.norm.weight"]
+        )
+        after = engine.generate([PROMPTS[0]], 1, params, [[0]])[0][0]
+        ref = TransformersEngine(model).generate([PROMPTS[0]], 1, params, [[0]])[0][0]
+        assert after.tokens == ref.tokens and after.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        assert after.logprobs != pytest.approx(before.logprobs, abs=1e-4)
+    finally:
+        from node.roles.common import load_state_dict
+
+        engine.load_weights(load_state_dict(files0))
+    again = engine.generate([PROMPTS[0]], 1, params, [[0]])[0][0]
+    assert again.tokens == before.tokens and again.logprobs == pytest.approx(before.logprobs, abs=1e-5)

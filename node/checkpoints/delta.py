@@ -443,6 +443,15 @@ def iter_changes(data: bytes | memoryview, base: Mapping[str, Path]) -> Iterator
         yield decode_record(rec, _tensor(Path(base[rec.path]), layouts[rec.path][rec.name]))
 
 
+def changed_tensors(data: bytes | memoryview, base: Mapping[str, Path]) -> list[DeltaRecord]:
+    """The records of the tensors the delta changes on ``base``, checked against it but not
+    decoded (an engine that reloads whole tensors, vLLM, needs the names, not the bits).
+    Raises ProtocolError ``delta.*``."""
+    records = parse_delta(data)
+    check_against_base(records, base)
+    return records
+
+
 def check_against_base(records: list[DeltaRecord], base: Mapping[str, Path]) -> dict[str, dict[str, TensorSpan]]:
     """Every record must name a tensor of the base with the same dtype and size.
 

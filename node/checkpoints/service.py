@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from node.checkpoints.delta import DeltaIncompatible, TensorChange, iter_changes
+from node.checkpoints.delta import DeltaIncompatible, TensorChange, changed_tensors, iter_changes
 from node.checkpoints.fetcher import FetchProgress, VersionFetcher
 from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE, verify_announce
 from node.checkpoints.overlay import ChunkOverlay
@@ -508,9 +508,12 @@ class Checkpoints:
         st = self.store.get(req.version, req.root)
         return ManifestResponse(found=st is not None, envelope=st.raw if st is not None else b"")
 
-    async def delta_changes(self, version: int, loaded: int) -> list[TensorChange] | None:
+    async def delta_changes(self, version: int, loaded: int, *, values: bool = True) -> list[Any] | None:
         """The tensors ``version`` changes, if it is an applied delta on exactly ``loaded``
-        (what an engine holding ``loaded`` needs to move to ``version`` in place), else None."""
+        (what an engine holding ``loaded`` needs to move to ``version`` in place), else None:
+        decoded ``TensorChange`` objects, or with ``values=False`` the delta's records
+        (names, checked against the base, not decoded) for an engine that reloads whole
+        tensors from the new files."""
         st = self.store.versions.get(version)
         if st is None or st.delta is None or not st.assembled or st.delta.base_version != loaded:
             return None
@@ -520,7 +523,10 @@ class Checkpoints:
         with self.store.pin(version), self.store.pin(base.version):
             data = await trio.to_thread.run_sync(self.store.delta_bytes_blocking, st)
             files = self.store.version_files(base)
-            return await trio.to_thread.run_sync(lambda: list(iter_changes(data, files)))
+            if not values:
+                return await trio.to_thread.run_sync(changed_tensors, data, files)
+            changes: list[TensorChange] = await trio.to_thread.run_sync(lambda: list(iter_changes(data, files)))
+            return changes
 
     def newest_version(self) -> int:
         """Newest complete, assembled version, or -1 (``Heartbeat.policy_version``)."""

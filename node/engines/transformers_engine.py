@@ -249,7 +249,7 @@ class TransformersEngine:
             for name, value in state_dict.items():
                 own[name].copy_(torch.as_tensor(value).to(own[name].dtype))
 
-    def load_delta(self, changes: Iterable[Any]) -> list[str]:
+    def load_delta(self, changes: Iterable[Any], files: Mapping[str, Any] | None = None) -> list[str]:
         """Move the live weights to the next version in place from a sparse delta: only the
         changed elements of the changed tensors are written (a tensor the delta does not
         name is not touched). ``changes`` yields objects with ``name``, ``dtype`` (the
@@ -258,7 +258,8 @@ class TransformersEngine:
         the dtype's size), as ``node.checkpoints.delta.iter_changes`` gives them. The new
         values are cast to the parameter's dtype exactly as a full load would cast them.
         Every change is checked against the model before any is written. Returns the
-        names of the tensors written."""
+        names of the tensors written. ``files`` (the new version's, which the vLLM engine
+        reads) is not needed here: the changes carry every new bit."""
         own = self.model.state_dict()
         todo = []
         for c in changes:

@@ -45,6 +45,10 @@ Weights reload in place through the runner's ``reload_weights`` (vLLM's layerwis
 reload): after start-up the CPU build has repacked the linear weights for its
 kernels and dropped the parameters' loaders, so the model's own ``load_weights``
 fails ("'Parameter' object has no attribute 'weight_loader'").
+A sparse delta (``load_delta``) goes through the same reload with only the layers it
+changes: vLLM fuses q/k/v and gate/up into one layer and rebuilds a layer from what it
+was given, so every checkpoint tensor packed into a changed layer is sent, read from the
+new version's files; layers the delta does not touch keep their kernel tensors.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +416,59 @@ class VLLMEngine:
         finally:
             self._capture = None
         return [self._assemble(cap, str(o.request_id), f, len(s)) for o, s, f in zip(outs, seqs, firsts)]
+
+    delta_values = False  # load_delta needs the changed tensors' names only (Checkpoints.delta_changes)
+
+    def reload_group(self, changed: Iterable[str], names: Iterable[str]) -> list[str]:
+        """The checkpoint tensors (of ``names``) vLLM must be given to move the tensors
+        ``changed`` in place: all of every vLLM layer that holds a changed one. A fused layer
+        (``qkv_proj`` from q/k/v, ``gate_up_proj`` from gate/up, as the model's
+        ``packed_modules_mapping`` says) is rebuilt by the layerwise reload from the parts it
+        receives, so sending q alone would leave k and v undefined."""
+        packed: dict[str, str] = {}
+        for fused, parts in (getattr(self._runner.model, "packed_modules_mapping", None) or {}).items():
+            packed.update({part: fused for part in parts})
+
+        def layer(name: str) -> str:
+            module = name.rpartition(".")[0]
+            parent, _, leaf = module.rpartition(".")
+            return f"{parent}.{packed[leaf]}" if leaf in packed else module
+
+        wanted = {layer(n) for n in changed}
+        return sorted(n for n in names if layer(n) in wanted)
+
+    def load_delta(self, changes: Iterable[Any], files: Mapping[str, Path] | None = None) -> list[str]:
+        """Move the live weights to the next version in place, reloading only the layers a
+        sparse delta changes (``changes``: objects with a ``name``, as
+        ``node.checkpoints.delta.iter_changes`` gives them; ``files``: the new version's
+        ``{path: file}``, already checked against its signed root). vLLM's reload works per
+        tensor, not per element, so the changed layers' tensors are read whole from the new
+        files. Every name is checked before anything is loaded; the prefix cache is dropped.
+        Returns the names sent to vLLM."""
+        from safetensors import safe_open
+
+        if files is None:
+            raise ValueError("vLLM's in-place delta load needs the new version's files")
+        where: dict[str, Path] = {}
+        for path, file in sorted(files.items()):
+            if path.endswith(".safetensors"):
+                with safe_open(str(file), framework="pt") as h:
+                    where.update({k: Path(file) for k in h.keys()})  # noqa: SIM118 (not a dict)
+        changed = sorted({c.name for c in changes})
+        unknown = [n for n in changed if n not in where]
+        if unknown:
+            raise ValueError(f"delta names {unknown[:5]}, which the new version's files do not have")
+        send = self.reload_group(changed, where)
+        weights: list[tuple[str, torch.Tensor]] = []
+        for file in sorted(set(where[n] for n in send)):
+            with safe_open(str(file), framework="pt") as h:
+                weights += [(n, h.get_tensor(n)) for n in send if where[n] == file]
+        weights.sort(key=lambda nw: nw[0])  # by layer: one layer's parts arrive together
+        if weights:
+            self._runner.reload_weights(weights_iterator=iter(weights))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight reload")
+        return send
 
     def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         """Hot reload in place from a HF-named state dict (vLLM maps the names, fuses

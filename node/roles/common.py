@@ -218,9 +218,11 @@ class EngineRole(LearningRole):
         the transient memory back (node/memory.py). The caller records ``loaded_version``.
         A delta version on the loaded one goes in place, only its changed elements written."""
         if self.engine is not None and self.checkpoints is not None and hasattr(self.engine, "load_delta"):
-            changes = await self.checkpoints.delta_changes(version, self.loaded_version)
+            values = getattr(self.engine, "delta_values", True)  # False: the engine reads whole tensors
+            changes = await self.checkpoints.delta_changes(version, self.loaded_version, values=values)
             if changes is not None:
-                await trio.to_thread.run_sync(self.engine.load_delta, changes)
+                with self.checkpoints.open_version(version) as files:
+                    await trio.to_thread.run_sync(self.engine.load_delta, changes, files)
                 return
         state = await self.weights.get(version)
         if self.engine is None:
