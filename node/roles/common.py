@@ -222,7 +222,8 @@ class EngineRole(LearningRole):
             changes = await self.checkpoints.delta_changes(version, self.loaded_version, values=values)
             if changes is not None:
                 with self.checkpoints.open_version(version) as files:
-                    await trio.to_thread.run_sync(self.engine.load_delta, changes, files)
+                    touched = await trio.to_thread.run_sync(self.engine.load_delta, changes, files)
+                log.info("version %d loaded in place from its delta (%d tensors written)", version, len(touched))
                 return
         state = await self.weights.get(version)
         if self.engine is None:
