@@ -10,11 +10,13 @@ and after as the trainer publishes (``export_weights``), and encoded as a delta
 
 - **full**: read the new version's files (``load_state_dict``) and ``load_weights`` them,
   what a node without a delta path does;
-- **delta**: what ``Checkpoints.delta_changes`` gives a role, then ``load_delta``: the
-  transformers engine gets the decoded changes (``iter_changes``) and writes the changed
-  elements only; the vLLM engine gets the changed tensors' names (``changed_tensors``, no
-  decoding) and reloads the layers that hold one through vLLM's layerwise reload (whole
-  tensors from the new files, which the node has already built and checked).
+- **delta**: what ``Checkpoints.delta_changes`` gives a role, then ``load_delta``: both
+  engines get the changed tensors' names (``changed_tensors``, checked, not decoded) and
+  read those tensors whole from the new files (which the node has already built and checked
+  against the signed root); the transformers engine copies them into its parameters, the
+  vLLM engine reloads the layers that hold one through vLLM's layerwise reload. With
+  ``--elements`` the transformers engine gets decoded changes (``iter_changes``) and writes
+  only the changed elements instead (the slower form, kept for comparison).
 
 Both are checked: after each load, greedy log-probs of one prompt equal those of a
 transformers engine built from the new version's files. vLLM runs only where it is
@@ -105,13 +107,15 @@ def greedy(engine: Any, prompt: list[int]) -> list[float]:
     return list(engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_tokens=8), [[0]])[0][0].logprobs)
 
 
-def measure(kind: str, v0: Path, v1: Path, data: bytes, prompt: list[int], repeats: int) -> dict[str, Any]:
+def measure(
+    kind: str, v0: Path, v1: Path, data: bytes, prompt: list[int], repeats: int, elements: bool = False
+) -> dict[str, Any]:
     from node.checkpoints.delta import changed_tensors, iter_changes
     from node.roles.common import load_state_dict
 
     engine = build(kind, v0)
     want = greedy(build("transformers", v1), prompt)
-    full_s, delta_s, decode_s, sent = [], [], [], 0
+    full_s, delta_s, changes_s, sent = [], [], [], 0
     for _ in range(repeats):
         engine.load_weights(load_state_dict(files(v0)))
         t0 = time.perf_counter()
@@ -120,14 +124,14 @@ def measure(kind: str, v0: Path, v1: Path, data: bytes, prompt: list[int], repea
         full_ok = max(abs(a - b) for a, b in zip(greedy(engine, prompt), want)) < 1e-3
         engine.load_weights(load_state_dict(files(v0)))
         t0 = time.perf_counter()
-        if getattr(engine, "delta_values", True):
+        if elements and kind == "transformers":
             changes: list[Any] = list(iter_changes(data, files(v0)))
         else:  # names only, as Checkpoints.delta_changes(values=False) gives this engine
             changes = changed_tensors(data, files(v0))
         t1 = time.perf_counter()
         sent = len(engine.load_delta(changes, files(v1)))
         delta_s.append(time.perf_counter() - t0)
-        decode_s.append(t1 - t0)
+        changes_s.append(t1 - t0)
         delta_ok = max(abs(a - b) for a, b in zip(greedy(engine, prompt), want)) < 1e-3
         if not (full_ok and delta_ok):
             raise SystemExit(
@@ -135,10 +139,10 @@ def measure(kind: str, v0: Path, v1: Path, data: bytes, prompt: list[int], repea
             )
     full, delta = statistics.median(full_s), statistics.median(delta_s)
     return {
-        "engine": kind,
+        "engine": kind + (" (elements)" if elements and kind == "transformers" else ""),
         "full_s": round(full, 3),
         "delta_s": round(delta, 3),
-        "decode_s": round(statistics.median(decode_s), 3),
+        "changes_s": round(statistics.median(changes_s), 3),
         "tensors_loaded": sent,
         "speedup": round(full / delta, 2),
         "logprobs_match": True,
@@ -150,6 +154,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-6)
     ap.add_argument("--engines", default="transformers,vllm")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--elements", action="store_true", help="also time the transformers engine's element-wise form")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/primenode"), help="SmolLM2 HF folder cache")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -168,17 +173,19 @@ def main() -> None:
                 skipped[kind] = "vllm not installed"
                 continue
             rows.append(measure(kind, v0, v1, data, step["prompt"], args.repeats))
+            if kind == "transformers" and args.elements:
+                rows.append(measure(kind, v0, v1, data, step["prompt"], args.repeats, elements=True))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nSmolLM2-135M, one GRPO step at lr {args.lr:g}, bf16 export: {stats.tensors_changed} of "
           f"{stats.tensors} tensors changed, {stats.changed_fraction:.4%} of elements; delta "
           f"{stats.delta_bytes / 1e6:.2f} MB of {stats.full_bytes / 1e6:.1f} MB\n")  # fmt: skip
-    print(f"{'engine':<14}{'full reload s':>15}{'delta in place s':>18}{'(decode s)':>12}{'tensors':>9}{'speedup':>9}")
+    print(f"{'engine':<26}{'full reload s':>15}{'delta in place s':>18}{'(changes s)':>12}{'tensors':>9}{'speedup':>9}")
     for r in rows:
-        print(f"{r['engine']:<14}{r['full_s']:>15.3f}{r['delta_s']:>18.3f}{r['decode_s']:>12.3f}"
+        print(f"{r['engine']:<26}{r['full_s']:>15.3f}{r['delta_s']:>18.3f}{r['changes_s']:>12.3f}"
               f"{r['tensors_loaded']:>9}{r['speedup']:>8.2f}x")  # fmt: skip
     for k, why in skipped.items():
-        print(f"{k:<14}skipped: {why}")
+        print(f"{k:<26}skipped: {why}")
     print(json.dumps({
         "bench": "engine_reload", "lr": args.lr, "repeats": args.repeats,
         "changed_fraction": stats.changed_fraction, "tensors_changed": stats.tensors_changed,

@@ -423,6 +423,47 @@ def test_engine_loads_a_delta_in_place_touching_only_changed_tensors(tmp_path):
         engine.load_delta([type(bad)(bad.path, "nope", bad.dtype, bad.numel, bad.positions, bad.values)])
 
 
+def test_engine_loads_a_delta_by_tensor_from_the_new_files(tmp_path):
+    """What a role does (``delta_changes(values=False)``): the delta's checked records name
+    the changed tensors, the engine reads those whole from the new version's files and
+    copies them in; every other tensor is not touched, and the result equals a full load.
+    Names the model or the files lack are refused before anything is written."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from node.checkpoints.delta import changed_tensors
+    from node.engines.transformers_engine import TransformersEngine
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "v0", safe_serialization=True)
+    with torch.no_grad():
+        p = model.get_parameter("model.layers.1.self_attn.k_proj.weight")
+        p.copy_(torch.where(torch.rand(p.shape) < 0.05, (p.float() + 0.1).to(p.dtype), p))
+    model.save_pretrained(tmp_path / "v1", safe_serialization=True)
+    data, _ = encode_delta(_files(tmp_path / "v0"), _files(tmp_path / "v1"))
+    records = changed_tensors(data, _files(tmp_path / "v0"))
+    assert [r.name for r in records] == ["model.layers.1.self_attn.k_proj.weight"]
+
+    engine = TransformersEngine(LlamaForCausalLM.from_pretrained(tmp_path / "v0").float(), device="cpu")
+    before = {k: v._version for k, v in engine.model.state_dict().items()}
+    for bad in ("nope", "model.layers.9.mlp.up_proj.weight"):
+        rec = type(records[0])(**{**records[0].__dict__, "name": bad})
+        with pytest.raises(ValueError, match="does not have"):
+            engine.load_delta([rec], _files(tmp_path / "v1"))
+    with pytest.raises(ValueError, match="needs the new version's files"):
+        engine.load_delta(records, None)
+    assert {k: v._version for k, v in engine.model.state_dict().items()} == before  # nothing written
+    assert engine.load_delta(records, _files(tmp_path / "v1")) == ["model.layers.1.self_attn.k_proj.weight"]
+    after = engine.model.state_dict()
+    assert [k for k in after if after[k]._version != before[k]] == ["model.layers.1.self_attn.k_proj.weight"]
+    full = LlamaForCausalLM.from_pretrained(tmp_path / "v1").float().state_dict()
+    assert all(torch.equal(after[k], v) for k, v in full.items())
+
+
 def test_dense_encoding_when_nearly_everything_changed(tmp_path):
     a = write_version(tmp_path / "a", random_state(5))
     b = write_version(tmp_path / "b", {k: (v.float() + 1).to(v.dtype) for k, v in random_state(5).items()})

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from protocol.messages import SamplingParams
@@ -98,4 +99,28 @@ def group_seeds(seeds: Sequence[int], n: int) -> list[list[int]]:
             digest = hashlib.blake2b(f"{int(seed)}:{j}".encode(), digest_size=8).digest()
             row.append(int.from_bytes(digest, "big") >> 1)
         out.append(row)
+    return out
+
+
+def read_tensors(names: Iterable[str], files: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The named tensors, read whole from a version's ``{path: file}`` (its safetensors
+    files, already checked against the signed root): what an engine reloads for the
+    tensors a delta changes. Raises ValueError naming any the files do not hold."""
+    from safetensors import safe_open
+
+    if files is None:
+        raise ValueError("loading a delta by tensor needs the new version's files")
+    where: dict[str, Path] = {}
+    for path, file in sorted(files.items()):
+        if str(path).endswith(".safetensors"):
+            with safe_open(str(file), framework="pt") as h:
+                where.update({k: Path(file) for k in h.keys()})  # noqa: SIM118 (not a dict)
+    wanted = sorted(set(names))
+    unknown = [n for n in wanted if n not in where]
+    if unknown:
+        raise ValueError(f"delta names {unknown[:5]}, which the new version's files do not have")
+    out: dict[str, Any] = {}
+    for file in sorted({where[n] for n in wanted}):
+        with safe_open(str(file), framework="pt") as h:
+            out.update({n: h.get_tensor(n) for n in wanted if where[n] == file})
     return out

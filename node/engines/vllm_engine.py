@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from node.engines.base import Completion, check_seeds
+from node.engines.base import Completion, check_seeds, read_tensors
 from proofs.sampling import seeded_choice
 from protocol.messages import SamplingParams
 
@@ -449,21 +449,15 @@ class VLLMEngine:
 
         if files is None:
             raise ValueError("vLLM's in-place delta load needs the new version's files")
-        where: dict[str, Path] = {}
+        names: list[str] = []
         for path, file in sorted(files.items()):
             if path.endswith(".safetensors"):
                 with safe_open(str(file), framework="pt") as h:
-                    where.update({k: Path(file) for k in h.keys()})  # noqa: SIM118 (not a dict)
-        changed = sorted({c.name for c in changes})
-        unknown = [n for n in changed if n not in where]
-        if unknown:
-            raise ValueError(f"delta names {unknown[:5]}, which the new version's files do not have")
-        send = self.reload_group(changed, where)
-        weights: list[tuple[str, torch.Tensor]] = []
-        for file in sorted(set(where[n] for n in send)):
-            with safe_open(str(file), framework="pt") as h:
-                weights += [(n, h.get_tensor(n)) for n in send if where[n] == file]
-        weights.sort(key=lambda nw: nw[0])  # by layer: one layer's parts arrive together
+                    names += h.keys()
+        changed = {c.name for c in changes}
+        tensors = read_tensors(changed | set(self.reload_group(changed, names)), files)  # raises on unknown names
+        send = sorted(tensors)
+        weights = [(n, tensors[n]) for n in send]  # by layer: one layer's parts arrive together
         if weights:
             self._runner.reload_weights(weights_iterator=iter(weights))
         if not self.llm.reset_prefix_cache():
