@@ -1,6 +1,6 @@
 """The real-model devnet (issue 16 point 7), short: ``primenode devnet --model smollm2
 --dataset FILE`` with SmolLM2-135M-Instruct's own tokenizer and chat template, on the
-addition problems the offline filter kept (bench/data/addition_smollm2.jsonl), through
+addition problems the offline filter kept (bench/data/addition160_smollm2.jsonl), through
 real processes, libp2p, checkpoint fetches and TOPLOC-checked batches. The full run (the
 reward rising over 30 minutes on two cores) is in docs/benchmarks.md; this one checks the
 same command trains: steps taken on admitted batches, rewards from the real model's
@@ -20,7 +20,7 @@ import pytest
 from node.models import smollm2_available
 from node.rl.tasks import load_dataset
 
-DATASET = Path(__file__).resolve().parents[1] / "bench" / "data" / "addition_smollm2.jsonl"
+DATASET = Path(__file__).resolve().parents[1] / "bench" / "data" / "addition160_smollm2.jsonl"
 
 pytestmark = [
     pytest.mark.slow,  # ~5-10 min on two cores: five processes each load a 135M-parameter model
@@ -41,7 +41,7 @@ def test_the_smollm2_devnet_trains_on_the_filtered_dataset(tmp_path):
         sys.executable, "-m", "node.ops.cli", "devnet", "--out", str(out), "--model", "smollm2",
         "--dataset", str(DATASET), "--system-prompt", "", "--workers", "1", "--validators", "1",
         "--steps", "3", "--prompts-per-step", "4", "--group-size", "8", "--max-tokens", "32",
-        "--temperature", "0.7", "--lr", "3e-5", "--timeout", "1500",
+        "--temperature", "0.7", "--lr", "2e-5", "--timeout", "1500",
     ]  # fmt: skip
     try:
         with open(log, "wb") as sink:

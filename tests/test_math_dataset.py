@@ -9,6 +9,7 @@ with the same prompts the run will use and keeps the pass-rate window.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -192,6 +193,7 @@ def test_dataset_filter_cli_on_the_cached_dataset_with_a_model_folder(hub, tmp_p
     res = subprocess.run([*BASE, *args], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr
     assert "kept 3/3 problems" in res.stdout
+    assert "mean pass rate 0.0000 over all 3 problems" in res.stdout
     kept = load_dataset(out)
     assert [p.answer for p in kept] == ["72", "1200", "-2"] and all(p.pass_rate == 0.0 for p in kept)
 
@@ -210,6 +212,31 @@ def test_dataset_make_writes_a_builtin_task_that_loads_back_the_same(tmp_path):
     assert len({p.prompt for p in addition_problems(400, 0)}) == 400  # distinct pairs before repeats
     bad = subprocess.run([*BASE, "dataset", "make", "nope", "-o", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown built-in task" in bad.stderr + bad.stdout
+
+
+def test_dataset_make_narrows_the_operands_of_addition(tmp_path):
+    """``--max-operand 9``: single-digit sums (the SmolLM2 run's task), the same problems as
+    ``addition_problems(n, seed, hi=9)``; the default range is untouched; a task without
+    operands refuses the option rather than ignoring it."""
+    from node.rl.tasks import addition_problems
+
+    out = tmp_path / "add9.jsonl"
+    args = ["dataset", "make", "addition", "-n", "48", "--max-operand", "9", "-o", str(out)]
+    res = subprocess.run([*BASE, *args], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    problems = load_dataset(out)
+    assert dataset_hash(problems) == dataset_hash(addition_problems(48, 0, hi=9))
+    pairs = [tuple(int(x) for x in re.findall(r"\d+", p.prompt)[:2]) for p in problems]
+    assert all(1 <= a <= 9 and 1 <= b <= 9 and int(p.answer) == a + b for (a, b), p in zip(pairs, problems))
+    assert len(set(pairs)) == 48  # distinct pairs (81 exist)
+    wide = [tuple(int(x) for x in re.findall(r"\d+", p.prompt)[:2]) for p in addition_problems(48, 0)]
+    assert max(max(p) for p in wide) > 9  # the default is still 1..20
+    bad = subprocess.run(
+        [*BASE, "dataset", "make", "target-length", "--max-operand", "9", "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "has no operands" in bad.stderr + bad.stdout
 
 
 def test_dataset_filter_help_names_its_pass_rate_window():

@@ -294,6 +294,10 @@ def dataset_make(
     output: Annotated[Path, typer.Option("--output", "-o", help="Dataset file to write (.jsonl or .parquet).")],
     n: Annotated[int, typer.Option("-n", "--n", help="Number of problems.")] = 1024,
     seed: Annotated[int, typer.Option("--seed", help="Seed (same seed, same problems).")] = 0,
+    max_operand: Annotated[
+        int | None,
+        typer.Option("--max-operand", help="Largest operand (arithmetic, addition; default: the task's own)."),
+    ] = None,
 ) -> None:
     """Write a built-in task's seeded problems as a dataset file (to filter, edit or pin by hash)."""
     from node.rl.tasks import builtin_problems, save_dataset
@@ -301,7 +305,7 @@ def dataset_make(
     if n < 1:
         raise ConfigError("-n must be at least 1")
     try:
-        problems = builtin_problems(task, n, seed)
+        problems = builtin_problems(task, n, seed, max_operand)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     typer.echo(f"{len(problems)} {task} problems -> {save_dataset(problems, output)}")
@@ -377,6 +381,9 @@ def dataset_filter(
         raise ModelError(str(exc)) from exc
     typer.echo("", err=True)
     typer.echo(f"kept {summary.kept}/{summary.total} problems with pass rate in [{lo}, {hi}] -> {summary.output}")
+    rates = list(summary.pass_rates.values())
+    if rates:  # the base model's rate over every problem, kept or not: where the run starts from
+        typer.echo(f"mean pass rate {sum(rates) / len(rates):.4f} over all {len(rates)} problems")
 
 
 @app.command()

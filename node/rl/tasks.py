@@ -354,14 +354,21 @@ def addition_problems(n: int, seed: int, lo: int = 1, hi: int = 20) -> list[Prob
 BUILTIN_TASKS = ("target-length", "arithmetic", "addition")
 
 
-def builtin_problems(task: str, n: int, seed: int) -> list[Problem]:
-    """The problems of a built-in task (``builtin:<task>`` in a genesis)."""
+def builtin_problems(task: str, n: int, seed: int, max_operand: int | None = None) -> list[Problem]:
+    """The problems of a built-in task (``builtin:<task>`` in a genesis). ``max_operand``
+    (arithmetic, addition; None: the task's default) narrows the operands, which is how a
+    task is brought into a small model's reach (single-digit sums for SmolLM2-135M:
+    docs/benchmarks.md, "A real model learns")."""
+    if max_operand is not None and task not in ("arithmetic", "math", "addition"):
+        raise ValueError(f"task {task!r} has no operands (max_operand is for arithmetic and addition)")
+    if max_operand is not None and max_operand < 1:
+        raise ValueError(f"max_operand must be at least 1, got {max_operand}")
     if task in ("target-length", "length"):
         return length_problems(n, seed)
     if task in ("arithmetic", "math"):
-        return arithmetic_problems(n, seed)
+        return arithmetic_problems(n, seed) if max_operand is None else arithmetic_problems(n, seed, max_operand)
     if task == "addition":
-        return addition_problems(n, seed)
+        return addition_problems(n, seed) if max_operand is None else addition_problems(n, seed, hi=max_operand)
     raise ValueError(f"unknown built-in task {task!r} (expected one of {', '.join(BUILTIN_TASKS)})")
 
 
