@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -141,6 +142,12 @@ def run_lr(lr: float, steps: int, args, work: Path) -> tuple[list[dict], list[Pa
     return rows, exports
 
 
+def _cpu() -> float:
+    """This process's CPU seconds (user + system), every thread."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Path) -> dict:
     """Full anchor, then the next version as a delta, to ``fetchers`` nodes: seconds each."""
     import trio
@@ -168,12 +175,13 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
             raw = await nodes[0].publish(ks[0], v, src, CHUNK, delta_base=1 if kind == "delta" else None)
             st = nodes[0].store.get(v)
             assert (st.delta is None) == (kind == "full"), f"version {v} was not published as {kind}"
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _cpu()
             for c in nodes[1:]:
                 c.on_announce(raw)
             for c in nodes[1:]:
                 assert await c.wait_outcome(v) is None, c.refused
             out[f"{kind}_seconds"] = round(time.perf_counter() - t0, 3)
+            out[f"{kind}_cpu_seconds"] = round(_cpu() - cpu0, 2)
             out[f"{kind}_bytes"] = st.manifest.total_bytes
             out[f"{kind}_seeder_bytes"] = nodes[0].server.bytes_served - out.get("full_seeder_bytes", 0)
         nursery.cancel_scope.cancel()
