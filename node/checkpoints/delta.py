@@ -27,6 +27,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -520,20 +521,11 @@ def check_against_base(records: list[DeltaRecord], base: Mapping[str, Path]) -> 
 
 
 class _BlockIO:
-    """Reads the base and writes the result block by block, with O_DIRECT where the
-    filesystem allows it (directio.py says why: fresh page-cache pages are what costs on a
-    VM), buffered otherwise."""
+    """Opens the result's files with O_DIRECT where the filesystem allows it (directio.py
+    says why: fresh page-cache pages are what costs on a VM), buffered otherwise."""
 
     def __init__(self, direct: bool) -> None:
         self.direct = direct
-
-    def open_in(self, path: Path) -> tuple[int, bool]:
-        if self.direct:
-            try:
-                return directio.open_direct(path, os.O_RDONLY), True
-            except DirectIOUnsupported:
-                self.direct = False
-        return os.open(path, os.O_RDONLY), False
 
     def open_out(self, path: Path) -> tuple[int, bool]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -544,72 +536,82 @@ class _BlockIO:
                 self.direct = False
         return os.open(path, flags, 0o644), False
 
-    def read(self, fd: int, direct: bool, offset: int, n: int, block: int) -> np.ndarray:
-        want = -(-n // directio.ALIGN) * directio.ALIGN
-        buf = directio.scratch(max(want, block), "delta-read")
-        view = memoryview(buf)[:want]
-        got = 0
-        while got < n:
-            r = os.preadv(fd, [view[got:]], offset + got)
-            if r == 0:
-                break
-            got += r
-            if direct and got < n and got % directio.ALIGN:
-                break
-        if got < n:
-            raise OSError(f"base file short at {offset + got}")
-        return np.frombuffer(view, dtype=np.uint8)[:n]
-
 
 class _ChunkSink:
-    """Takes a file's new bytes in order and, per ``chunk_size`` chunk, hashes it and writes
-    it (O_DIRECT where allowed), so a chunk is hashed from memory it was just built in."""
+    """Takes a file's new bytes in order and, per ``chunk_size`` chunk, hashes and writes it
+    (O_DIRECT where allowed) on ``pool``'s one thread while the caller decodes the next
+    (sha256 and the write release the GIL): two chunk buffers, one being filled, one
+    being written. ``done(index)`` runs on that thread after a chunk's write."""
 
-    def __init__(self, fd: int, direct: bool, chunk_size: int, done: Callable[[int], None] | None = None) -> None:
-        self.fd, self.direct, self.chunk_size, self.done = fd, direct, chunk_size, done
-        self.buf = np.frombuffer(directio.scratch(chunk_size, "delta-chunk"), dtype=np.uint8)[:chunk_size]
+    def __init__(
+        self, fd: int, direct: bool, chunk_size: int, pool: ThreadPoolExecutor, done: Callable[[int], None] | None
+    ) -> None:
+        self.fd, self.direct, self.chunk_size, self.pool, self.done = fd, direct, chunk_size, pool, done
+        self.bufs = [
+            np.frombuffer(directio.scratch(chunk_size, f"delta-chunk-{i}"), dtype=np.uint8)[:chunk_size] for i in (0, 1)
+        ]
+        self.writes: list[Future[bytes]] = []
         self.fill = 0
         self.offset = 0
-        self.hashes: list[bytes] = []
 
     def feed(self, data: np.ndarray) -> None:
         at, n = 0, len(data)
         while at < n:
+            buf = self.bufs[len(self.writes) % 2]
             take = min(self.chunk_size - self.fill, n - at)
-            self.buf[self.fill : self.fill + take] = data[at : at + take]
+            buf[self.fill : self.fill + take] = data[at : at + take]
             self.fill += take
             at += take
             if self.fill == self.chunk_size:
-                self.flush()
+                self._submit()
 
-    def flush(self) -> None:
-        if not self.fill:
-            return
-        raw = self.buf[: self.fill].data
-        self.hashes.append(hashlib.sha256(raw).digest())
-        if self.direct:
-            directio.pwrite_direct(self.fd, raw, self.offset)
-        else:
-            done = 0
-            while done < self.fill:
-                done += os.pwrite(self.fd, raw[done:], self.offset + done)
-        index = self.offset // self.chunk_size
+    def _submit(self) -> None:
+        buf = self.bufs[len(self.writes) % 2]
+        self.writes.append(self.pool.submit(self._write, buf, self.fill, self.offset))
         self.offset += self.fill
         self.fill = 0
+        if len(self.writes) >= 2:
+            self.writes[-2].result()  # the buffer to be filled next has been written
+
+    def _write(self, buf: np.ndarray, n: int, offset: int) -> bytes:
+        raw = buf[:n].data
+        digest = hashlib.sha256(raw).digest()
+        if self.direct:
+            directio.pwrite_direct(self.fd, raw, offset)
+        else:
+            done = 0
+            while done < n:
+                done += os.pwrite(self.fd, raw[done:], offset + done)
         if self.done is not None:
-            self.done(index)
+            self.done(offset // self.chunk_size)
+        return digest
+
+    def close(self) -> list[bytes]:
+        """Write what is left; every chunk's sha256, in order, once all are written."""
+        if self.fill:
+            self._submit()
+        return [w.result() for w in self.writes]
 
 
 class _BaseReader:
     """Reads increasing byte ranges of a base file into this thread's reused buffer (valid
-    until the next read): O_DIRECT where allowed, from the aligned block below the range."""
+    until the next read), through the page cache: sequential, so the kernel's readahead
+    brings the next range in while the caller decodes this one."""
 
-    def __init__(self, fd: int, direct: bool, io: _BlockIO, block: int) -> None:
-        self.fd, self.direct, self.io, self.block = fd, direct, io, block
+    def __init__(self, fd: int, block: int) -> None:
+        self.fd, self.block = fd, block
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     def read(self, a: int, b: int) -> np.ndarray:
-        a0 = a - a % directio.ALIGN if self.direct else a
-        return self.io.read(self.fd, self.direct, a0, b - a0, max(self.block, b - a0))[a - a0 :]
+        n = b - a
+        view = memoryview(directio.scratch(max(n, self.block), "delta-read"))[:n]
+        got = 0
+        while got < n:
+            r = os.preadv(self.fd, [view[got:]], a + got)
+            if r == 0:
+                raise OSError(f"base file short at {a + got}")
+            got += r
+        return np.frombuffer(view, dtype=np.uint8)
 
     def copy(self, a: int, b: int, sink: _ChunkSink) -> None:
         """Bytes ``a..b`` of the base, unchanged, into ``sink``."""
@@ -646,7 +648,6 @@ def _rebuild_file(
             sink.feed(raw)
         pos = span.end
     reader.copy(pos, size, sink)
-    sink.flush()
 
 
 def apply_delta(
@@ -684,14 +685,18 @@ def apply_delta(
         src, dst = Path(base[rel]), out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         size = src.stat().st_size
-        fin, din = io.open_in(src)
+        # buffered reads with readahead, not O_DIRECT: the next range arrives while we decode
+        # (the base was written with O_DIRECT, so it is rarely cached; O_DIRECT reads made one
+        # apply 1.6-1.8 s instead of 1.2-1.3, docs/benchmarks.md "Sparse deltas")
+        fin = os.open(src, os.O_RDONLY)
         try:
             fout, dout = io.open_out(dst)
             try:
                 done = None if on_block is None else (lambda i, rel=rel: on_block(rel, i))
-                sink = _ChunkSink(fout, dout, chunk_size, done)
-                _rebuild_file(_BaseReader(fin, din, io, chunk_size), size, by_file.get(rel, []), sink)
-                hashes[rel] = sink.hashes
+                with ThreadPoolExecutor(1, thread_name_prefix="delta-write") as pool:
+                    sink = _ChunkSink(fout, dout, chunk_size, pool, done)
+                    _rebuild_file(_BaseReader(fin, chunk_size), size, by_file.get(rel, []), sink)
+                    hashes[rel] = sink.close()
                 if durable:
                     os.fsync(fout)
             finally:
