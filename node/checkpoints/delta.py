@@ -22,7 +22,6 @@ Blocking throughout (numpy, file I/O): call from ``trio.to_thread``.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import hashlib
 import os
@@ -594,97 +593,61 @@ class _ChunkSink:
         return [w.result() for w in self.writes]
 
 
-# one step of the one pass over a base file: bytes a..b, and the record segment they hold
-# (None: bytes copied unchanged)
-_Step = tuple[int, int, "_RecordDecoder | None", int]
+class _BaseReader:
+    """Reads increasing byte ranges of a base file into this thread's reused buffer (valid
+    until the next read), through the page cache: sequential, so the kernel's readahead
+    brings the next range in while the caller decodes this one."""
+
+    def __init__(self, fd: int, block: int) -> None:
+        self.fd, self.block = fd, block
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        n = b - a
+        view = memoryview(directio.scratch(max(n, self.block), "delta-read"))[:n]
+        got = 0
+        while got < n:
+            r = os.preadv(self.fd, [view[got:]], a + got)
+            if r == 0:
+                raise OSError(f"base file short at {a + got}")
+            got += r
+        return np.frombuffer(view, dtype=np.uint8)
+
+    def copy(self, a: int, b: int, sink: _ChunkSink) -> None:
+        """Bytes ``a..b`` of the base, unchanged, into ``sink``."""
+        while a < b:
+            n = min(self.block, b - a)
+            sink.feed(self.read(a, a + n))
+            a += n
 
 
-def _plan(size: int, tensors: list[tuple[TensorSpan, _RecordDecoder]], block: int) -> list[_Step]:
-    """The ranges of a base file in order: unchanged bytes in pieces of ``block``, each
-    changed tensor one segment at a time (so the decoder gets whole segments)."""
-    steps: list[_Step] = []
-
-    def copy(a: int, b: int) -> None:
-        steps.extend((x, min(b, x + block), None, 0) for x in range(a, b, block))
-
+def _rebuild_file(
+    reader: _BaseReader,
+    size: int,
+    tensors: list[tuple[TensorSpan, _RecordDecoder]],
+    sink: _ChunkSink,
+) -> None:
+    """One pass over a base file: unchanged bytes copied, each changed tensor read a segment
+    at a time, decoded against it, patched in place and passed on."""
     pos = 0
     for span, dec in sorted(tensors, key=lambda t: t[0].start):
         if span.start < pos:
             raise ProtocolError("delta.base", f"{dec.rec.name}: overlaps another tensor of the base")
-        copy(pos, span.start)
+        reader.copy(pos, span.start, sink)
         s = dec.rec.element_size
+        dt = _UINT[s]
         for si, e0 in enumerate(dec.segs):
-            steps.append((span.start + e0 * s, span.start + min(dec.rec.numel, e0 + SEGMENT) * s, dec, si))
-        pos = span.end
-    copy(pos, size)
-    return steps
-
-
-class _Prefetch:
-    """Reads the plan's ranges of a base file in order on ``pool``'s thread, ``DEPTH``
-    ahead of the caller, with O_DIRECT where the file allows it: the disk works while the
-    caller decodes, and no byte is copied out of the page cache (a buffered read of the
-    269 MB base cost ~0.13 CPU-s of copying; one read with no prefetch left the disk idle
-    while decoding: 1.6-1.8 s an apply instead of ~1 s). Buffers: DEPTH + 1, reused."""
-
-    DEPTH = 2
-
-    def __init__(self, path: Path, steps: list[_Step], pool: ThreadPoolExecutor) -> None:
-        self.path, self.steps, self.pool = path, steps, pool
-        try:
-            self.fd, self.direct = directio.open_direct(path, os.O_RDONLY), True
-        except DirectIOUnsupported:
-            self.fd, self.direct = os.open(path, os.O_RDONLY), False
-        longest = max((b - a for a, b, _, _ in steps), default=0) + 2 * directio.ALIGN
-        self.bufs = [directio.scratch(longest, f"delta-read-{i}") for i in range(self.DEPTH + 1)]
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def _read(self, i: int) -> np.ndarray:
-        a, b = self.steps[i][:2]
-        a0 = a - a % directio.ALIGN if self.direct else a
-        want = -(-(b - a0) // directio.ALIGN) * directio.ALIGN if self.direct else b - a0
-        view = memoryview(self.bufs[i % len(self.bufs)])[:want]
-        got = 0
-        while got < b - a0:
-            try:
-                r = os.preadv(self.fd, [view[got:]], a0 + got)
-            except OSError as exc:
-                if not self.direct or got or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                # the filesystem took O_DIRECT at open but refuses the read: buffered from here
-                os.close(self.fd)
-                self.fd, self.direct = os.open(self.path, os.O_RDONLY), False
-                return self._read(i)
-            if r == 0 or (self.direct and got + r < b - a0 and (got + r) % directio.ALIGN):
-                raise OSError(f"base file short at {a0 + got + r}")
-            got += r
-        return np.frombuffer(view, dtype=np.uint8)[a - a0 : b - a0]
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, _Step]]:
-        n = len(self.steps)
-        ahead = [self.pool.submit(self._read, i) for i in range(min(self.DEPTH, n))]
-        for i in range(n):
-            data = ahead.pop(0).result()
-            yield data, self.steps[i]
-            # the caller is done with buffer i % (DEPTH + 1): read into it next
-            if i + self.DEPTH < n:
-                ahead.append(self.pool.submit(self._read, i + self.DEPTH))
-
-
-def _rebuild_file(reader: _Prefetch, sink: _ChunkSink) -> None:
-    """One pass over a base file: unchanged bytes passed on, each changed tensor's segments
-    decoded against the bytes just read and patched in place before they are passed on."""
-    for raw, (_a, _b, dec, si) in reader:
-        if dec is not None:
-            old = raw.view(_UINT[dec.rec.element_size])
+            e1 = min(dec.rec.numel, e0 + SEGMENT)
+            raw = reader.read(span.start + e0 * s, span.start + e1 * s)
+            old = raw.view(dt)
             positions, new = dec.segment(si, old)
             if positions is None:
                 old[:] = new
             else:
                 old[positions] = new
-        sink.feed(raw)
+            sink.feed(raw)
+        pos = span.end
+    reader.copy(pos, size, sink)
 
 
 def apply_delta(
@@ -722,24 +685,24 @@ def apply_delta(
         src, dst = Path(base[rel]), out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         size = src.stat().st_size
-        steps = _plan(size, by_file.get(rel, []), chunk_size)
-        with ThreadPoolExecutor(1, thread_name_prefix="delta-read") as reads:
-            reader = _Prefetch(src, steps, reads)
+        # buffered reads with readahead, not O_DIRECT: the next range arrives while we decode
+        # (the base was written with O_DIRECT, so it is rarely cached; O_DIRECT reads made one
+        # apply 1.6-1.8 s instead of 1.2-1.3, docs/benchmarks.md "Sparse deltas")
+        fin = os.open(src, os.O_RDONLY)
+        try:
+            fout, dout = io.open_out(dst)
             try:
-                fout, dout = io.open_out(dst)
-                try:
-                    done = None if on_block is None else (lambda i, rel=rel: on_block(rel, i))
-                    with ThreadPoolExecutor(1, thread_name_prefix="delta-write") as writes:
-                        sink = _ChunkSink(fout, dout, chunk_size, writes, done)
-                        _rebuild_file(reader, sink)
-                        hashes[rel] = sink.close()
-                    if durable:
-                        os.fsync(fout)
-                finally:
-                    os.close(fout)
+                done = None if on_block is None else (lambda i, rel=rel: on_block(rel, i))
+                with ThreadPoolExecutor(1, thread_name_prefix="delta-write") as pool:
+                    sink = _ChunkSink(fout, dout, chunk_size, pool, done)
+                    _rebuild_file(_BaseReader(fin, chunk_size), size, by_file.get(rel, []), sink)
+                    hashes[rel] = sink.close()
+                if durable:
+                    os.fsync(fout)
             finally:
-                reads.shutdown(wait=True)  # no read in flight into a closed descriptor
-                reader.close()
+                os.close(fout)
+        finally:
+            os.close(fin)
     return hashes
 
 
