@@ -39,10 +39,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-VARIANTS = {
-    "full": {"logprob_chunk_tokens": 0, "gradient_checkpointing": False},
-    "chunked": {"logprob_chunk_tokens": None, "gradient_checkpointing": False},
-    "chunked+gc": {"logprob_chunk_tokens": None, "gradient_checkpointing": True},
+# GRPOConfig fields per variant, and "fused": whether AdamW may use torch's fused kernel (the
+# trainer's default; False: torch's per-parameter loop, the CPU default before)
+_OLD = {"malloc_mmap_threshold": 0, "fused": False}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "full": {"logprob_chunk_tokens": 0, "gradient_checkpointing": False, **_OLD},
+    "chunked": {"logprob_chunk_tokens": None, "gradient_checkpointing": False, **_OLD},
+    "chunked+gc": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, **_OLD},
+    "chunked+gc+fused": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, **_OLD, "fused": True},
+    "chunked+gc+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, "fused": True},
+    "chunked+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": False, "fused": True},
 }
 
 
@@ -85,6 +91,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import random
 
     import torch
+    import transformers  # noqa: F401  (its import is not the trainer's memory)
 
     from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
 
@@ -93,14 +100,23 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec["model"], Path(spec["cache"]))
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
+    knobs = dict(VARIANTS[spec["variant"]])
+    fused = knobs.pop("fused")
     cfg = GRPOConfig(
         lr=1e-6,
         warmup_steps=0,
         max_tokens=spec["completion"],
         micro_batch_size=spec["rollouts"],
-        **VARIANTS[spec["variant"]],
+        compute_dtype=spec["dtype"],
+        **knobs,
     )
-    trainer = GRPOTrainer(model, cfg)
+
+    class Trainer(GRPOTrainer):
+        def _fused_adamw(self) -> bool:
+            return fused and super()._fused_adamw()
+
+    trainer = Trainer(model, cfg)
+    assert bool(trainer.optimizer.defaults["fused"]) == fused
     del model
     rng = random.Random(0)
     seconds = []
@@ -148,11 +164,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--models", default="smollm2,qwen0.5b")
-    ap.add_argument("--variants", default="full,chunked,chunked+gc")
+    ap.add_argument("--variants", default="chunked+gc,chunked+gc+fused,chunked+gc+fused+mmap")
     ap.add_argument("--rollouts", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--completion", type=int, default=448, help="completion tokens")
     ap.add_argument("--steps", type=int, default=2, help="steps per process; the last is timed")
+    ap.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (autocast, fp32 master)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "primenode"), help="SmolLM2 HF folder cache")
     args = ap.parse_args()
     if args.worker:
@@ -164,14 +181,14 @@ def main() -> None:
     rows = []
     for m in args.models.split(","):
         for v in args.variants.split(","):
-            spec = {k: getattr(args, k) for k in ("rollouts", "prompt", "completion", "steps", "cache")}
+            spec = {k: getattr(args, k) for k in ("rollouts", "prompt", "completion", "steps", "cache", "dtype")}
             rows.append(run({**spec, "model": m, "variant": v}))
             print(f"done: {m} / {v}", file=sys.stderr, flush=True)
     load = os.getloadavg()
     mib = 2**20
     print(
         f"\n{args.rollouts} rollouts x ({args.prompt} prompt + {args.completion} completion) tokens, one micro-batch, "
-        f"fp32 AdamW; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
+        f"{args.dtype} compute, fp32 AdamW; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
     )
     print(
         f"{'model':10s} {'variant':12s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} {'s/step':>8s}"

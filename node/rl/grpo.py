@@ -89,6 +89,9 @@ class GRPOConfig:
     micro_batch_tokens: int = 0  # padded tokens per forward/backward (0: only micro_batch_size counts)
     logprob_chunk_tokens: int | None = None  # completion rows per lm_head chunk (None: 64 MiB; 0: full logits)
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (memory for time)
+    # glibc: allocations of at least this many bytes get their own mapping, returned to the OS when
+    # freed (0: glibc's sliding threshold, which ends up keeping ~1 GB of freed activations)
+    malloc_mmap_threshold: int = 1 << 20
     # forward/backward precision ("float32" or "bfloat16", the genesis's policy_dtype): torch.autocast
     # runs matmuls in it while parameters, gradients and AdamW state stay fp32 (mixed precision)
     compute_dtype: str = "float32"
@@ -177,6 +180,27 @@ class WithWeights:
         return run_decoder, run_head, int(head.weight.shape[0])
 
 
+def set_malloc_mmap_threshold(nbytes: int) -> bool:
+    """Make glibc's malloc serve every block of at least ``nbytes`` from its own ``mmap`` and
+    unmap it on free. Returns False where the C library is not glibc (nothing changes).
+
+    Why: a training step allocates and frees gigabytes of activation and gradient blocks of a
+    few MB each. glibc raises its mmap threshold to the largest block freed so far (up to
+    32 MiB), so those blocks come from its heaps, and freed heap memory stays in the process
+    while anything above it is live: measured on SmolLM2-135M, ~1 GB (two thirds of the
+    weights + AdamW state) stayed resident between steps and the next step's peak stood on
+    it (docs/benchmarks.md, "Trainer memory"). A fixed threshold (``mallopt`` also turns off
+    the sliding) returns each freed block at once. Process-wide and permanent: the trainer
+    owns its process's memory budget."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    m_mmap_threshold = -3  # <malloc.h>
+    return bool(ctypes.CDLL(None).mallopt(m_mmap_threshold, int(nbytes)))
+
+
 def grpo_token_loss(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float, delta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +249,8 @@ class GRPOTrainer:
         # other numbers; a trainer that publishes in another dtype than it trains in sets it False.
         self.live_is_published = config.compute_dtype == "float32"
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        if config.malloc_mmap_threshold > 0:
+            set_malloc_mmap_threshold(config.malloc_mmap_threshold)
         self.device = torch.device(device)
         self.model: Any = model.to(self.device)  # a transformers causal LM (save_pretrained, config)
         self.model.eval()
@@ -236,6 +262,7 @@ class GRPOTrainer:
             betas=config.betas,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            fused=self._fused_adamw() or None,
         )
         self._opt_steps = 0
         self._set_lr()
@@ -255,6 +282,19 @@ class GRPOTrainer:
             self.reference_model = copy.deepcopy(self.model)
         if self.reference_model is not None:
             self.reference_model.to(self.device).eval().requires_grad_(False)
+
+    def _fused_adamw(self) -> bool:
+        """Whether AdamW runs as torch's fused kernel: one pass over each parameter that updates
+        moments and weights in place. The per-parameter loop (torch's CPU default) allocates a
+        temporary the size of each parameter for the denominator, and at the peak that is the
+        largest one: the tied embedding / head, 545 MB at Qwen's vocabulary. The fused kernel
+        computes the same update to fp32 rounding (``tests/test_rl_grpo.py``). Plain tensors on
+        CPU or CUDA only: a sharded trainer's parameters (DTensors) keep the loop."""
+        params = list(self.model.parameters())
+        devices = {"cpu", "cuda"}
+        return bool(params) and all(
+            type(p.data) is torch.Tensor and p.device.type in devices and p.is_floating_point() for p in params
+        )
 
     # ------------------------------------------------------------------ schedule
     def lr_at(self, opt_step: int) -> float:
@@ -567,7 +607,10 @@ class GRPOTrainer:
         """Restore optimizer, counters (and RNG states) from a checkpoint written by save_checkpoint;
         the model weights must already be loaded from the same folder."""
         state = torch.load(Path(path) / "trainer_state.pt", map_location=self.device, weights_only=False)
+        fused = [g.get("fused") for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for g, f in zip(self.optimizer.param_groups, fused):
+            g["fused"] = f  # this process's choice, not the writer's (older checkpoints: the loop)
         self.version = int(state["version"])
         self._opt_steps = int(state["opt_steps"])
         self._set_lr()
