@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from node.memory import set_mmap_threshold
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.logprobs import micro_batches, token_logprobs_and_entropy
 from node.rl.metrics import RatioStats, StepMetrics, reward_stats
@@ -180,27 +181,6 @@ class WithWeights:
         return run_decoder, run_head, int(head.weight.shape[0])
 
 
-def set_malloc_mmap_threshold(nbytes: int) -> bool:
-    """Make glibc's malloc serve every block of at least ``nbytes`` from its own ``mmap`` and
-    unmap it on free. Returns False where the C library is not glibc (nothing changes).
-
-    Why: a training step allocates and frees gigabytes of activation and gradient blocks of a
-    few MB each. glibc raises its mmap threshold to the largest block freed so far (up to
-    32 MiB), so those blocks come from its heaps, and freed heap memory stays in the process
-    while anything above it is live: measured on SmolLM2-135M, ~1 GB (two thirds of the
-    weights + AdamW state) stayed resident between steps and the next step's peak stood on
-    it (docs/benchmarks.md, "Trainer memory"). A fixed threshold (``mallopt`` also turns off
-    the sliding) returns each freed block at once. Process-wide and permanent: the trainer
-    owns its process's memory budget."""
-    import ctypes
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    m_mmap_threshold = -3  # <malloc.h>
-    return bool(ctypes.CDLL(None).mallopt(m_mmap_threshold, int(nbytes)))
-
-
 def grpo_token_loss(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float, delta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +230,7 @@ class GRPOTrainer:
         self.live_is_published = config.compute_dtype == "float32"
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         if config.malloc_mmap_threshold > 0:
-            set_malloc_mmap_threshold(config.malloc_mmap_threshold)
+            set_mmap_threshold(config.malloc_mmap_threshold)  # node/memory.py says why
         self.device = torch.device(device)
         self.model: Any = model.to(self.device)  # a transformers causal LM (save_pretrained, config)
         self.model.eval()
