@@ -112,6 +112,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     knobs = dict(VARIANTS[spec["variant"]])
     fused = knobs.pop("fused")
+    if spec["mmap_threshold"] is not None and knobs.get("malloc_mmap_threshold") != 0:
+        knobs["malloc_mmap_threshold"] = spec["mmap_threshold"]
     cfg = GRPOConfig(
         lr=1e-6,
         warmup_steps=0,
@@ -180,6 +182,9 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=448, help="completion tokens")
     ap.add_argument("--steps", type=int, default=2, help="steps per process; the last is timed")
     ap.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (autocast, fp32 master)")
+    ap.add_argument(
+        "--mmap-threshold", type=int, default=None, help="bytes, for the +mmap variants (default: the trainer's)"
+    )
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "primenode"), help="SmolLM2 HF folder cache")
     args = ap.parse_args()
     if args.worker:
@@ -191,22 +196,25 @@ def main() -> None:
     rows = []
     for m in args.models.split(","):
         for v in args.variants.split(","):
-            spec = {k: getattr(args, k) for k in ("rollouts", "prompt", "completion", "steps", "cache", "dtype")}
+            spec = {
+                k: getattr(args, k)
+                for k in ("rollouts", "prompt", "completion", "steps", "cache", "dtype", "mmap_threshold")
+            }
             rows.append(run({**spec, "model": m, "variant": v}))
             print(f"done: {m} / {v}", file=sys.stderr, flush=True)
     load = os.getloadavg()
     mib = 2**20
     print(
         f"\n{args.rollouts} rollouts x ({args.prompt} prompt + {args.completion} completion) tokens, one micro-batch, "
-        f"{args.dtype} compute, fp32 AdamW; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
+        f"{args.dtype} compute, fp32 AdamW, mmap threshold {args.mmap_threshold or 'default'}; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
     )
     print(
-        f"{'model':10s} {'variant':12s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} {'s/step':>8s}"
+        f"{'model':10s} {'variant':22s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} {'s/step':>8s}"
     )
     for r in rows:
         over = r["peak_over_imports_bytes"] / r["state_bytes"] - 1
         print(
-            f"{r['model']:10s} {r['variant']:12s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
+            f"{r['model']:10s} {r['variant']:22s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
             f"{r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} {r['step_s']:8.1f}"
         )
     print(json.dumps({"bench": "trainer_memory", **vars(args), "load_avg": load[0], "results": rows}))
