@@ -20,7 +20,9 @@ threshold, ``malloc_mmap_threshold = 0``):
   completion rows (64 MiB of logits each) under activation checkpointing;
 - ``chunked+gc``: plus ``gradient_checkpointing = true`` (decoder layers recomputed in backward);
 - ``chunked+gc+fused``: plus torch's fused AdamW kernel (no per-parameter temporary);
-- ``chunked+gc+fused+mmap``: plus the trainer's fixed glibc mmap threshold (freed blocks go
+- ``chunked+gc+fused+trim``: ``chunked+gc+fused`` with ``malloc_trim`` after each step, as
+  the trainer role does (``node/memory.py``), the node's way before the mmap threshold;
+- ``chunked+gc+fused+mmap``: ``chunked+gc+fused`` plus the trainer's fixed glibc mmap threshold (freed blocks go
   back to the OS at once; ``node/memory.py``): everything on;
 - ``chunked+fused+mmap``: the trainer's defaults (gradient checkpointing is opt-in).
 
@@ -57,6 +59,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "chunked": {"logprob_chunk_tokens": None, "gradient_checkpointing": False, **_OLD},
     "chunked+gc": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, **_OLD},
     "chunked+gc+fused": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, **_OLD, "fused": True},
+    "chunked+gc+fused+trim": {
+        "logprob_chunk_tokens": None,
+        "gradient_checkpointing": True,
+        **_OLD,
+        "fused": True,
+        "trim": True,
+    },
     "chunked+gc+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, "fused": True},
     "chunked+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": False, "fused": True},
 }
@@ -103,6 +112,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import transformers  # noqa: F401  (its import is not the trainer's memory)
 
+    from node.memory import release_free_memory
     from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -112,6 +122,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     knobs = dict(VARIANTS[spec["variant"]])
     fused = knobs.pop("fused")
+    trim = knobs.pop("trim", False)
     if spec["mmap_threshold"] is not None and knobs.get("malloc_mmap_threshold") != 0:
         knobs["malloc_mmap_threshold"] = spec["mmap_threshold"]
     cfg = GRPOConfig(
@@ -146,6 +157,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.step([group])
         seconds.append(time.perf_counter() - t0)
+        if trim:
+            release_free_memory()  # what the trainer role does after each step
     return {
         "model": spec["model"],
         "variant": spec["variant"],

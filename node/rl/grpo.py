@@ -91,7 +91,8 @@ class GRPOConfig:
     logprob_chunk_tokens: int | None = None  # completion rows per lm_head chunk (None: 64 MiB; 0: full logits)
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (memory for time)
     # glibc: allocations of at least this many bytes get their own mapping, returned to the OS when
-    # freed (0: glibc's sliding threshold, which ends up keeping ~1 GB of freed activations)
+    # freed: -1 GB at the peak of a SmolLM2 or Qwen-0.5B step, for ~20 % more seconds (fresh pages
+    # fault in); 0: glibc's sliding threshold (docs/benchmarks.md, "Trainer memory")
     malloc_mmap_threshold: int = 1 << 20
     # forward/backward precision ("float32" or "bfloat16", the genesis's policy_dtype): torch.autocast
     # runs matmuls in it while parameters, gradients and AdamW state stay fp32 (mixed precision)
