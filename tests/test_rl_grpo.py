@@ -171,3 +171,39 @@ def test_every_step_metric_is_documented():
     rows = doc_table("Metrics")
     assert rows.keys() == {f.name for f in dataclasses.fields(StepMetrics)}
     assert all(cells and cells[0] for cells in rows.values())
+
+
+class _LoopAdamWTrainer(GRPOTrainer):
+    """The trainer with torch's per-parameter AdamW loop (the CPU default before fused)."""
+
+    def _fused_adamw(self) -> bool:
+        return False
+
+
+def test_fused_adamw_makes_the_loops_update_and_resumes_from_a_loop_checkpoint(tmp_path):
+    cfg = GRPOConfig(lr=1e-2, warmup_steps=0, max_grad_norm=0.5, max_tokens=8, temperature=1.0, micro_batch_size=4)
+    params, trainers = {}, {}
+    for name, cls in (("fused", GRPOTrainer), ("loop", _LoopAdamWTrainer)):
+        tr = cls(char_llama(seed=6), cfg)
+        start = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+        for step in range(3):
+            tr.step(fake_groups(step, version=tr.version))
+        params[name] = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+        assert (params[name] - start).abs().max() > 1e-2  # the steps moved the weights
+        trainers[name] = tr
+    assert trainers["fused"].optimizer.defaults["fused"] is True
+    assert not trainers["loop"].optimizer.defaults["fused"]
+    torch.testing.assert_close(params["fused"], params["loop"], rtol=1e-5, atol=1e-6)
+
+    # a checkpoint written by the loop resumes fused, and the next update is still the loop's
+    trainers["loop"].save_checkpoint(tmp_path / "ck")
+    resumed = GRPOTrainer.from_checkpoint(tmp_path / "ck")
+    assert all(g["fused"] for g in resumed.optimizer.param_groups)
+    for tr in (resumed, trainers["loop"]):
+        tr.step(fake_groups(3, version=tr.version))
+    torch.testing.assert_close(
+        torch.cat([p.detach().flatten() for p in resumed.model.parameters()]),
+        torch.cat([p.detach().flatten() for p in trainers["loop"].model.parameters()]),
+        rtol=1e-5,
+        atol=1e-6,
+    )

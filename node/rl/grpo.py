@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from node.memory import set_mmap_threshold
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.logprobs import micro_batches, token_logprobs_and_entropy
 from node.rl.metrics import RatioStats, StepMetrics, reward_stats
@@ -89,6 +90,10 @@ class GRPOConfig:
     micro_batch_tokens: int = 0  # padded tokens per forward/backward (0: only micro_batch_size counts)
     logprob_chunk_tokens: int | None = None  # completion rows per lm_head chunk (None: 64 MiB; 0: full logits)
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (memory for time)
+    # glibc: allocations of at least this many bytes get their own mapping, returned to the OS when
+    # freed: -1 GB at the peak of a SmolLM2 or Qwen-0.5B step, for ~20 % more seconds (fresh pages
+    # fault in); 0: glibc's sliding threshold (docs/benchmarks.md, "Trainer memory")
+    malloc_mmap_threshold: int = 1 << 20
     # forward/backward precision ("float32" or "bfloat16", the genesis's policy_dtype): torch.autocast
     # runs matmuls in it while parameters, gradients and AdamW state stay fp32 (mixed precision)
     compute_dtype: str = "float32"
@@ -225,6 +230,8 @@ class GRPOTrainer:
         # other numbers; a trainer that publishes in another dtype than it trains in sets it False.
         self.live_is_published = config.compute_dtype == "float32"
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        if config.malloc_mmap_threshold > 0:
+            set_mmap_threshold(config.malloc_mmap_threshold)  # node/memory.py says why
         self.device = torch.device(device)
         self.model: Any = model.to(self.device)  # a transformers causal LM (save_pretrained, config)
         self.model.eval()
@@ -236,6 +243,7 @@ class GRPOTrainer:
             betas=config.betas,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            fused=self._fused_adamw() or None,
         )
         self._opt_steps = 0
         self._set_lr()
@@ -255,6 +263,19 @@ class GRPOTrainer:
             self.reference_model = copy.deepcopy(self.model)
         if self.reference_model is not None:
             self.reference_model.to(self.device).eval().requires_grad_(False)
+
+    def _fused_adamw(self) -> bool:
+        """Whether AdamW runs as torch's fused kernel: one pass over each parameter that updates
+        moments and weights in place. The per-parameter loop (torch's CPU default) allocates a
+        temporary the size of each parameter for the denominator, and at the peak that is the
+        largest one: the tied embedding / head, 545 MB at Qwen's vocabulary. The fused kernel
+        computes the same update to fp32 rounding (``tests/test_rl_grpo.py``). Plain tensors on
+        CPU or CUDA only: a sharded trainer's parameters (DTensors) keep the loop."""
+        params = list(self.model.parameters())
+        devices = {"cpu", "cuda"}
+        return bool(params) and all(
+            type(p.data) is torch.Tensor and p.device.type in devices and p.is_floating_point() for p in params
+        )
 
     # ------------------------------------------------------------------ schedule
     def lr_at(self, opt_step: int) -> float:
@@ -567,7 +588,10 @@ class GRPOTrainer:
         """Restore optimizer, counters (and RNG states) from a checkpoint written by save_checkpoint;
         the model weights must already be loaded from the same folder."""
         state = torch.load(Path(path) / "trainer_state.pt", map_location=self.device, weights_only=False)
+        fused = [g.get("fused") for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for g, f in zip(self.optimizer.param_groups, fused):
+            g["fused"] = f  # this process's choice, not the writer's (older checkpoints: the loop)
         self.version = int(state["version"])
         self._opt_steps = int(state["opt_steps"])
         self._set_lr()
