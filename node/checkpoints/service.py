@@ -643,6 +643,9 @@ class Checkpoints:
             "data_port": self.server.port,
             "bytes_served": self.server.bytes_served,
             "bytes_served_to": dict(self.server.bytes_served_to),
+            # over connections this node opened (behind NAT) / counters of reverse connections
+            "bytes_served_reverse": self.server.bytes_served_reverse,
+            "reverse": dict(self.server.reverse),
             "max_upload_mbps": self.server.bucket.rate * 8 / 1e6,
             "banned": sorted(self.banned),
         }
