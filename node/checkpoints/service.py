@@ -606,6 +606,10 @@ class Checkpoints:
             keep = dict(srv.bytes_served_to.most_common(SERVED_TO_PEERS // 2))
             srv.bytes_served_to.clear()
             srv.bytes_served_to.update(keep)
+        if len(srv.reverse_served_to) > SERVED_TO_PEERS:  # fetcher hosts we dialled, likewise
+            keep = dict(srv.reverse_served_to.most_common(SERVED_TO_PEERS // 2))
+            srv.reverse_served_to.clear()
+            srv.reverse_served_to.update(keep)
 
     def note_banned(self, peer_id: str, still_banned: Callable[[], Iterable[str]] = lambda: ()) -> None:
         """A peer the node banned: refused tickets, skipped by fetchers. Bounded: when full,
