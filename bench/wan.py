@@ -13,8 +13,10 @@ The network trains the tiny devnet model for ``--steps`` steps.
 Reported per run:
 * batches admitted per worker (from the trainer's ledger), NAT'd ones marked;
 * reachability each node found (AutoNAT) and the relays NAT'd nodes use;
-* bytes that crossed relays (circuit relay v2: control traffic) and checkpoint bytes
-  served by NAT'd nodes (must be 0: bulk never goes through a relay or to a NAT'd server);
+* bytes that crossed relays (circuit relay v2: control traffic only; bulk never goes
+  through a relay) and checkpoint bytes served by each NAT'd worker (goal > 0: a NAT'd
+  node serves public fetchers over TCP connections it opens to their data ports, the
+  "reverse" connections of protocol/chunk_frames.py), with how many of those it opened;
 * checkpoint distribution time per version (trainer holds it -> every worker and
   validator holds all its chunks; polled every second, so +-1 s) next to the bound set by the
   seeder's uplink and each fetcher's downlink (size / cap);
@@ -132,11 +134,18 @@ def run_once(args, out: Path, nat_workers: int, capped: bool) -> dict:
 
     nat = {n: (snap[n].get("nat") or {}) for n in place}
     relayed = sum((nat[n].get("relay_service") or {}).get("bytes_relayed", 0) for n in place)
-    served_by_nat = {
-        n: ((snap[n].get("role_state") or {}).get("distribution") or {}).get("bytes_served", 0)
+    dist_of = {n: ((snap[n].get("role_state") or {}).get("distribution") or {}) for n in place}
+    served_by_nat = {n: dist_of[n].get("bytes_served", 0) for n in place if place[n].nat}
+    reverse_by_nat = {
+        n: {
+            "bytes_served_reverse": dist_of[n].get("bytes_served_reverse", 0),
+            "connections_opened": (dist_of[n].get("reverse") or {}).get("served_connections", 0),
+            "asked": (dist_of[n].get("reverse") or {}).get("granted", 0),
+        }
         for n in place
         if place[n].nat
     }
+    reverse_taken = {n: (dist_of[n].get("reverse") or {}).get("accepted", 0) for n in place if not place[n].nat}
     dist = []
     seeder_up = place["trainer"].up_mbit
     for v in sorted(first_held):
@@ -161,6 +170,8 @@ def run_once(args, out: Path, nat_workers: int, capped: bool) -> dict:
         "hole_punched": {n: len(nat[n].get("hole_punched") or []) for n in place},
         "relay_bytes": relayed,
         "checkpoint_bytes_served_by_nat_nodes": served_by_nat,
+        "nat_reverse_serving": reverse_by_nat,
+        "reverse_connections_taken_by_public_nodes": reverse_taken,
         "distribution": dist,
         "gossip_delivery_ms": {n: delivery[n] for n in place},
         "gossip_p99_ms_max": max(p99s) if p99s else None,
@@ -308,9 +319,13 @@ def main() -> None:
             reach = r["reachability"][n] or "-"
             nat = " (NAT)" if n in r["nat_workers"] else ""
             print(f"{n + nat:<14}{cap or '-':>11}{reach:>10}{adm:>10}{p99:>11}")
-        print(
-            f"relay bytes {r['relay_bytes']}; checkpoint bytes served by NAT'd nodes {r['checkpoint_bytes_served_by_nat_nodes']}"
-        )
+        print(f"relay bytes {r['relay_bytes']} (control only; bulk never crosses a relay)")
+        for n, served in r["checkpoint_bytes_served_by_nat_nodes"].items():
+            rv = r["nat_reverse_serving"][n]
+            print(
+                f"  {n} (NAT) served {served} checkpoint bytes ({rv['bytes_served_reverse']} in whole chunks over "
+                f"{rv['connections_opened']} connections it opened, of {rv['asked']} asked) (goal > 0)"
+            )
         for d in r["distribution"]:
             print(
                 f"  version {d['version']}: {d['seconds']} s to every learner (bound {d['bound_s']} s, {d['bytes']} B)"

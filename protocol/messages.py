@@ -395,6 +395,36 @@ class ChunkTicket(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class ReverseChunkRequest(Message):
+    """A reachable fetcher asks a holder behind NAT (heartbeat ``data_port`` 0) to open a
+    data-plane connection *to it*: the holder dials ``host:port`` (one of the fetcher's own
+    advertised addresses) and presents ``ticket`` in a reverse HELLO. The fetcher made the
+    ticket and sent it over the holder's authenticated libp2p stream, so a connection
+    presenting it was opened by that holder; the fetcher accepts it once, within seconds."""
+
+    TYPE_ID: ClassVar[int] = 20
+    MAX_BYTES: ClassVar[int] = 4 * KIB
+
+    version: int = spec(**_VERSION)
+    root: bytes = spec(**_HASH)
+    chunk_indices: tuple[int, ...] = spec(min_len=1, max_len=256, item=Spec(lo=0, hi=2**32 - 1))
+    ticket: bytes = spec(**_HASH)
+    host: str = spec(min_len=1, max_len=64)
+    port: int = spec(lo=1, hi=65535)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReverseChunkAnswer(Message):
+    """``ok``: the holder is dialling (the fetcher waits for the connection); else ``reason``."""
+
+    TYPE_ID: ClassVar[int] = 21
+    MAX_BYTES: ClassVar[int] = 1 * KIB
+
+    ok: bool
+    reason: str = spec(**_REASON)
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchRequest(Message):
     TYPE_ID: ClassVar[int] = 11
     MAX_BYTES: ClassVar[int] = 256
@@ -503,6 +533,8 @@ ENVELOPE_TYPES: dict[int, type[Message]] = {
         ErrorResponse,
         ManifestRequest,
         ManifestResponse,
+        ReverseChunkRequest,
+        ReverseChunkAnswer,
     )
 }
 # Types that may travel before a joiner knows the run (zero run id allowed).

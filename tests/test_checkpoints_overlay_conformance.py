@@ -18,9 +18,10 @@ import trio
 
 from node.checkpoints import Checkpoints, ChunkOverlay, ChunkStore, DataConnection, LocalOverlay, VersionState
 from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
+from node.checkpoints.server import ChunkServer
 from node.p2p.node import Node, RoleHook
 from node.p2p.testing import NodeFactory, overlay_genesis
-from protocol import ChunkTicketRequest, NodeKey
+from protocol import ChunkTicketRequest, NodeKey, ReverseChunkRequest
 from protocol import chunk_frames as F
 from tests.support.checkpoints import RUN_ID, keys, make_checkpoint
 
@@ -170,3 +171,31 @@ async def test_a_banned_peer_is_reported_and_never_asked_again(wired: Wired):
     with pytest.raises(Exception):  # noqa: B017 - see above
         await wired.overlay.request_ticket(wired.serving_id, wired.request(wired.serving_id), TIMEOUT)
     assert wired.serving.server.tickets_granted == granted
+
+
+async def test_a_holder_asked_for_a_reverse_connection_dials_the_askers_data_port(wired: Wired, tmp_path: Path):
+    """A holder behind NAT is asked to dial us (``request_reverse``): it connects to our data
+    port with our ticket and serves there; one without the version refuses with a reason."""
+    mine = ChunkServer(ChunkStore(tmp_path / "asker", RUN_ID, wired.serving_id), listen_host="127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mine.run)
+
+        def request(ticket: bytes) -> ReverseChunkRequest:
+            return ReverseChunkRequest(
+                version=1, root=wired.st.root, chunk_indices=(0,), ticket=ticket, host="127.0.0.1", port=mine.port
+            )
+
+        refused = await wired.overlay.request_reverse(wired.bare_id, request(bytes(32)), TIMEOUT)
+        assert not refused.ok and refused.reason == "version not held"
+        tok = mine.expect_reverse(wired.serving_id, 1, wired.st.root)
+        answer = await wired.overlay.request_reverse(wired.serving_id, request(tok), TIMEOUT)
+        assert answer.ok, answer.reason
+        conn = await DataConnection.over(await mine.accept_reverse(tok, TIMEOUT), tok)
+        try:
+            assert conn.num_chunks == wired.st.bitmap.n
+            await conn.send(F.OP_GET, 0)
+            assert await conn.read_header() == (F.OP_GET, F.OK, 0, wired.st.chunks[0][2])
+        finally:
+            await conn.aclose()
+        nursery.cancel_scope.cancel()
+    assert wired.serving.server.reverse["served_connections"] == 1

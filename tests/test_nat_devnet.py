@@ -6,7 +6,8 @@ router (iptables MASQUERADE, outbound only). Quorum 2 of 2: a batch is admitted 
 the NAT'd validator votes too. The NAT'd worker's batches must be accepted (the validators
 and the trainer fetch them over its own connections or a relay), it must load the trainer's
 checkpoints (fetched from public peers over connections it opens: it advertises data port 0,
-so nobody fetches from it, and no chunk crosses a relay), and ``primenode status`` on it must
+so nobody dials it; public peers may ask it to dial them and serve chunks that way; no chunk
+crosses a relay), and ``primenode status`` on it must
 say it is behind NAT via a relay.
 
 Skipped, with one line saying why, where namespaces cannot be built.
@@ -71,13 +72,15 @@ def test_nat_worker_and_validator_contribute(tmp_path):
         assert all("/p2p-circuit" in a for a in seen["addrs"]), seen
 
         # Bulk never crossed a relay: every chunk the NAT'd worker fetched came over the data
-        # plane (raw TCP connections it opened) from public peers, and no NAT'd node served any.
+        # plane (raw TCP connections it opened) from public peers (two NAT'd nodes exchange no
+        # bulk), and what a NAT'd node served went over connections it opened (reverse).
         public = {wan.node(n.name).home.load_key().peer_id for n in wan.nodes if n.name not in placement}
         versions = (role_state("worker-1").get("distribution") or {}).get("versions") or []
         fed = {pid for v in versions for pid in v.get("fed_from_bytes") or {}}
         assert fed and fed <= public, (fed, public)
         for name in placement:
-            assert role_state(name)["distribution"]["bytes_served"] == 0, role_state(name)["distribution"]
+            d = role_state(name)["distribution"]
+            assert d["bytes_served"] == 0 or d["reverse"].get("served_connections", 0) >= 1, d
 
         out = wan.cli_status("worker-1")
         assert out.returncode == 0, out.stderr

@@ -234,3 +234,109 @@ def test_nat_nodes_learn_reachability_reserve_relays_and_reach_each_other(tmp_pa
         assert verdicts[boot_id] == "failed", verdicts  # ours: the fresh dial never got through
         tag = tb.tag
     assert leftover_namespaces(tag) == []
+
+
+def _holder_stores(tmp: Path, trainer: NodeKey, names: list[str]) -> tuple[bytes, int, int]:
+    """Version 1 of a small checkpoint, signed by ``trainer`` (not a node here), in the chunk
+    store of each of ``names`` (under ``tmp``); its announce bytes, size and chunk count."""
+    import trio
+
+    from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+    from tests.support.checkpoints import make_checkpoint
+    from tests.support.nat_child import RUN_ID
+
+    src = make_checkpoint(tmp / "ckpt", 8, seed=7)
+
+    async def build() -> tuple[bytes, int, int]:
+        first = ChunkStore(tmp / names[0], RUN_ID, trainer.peer_id, direct_io=False)
+        cp = Checkpoints(first, LocalOverlay(trainer.peer_id, {}))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cp.run)
+            raw = await cp.publish(trainer, 1, src, chunk_size=256 * 1024)
+            nursery.cancel_scope.cancel()
+        st = first.get(1)
+        for name in names[1:]:
+            other = ChunkStore(tmp / name, RUN_ID, trainer.peer_id, direct_io=False)
+            other.add_announce(raw)
+            for h in st.by_hash:
+                other.write_object_blocking(h, first.read_object_blocking(h))
+                other.mark_held(h)
+        return raw, sum(c[2] for c in st.chunks), len(st.chunks)
+
+    return trio.run(build)
+
+
+def test_nat_holders_serve_chunks_over_connections_they_open(tmp_path):
+    """Holders behind NAT serve a public fetcher over TCP connections they open to its data
+    port (reverse), with single-use tickets the fetcher sent them over libp2p; the relay
+    carries none of the bulk. Beside the honest holder a dishonest one serves corrupt chunks
+    (charged, banned; the fetch completes from the honest one) and presents each ticket a
+    second time (refused)."""
+    trainer = NodeKey(os.urandom(32))
+    raw, size, chunks = _holder_stores(tmp_path, trainer, ["h1", "h2"])
+    announce = tmp_path / "announce"
+    with Testbed() as tb:
+        boot_h, f_h = tb.add_public("boot"), tb.add_public("fetch")
+        # the honest holder's uplink is capped, so the fetcher meets the dishonest one too
+        h1_h, h2_h = tb.add_nat("h1", up_mbit=40), tb.add_nat("h2")
+        net = Net(tb, tmp_path)
+        listen = lambda h: ["--listen", f"/ip4/{h.ip}/tcp/{PORT}"]  # noqa: E731
+        ckpt = lambda name: ["--store", str(tmp_path / name), "--trainer", trainer.peer_id]  # noqa: E731
+        net.start("boot", boot_h, *listen(boot_h))
+        net.wait(lambda: net.status("boot"), "boot to listen")
+        boot = ["--bootstrap", net.addr("boot")]
+        net.start("fetch", f_h, *listen(f_h), *boot, *ckpt("fetch"), "--announce", str(announce), "--advertise", f_h.ip)
+        h1 = net.start("h1", h1_h, *listen(h1_h), *boot, *ckpt("h1"))
+        h2 = net.start("h2", h2_h, *listen(h2_h), *boot, *ckpt("h2"), "--corrupt", "--replay")
+
+        # Both holders know they are behind NAT, and the fetcher hears them say so: data port
+        # 0, every chunk held. Only then does the version reach the fetcher.
+        def seen(pid: str) -> dict | None:
+            return {p["peer_id"]: p for p in (net.status("fetch").get("swarm") or {}).get("peers", [])}.get(pid)
+
+        for name, pid in (("h1", h1), ("h2", h2)):
+            # AutoNAT's verdict waits on dial-backs that time out: slow on a loaded machine
+            net.wait(lambda n=name: net.nat(n).get("reachability") == "private", f"{name} private", 3 * HANG_GUARD_S)
+            net.wait(
+                lambda p=pid: (s := seen(p)) and s["data_port"] == 0 and s["have"] and s["have"][0]["chunks"] == chunks,
+                f"the fetcher to hear {name}'s data-port-0 heartbeat with its chunks",
+            )
+        tmp = announce.with_suffix(".tmp")
+        tmp.write_bytes(raw)
+        os.replace(tmp, announce)
+
+        def role(name: str) -> dict:
+            return net.status(name).get("role_state") or {}
+
+        def complete() -> bool:
+            versions = (role("fetch").get("checkpoints") or {}).get("versions") or []
+            return any(v["version"] == 1 and v.get("complete") for v in versions)
+
+        net.wait(complete, "the fetcher to hold version 1 (every chunk hash-checked)")
+        net.wait(lambda: role("h2").get("evil", {}).get("replay_refused"), "h2's replayed ticket to be refused")
+        net.wait(
+            lambda: (role("h1").get("server") or {}).get("bytes_served_reverse", 0) >= size,
+            "h1's status to show what it served (written twice a second)",
+        )
+        evil = role("h2")["evil"]
+        fetch = role("fetch")["fetch"]["1"]
+        srv = {n: role(n)["server"] for n in ("fetch", "h1", "h2")}
+        relay = (net.nat("boot").get("relay_service") or {}).get("bytes_relayed", 0)
+        bans = net.status("fetch").get("bans") or {}
+
+    # Every byte the fetcher kept came from the honest NAT'd holder, over connections that
+    # holder opened to the fetcher's own address (not the relay's).
+    assert fetch["fed_from"] == [h1], fetch
+    assert fetch["peers"][h1]["reverse"] and fetch["peers"][h1]["bytes"] == size, fetch["peers"][h1]
+    assert srv["h1"]["bytes_served_reverse"] >= size, srv["h1"]
+    assert set(srv["h1"]["reverse_served_to"]) == {f_h.ip}, srv["h1"]
+    assert srv["fetch"]["reverse"]["accepted"] >= 2, srv["fetch"]  # control: honest tickets taken
+    # The relay carried control traffic only (tickets, heartbeats): far less than the checkpoint.
+    assert relay < size / 8, (relay, size)
+    # The dishonest holder: its corrupt chunks were thrown away and charged, it was banned.
+    assert fetch["chunks_rejected"] >= 1 and fetch["peers"][h2]["strikes"] >= 1, fetch
+    assert h2 in bans and h1 not in bans, bans
+    # ... and every ticket it presented a second time was refused (its first use was taken).
+    assert srv["h2"]["reverse"].get("served_connections", 0) >= 1, srv["h2"]
+    assert evil["replay_refused"] >= 1 and not evil.get("replay_accepted"), evil
+    assert srv["fetch"]["reverse"]["bad_tickets"] >= evil["replay_refused"], srv["fetch"]

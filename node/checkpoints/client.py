@@ -54,11 +54,18 @@ class DataConnection:
                 # UnicodeError from the idna codec, found by tests/test_fuzz_clients.py) is the
                 # peer's bad ticket, not an exception of ours
                 raise DataPlaneError(F.BAD_TICKET, f"unusable address in the ticket: {exc}") from None
+        return await cls.over(stream, ticket, stall_timeout=stall_timeout, flags=flags)
+
+    @classmethod
+    async def over(
+        cls, stream: trio.SocketStream, ticket: bytes, *, stall_timeout: float = 10.0, flags: int = 0
+    ) -> DataConnection:
+        """Say HELLO with ``ticket`` on an open ``stream`` and read the WELCOME: a connection we
+        dialled, or one a holder behind NAT dialled to us (reverse; its HELLO already read).
+        The stream is closed on failure."""
         try:
             tune(stream.socket)
-            await send_all(
-                stream.socket, F.HELLO.pack(F.MAGIC, F.WIRE_VERSION, flags, ticket.ljust(32, b"\0")), stall_timeout
-            )
+            await send_all(stream.socket, F.pack_hello(flags & ~F.FLAG_REVERSE, ticket), stall_timeout)
             welcome = await recv_exactly(stream.socket, F.WELCOME.size, stall_timeout)
             magic, status, n = F.WELCOME.unpack(welcome)[:3]
             if magic != F.MAGIC:

@@ -41,6 +41,12 @@
 * Peers are ranked by measured throughput, discounted by failures.
 * Resume: the fetcher starts from whatever the store already holds (its journal
   of written chunks), after copying in chunks other versions here share.
+* Holders behind NAT (``reverse`` peers: their heartbeat says data port 0 but lists
+  chunks) cannot be dialled. When this node's own data port is reachable, it makes a
+  single-use ticket (:meth:`ChunkServer.expect_reverse`), sends it in a
+  ``ReverseChunkRequest`` over libp2p, and the holder dials in; from there the session is
+  the same as with any peer (chunks hash-checked, bad ones charged). A fetcher that is
+  itself behind NAT leaves such peers alone: two NAT'd nodes exchange no bulk.
 """
 
 from __future__ import annotations
@@ -52,16 +58,19 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from node.checkpoints.client import DataConnection, DataPlaneError
 from node.checkpoints.overlay import ChunkOverlay
 from node.checkpoints.store import ChunkRejected, ChunkStore, VersionState
-from protocol import ChunkTicketRequest
+from protocol import ChunkTicketRequest, ReverseChunkRequest
 from protocol import chunk_frames as F
 from protocol.bitmap import Bitmap
+
+if TYPE_CHECKING:
+    from node.checkpoints.server import ChunkServer
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +95,7 @@ RATE_WINDOW_S = 5.0
 class FetchPeer:
     peer_id: str
     bitmap: Bitmap | None = None
+    reverse: bool = False  # behind NAT: it dials us (a reverse connection), we cannot dial it
     running: bool = False
     banned: bool = False
     strikes: int = 0
@@ -126,6 +136,7 @@ class FetchPeer:
             "banned": self.banned,
             "holds": self.bitmap.count if self.bitmap else None,
             "elsewhere": self.elsewhere,
+            "reverse": self.reverse,
             "last_error": self.last_error,
         }
 
@@ -161,6 +172,7 @@ class VersionFetcher:
         on_progress: Callable[[FetchProgress], None] | None = None,
         banned: set[str] | None = None,
         rng: random.Random | None = None,
+        reverse: ChunkServer | None = None,
     ) -> None:
         self.store = store
         self.st: VersionState = store.versions[version]
@@ -178,6 +190,8 @@ class VersionFetcher:
         self.endgame_after_s = endgame_after_s
         self.on_progress = on_progress
         self.banned = banned if banned is not None else set()
+        # our own chunk server: it takes the connections holders behind NAT open to us
+        self.reverse = reverse
         n = self.st.bitmap.n
         self.n = n
         rng = rng or random.Random()
@@ -218,16 +232,24 @@ class VersionFetcher:
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
 
     # ------------------------------------------------------------ inputs
-    def add_peer(self, peer_id: str) -> FetchPeer | None:
-        """A peer to try. Bounded (``MAX_KNOWN_PEERS``): at the cap an idle peer that never
-        showed a bitmap makes room, else the newcomer is ignored (None)."""
+    def add_peer(self, peer_id: str, reverse: bool | None = None) -> FetchPeer | None:
+        """A peer to try (``reverse``: it is behind NAT and dials us; None: as known so far).
+        Bounded (``MAX_KNOWN_PEERS``): at the cap an idle peer that never showed a bitmap
+        makes room, else the newcomer is ignored (None)."""
         p = self.peers.get(peer_id)
         if p is None:
             if len(self.peers) >= MAX_KNOWN_PEERS and not self._evict_idle_peer():
                 return None
             p = self.peers[peer_id] = FetchPeer(peer_id, banned=peer_id in self.banned)
             self._poke()
+        if reverse is not None and reverse != p.reverse:
+            p.reverse = reverse
+            self._poke()
         return p
+
+    def _can_reach(self, p: FetchPeer) -> bool:
+        """A peer behind NAT only while our own data port is reachable (it must dial us)."""
+        return not p.reverse or (self.reverse is not None and self.reverse.reachable())
 
     def _evict_idle_peer(self) -> bool:
         for pid, q in self.peers.items():
@@ -411,7 +433,7 @@ class VersionFetcher:
         for p in sorted(self.peers.values(), key=lambda q: -q.score()):
             if active >= self.max_peers:
                 break
-            if p.running or p.banned or p.peer_id in self.banned or now < p.cooldown_until:
+            if p.running or p.banned or p.peer_id in self.banned or now < p.cooldown_until or not self._can_reach(p):
                 continue
             p.running = True
             active += 1
@@ -431,22 +453,10 @@ class VersionFetcher:
         try:
             with trio.CancelScope() as scope:
                 p.scope = scope
-                req = ChunkTicketRequest(version=self.version, root=self.st.root, chunk_indices=self._hint(p))
-                try:
-                    with trio.fail_after(self.ticket_timeout):
-                        ticket = await self.overlay.request_ticket(p.peer_id, req, self.ticket_timeout)
-                except Exception as exc:
-                    raise TicketError(f"{type(exc).__name__}: {exc}") from None
-                if not ticket.ok:
-                    raise DataPlaneError(F.BAD_TICKET, f"ticket refused: {ticket.reason}")
-                conn = await DataConnection.open(
-                    ticket.host,
-                    ticket.port,
-                    ticket.ticket,
-                    connect_timeout=self.ticket_timeout,
-                    stall_timeout=self.stall_timeout,
-                    flags=F.FLAG_PUSH_HAVE,
-                )
+                if p.reverse:
+                    conn = await self._reverse_connection(p)
+                else:
+                    conn = await self._connection(p)
                 if conn.num_chunks != self.n:
                     self.overlay.penalise(p.peer_id, "bad_chunk_count")
                     raise DataPlaneError(F.BAD_REQUEST, f"peer says {conn.num_chunks} chunks, manifest {self.n}")
@@ -468,6 +478,57 @@ class VersionFetcher:
             if conn is not None:
                 await conn.aclose()
             self._poke()
+
+    async def _connection(self, p: FetchPeer) -> DataConnection:
+        """A ticket over the overlay, then our TCP connection to the peer's data port."""
+        req = ChunkTicketRequest(version=self.version, root=self.st.root, chunk_indices=self._hint(p))
+        try:
+            with trio.fail_after(self.ticket_timeout):
+                ticket = await self.overlay.request_ticket(p.peer_id, req, self.ticket_timeout)
+        except Exception as exc:
+            raise TicketError(f"{type(exc).__name__}: {exc}") from None
+        if not ticket.ok:
+            raise DataPlaneError(F.BAD_TICKET, f"ticket refused: {ticket.reason}")
+        return await DataConnection.open(
+            ticket.host,
+            ticket.port,
+            ticket.ticket,
+            connect_timeout=self.ticket_timeout,
+            stall_timeout=self.stall_timeout,
+            flags=F.FLAG_PUSH_HAVE,
+        )
+
+    async def _reverse_connection(self, p: FetchPeer) -> DataConnection:
+        """A peer behind NAT: our single-use ticket goes to it over the overlay, and it dials
+        our data port with it (see protocol/chunk_frames.py)."""
+        server = self.reverse
+        assert server is not None  # _schedule starts reverse peers only with a server
+        tok = server.expect_reverse(p.peer_id, self.version, self.st.root)
+        req = ReverseChunkRequest(
+            version=self.version,
+            root=self.st.root,
+            chunk_indices=self._hint(p),
+            ticket=tok,
+            host=server.advertise_host,
+            port=server.port,
+        )
+        try:
+            try:
+                with trio.fail_after(self.ticket_timeout):
+                    answer = await self.overlay.request_reverse(p.peer_id, req, self.ticket_timeout)
+            except Exception as exc:
+                raise TicketError(f"{type(exc).__name__}: {exc}") from None
+            if not answer.ok:
+                raise DataPlaneError(F.BAD_TICKET, f"reverse connection refused: {answer.reason}")
+            try:
+                stream = await server.accept_reverse(tok, self.ticket_timeout)
+            except trio.TooSlowError:
+                # not a stall of a chunk: maybe our data port is not reachable after all
+                # (no charge), or the holder lied; either way it cools down (back-off)
+                raise DataPlaneError(F.BUSY, "the holder did not dial in") from None
+        finally:
+            server.void_reverse(tok)  # used, refused or unreachable: good for nothing now
+        return await DataConnection.over(stream, tok, stall_timeout=self.stall_timeout, flags=F.FLAG_PUSH_HAVE)
 
     async def _session(self, p: FetchPeer, conn: DataConnection, outstanding: deque[tuple[int, int]]) -> None:
         await conn.send(F.OP_HAVE)

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from protocol import ChunkTicket, ChunkTicketRequest, ManifestRequest, ManifestResponse
+from protocol import (
+    ChunkTicket,
+    ChunkTicketRequest,
+    ManifestRequest,
+    ManifestResponse,
+    ReverseChunkAnswer,
+    ReverseChunkRequest,
+)
 
 if TYPE_CHECKING:
     from node.checkpoints.server import ChunkServer
@@ -34,6 +41,10 @@ class ChunkOverlay(Protocol):
 
     async def request_manifest(self, peer_id: str, req: ManifestRequest, timeout: float) -> ManifestResponse:
         """Ask ``peer_id`` for the trainer's announce of a version (a delta's base chain)."""
+
+    async def request_reverse(self, peer_id: str, req: ReverseChunkRequest, timeout: float) -> ReverseChunkAnswer:
+        """Ask ``peer_id`` (behind NAT) to dial our data port with ``req.ticket``; raise like
+        ``request_ticket``."""
 
     def penalise(self, peer_id: str, reason: str) -> None:
         """Misbehaviour points for ``peer_id`` (a bad chunk, a stall)."""
@@ -59,6 +70,15 @@ class LocalOverlay:
         if server is None:
             raise ConnectionRefusedError(f"unknown peer {peer_id}")
         return server.grant_ticket(self.my_id, req)
+
+    async def request_reverse(self, peer_id: str, req: ReverseChunkRequest, timeout: float) -> ReverseChunkAnswer:
+        await trio.lowlevel.checkpoint()
+        if peer_id in self.banned:
+            raise ConnectionRefusedError(f"{peer_id} is banned")
+        server = self.servers.get(peer_id)
+        if server is None:
+            raise ConnectionRefusedError(f"unknown peer {peer_id}")
+        return server.grant_reverse(self.my_id, req)
 
     async def request_manifest(self, peer_id: str, req: ManifestRequest, timeout: float) -> ManifestResponse:
         await trio.lowlevel.checkpoint()

@@ -37,6 +37,8 @@ from protocol import (
     ManifestRequest,
     ManifestResponse,
     ProtocolError,
+    ReverseChunkAnswer,
+    ReverseChunkRequest,
 )
 
 if TYPE_CHECKING:
@@ -73,6 +75,13 @@ class P2POverlay:
         env = await self.node.reqresp.request(peer_id, req, expect=ManifestResponse, timeout=timeout, redial=True)
         resp: ManifestResponse = env.body
         return resp
+
+    async def request_reverse(self, peer_id: str, req: ReverseChunkRequest, timeout: float) -> ReverseChunkAnswer:
+        # to a NAT'd holder: over its relay circuit, or a direct connection (hole punch, or it
+        # dialled us); only this small request crosses a relay, never the chunks
+        env = await self.node.reqresp.request(peer_id, req, expect=ReverseChunkAnswer, timeout=timeout, redial=True)
+        answer: ReverseChunkAnswer = env.body
+        return answer
 
     def penalise(self, peer_id: str, reason: str) -> None:
         self.node.policy.penalise(peer_id, reason, POINTS.get(reason))
@@ -117,13 +126,50 @@ async def serve_checkpoints(
     def on_manifest(env: Envelope[ManifestRequest], peer: str) -> ManifestResponse:
         return checkpoints.serve_manifest(env.body)
 
+    def on_reverse(env: Envelope[ReverseChunkRequest], peer: str) -> ReverseChunkAnswer:
+        if node.policy.is_banned(peer):
+            return ReverseChunkAnswer(ok=False, reason="banned")
+        return checkpoints.grant_reverse(peer, env.body, peer_ips(node, peer))
+
+    # Our data port is reachable unless AutoNAT found us behind NAT (then we ask no holder
+    # behind NAT to dial us: two NAT'd nodes exchange no bulk).
+    checkpoints.server.reachable = lambda: node.nat is None or not node.nat.behind_nat
+
     node.reqresp.register(ChunkTicketRequest, on_ticket)
     node.reqresp.register(ManifestRequest, on_manifest)
+    node.reqresp.register(ReverseChunkRequest, on_reverse)
     node.gossip.on("checkpoint", on_announce)
     node.gossip.on("heartbeat", on_heartbeat)
     node.policy.ban_listeners.append(on_ban)
     checkpoints.banned.update(node.policy.banned())
     await checkpoints.run(task_status=task_status)
+
+
+def peer_ips(node: Any, peer_id: str) -> set[str]:
+    """The IP addresses ``peer_id`` advertises as its own (its signed heartbeats put them in
+    the peerstore) or connects to us from directly: where we may dial its data port.
+    Circuit addresses name the relay's IP, not the peer's, and are left out."""
+    import multiaddr  # the p2p layer's dependency; checkpoint code never imports node.p2p
+    from libp2p.peer.id import ID
+
+    out: set[str] = set()
+    try:
+        pid = ID.from_base58(peer_id)
+        addrs = list(node.host.get_peerstore().addrs(pid))
+        for conn in node.host.get_network().get_connections(pid):
+            addrs += list(getattr(conn, "_actual_transport_addresses", None) or [])
+    except Exception:
+        return out
+    for a in addrs:
+        ma = a if isinstance(a, multiaddr.Multiaddr) else multiaddr.Multiaddr(str(a))
+        if "p2p-circuit" in str(ma):
+            continue
+        for proto in ("ip4", "ip6"):
+            try:
+                out.add(ma.value_for_protocol(proto))
+            except Exception:
+                continue
+    return out
 
 
 def delta_settings(config_toml: str) -> tuple[int, float]:

@@ -21,25 +21,36 @@ make every recipient look slow). Such a peer's uplink is most likely as slow as 
 downlink, and the others would wait on it for the chunk (bench/distribution.py
 --link-caps: with a 20 Mbit/s fetcher in the swarm, the others' completion was
 1.7x what it was without it).
+
+Reverse connections (protocol/chunk_frames.py): a node behind NAT cannot be dialled, so a
+reachable fetcher asks it over libp2p to dial in (:meth:`ChunkServer.expect_reverse` makes
+the single-use ticket; :meth:`ChunkServer.grant_reverse` is the holder's answer). The
+holder's connection then runs the same session as one it accepted: the same upload cap,
+per-peer connection limit, super-seeding memory and bytes-served accounting. Bulk never
+goes through a relay: only the small ``ReverseChunkRequest`` travels over libp2p.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
+import ipaddress
 import logging
 import os
 import secrets
 import time
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from node.checkpoints.client import DataPlaneError
 from node.checkpoints.ratelimit import UploadLimiter
 from node.checkpoints.store import ChunkStore, VersionState
 from node.checkpoints.wire import recv_exactly, send_all, tune
 from node.util import aclose_shielded
-from protocol import ChunkTicket, ChunkTicketRequest
+from protocol import ChunkTicket, ChunkTicketRequest, ProtocolError, ReverseChunkAnswer, ReverseChunkRequest
 from protocol import chunk_frames as F
 
 if TYPE_CHECKING:
@@ -49,6 +60,9 @@ log = logging.getLogger(__name__)
 
 SLOW_RECIPIENT = 3.0  # see the module docstring
 FAST_DECAY = 0.9  # the fastest recent send rate decays by this factor per send
+# A reverse ticket: how long the fetcher waits for the holder's connection (it is good once).
+REVERSE_TICKET_TTL_S = 15.0
+MAX_REVERSE_EXPECTED = 256  # reverse connections one fetcher node waits for at once
 
 
 class SeedLog:
@@ -102,6 +116,20 @@ class Ticket:
     root: bytes
     expires: float  # trio clock
     expires_ms: int
+    reverse: bool = False  # a session on a connection we opened (we are behind NAT)
+
+
+@dataclasses.dataclass
+class ReverseSlot:
+    """A reverse connection this node (a reachable fetcher) waits for from ``peer_id``."""
+
+    peer_id: str
+    version: int
+    root: bytes
+    expires: float  # trio clock
+    send: trio.MemorySendChannel[trio.SocketStream]
+    recv: trio.MemoryReceiveChannel[trio.SocketStream]
+    used: bool = False  # a connection presented the ticket (it may arrive before we wait for it)
 
 
 class ChunkServer:
@@ -152,6 +180,17 @@ class ChunkServer:
         self.chunks_elsewhere = 0  # GETs answered ELSEWHERE (super-seeding)
         self.have_pushes = 0
         self._started = trio.Event()
+        # Reverse connections. ``reachable``: whether peers can dial our data port (the p2p
+        # wiring says False while AutoNAT finds us behind NAT); only then do we ask holders
+        # behind NAT to dial us.
+        self.reachable: Callable[[], bool] = lambda: True
+        self._expected: dict[bytes, ReverseSlot] = {}  # fetcher side: ticket -> slot
+        self._dialling: collections.Counter[str] = collections.Counter()  # holder side, per fetcher
+        self._nursery: trio.Nursery | None = None
+        self.bytes_served_reverse = 0
+        self.reverse_last_error = ""
+        self.reverse: collections.Counter[str] = collections.Counter()  # see status()
+        self.reverse_served_to: collections.Counter[str] = collections.Counter()  # fetcher host -> connections
 
     def set_max_upload_mbps(self, mbps: float) -> None:
         self.bucket = UploadLimiter.from_mbps(mbps)
@@ -192,13 +231,151 @@ class ChunkServer:
             for k in [k for k, t in self.tickets.items() if t.expires < now]:
                 del self.tickets[k]
 
+    # ------------------------------------------------------------ reverse connections
+    def expect_reverse(self, peer_id: str, version: int, root: bytes, ttl_s: float = REVERSE_TICKET_TTL_S) -> bytes:
+        """Fetcher side: a fresh ticket for one connection from ``peer_id`` (a holder behind NAT),
+        to send it over libp2p in a ``ReverseChunkRequest``; then :meth:`accept_reverse`."""
+        now = trio.current_time()
+        for k in [k for k, sl in self._expected.items() if sl.expires < now]:
+            self._expected.pop(k).send.close()
+        if len(self._expected) >= MAX_REVERSE_EXPECTED:
+            raise DataPlaneError(F.BUSY, "too many reverse connections expected")
+        tok = secrets.token_bytes(F.TICKET_LEN)
+        send, recv = trio.open_memory_channel[trio.SocketStream](1)
+        self._expected[tok] = ReverseSlot(peer_id, version, root, now + ttl_s, send, recv)
+        self.reverse["expected"] += 1
+        return tok
+
+    async def accept_reverse(self, ticket: bytes, timeout: float) -> trio.SocketStream:
+        """Fetcher side: the connection the holder opened with ``ticket`` (its HELLO read);
+        TooSlowError after ``timeout``. The ticket is void afterwards, used or not."""
+        slot = self._expected.get(ticket)
+        if slot is None:
+            raise DataPlaneError(F.BAD_TICKET, "reverse ticket unknown or expired")
+        try:
+            with trio.fail_after(timeout):
+                return await slot.recv.receive()
+        finally:
+            self._expected.pop(ticket, None)
+            try:  # delivered just as we gave up: nobody will read it
+                late = slot.recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                pass
+            else:
+                await aclose_shielded(late.aclose)
+            slot.recv.close()
+
+    def void_reverse(self, ticket: bytes) -> None:
+        """Fetcher side: forget ``ticket`` (the holder refused, or could not be asked)."""
+        slot = self._expected.pop(ticket, None)
+        if slot is not None:
+            slot.send.close()
+
+    def grant_reverse(
+        self, peer_id: str, req: ReverseChunkRequest, allowed_hosts: Collection[str] | None = None
+    ) -> ReverseChunkAnswer:
+        """Holder side: answer ``peer_id``'s request to be dialled (``ok``: dialling now).
+
+        We dial only an IP address among ``allowed_hosts`` (the requester's own advertised
+        addresses; None: no check, in-process overlays), at most ``max_connections_per_peer``
+        connections per requester, and only for a version we hold."""
+        refuse = self._reverse_refusal(peer_id, req, allowed_hosts)
+        if refuse:
+            self.reverse["refused"] += 1
+            return ReverseChunkAnswer(ok=False, reason=refuse)
+        assert self._nursery is not None  # _reverse_refusal checked it
+        self._dialling[peer_id] += 1
+        self.reverse["granted"] += 1
+        self._nursery.start_soon(self._reverse_dial, peer_id, req)
+        return ReverseChunkAnswer(ok=True, reason="")
+
+    def _reverse_refusal(self, peer_id: str, req: ReverseChunkRequest, allowed: Collection[str] | None) -> str:
+        if self.store.get(req.version, req.root) is None:
+            return "version not held"
+        if self._nursery is None:
+            return "data plane not running"
+        try:
+            ipaddress.ip_address(req.host)
+        except ValueError:
+            return "host must be an IP address"
+        if allowed is not None and req.host not in allowed:
+            return "host is not one of your advertised addresses"
+        if self._per_peer[peer_id] + self._dialling[peer_id] >= self.max_connections_per_peer:
+            return "busy: too many connections to you"
+        if self.connections >= self.max_connections:
+            return "busy: too many connections"
+        return ""
+
+    async def _reverse_dial(self, peer_id: str, req: ReverseChunkRequest) -> None:
+        """Holder side: dial the fetcher, present its ticket, check it echoes the ticket back
+        (we serve only the fetcher that asked), then serve it as if it had dialled us."""
+        stream = None
+        try:
+            try:
+                with trio.fail_after(self.stall_timeout_s):
+                    stream = await trio.open_tcp_stream(req.host, req.port)
+            finally:
+                self._dialling[peer_id] -= 1
+                if self._dialling[peer_id] <= 0:
+                    del self._dialling[peer_id]
+            self.reverse["dials_ok"] += 1
+            sock = stream.socket
+            self.connections += 1
+            try:
+                tune(sock)
+                await send_all(sock, F.pack_hello(F.FLAG_REVERSE, req.ticket), self.stall_timeout_s)
+                try:
+                    hello = F.parse_hello(await recv_exactly(sock, F.HELLO.size, self.stall_timeout_s))
+                except ProtocolError as exc:
+                    self.reverse["bad_echo"] += 1
+                    log.info("reverse connection to %s: %s", peer_id, exc)
+                    return
+                if hello.reverse or not hmac.compare_digest(hello.ticket, req.ticket):
+                    self.reverse["bad_echo"] += 1
+                    return
+                self.reverse["served_connections"] += 1
+                self.reverse_served_to[req.host] += 1
+                t = Ticket(peer_id, req.version, req.root, float("inf"), 0, reverse=True)
+                await self._serve_session(sock, t, hello.flags)
+            finally:
+                self.connections -= 1
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
+            if stream is None:
+                self.reverse["dials_failed"] += 1
+            self.reverse_last_error = f"{type(exc).__name__}: {exc}"[:200]
+            log.debug("reverse data connection to %s ended: %r", peer_id, exc)
+        finally:
+            if stream is not None:
+                await aclose_shielded(stream.aclose)
+
+    def _take_reverse(self, stream: trio.SocketStream, ticket: bytes) -> bool:
+        """Fetcher side: a reverse HELLO arrived; hand the stream to the fetcher that expects it.
+        A ticket is good once, before its expiry: a replay, a guess or a late one is refused."""
+        slot = self._expected.get(ticket)
+        if slot is None or slot.used or slot.expires < trio.current_time():
+            self.reverse["bad_tickets"] += 1
+            return False
+        slot.used = True
+        # trio closes an accepted stream when its handler returns: the fetcher gets its own
+        # descriptor of the same connection (closing one of two does not end the connection)
+        mine = trio.SocketStream(stream.socket.dup())
+        try:
+            slot.send.send_nowait(mine)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            mine.socket.close()
+            return False
+        self.reverse["accepted"] += 1
+        return True
+
     # ------------------------------------------------------------ serving
     async def run(self, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.port, host=self.listen_host, backlog=256)
         self.port = listeners[0].socket.getsockname()[1]
-        task_status.started(self.port)
-        self._started.set()
-        await trio.serve_listeners(self._handle, listeners)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+            task_status.started(self.port)
+            self._started.set()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         sock = stream.socket
@@ -209,37 +386,45 @@ class ChunkServer:
             self.connections += 1
             try:
                 tune(sock)
-                hello = await recv_exactly(sock, F.HELLO.size, self.stall_timeout_s)
-                magic, ver, flags, tok = F.HELLO.unpack(hello)
-                t = self.tickets.get(tok)
-                if magic != F.MAGIC or ver != F.WIRE_VERSION:
+                try:
+                    hello = F.parse_hello(await recv_exactly(sock, F.HELLO.size, self.stall_timeout_s))
+                except ProtocolError:
                     return
+                if hello.reverse:  # a holder behind NAT dialled us: hand it to our fetcher
+                    self._take_reverse(stream, hello.ticket)
+                    return  # refused: closed without a word (the holder reads no HELLO back)
+                t = self.tickets.get(hello.ticket)
                 if t is None or t.expires < trio.current_time():
                     await send_all(sock, F.WELCOME.pack(F.MAGIC, F.BAD_TICKET, 0, 0), self.stall_timeout_s)
                     return
                 peer = t.peer_id
-                st = self.store.get(t.version, t.root)
-                if st is None:
-                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.GONE, 0, 0), self.stall_timeout_s)
-                    return
-                if self._per_peer[peer] >= self.max_connections_per_peer:
-                    # one identity may not take every slot (e.g. requesting chunks it never reads)
-                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.BUSY, 0, 0), self.stall_timeout_s)
-                    return
-                self._per_peer[peer] += 1
-                try:
-                    await send_all(sock, F.WELCOME.pack(F.MAGIC, F.OK, st.bitmap.n, 0), self.stall_timeout_s)
-                    await self._serve(sock, t, flags)
-                finally:
-                    self._per_peer[peer] -= 1
-                    if self._per_peer[peer] <= 0:
-                        del self._per_peer[peer]
+                await self._serve_session(sock, t, hello.flags)
             finally:
                 self.connections -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
             log.debug("data connection from %s ended: %r", peer, exc)
         finally:
             await aclose_shielded(stream.aclose)
+
+    async def _serve_session(self, sock: trio.socket.SocketType, t: Ticket, flags: int) -> None:
+        """WELCOME and requests until BYE or idle, whichever side dialled."""
+        peer = t.peer_id
+        st = self.store.get(t.version, t.root)
+        if st is None:
+            await send_all(sock, F.WELCOME.pack(F.MAGIC, F.GONE, 0, 0), self.stall_timeout_s)
+            return
+        if self._per_peer[peer] >= self.max_connections_per_peer:
+            # one identity may not take every slot (e.g. requesting chunks it never reads)
+            await send_all(sock, F.WELCOME.pack(F.MAGIC, F.BUSY, 0, 0), self.stall_timeout_s)
+            return
+        self._per_peer[peer] += 1
+        try:
+            await send_all(sock, F.WELCOME.pack(F.MAGIC, F.OK, st.bitmap.n, 0), self.stall_timeout_s)
+            await self._serve(sock, t, flags)
+        finally:
+            self._per_peer[peer] -= 1
+            if self._per_peer[peer] <= 0:
+                del self._per_peer[peer]
 
     def _seed_log(self, st: VersionState) -> SeedLog | None:
         if not self.superseed or not st.bitmap.complete:
@@ -306,6 +491,8 @@ class ChunkServer:
                         with self.store.pin(t.version):
                             await self._send_chunk(sock, st, idx, t.peer_id)
                         ok = True
+                        if t.reverse:  # whole chunks sent over connections we opened
+                            self.bytes_served_reverse += st.chunks[idx][2]
                     finally:
                         now = trio.current_time()
                         share = max(beside, self._sending)
@@ -370,4 +557,11 @@ class ChunkServer:
             "chunks_elsewhere": self.chunks_elsewhere,
             "have_pushes": self.have_pushes,
             "max_upload_bytes_per_s": self.bucket.rate,
+            # reverse connections: as a holder behind NAT (granted, refused, dials_ok,
+            # dials_failed, served_connections, bad_echo) and as a reachable fetcher
+            # (expected, accepted, bad_tickets: replayed, guessed or late tickets refused)
+            "reverse": dict(self.reverse),
+            "bytes_served_reverse": self.bytes_served_reverse,
+            "reverse_served_to": dict(self.reverse_served_to),
+            "reverse_last_error": self.reverse_last_error,
         }

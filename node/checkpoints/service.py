@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,8 @@ from protocol import (
     NodeKey,
     ProtocolError,
     ReplayGuard,
+    ReverseChunkAnswer,
+    ReverseChunkRequest,
 )
 from protocol.rules import is_stale, window_floor
 
@@ -119,6 +121,7 @@ class Checkpoints:
         self.progress_callbacks: list[Callable[[FetchProgress], None]] = []
         self._have: dict[str, tuple[float, tuple[HaveEntry, ...]]] = {}  # peer -> (time, have entries)
         self._static_peers: set[str] = set()
+        self._reverse: set[str] = set()  # peers in ``_have`` behind NAT (they dial us)
         self._nursery: trio.Nursery | None = None
         self._fetch_scopes: dict[int, trio.CancelScope] = {}
         self._wanted: set[int] = set()  # older versions a role needs (bounded by the window)
@@ -160,6 +163,14 @@ class Checkpoints:
             return ChunkTicket(ok=False, reason="banned", ticket=b"", host="", port=0, expires_ms=0)
         return self.server.grant_ticket(peer_id, req)
 
+    def grant_reverse(
+        self, peer_id: str, req: ReverseChunkRequest, allowed_hosts: Collection[str] | None = None
+    ) -> ReverseChunkAnswer:
+        """A reachable fetcher asks us (behind NAT) to dial its data port: see ChunkServer."""
+        if peer_id in self.banned:
+            return ReverseChunkAnswer(ok=False, reason="banned")
+        return self.server.grant_reverse(peer_id, req, allowed_hosts)
+
     def on_announce(self, raw: bytes, guard: ReplayGuard | None = None) -> int:
         """Announce envelope bytes (verified here). Returns the version; raises ProtocolError."""
         st, new = self.store.add_announce(raw, guard=guard)
@@ -185,7 +196,13 @@ class Checkpoints:
             await self._announced.wait()
 
     def on_heartbeat(self, peer_id: str, hb: Heartbeat) -> None:
-        if hb.data_port == 0:
+        # Data port 0 with chunks listed: a holder behind NAT. It serves us only over a
+        # connection it opens to our data port (reverse), so only while ours is reachable; a
+        # NAT'd node ignores it, else rarest-first and super-seeding would count chunks it
+        # cannot get.
+        reverse = hb.data_port == 0
+        if reverse and not (hb.have and self.server.reachable()):
+            self._reverse.discard(peer_id)
             return
         if peer_id not in self._have and len(self._have) >= 2048:
             # bounded: drop have-sets not refreshed for a minute, else the oldest quarter
@@ -193,11 +210,16 @@ class Checkpoints:
             stale = [p for p, (t, _h) in self._have.items() if now - t > 60]
             for p in stale or sorted(self._have, key=lambda p: self._have[p][0])[: len(self._have) // 4]:
                 del self._have[p]
+                self._reverse.discard(p)
         self._have[peer_id] = (time.monotonic(), hb.have)
+        if reverse:
+            self._reverse.add(peer_id)
+        else:
+            self._reverse.discard(peer_id)
         for f in self.fetchers.values():
             # a peer that serves chunks but does not list this version yet probably
             # just heard of it too: try it (its HAVE replies tell us what it holds)
-            f.add_peer(peer_id)
+            f.add_peer(peer_id, reverse=reverse)
         newest = self.store.newest()
         for e in hb.have:
             fetcher = self.fetchers.get(e.version)
@@ -373,12 +395,18 @@ class Checkpoints:
 
     def _start_fetch(self, version: int) -> VersionFetcher:
         f = VersionFetcher(
-            self.store, version, self.overlay, banned=self.banned, on_progress=self._on_progress, **self.fetcher_options
+            self.store,
+            version,
+            self.overlay,
+            banned=self.banned,
+            on_progress=self._on_progress,
+            reverse=self.server,
+            **self.fetcher_options,
         )
         self.fetchers[version] = f
         st = f.st
         for pid, (_, have) in self._have.items():
-            f.add_peer(pid)
+            f.add_peer(pid, reverse=pid in self._reverse)
             for e in have:
                 if e.version == version and e.root == st.root:
                     f.update_have(pid, e.bitmap)
@@ -584,6 +612,10 @@ class Checkpoints:
             keep = dict(srv.bytes_served_to.most_common(SERVED_TO_PEERS // 2))
             srv.bytes_served_to.clear()
             srv.bytes_served_to.update(keep)
+        if len(srv.reverse_served_to) > SERVED_TO_PEERS:  # fetcher hosts we dialled, likewise
+            keep = dict(srv.reverse_served_to.most_common(SERVED_TO_PEERS // 2))
+            srv.reverse_served_to.clear()
+            srv.reverse_served_to.update(keep)
 
     def note_banned(self, peer_id: str, still_banned: Callable[[], Iterable[str]] = lambda: ()) -> None:
         """A peer the node banned: refused tickets, skipped by fetchers. Bounded: when full,
@@ -621,6 +653,9 @@ class Checkpoints:
             "data_port": self.server.port,
             "bytes_served": self.server.bytes_served,
             "bytes_served_to": dict(self.server.bytes_served_to),
+            # over connections this node opened (behind NAT) / counters of reverse connections
+            "bytes_served_reverse": self.server.bytes_served_reverse,
+            "reverse": dict(self.server.reverse),
             "max_upload_mbps": self.server.bucket.rate * 8 / 1e6,
             "banned": sorted(self.banned),
         }

@@ -24,8 +24,9 @@ where our measurements showed a gap:
   simultaneous open from the listen port towards the other side's observed address.
 
 Bulk checkpoint bytes never cross a relay: they travel over the raw-TCP data plane, and a
-private node advertises data port 0, so nobody tries to fetch chunks from it; it fetches from
-reachable peers over connections it opens itself.
+private node advertises data port 0, so nobody dials its data plane; it fetches from reachable
+peers over connections it opens itself, and serves reachable peers over connections it opens
+to their data ports when they ask (reverse connections, node/checkpoints/server.py).
 """
 
 from __future__ import annotations

@@ -275,7 +275,9 @@ class Node:
         )
         fields.update(self.hook.heartbeat_fields())
         if self.nat is not None and self.nat.behind_nat:
-            fields["data_port"] = 0  # nobody can dial our data plane: bulk never goes through a relay
+            # nobody can dial our data plane: reachable peers ask us to dial theirs instead
+            # (reverse connections); bulk never goes through a relay
+            fields["data_port"] = 0
         fields["have"] = tuple(fields["have"])
         fields["addrs"] = tuple(fields["addrs"])
         return Heartbeat(**fields)

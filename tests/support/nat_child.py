@@ -6,6 +6,13 @@
 overlay, AutoNAT, relay and hole punching are what is under test) and rewrites ``FILE`` with
 the node's status JSON twice a second, so the test (in another network namespace) can read it.
 
+Checkpoints (``--store DIR --trainer ID``): the node also runs the checkpoint subsystem on
+that chunk store (its data plane on ``--data-port``, advertised at ``--advertise``), wired
+into the overlay as the learning roles wire it; ``--announce FILE`` hands it the trainer's
+announce of a version to fetch (once that file exists). ``--corrupt``: its chunk server flips a byte of every chunk
+it sends; ``--replay``: after each reverse connection it opened, it dials again with the same
+ticket and records whether the fetcher took it (``evil`` in its status).
+
 ``--measure-file``: once that file exists (bench/wan.py creates it when every node has heard
 every other, i.e. after start-up), the node forgets the heartbeat delivery samples it has so
 far and records its gossip counters at that moment under ``"measure"`` in its status, so the
@@ -15,6 +22,7 @@ bench reports the steady state, not connection set-up.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -23,13 +31,102 @@ from pathlib import Path
 
 import trio
 
+from node.checkpoints import Checkpoints, ChunkStore
+from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
+from node.checkpoints.server import ChunkServer
+from node.checkpoints.wire import recv_exactly, send_all
 from node.p2p.host import attach_libp2p_logging
 from node.p2p.nat import NatConfig
 from node.p2p.node import Node, P2PConfig, RoleHook
 from node.p2p.testing import fast_config
 from protocol import NodeKey
+from protocol import chunk_frames as F
 
 RUN_ID = bytes(range(32))
+
+
+class CorruptReplayServer(ChunkServer):
+    """A dishonest holder: ``corrupt`` flips a byte of every chunk it sends; ``replay`` presents
+    each reverse ticket a second time on a new connection and counts what happened."""
+
+    def __init__(self, *args, corrupt: bool = False, replay: bool = False, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.corrupt, self.replay = corrupt, replay
+        self.evil: collections.Counter[str] = collections.Counter()
+
+    async def _send_chunk(self, sock, st, idx, peer):
+        if not self.corrupt:
+            return await super()._send_chunk(sock, st, idx, peer)
+        data = bytearray(self.store.read_chunk_blocking(st, idx))
+        data[len(data) // 2] ^= 0xFF
+        await send_all(sock, F.REPLY.pack(F.OP_GET, F.OK, idx, len(data)) + bytes(data), self.stall_timeout_s)
+        self.bytes_served += len(data)
+        self.evil["corrupt_chunks_sent"] += 1
+
+    async def _reverse_dial(self, peer_id, req):
+        if self.replay:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._replay, req)
+        await super()._reverse_dial(peer_id, req)
+
+    async def _replay(self, req) -> None:
+        await trio.sleep(0.5)  # after the first connection with this ticket was taken
+        try:
+            with trio.fail_after(10):
+                stream = await trio.open_tcp_stream(req.host, req.port)
+                try:
+                    await send_all(stream.socket, F.pack_hello(F.FLAG_REVERSE, req.ticket), 5)
+                    await recv_exactly(stream.socket, F.HELLO.size, 5)
+                    self.evil["replay_accepted"] += 1
+                finally:
+                    await stream.aclose()
+        except (trio.BrokenResourceError, trio.TooSlowError, OSError):
+            self.evil["replay_refused"] += 1  # closed without a HELLO back
+
+
+class CheckpointsHook(RoleHook):
+    """The checkpoint subsystem alone, wired like a learning role's (node/roles/common.py)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        store = ChunkStore(args.store, RUN_ID, args.trainer, direct_io=False)
+        self.cp_args = dict(advertise_host=args.advertise or "127.0.0.1", listen_host="0.0.0.0")
+        self.store = store
+        self.args = args
+        self.checkpoints: Checkpoints | None = None
+
+    async def run(self, node) -> None:
+        self.checkpoints = cp = Checkpoints(self.store, P2POverlay(node), data_port=self.args.data_port, **self.cp_args)
+        if self.args.corrupt or self.args.replay:
+            cp.server = CorruptReplayServer(
+                self.store, port=self.args.data_port, corrupt=self.args.corrupt, replay=self.args.replay, **self.cp_args
+            )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_checkpoints, node, cp)
+            if self.args.announce:  # the test writes it when it wants the fetch to start
+                path = trio.Path(self.args.announce)
+                while True:  # another namespace's process writes it: nothing to wait on but the file
+                    if await path.exists():
+                        break
+                    await trio.sleep(0.2)
+                cp.on_announce(await path.read_bytes())
+            await trio.sleep_forever()
+
+    def heartbeat_fields(self) -> dict:
+        return checkpoint_heartbeat_fields(self.checkpoints) if self.checkpoints is not None else {}
+
+    def status(self) -> dict:
+        cp = self.checkpoints
+        if cp is None:
+            return {}
+        return {
+            "checkpoints": cp.status(),
+            "server": cp.server.status(),
+            "evil": dict(getattr(cp.server, "evil", {})),
+            "fetching": {v: f.status()["peers"] for v, f in cp.fetchers.items()},
+            "fetch": {
+                v: {k: h[k] for k in ("peers", "fed_from", "chunks_rejected")} for v, h in cp.fetch_history.items()
+            },
+        }
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -64,7 +161,8 @@ async def main(args: argparse.Namespace) -> None:
     if args.heartbeat_s:
         cfg.heartbeat_interval_s = args.heartbeat_s
         cfg.forget_after_s = max(10.0, 5 * args.heartbeat_s)
-    node = Node(key, run_id=RUN_ID, config=cfg, hook=RoleHook())
+    hook = CheckpointsHook(args) if args.store else RoleHook()
+    node = Node(key, run_id=RUN_ID, config=cfg, hook=hook)
     out = Path(args.status)
     measure: dict | None = None
     async with trio.open_nursery() as nursery:
@@ -99,4 +197,9 @@ if __name__ == "__main__":
         "--deployed-intervals", action="store_true", help="connection and peer-exchange intervals as deployed"
     )
     p.add_argument("--measure-file", default="", help="start measuring delivery once this file exists")
+    p.add_argument("--store", default="", help="run the checkpoint subsystem on this chunk store")
+    p.add_argument("--trainer", default="", help="peer id whose signed manifests the store accepts")
+    p.add_argument("--announce", default="", help="a trainer's announce (envelope bytes) to fetch")
+    p.add_argument("--corrupt", action="store_true", help="serve every chunk with one byte flipped")
+    p.add_argument("--replay", action="store_true", help="present every reverse ticket twice")
     trio.run(main, p.parse_args())
