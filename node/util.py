@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -107,3 +108,39 @@ def crash_point(name: str, version: int | None = None) -> None:
     want = os.environ.get(CRASH_ENV)
     if want is not None and want in (name, f"{name}@{version}"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+STOP_ENV = "PRIMENODE_STOP_DURING"
+
+
+def stop_point(name: str) -> None:
+    """If ``PRIMENODE_STOP_DURING`` names this point: send this process SIGTERM, then block
+    this thread for good. It stands for work that outlasts any grace period (a trainer step of
+    minutes on a real model), so a test can show that a stop does not wait for it. Unset
+    (every normal run), it is a dictionary lookup."""
+    if os.environ.get(STOP_ENV) == name:
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait()
+
+
+_abandoned: list[str] = []
+
+
+def abandon(what: str) -> None:
+    """Record that a worker thread was left running when its task was cancelled (a trainer
+    step on SIGTERM). The process then ends with ``os._exit`` after its clean-up
+    (``exit_if_abandoned``): interpreter finalization must not race a thread inside torch."""
+    _abandoned.append(what)
+
+
+def exit_if_abandoned(code: int = 0) -> None:
+    """End the process now (``os._exit``) if work was abandoned; logs are flushed first."""
+    if _abandoned:
+        import logging
+        import sys
+
+        logging.getLogger(__name__).info("exiting without waiting for: %s", ", ".join(_abandoned))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -36,7 +36,7 @@ import trio
 from node.errors import ConfigError, NodeError
 from node.home import NodeHome
 from node.memory import limit_malloc_arenas
-from node.util import atomic_write_text
+from node.util import atomic_write_text, exit_if_abandoned
 from protocol import NodeKey
 
 if TYPE_CHECKING:
@@ -396,6 +396,7 @@ def _run_node(s: _Settings, node: Node) -> None:
     finally:
         remove_runtime(s.home)
     log.info("stopped")
+    exit_if_abandoned(0)  # a trainer step left running at the stop (node/util.py says why)
 
 
 def _install_early_stop() -> None:

@@ -8,6 +8,7 @@ one travels.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from node.roles.ledger import (
     Ledger,
 )
 from node.roles.resume import TrainerStates
-from node.util import crash_point
+from node.util import abandon, crash_point, stop_point
 from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
 
 log = logging.getLogger(__name__)
@@ -375,6 +376,11 @@ class TrainerRole(LearningRole):
             log.warning("cannot read the weights of policy version %d: %s", version, exc)
             return None
 
+    def _step(self, groups: Any) -> Any:
+        """One optimizer step (a worker thread)."""
+        stop_point("trainer.step")
+        return self.trainer.step(groups, self._behaviour_weights)
+
     async def _train_loop(self) -> None:
         discarded_step: dict[str, int] = {}
         while self.steps is None or self.version < self.steps:
@@ -394,7 +400,19 @@ class TrainerRole(LearningRole):
             if not batches:
                 continue
             t0 = time.monotonic()
-            metrics = await trio.to_thread.run_sync(self.trainer.step, groups, self._behaviour_weights)
+            try:
+                # abandonable: a stop must not wait out a step (minutes on a real model); the
+                # step writes nothing, so the run resumes at the last committed version
+                step = functools.partial(self._step, groups)
+                metrics = await trio.to_thread.run_sync(step, abandon_on_cancel=True)  # type: ignore[call-arg]  # mypy: kwargs after *args: Unpack[Ts]
+            except trio.Cancelled:
+                log.info(
+                    "stopping mid-step %d: the step is abandoned, the run resumes at version %d",
+                    self.version + 1,
+                    self.version,
+                )
+                abandon(f"trainer step {self.version + 1}")
+                raise
             await trio.to_thread.run_sync(release_free_memory)  # the step's transient tensors (node/memory.py)
             staleness = collections.Counter(str(self.version - b.policy_version) for b in batches)
             if metrics.skipped:
