@@ -515,41 +515,23 @@ class _RecordDecoder:
 
     def _locate(self, si: int, old: np.ndarray, ranks: dict[int, np.ndarray]) -> list[np.ndarray]:
         """The segment indices of each bin's ranked members (bins in order), checking every
-        rank against its bin's population. One pass per bin would scan the segment once per
-        bin; instead the bin with the most members (guessed from the ranks: its last rank
-        is at least that far in) is located by its complement: one scan for the elements of
-        every other bin, ``nm``, then the r-th member of the big bin is ``r`` plus how many
-        of ``nm`` precede it, a binary search over ``nm[j] - j``."""
+        rank against its bin's population: per bin, one range test of the class byte and one
+        ``flatnonzero``. (Tried and dropped: locating the biggest bin through its complement,
+        a binary search over the other bins' indices: twice as slow on SmolLM2's segments,
+        docs/benchmarks.md "Sparse deltas".)"""
         n = len(old)
         cls = self.bins.classes(old)
         out: list[np.ndarray] = []
-
-        def check(e: int, rk: np.ndarray, population: int) -> None:
+        for e, rk in ranks.items():
+            if cls is None:  # one class: every element is in bin table[0]
+                members = None
+                population = n if e == int(self.bins.table[0]) else 0
+            else:
+                members = np.flatnonzero(self.bins.mask(cls, e))
+                population = len(members)
             if len(rk) > population or int(rk[-1]) >= population:
                 raise _bad(self.rec, f"segment {si}, bin {e}: positions past its {population} elements")
-
-        if cls is None:  # one class: every element is in bin table[0]
-            for e, rk in ranks.items():
-                check(e, rk, n if e == int(self.bins.table[0]) else 0)
-                out.append(rk)
-            return out
-        big = max(ranks, key=lambda e: int(ranks[e][-1]))
-        if len(ranks) == 1 or 2 * int(ranks[big][-1]) < n:
-            for e, rk in ranks.items():
-                members = np.flatnonzero(self.bins.mask(cls, e))
-                check(e, rk, len(members))
-                out.append(members[rk])
-            return out
-        nm = np.flatnonzero(~self.bins.mask(cls, big))
-        rest = cls[nm]
-        for e, rk in ranks.items():
-            if e == big:
-                check(e, rk, n - len(nm))
-                out.append(rk + np.searchsorted(nm - np.arange(len(nm)), rk, side="right"))
-            else:
-                members = nm[self.bins.mask(rest, e)]
-                check(e, rk, len(members))
-                out.append(members[rk])
+            out.append(rk if members is None else members[rk])
         return out
 
 
