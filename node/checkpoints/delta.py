@@ -412,7 +412,12 @@ def _decompress(rec: DeltaRecord) -> np.ndarray:
 
 
 def _unplane(buf: np.ndarray, k: int, s: int) -> np.ndarray:
-    return buf.reshape(s, k).T.copy().view(_UINT[s]).reshape(k)
+    """``k`` values of ``s`` bytes from their byte planes: one strided copy per plane (a
+    transposing copy of the whole was 6x slower)."""
+    out = np.empty((k, s), dtype=np.uint8)
+    for j in range(s):
+        out[:, j] = buf[j * k : (j + 1) * k]
+    return out.view(_UINT[s]).reshape(k)
 
 
 def _decode_values(rec: DeltaRecord, buf: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -466,11 +471,18 @@ class _RecordDecoder:
         self.rem_bits = np.unpackbits(buf[tsize:rem_end], bitorder="little")
         if np.count_nonzero(self.rem_bits[rem_total:]):
             raise _bad(rec, "remainder padding is not zero")
+        # the quotients from the 0 bits (most quotients are 0, so the zeros are the fewer):
+        # the code a 0 bit belongs to is the count of 1 bits before it; zeros after the
+        # last 1 (code k) are padding
         unary = np.unpackbits(buf[val_end:], bitorder="little")
-        ones = np.flatnonzero(unary)
-        if len(ones) != k or len(unary) - 1 - int(ones[-1]) >= 8:
-            raise _bad(rec, f"unary stream holds {len(ones)} codes for {k} changed elements, or stray bytes")
-        self.quotients = np.diff(ones, prepend=-1) - 1
+        zeros = np.flatnonzero(unary == 0)
+        owner = zeros - np.arange(len(zeros))
+        per_code = np.bincount(owner, minlength=k + 1)
+        if len(unary) - len(zeros) != k or len(per_code) != k + 1 or per_code[k] >= 8:
+            raise _bad(
+                rec, f"unary stream holds {len(unary) - len(zeros)} codes for {k} changed elements, or stray bytes"
+            )
+        self.quotients = per_code[:k]
         self.neg, self.mag = _decode_values(rec, buf[rem_end:val_end], k)
         self.bins = _BinMasks(rec.dtype, table)
         # where each segment starts in the value and unary streams and in the remainder bits
