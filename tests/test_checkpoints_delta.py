@@ -121,14 +121,15 @@ def test_an_optimizer_step_over_several_segments_is_small_and_exact(tmp_path):
     assert table[present[np.argmax(rate)]] != table[present[np.argmin(rate)]]
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path, direct):
+@pytest.mark.parametrize(("direct", "workers"), [(True, 1), (True, 3), (False, 2)])
+def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path, direct, workers):
     """apply_delta streams the base once: unchanged tensors and the header copied, changed
-    ones decoded a segment at a time, chunks hashed and written on a second thread. Its
-    chunk hashes must be what build_manifest gives for the new version's files, chunk by
-    chunk in order, whatever the chunk size against tensors and segments (an odd size
-    cuts tensors, segments and the header across chunks), with O_DIRECT writes or not;
-    ``on_block`` sees every chunk once, after it was written."""
+    ones decoded a segment at a time (on ``workers`` threads, fed on in file order), chunks
+    hashed and written on other threads. Its chunk hashes must be what build_manifest
+    gives for the new version's files, chunk by chunk in order, whatever the chunk size
+    against tensors and segments (an odd size cuts tensors, segments and the header across
+    chunks), with O_DIRECT writes or not, on one decoding thread or several; ``on_block``
+    sees every chunk once, after it was written."""
     from node.checkpoints import build_manifest
 
     g = torch.Generator().manual_seed(11)
@@ -164,6 +165,7 @@ def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path
         durable=False,
         direct=direct,
         on_block=lambda p, i: seen.append((p, i)),
+        workers=workers,
     )
     assert equal_dirs(b, tmp_path / "out")
     want = build_manifest(RUN_ID, 1, b, chunk, created_ms=0)
@@ -538,6 +540,61 @@ def test_apply_refuses_a_delta_that_does_not_fit_the_base(tmp_path):
     with pytest.raises(ProtocolError) as exc:
         apply_delta(_files(small), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
     assert exc.value.rule == "delta.base"
+
+
+def test_any_bin_table_decodes_by_its_classes_and_a_moved_class_is_caught(tmp_path):
+    """The receiver finds a bin's elements by ranges of the class byte where the bin is a
+    few ranges of classes, through the table otherwise (``MAX_RANGES``). A table whose
+    classes absent from the tensor name any bin (here: alternating, so every bin is many
+    ranges) changes no position: the version rebuilds bit for bit. A present class moved
+    to another bin changes the positions: the apply refuses the delta or rebuilds other
+    bytes (which the weights root check then refuses), never the new version."""
+    import dataclasses
+
+    import zstandard
+
+    from node.checkpoints.delta import MAX_RANGES
+    from protocol.delta import pack_delta
+
+    g = torch.Generator().manual_seed(5)
+    n = SEGMENT + 4321  # two segments
+    master = torch.randn(n, generator=g) * 0.02
+    a = write_version(tmp_path / "a", {"w": master.to(torch.bfloat16)})
+    b = write_version(
+        tmp_path / "b", {"w": (master + 1e-5 * torch.sign(torch.randn(n, generator=g))).to(torch.bfloat16)}
+    )
+    data, _ = encode_delta(_files(a), _files(b))
+    (rec,) = parse_delta(data)
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(rec.payload))
+    old = load_file(str(a / "model.safetensors"))["w"].view(torch.int16).numpy().view(np.uint16)
+    cls = (old >> 7) & 0xFF
+    present = np.unique(cls)
+    absent = np.setdiff1d(np.arange(256), present)
+
+    def rebuilt(table: np.ndarray, name: str) -> Path:
+        payload = zstandard.ZstdCompressor().compress(bytes(table.astype(np.uint8)) + bytes(raw[256:]))
+        out = tmp_path / name
+        apply_delta(
+            _files(a), pack_delta([dataclasses.replace(rec, payload=payload)]), out, chunk_size=CHUNK, durable=False
+        )
+        return out
+
+    table = np.frombuffer(bytes(raw[:256]), dtype=np.uint8).copy()
+    assert equal_dirs(b, rebuilt(table, "honest"))  # the control: the encoder's table
+    scattered = table.copy()
+    scattered[absent] = np.arange(len(absent)) % BINS
+    runs = [
+        np.count_nonzero(np.diff(np.concatenate([[0], scattered == e, [0]]).astype(np.int8)) == 1) for e in range(BINS)
+    ]
+    assert max(runs) > MAX_RANGES  # this table's bins are many ranges: the gather path
+    assert equal_dirs(b, rebuilt(scattered, "scattered"))
+    busy = present[np.argmax(np.bincount(cls, minlength=256)[present])]
+    moved = table.copy()
+    moved[busy] = (table[busy] + 1) % BINS
+    try:
+        assert not equal_dirs(b, rebuilt(moved, "moved"))
+    except ProtocolError as exc:
+        assert exc.rule == "delta.format"
 
 
 def test_malformed_sparse_payloads_are_refused_before_anything_is_written(tmp_path):
