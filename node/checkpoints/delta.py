@@ -667,9 +667,11 @@ class _ChunkSink:
     def _write(self, buf: np.ndarray, n: int, offset: int) -> bytes:
         raw = buf[:n].data
         digest = hashlib.sha256(raw).digest()
-        if self.direct:
-            directio.pwrite_direct(self.fd, raw, offset)
+        if self.direct and n < self.chunk_size:
+            directio.pwrite_direct(self.fd, raw, offset)  # the last chunk: its unaligned tail
         else:
+            # a full chunk with O_DIRECT: our buffers are page-aligned and chunk_size is a
+            # multiple of the block, so it goes as it is, without pwrite_direct's copy
             done = 0
             while done < n:
                 done += os.pwrite(self.fd, raw[done:], offset + done)
