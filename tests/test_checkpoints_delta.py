@@ -542,6 +542,43 @@ def test_apply_refuses_a_delta_that_does_not_fit_the_base(tmp_path):
     assert exc.value.rule == "delta.base"
 
 
+def test_concurrent_applies_share_the_decoding_threads_and_each_is_exact(tmp_path):
+    """Several applies at once in one process (a node catching up, a bench's 8 fetchers)
+    share one pool of decoding and one of writing threads: each still rebuilds its version
+    bit for bit with its own chunk hashes, and one refused in the middle (a delta from
+    another base whose bins do not fit) leaves the others exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(13)
+    n = SEGMENT + 999
+    master = torch.randn(n, generator=g) * 0.02
+    a = write_version(tmp_path / "a", {"w": master.to(torch.bfloat16), "s": torch.randn(4000, generator=g)})
+    b = write_version(
+        tmp_path / "b",
+        {
+            "w": (master + 1e-5 * torch.sign(torch.randn(n, generator=g))).to(torch.bfloat16),
+            "s": torch.randn(4000, generator=g),
+        },
+    )
+    data, _ = encode_delta(_files(a), _files(b))
+    # another base of the same layout: the delta's ranks do not fit its bins' populations
+    other = write_version(tmp_path / "o", {"w": torch.full((n,), 1e-30).to(torch.bfloat16), "s": torch.zeros(4000)})
+
+    def one(i: int) -> object:
+        base = other if i == 2 else a
+        try:
+            return apply_delta(_files(base), data, tmp_path / f"out{i}", chunk_size=CHUNK, durable=False)
+        except ProtocolError as exc:
+            return exc
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    assert isinstance(results[2], ProtocolError) and results[2].rule == "delta.format"
+    for i in (0, 1, 3):
+        assert equal_dirs(b, tmp_path / f"out{i}")
+        assert results[i] == results[0]
+
+
 def test_any_bin_table_decodes_by_its_classes_and_a_moved_class_is_caught(tmp_path):
     """The receiver finds a bin's elements by ranges of the class byte where the bin is a
     few ranges of classes, through the table otherwise (``MAX_RANGES``). A table whose
