@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -64,19 +64,28 @@ DECODE_THREADS = 4
 WRITE_THREADS = 2
 
 
-@functools.cache
+_POOLS: dict[int, tuple[ThreadPoolExecutor, ThreadPoolExecutor, int]] = {}
+_POOLS_LOCK = threading.Lock()
+
+
 def _shared_pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor, int]:
     """(decoding pool, writing pool, decoding threads), one of each per process, shared by
     every apply: a node applying several deltas at once (or a bench with 8 fetchers in one
     process) then runs one decoding thread per core in all, not per apply (per-apply pools
     on 2 cores made 8 concurrent applies 10-30 % slower: 32 threads thrashing the caches).
-    No job waits on another job, so sharing cannot deadlock."""
-    workers = max(1, min(DECODE_THREADS, os.cpu_count() or 1))
-    return (
-        ThreadPoolExecutor(workers, thread_name_prefix="delta-decode"),
-        ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="delta-write"),
-        workers,
-    )
+    No job waits on another job, so sharing cannot deadlock. Keyed by process id: a forked
+    child holds the parent's pool objects but not their threads."""
+    pid = os.getpid()
+    with _POOLS_LOCK:
+        pools = _POOLS.get(pid)
+        if pools is None:
+            workers = max(1, min(DECODE_THREADS, os.cpu_count() or 1))
+            pools = _POOLS[pid] = (
+                ThreadPoolExecutor(workers, thread_name_prefix="delta-decode"),
+                ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="delta-write"),
+                workers,
+            )
+        return pools
 
 
 # bins the encoder uses (the format allows up to BINS): the receiver makes one pass over a
@@ -825,7 +834,9 @@ def apply_delta(
     tables are checked before a byte is written; what depends on the base's elements (a
     gap past a bin's population) when its segment comes, so the caller writes into a temp
     folder and renames it only after checking the result. ``on_block(path, index)`` runs
-    after each written chunk (tests kill the process there).
+    after each written chunk (tests kill the process there). ``workers``: decode on a pool
+    of that many threads of this call's own (tests); None, the default: on the process's
+    shared pools (``_shared_pools``).
     """
     records = parse_delta(data)
     layouts = check_against_base(records, base)
@@ -856,6 +867,7 @@ def _apply(
     direct: bool,
     on_block: Callable[[str, int], None] | None,
 ) -> dict[str, list[bytes]]:
+    """``apply_delta`` on the given pools, its delta parsed and checked against the base."""
     by_file: dict[str, list[tuple[TensorSpan, _RecordDecoder]]] = {}
     # decompressing and checking every payload's tables: in parallel too (zstd and numpy)
     for rec, dec in zip(records, decoders.map(_RecordDecoder, records), strict=True):
