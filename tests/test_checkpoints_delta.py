@@ -121,14 +121,15 @@ def test_an_optimizer_step_over_several_segments_is_small_and_exact(tmp_path):
     assert table[present[np.argmax(rate)]] != table[present[np.argmin(rate)]]
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path, direct):
+@pytest.mark.parametrize(("direct", "workers"), [(True, 1), (True, 3), (False, 2)])
+def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path, direct, workers):
     """apply_delta streams the base once: unchanged tensors and the header copied, changed
-    ones decoded a segment at a time, chunks hashed and written on a second thread. Its
-    chunk hashes must be what build_manifest gives for the new version's files, chunk by
-    chunk in order, whatever the chunk size against tensors and segments (an odd size
-    cuts tensors, segments and the header across chunks), with O_DIRECT writes or not;
-    ``on_block`` sees every chunk once, after it was written."""
+    ones decoded a segment at a time (on ``workers`` threads, fed on in file order), chunks
+    hashed and written on other threads. Its chunk hashes must be what build_manifest
+    gives for the new version's files, chunk by chunk in order, whatever the chunk size
+    against tensors and segments (an odd size cuts tensors, segments and the header across
+    chunks), with O_DIRECT writes or not, on one decoding thread or several; ``on_block``
+    sees every chunk once, after it was written."""
     from node.checkpoints import build_manifest
 
     g = torch.Generator().manual_seed(11)
@@ -164,11 +165,15 @@ def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path
         durable=False,
         direct=direct,
         on_block=lambda p, i: seen.append((p, i)),
+        workers=workers,
     )
     assert equal_dirs(b, tmp_path / "out")
     want = build_manifest(RUN_ID, 1, b, chunk, created_ms=0)
     assert {f.path: list(f.chunk_hashes) for f in want.files} == hashes
-    assert seen == [(f.path, i) for f in sorted(want.files, key=lambda f: f.path) for i in range(len(f.chunk_hashes))]
+    # every chunk reported once after its write (two writing threads: not necessarily in order)
+    assert sorted(seen) == [
+        (f.path, i) for f in sorted(want.files, key=lambda f: f.path) for i in range(len(f.chunk_hashes))
+    ]
     # the control: a delta from another base rebuilds other bytes, and other hashes
     other = write_version(tmp_path / "o", {**before, "b.same": before["b.same"] + 1})
     wrong = apply_delta(_files(other), data, tmp_path / "out2", chunk_size=chunk, durable=False, direct=direct)
@@ -535,6 +540,98 @@ def test_apply_refuses_a_delta_that_does_not_fit_the_base(tmp_path):
     with pytest.raises(ProtocolError) as exc:
         apply_delta(_files(small), data, tmp_path / "out", chunk_size=CHUNK, durable=False)
     assert exc.value.rule == "delta.base"
+
+
+def test_concurrent_applies_share_the_decoding_threads_and_each_is_exact(tmp_path):
+    """Several applies at once in one process (a node catching up, a bench's 8 fetchers)
+    share one pool of decoding and one of writing threads: each still rebuilds its version
+    bit for bit with its own chunk hashes, and one refused in the middle (a delta from
+    another base whose bins do not fit) leaves the others exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(13)
+    n = SEGMENT + 999
+    master = torch.randn(n, generator=g) * 0.02
+    a = write_version(tmp_path / "a", {"w": master.to(torch.bfloat16), "s": torch.randn(4000, generator=g)})
+    b = write_version(
+        tmp_path / "b",
+        {
+            "w": (master + 1e-5 * torch.sign(torch.randn(n, generator=g))).to(torch.bfloat16),
+            "s": torch.randn(4000, generator=g),
+        },
+    )
+    data, _ = encode_delta(_files(a), _files(b))
+    # another base of the same layout: the delta's ranks do not fit its bins' populations
+    other = write_version(tmp_path / "o", {"w": torch.full((n,), 1e-30).to(torch.bfloat16), "s": torch.zeros(4000)})
+
+    def one(i: int) -> object:
+        base = other if i == 2 else a
+        try:
+            return apply_delta(_files(base), data, tmp_path / f"out{i}", chunk_size=CHUNK, durable=False)
+        except ProtocolError as exc:
+            return exc
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    assert isinstance(results[2], ProtocolError) and results[2].rule == "delta.format"
+    for i in (0, 1, 3):
+        assert equal_dirs(b, tmp_path / f"out{i}")
+        assert results[i] == results[0]
+
+
+def test_any_bin_table_decodes_by_its_classes_and_a_moved_class_is_caught(tmp_path):
+    """The receiver finds a bin's elements by ranges of the class byte where the bin is a
+    few ranges of classes, through the table otherwise (``MAX_RANGES``). A table whose
+    classes absent from the tensor name any bin (here: alternating, so every bin is many
+    ranges) changes no position: the version rebuilds bit for bit. A present class moved
+    to another bin changes the positions: the apply refuses the delta or rebuilds other
+    bytes (which the weights root check then refuses), never the new version."""
+    import dataclasses
+
+    import zstandard
+
+    from node.checkpoints.delta import MAX_RANGES
+    from protocol.delta import pack_delta
+
+    g = torch.Generator().manual_seed(5)
+    n = SEGMENT + 4321  # two segments
+    master = torch.randn(n, generator=g) * 0.02
+    a = write_version(tmp_path / "a", {"w": master.to(torch.bfloat16)})
+    b = write_version(
+        tmp_path / "b", {"w": (master + 1e-5 * torch.sign(torch.randn(n, generator=g))).to(torch.bfloat16)}
+    )
+    data, _ = encode_delta(_files(a), _files(b))
+    (rec,) = parse_delta(data)
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(rec.payload))
+    old = load_file(str(a / "model.safetensors"))["w"].view(torch.int16).numpy().view(np.uint16)
+    cls = (old >> 7) & 0xFF
+    present = np.unique(cls)
+    absent = np.setdiff1d(np.arange(256), present)
+
+    def rebuilt(table: np.ndarray, name: str) -> Path:
+        payload = zstandard.ZstdCompressor().compress(bytes(table.astype(np.uint8)) + bytes(raw[256:]))
+        out = tmp_path / name
+        apply_delta(
+            _files(a), pack_delta([dataclasses.replace(rec, payload=payload)]), out, chunk_size=CHUNK, durable=False
+        )
+        return out
+
+    table = np.frombuffer(bytes(raw[:256]), dtype=np.uint8).copy()
+    assert equal_dirs(b, rebuilt(table, "honest"))  # the control: the encoder's table
+    scattered = table.copy()
+    scattered[absent] = np.arange(len(absent)) % BINS
+    runs = [
+        np.count_nonzero(np.diff(np.concatenate([[0], scattered == e, [0]]).astype(np.int8)) == 1) for e in range(BINS)
+    ]
+    assert max(runs) > MAX_RANGES  # this table's bins are many ranges: the gather path
+    assert equal_dirs(b, rebuilt(scattered, "scattered"))
+    busy = present[np.argmax(np.bincount(cls, minlength=256)[present])]
+    moved = table.copy()
+    moved[busy] = (table[busy] + 1) % BINS
+    try:
+        assert not equal_dirs(b, rebuilt(moved, "moved"))
+    except ProtocolError as exc:
+        assert exc.rule == "delta.format"
 
 
 def test_malformed_sparse_payloads_are_refused_before_anything_is_written(tmp_path):

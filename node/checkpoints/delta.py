@@ -21,12 +21,14 @@ Blocking throughout (numpy, file I/O): call from ``trio.to_thread``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +57,37 @@ from protocol.delta import (
 )
 
 ZSTD_LEVEL = 3
+# threads that read and decode segments of one apply (segments are independent; numpy,
+# zstandard and the reads release the GIL): one per core, up to this many
+DECODE_THREADS = 4
+# threads hashing and writing the result's chunks (each chunk: sha256, then its write)
+WRITE_THREADS = 2
+
+
+_POOLS: dict[int, tuple[ThreadPoolExecutor, ThreadPoolExecutor, int]] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _shared_pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor, int]:
+    """(decoding pool, writing pool, decoding threads), one of each per process, shared by
+    every apply: a node applying several deltas at once (or a bench with 8 fetchers in one
+    process) then runs one decoding thread per core in all, not per apply (per-apply pools
+    on 2 cores made 8 concurrent applies 10-30 % slower: 32 threads thrashing the caches).
+    No job waits on another job, so sharing cannot deadlock. Keyed by process id: a forked
+    child holds the parent's pool objects but not their threads."""
+    pid = os.getpid()
+    with _POOLS_LOCK:
+        pools = _POOLS.get(pid)
+        if pools is None:
+            workers = max(1, min(DECODE_THREADS, os.cpu_count() or 1))
+            pools = _POOLS[pid] = (
+                ThreadPoolExecutor(workers, thread_name_prefix="delta-decode"),
+                ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="delta-write"),
+                workers,
+            )
+        return pools
+
+
 # bins the encoder uses (the format allows up to BINS): the receiver makes one pass over a
 # segment per bin, and on SmolLM2 (lr 3e-6) 4 bins cost 1.8 % more bytes than 8 and 30 %
 # less decoding (docs/benchmarks.md, "Sparse deltas")
@@ -151,7 +184,7 @@ def _choose_bins(classes: np.ndarray | None, mask: np.ndarray, count: int) -> np
     m = len(used)
     if m <= ENCODE_BINS:
         table[used] = np.arange(m, dtype=np.uint8)
-        return table
+        return _fill_absent(table, used)
     ck = np.concatenate([[0], np.cumsum(hit[used])]).astype(np.float64)
     cn = np.concatenate([[0], np.cumsum(total[used])]).astype(np.float64)
     # cost[i, j]: one bin holding the sorted classes i..j-1
@@ -171,39 +204,73 @@ def _choose_bins(classes: np.ndarray | None, mask: np.ndarray, count: int) -> np
         i = int(cuts[b][j])
         table[used[i:j]] = b
         j, b = i, b - 1
-    return table
+    return _fill_absent(table, used)
+
+
+def _fill_absent(table: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """``table`` with each class absent from the tensor given the bin of the nearest present
+    class below it (above it, below the lowest): no element has such a class, so this
+    changes no position, only the runs of equal bins (the receiver tests a bin with one
+    comparison per run of classes, ``_BinMasks``)."""
+    present = np.sort(used)
+    nearest = np.searchsorted(present, np.arange(len(table)), side="right") - 1
+    return table[present[np.maximum(nearest, 0)]]
 
 
 def _bin_members(q: np.ndarray | None, n: int, b: int) -> np.ndarray:
-    """Indices (in the segment) of bin ``b``'s elements, in index order."""
+    """Indices (in the segment) of bin ``b``'s elements, in index order (the encoder's view)."""
     return np.arange(n, dtype=np.int64) if q is None else np.flatnonzero(q == b)
 
 
-@functools.lru_cache(maxsize=64)
-def _bits_to_bin(dtype: str, table: bytes) -> np.ndarray:
-    """bits -> bin for a 2-byte float dtype and a record's bin table (records of one delta
-    mostly share a few tables, so this is built a few times per delta, not per record)."""
-    shift, bits = CLASS_FIELD[dtype]
-    return np.frombuffer(table, dtype=np.uint8)[(np.arange(1 << 16, dtype=np.uint32) >> shift) & ((1 << bits) - 1)]
+# most ranges a bin may span for the range test; more and one gather through the table is cheaper
+MAX_RANGES = 3
 
 
-class _BinLookup:
-    """The bin of every element of a base segment, from its old bits and the record's bin
-    table. For 2-byte dtypes (bf16, f16) one gather through a 65,536-entry table (bits ->
-    bin), instead of shift, mask, cast and a second gather."""
+class _BinMasks:
+    """Which elements of a base segment are in bin ``e``: ``table[class] == e``, computed from
+    the class field of the old bits without a gather where the bin is a few ranges of classes
+    (a shifted, narrowed copy of the segment, then per range one subtraction and one unsigned
+    comparison on one byte an element: ~10x cheaper than indexing a table with 4M indices).
+    The encoder gives absent classes the bin of a neighbour, so a bin is usually one or two
+    ranges; any table still decodes, through the gather."""
 
     def __init__(self, dtype: str, table: np.ndarray) -> None:
-        self.dtype = dtype
         self.table = table
-        self.lut: np.ndarray | None = None
-        if dtype in CLASS_FIELD and ELEMENT_SIZE[dtype] == 2:
-            self.lut = _bits_to_bin(dtype, table.tobytes())
+        field = CLASS_FIELD.get(dtype)
+        self.field = field
+        self.cdt = np.dtype(np.uint8) if field is None or field[1] <= 8 else np.dtype("<u2")
+        self.ranges: list[list[tuple[Any, Any]] | None] = []
+        edges = np.flatnonzero(np.diff(table.astype(np.int16), prepend=-1, append=-1))
+        starts, ends = edges[:-1], edges[1:]  # runs of equal bins: classes starts[j]..ends[j]-1
+        for e in range(BINS):
+            runs = [(self.cdt.type(a), self.cdt.type(b - a - 1)) for a, b in zip(starts, ends) if table[a] == e]
+            self.ranges.append(runs if len(runs) <= MAX_RANGES else None)
 
-    def __call__(self, old: np.ndarray) -> np.ndarray | None:
-        if self.lut is not None:
-            return self.lut[np.asarray(old)]
-        classes = _classes(self.dtype, old)
-        return None if classes is None else self.table[classes]
+    def classes(self, old: np.ndarray) -> np.ndarray | None:
+        """The class of every element (protocol/delta.py), narrowed to u8 (u16 for f64); None
+        for a one-class dtype. bf16 and f32: the exponent is the top 8 bits under the sign, so
+        the narrowing cast drops the sign and no mask is needed."""
+        if self.field is None:
+            return None
+        shift, bits = self.field
+        c = (old >> old.dtype.type(shift)).astype(self.cdt)
+        if bits < 8 * self.cdt.itemsize:
+            c &= self.cdt.type((1 << bits) - 1)
+        return c
+
+    def mask(self, cls: np.ndarray, e: int) -> np.ndarray:
+        """Booleans: which of the elements of classes ``cls`` are in bin ``e``."""
+        runs = self.ranges[e]
+        if runs is None:
+            return self.table[cls] == e
+        if not runs:
+            return np.zeros(len(cls), dtype=np.bool_)
+        out: np.ndarray | None = None
+        for lo, width in runs:
+            m = (cls - lo) <= width  # unsigned: wraps below lo
+            out = m if out is None else np.logical_or(out, m, out=out)
+        assert out is not None
+        return out
 
 
 def _sign_magnitude(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -372,7 +439,12 @@ def _decompress(rec: DeltaRecord) -> np.ndarray:
 
 
 def _unplane(buf: np.ndarray, k: int, s: int) -> np.ndarray:
-    return buf.reshape(s, k).T.copy().view(_UINT[s]).reshape(k)
+    """``k`` values of ``s`` bytes from their byte planes: one strided copy per plane (a
+    transposing copy of the whole was 6x slower)."""
+    out = np.empty((k, s), dtype=np.uint8)
+    for j in range(s):
+        out[:, j] = buf[j * k : (j + 1) * k]
+    return out.view(_UINT[s]).reshape(k)
 
 
 def _decode_values(rec: DeltaRecord, buf: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -401,7 +473,6 @@ class _RecordDecoder:
         n, k, s = rec.numel, rec.changed, rec.element_size
         self.segs = _segments(n)
         self.dense = rec.encoding == ENC_DENSE
-        self.i = self.b = 0  # cursors: changed elements and remainder bits consumed
         if self.dense:
             self.neg, self.mag = _decode_values(rec, buf, n)
             return
@@ -427,47 +498,80 @@ class _RecordDecoder:
         self.rem_bits = np.unpackbits(buf[tsize:rem_end], bitorder="little")
         if np.count_nonzero(self.rem_bits[rem_total:]):
             raise _bad(rec, "remainder padding is not zero")
+        # the quotients from the 0 bits (most quotients are 0, so the zeros are the fewer):
+        # the code a 0 bit belongs to is the count of 1 bits before it; zeros after the
+        # last 1 (code k) are padding
         unary = np.unpackbits(buf[val_end:], bitorder="little")
-        ones = np.flatnonzero(unary)
-        if len(ones) != k or len(unary) - 1 - int(ones[-1]) >= 8:
-            raise _bad(rec, f"unary stream holds {len(ones)} codes for {k} changed elements, or stray bytes")
-        self.quotients = np.diff(ones, prepend=-1) - 1
+        zeros = np.flatnonzero(unary == 0)
+        owner = zeros - np.arange(len(zeros))
+        per_code = np.bincount(owner, minlength=k + 1)
+        if len(unary) - len(zeros) != k or len(per_code) != k + 1 or per_code[k] >= 8:
+            raise _bad(
+                rec, f"unary stream holds {len(unary) - len(zeros)} codes for {k} changed elements, or stray bytes"
+            )
+        self.quotients = per_code[:k]
         self.neg, self.mag = _decode_values(rec, buf[rem_end:val_end], k)
-        self.bins_of = _BinLookup(rec.dtype, table)
+        self.bins = _BinMasks(rec.dtype, table)
+        # where each segment starts in the value and unary streams and in the remainder bits
+        self.seg_i = np.concatenate([[0], np.cumsum(self.counts.sum(axis=1))])
+        self.seg_b = np.concatenate([[0], np.cumsum((self.rparams * self.counts).sum(axis=1))])
 
     def segment(self, si: int, old: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """(changed indices within segment ``si``, in decode order; None: every element)
-        and their new bits, given the segment's old bits (call for si = 0, 1, ... in order)."""
+        and their new bits, given the segment's old bits. Segments decode independently
+        (each one's offsets into the streams are summed up front), so threads may decode
+        several at once."""
         s0 = self.segs[si]
+        n = len(old)
         if self.dense:
-            return None, _apply_sign_magnitude(old, self.neg[s0 : s0 + len(old)], self.mag[s0 : s0 + len(old)])
+            return None, _apply_sign_magnitude(old, self.neg[s0 : s0 + n], self.mag[s0 : s0 + n])
         rec, counts, rparams = self.rec, self.counts[si], self.rparams[si]
-        if not counts.any():
+        i0, b = int(self.seg_i[si]), int(self.seg_b[si])
+        live = [int(e) for e in np.flatnonzero(counts)]
+        if not live:
             return np.zeros(0, dtype=np.int64), old[:0]
-        q = self.bins_of(old)
-        parts: list[np.ndarray] = []
-        i0 = self.i
-        for e in np.flatnonzero(counts):
+        # per bin: the gaps' steps (rank of each changed member + 1, as differences)
+        steps: dict[int, np.ndarray] = {}
+        i = i0
+        for e in live:
             ke, r = int(counts[e]), int(rparams[e])
-            members = _bin_members(q, len(old), int(e))
-            ne = len(members)
             rem = np.zeros(ke, dtype=np.int64)
             if r:
                 weights = np.int64(1) << np.arange(r, dtype=np.int64)
-                rem = self.rem_bits[self.b : self.b + ke * r].reshape(ke, r).astype(np.int64) @ weights
-            self.b += ke * r
-            qe = self.quotients[self.i : self.i + ke]
-            self.i += ke
+                rem = self.rem_bits[b : b + ke * r].reshape(ke, r).astype(np.int64) @ weights
+            b += ke * r
+            qe = self.quotients[i : i + ke]
+            i += ke
             # bound every term before summing, so a hostile stream cannot overflow int64
-            if ke > ne or r > max(1, ne.bit_length()) or int(qe.max()) > ne >> r:
-                raise _bad(rec, f"segment {si}, bin {e}: a gap past its {ne} elements")
-            steps = (qe << r) + rem + 1
-            if float(steps.sum(dtype=np.float64)) > ne:
-                raise _bad(rec, f"segment {si}, bin {e}: positions past its {ne} elements")
-            parts.append(members[np.cumsum(steps) - 1])
-        positions = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        new = _apply_sign_magnitude(old[positions], self.neg[i0 : self.i], self.mag[i0 : self.i])
+            if r > max(1, n.bit_length()) or int(qe.max()) > n >> r:
+                raise _bad(rec, f"segment {si}, bin {e}: a gap past its {n} elements")
+            steps[e] = (qe << r) + rem + 1
+        ranks = {e: np.cumsum(st) - 1 for e, st in steps.items()}
+        located = self._locate(si, old, ranks)
+        positions = located[0] if len(located) == 1 else np.concatenate(located)
+        new = _apply_sign_magnitude(old[positions], self.neg[i0:i], self.mag[i0:i])
         return positions, new
+
+    def _locate(self, si: int, old: np.ndarray, ranks: dict[int, np.ndarray]) -> list[np.ndarray]:
+        """The segment indices of each bin's ranked members (bins in order), checking every
+        rank against its bin's population: per bin, one range test of the class byte and one
+        ``flatnonzero``. (Tried and dropped: locating the biggest bin through its complement,
+        a binary search over the other bins' indices: twice as slow on SmolLM2's segments,
+        docs/benchmarks.md "Sparse deltas".)"""
+        n = len(old)
+        cls = self.bins.classes(old)
+        out: list[np.ndarray] = []
+        for e, rk in ranks.items():
+            if cls is None:  # one class: every element is in bin table[0]
+                members = None
+                population = n if e == int(self.bins.table[0]) else 0
+            else:
+                members = np.flatnonzero(self.bins.mask(cls, e))
+                population = len(members)
+            if len(rk) > population or int(rk[-1]) >= population:
+                raise _bad(self.rec, f"segment {si}, bin {e}: positions past its {population} elements")
+            out.append(rk if members is None else members[rk])
+        return out
 
 
 def decode_record(rec: DeltaRecord, old: np.ndarray) -> TensorChange:
@@ -548,16 +652,20 @@ class _BlockIO:
 
 class _ChunkSink:
     """Takes a file's new bytes in order and, per ``chunk_size`` chunk, hashes and writes it
-    (O_DIRECT where allowed) on ``pool``'s one thread while the caller decodes the next
-    (sha256 and the write release the GIL): two chunk buffers, one being filled, one
-    being written. ``done(index)`` runs on that thread after a chunk's write."""
+    (O_DIRECT where allowed) on ``pool``'s threads while the caller decodes the next
+    (sha256 and the write release the GIL): ``WRITE_THREADS`` chunks hashed and written at
+    once (one thread hashing 4 MiB while another waits on the disk: with one thread, sha256
+    and the O_DIRECT writes in series were the apply's longest path), as many being filled.
+    ``done(index)`` runs on a writing thread after chunk ``index`` is written (not
+    necessarily in order)."""
 
     def __init__(
         self, fd: int, direct: bool, chunk_size: int, pool: ThreadPoolExecutor, done: Callable[[int], None] | None
     ) -> None:
         self.fd, self.direct, self.chunk_size, self.pool, self.done = fd, direct, chunk_size, pool, done
         self.bufs = [
-            np.frombuffer(directio.scratch(chunk_size, f"delta-chunk-{i}"), dtype=np.uint8)[:chunk_size] for i in (0, 1)
+            np.frombuffer(directio.scratch(chunk_size, f"delta-chunk-{i}"), dtype=np.uint8)[:chunk_size]
+            for i in range(2 * WRITE_THREADS)
         ]
         self.writes: list[Future[bytes]] = []
         self.fill = 0
@@ -566,7 +674,7 @@ class _ChunkSink:
     def feed(self, data: np.ndarray) -> None:
         at, n = 0, len(data)
         while at < n:
-            buf = self.bufs[len(self.writes) % 2]
+            buf = self.bufs[len(self.writes) % len(self.bufs)]
             take = min(self.chunk_size - self.fill, n - at)
             buf[self.fill : self.fill + take] = data[at : at + take]
             self.fill += take
@@ -575,19 +683,22 @@ class _ChunkSink:
                 self._submit()
 
     def _submit(self) -> None:
-        buf = self.bufs[len(self.writes) % 2]
+        nbuf = len(self.bufs)
+        buf = self.bufs[len(self.writes) % nbuf]
         self.writes.append(self.pool.submit(self._write, buf, self.fill, self.offset))
         self.offset += self.fill
         self.fill = 0
-        if len(self.writes) >= 2:
-            self.writes[-2].result()  # the buffer to be filled next has been written
+        if len(self.writes) >= nbuf:
+            self.writes[-nbuf].result()  # the buffer to be filled next has been written
 
     def _write(self, buf: np.ndarray, n: int, offset: int) -> bytes:
         raw = buf[:n].data
         digest = hashlib.sha256(raw).digest()
-        if self.direct:
-            directio.pwrite_direct(self.fd, raw, offset)
+        if self.direct and n < self.chunk_size:
+            directio.pwrite_direct(self.fd, raw, offset)  # the last chunk: its unaligned tail
         else:
+            # a full chunk with O_DIRECT: our buffers are page-aligned and chunk_size is a
+            # multiple of the block, so it goes as it is, without pwrite_direct's copy
             done = 0
             while done < n:
                 done += os.pwrite(self.fd, raw[done:], offset + done)
@@ -602,61 +713,103 @@ class _ChunkSink:
         return [w.result() for w in self.writes]
 
 
-class _BaseReader:
-    """Reads increasing byte ranges of a base file into this thread's reused buffer (valid
-    until the next read), through the page cache: sequential, so the kernel's readahead
-    brings the next range in while the caller decodes this one."""
-
-    def __init__(self, fd: int, block: int) -> None:
-        self.fd, self.block = fd, block
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        n = b - a
-        view = memoryview(directio.scratch(max(n, self.block), "delta-read"))[:n]
-        got = 0
-        while got < n:
-            r = os.preadv(self.fd, [view[got:]], a + got)
-            if r == 0:
-                raise OSError(f"base file short at {a + got}")
-            got += r
-        return np.frombuffer(view, dtype=np.uint8)
-
-    def copy(self, a: int, b: int, sink: _ChunkSink) -> None:
-        """Bytes ``a..b`` of the base, unchanged, into ``sink``."""
-        while a < b:
-            n = min(self.block, b - a)
-            sink.feed(self.read(a, a + n))
-            a += n
+def _read_into(fd: int, buf: np.ndarray, a: int) -> None:
+    """Fill ``buf`` with the base file's bytes from offset ``a`` (through the page cache)."""
+    view = buf.data
+    n, got = len(buf), 0
+    while got < n:
+        r = os.preadv(fd, [view[got:]], a + got)
+        if r == 0:
+            raise OSError(f"base file short at {a + got}")
+        got += r
 
 
-def _rebuild_file(
-    reader: _BaseReader,
-    size: int,
-    tensors: list[tuple[TensorSpan, _RecordDecoder]],
-    sink: _ChunkSink,
-) -> None:
-    """One pass over a base file: unchanged bytes copied, each changed tensor read a segment
-    at a time, decoded against it, patched in place and passed on."""
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Bytes ``a..b`` of a base file, passed on unchanged or (``dec`` set) segment ``si``
+    of a changed tensor, patched."""
+
+    a: int
+    b: int
+    dec: _RecordDecoder | None = None
+    si: int = 0
+
+
+def _pieces(size: int, tensors: list[tuple[TensorSpan, _RecordDecoder]], block: int) -> Iterator[_Piece]:
+    """A base file cut, in order, into unchanged runs of at most ``block`` bytes and the
+    position segments of each changed tensor."""
     pos = 0
+
+    def plain(a: int, b: int) -> Iterator[_Piece]:
+        for x in range(a, b, block):
+            yield _Piece(x, min(b, x + block))
+
     for span, dec in sorted(tensors, key=lambda t: t[0].start):
         if span.start < pos:
             raise ProtocolError("delta.base", f"{dec.rec.name}: overlaps another tensor of the base")
-        reader.copy(pos, span.start, sink)
+        yield from plain(pos, span.start)
         s = dec.rec.element_size
-        dt = _UINT[s]
         for si, e0 in enumerate(dec.segs):
-            e1 = min(dec.rec.numel, e0 + SEGMENT)
-            raw = reader.read(span.start + e0 * s, span.start + e1 * s)
-            old = raw.view(dt)
-            positions, new = dec.segment(si, old)
-            if positions is None:
-                old[:] = new
-            else:
-                old[positions] = new
-            sink.feed(raw)
+            yield _Piece(span.start + e0 * s, span.start + min(dec.rec.numel, e0 + SEGMENT) * s, dec, si)
         pos = span.end
-    reader.copy(pos, size, sink)
+    yield from plain(pos, size)
+
+
+def _patch(fd: int, piece: _Piece, buf: np.ndarray) -> np.ndarray:
+    """Read ``piece`` of the base into ``buf`` and, for a segment, decode it against those
+    bytes and patch them in place. Runs on a decoding thread (numpy, zstandard and the read
+    release the GIL for the bulk of the work)."""
+    raw = buf[: piece.b - piece.a]
+    _read_into(fd, raw, piece.a)
+    dec = piece.dec
+    if dec is not None:
+        old = raw.view(_UINT[dec.rec.element_size])
+        positions, new = dec.segment(piece.si, old)
+        if positions is None:
+            old[:] = new
+        else:
+            old[positions] = new
+    return raw
+
+
+def _rebuild_file(
+    fd: int,
+    size: int,
+    tensors: list[tuple[TensorSpan, _RecordDecoder]],
+    sink: _ChunkSink,
+    pool: ThreadPoolExecutor,
+    workers: int,
+    block: int,
+) -> None:
+    """One pass over a base file: unchanged bytes passed on, each changed tensor read a
+    segment at a time, decoded against it and patched in place. Pieces are read and
+    patched on ``pool`` (``workers`` threads, a few pieces ahead) and fed to ``sink`` in
+    file order, each from its own reused buffer."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    ahead = workers + 1
+    free: list[np.ndarray] = []
+    pending: collections.deque[tuple[Future[np.ndarray], np.ndarray]] = collections.deque()
+
+    def drain_one() -> None:
+        fut, buf = pending.popleft()
+        sink.feed(fut.result())
+        free.append(buf)
+
+    try:
+        for piece in _pieces(size, tensors, block):
+            if len(pending) >= ahead:
+                drain_one()
+            n = piece.b - piece.a
+            buf = free.pop() if free else np.empty(0, dtype=np.uint8)
+            if len(buf) < n:
+                buf = np.empty(max(n, block), dtype=np.uint8)
+            pending.append((pool.submit(_patch, fd, piece, buf), buf))
+        while pending:
+            drain_one()
+    finally:  # on a refusal: nothing may still read ``fd`` once the caller closes it
+        for fut, _ in pending:
+            fut.cancel()
+        futures.wait([fut for fut, _ in pending])
 
 
 def apply_delta(
@@ -668,6 +821,7 @@ def apply_delta(
     durable: bool = True,
     direct: bool = True,
     on_block: Callable[[str, int], None] | None = None,
+    workers: int | None = None,
 ) -> dict[str, list[bytes]]:
     """Write the new version's files into ``out_dir`` in one pass over the base: unchanged
     bytes are copied, changed tensors decoded a segment at a time against the base bytes
@@ -680,13 +834,44 @@ def apply_delta(
     tables are checked before a byte is written; what depends on the base's elements (a
     gap past a bin's population) when its segment comes, so the caller writes into a temp
     folder and renames it only after checking the result. ``on_block(path, index)`` runs
-    after each written chunk (tests kill the process there).
+    after each written chunk (tests kill the process there). ``workers``: decode on a pool
+    of that many threads of this call's own (tests); None, the default: on the process's
+    shared pools (``_shared_pools``).
     """
     records = parse_delta(data)
     layouts = check_against_base(records, base)
+    if workers is None:
+        decoders, writers, workers = _shared_pools()
+        return _apply(
+            base, records, layouts, out_dir, decoders, writers, workers, chunk_size, durable, direct, on_block
+        )
+    with (
+        ThreadPoolExecutor(workers, thread_name_prefix="delta-decode") as decoders,
+        ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="delta-write") as writers,
+    ):
+        return _apply(
+            base, records, layouts, out_dir, decoders, writers, workers, chunk_size, durable, direct, on_block
+        )
+
+
+def _apply(
+    base: Mapping[str, Path],
+    records: list[DeltaRecord],
+    layouts: dict[str, dict[str, TensorSpan]],
+    out_dir: Path,
+    decoders: ThreadPoolExecutor,
+    writers: ThreadPoolExecutor,
+    workers: int,
+    chunk_size: int,
+    durable: bool,
+    direct: bool,
+    on_block: Callable[[str, int], None] | None,
+) -> dict[str, list[bytes]]:
+    """``apply_delta`` on the given pools, its delta parsed and checked against the base."""
     by_file: dict[str, list[tuple[TensorSpan, _RecordDecoder]]] = {}
-    for rec in records:
-        by_file.setdefault(rec.path, []).append((layouts[rec.path][rec.name], _RecordDecoder(rec)))
+    # decompressing and checking every payload's tables: in parallel too (zstd and numpy)
+    for rec, dec in zip(records, decoders.map(_RecordDecoder, records), strict=True):
+        by_file.setdefault(rec.path, []).append((layouts[rec.path][rec.name], dec))
     io = _BlockIO(direct and chunk_size % directio.ALIGN == 0)
     out_dir.mkdir(parents=True, exist_ok=True)
     hashes: dict[str, list[bytes]] = {}
@@ -702,10 +887,12 @@ def apply_delta(
             fout, dout = io.open_out(dst)
             try:
                 done = None if on_block is None else (lambda i, rel=rel: on_block(rel, i))
-                with ThreadPoolExecutor(1, thread_name_prefix="delta-write") as pool:
-                    sink = _ChunkSink(fout, dout, chunk_size, pool, done)
-                    _rebuild_file(_BaseReader(fin, chunk_size), size, by_file.get(rel, []), sink)
+                sink = _ChunkSink(fout, dout, chunk_size, writers, done)
+                try:
+                    _rebuild_file(fin, size, by_file.get(rel, []), sink, decoders, workers, chunk_size)
                     hashes[rel] = sink.close()
+                finally:  # on a refusal too: no write of ours may use ``fout`` once it is closed
+                    futures.wait(sink.writes)
                 if durable:
                     os.fsync(fout)
             finally:
