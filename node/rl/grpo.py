@@ -636,8 +636,8 @@ class GRPOTrainer:
             raise CheckpointError(
                 f"{path} was written by a trainer with {state['optimizer']['param_dtype']} parameters and fp32 master "
                 "weights in its optimizer (param_dtype unset in a bf16 run); its model files hold the rounded "
-                "parameters, not the masters, so this trainer (fp32 parameters: param_dtype = \"float32\" or an "
-                "fp32 run) cannot resume from it: resume without param_dtype = \"float32\""
+                'parameters, not the masters, so this trainer (fp32 parameters: param_dtype = "float32" or an '
+                'fp32 run) cannot resume from it: resume without param_dtype = "float32"'
             )
         else:
             fused = [g.get("fused") for g in self.optimizer.param_groups]

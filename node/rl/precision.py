@@ -70,9 +70,7 @@ class MasterAdamW:
             raise ValueError("a parameter appears twice (pass model.parameters(), which de-duplicates tied weights)")
         self.dtype = dtype
         self.slice_elems = max(1, slice_elems)
-        self.param_groups: list[dict[str, Any]] = [
-            {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        ]
+        self.param_groups: list[dict[str, Any]] = [{"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}]
         self.fused = all(p.device.type in ("cpu", "cuda") for p in self.params)
         self.master: list[torch.Tensor] = []
         self.exp_avg: list[torch.Tensor] = []
@@ -186,7 +184,9 @@ class MasterAdamW:
             if st is None:  # torch omits parameters that never had a gradient
                 continue
             if tuple(st["exp_avg"].shape) != tuple(p.shape):
-                raise ValueError(f"optimizer state {i} has shape {tuple(st['exp_avg'].shape)}, the parameter {tuple(p.shape)}")
+                raise ValueError(
+                    f"optimizer state {i} has shape {tuple(st['exp_avg'].shape)}, the parameter {tuple(p.shape)}"
+                )
             if sd.get("format") == FORMAT:
                 self.master[i].copy_(st["master"])
                 p.data.copy_(self.master[i])
