@@ -192,3 +192,44 @@ def test_updates_below_bf16_resolution_accumulate_in_the_masters():
     assert torch.equal(plain[0].detach(), start)  # every update rounded away
     assert float(opt.master[0][0]) == pytest.approx(0.02 - 20e-5, rel=1e-3)
     assert bool((params[0].detach() < start).all())
+
+
+def _tied_llama(seed: int) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    cfg = char_llama(seed).config
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_in_place_embedding_gradient_is_autograds(dtype, tied):
+    """The input embedding's rows added into ``.grad`` in place (one buffer for a tied
+    embedding / head) give autograd's gradient: to fp32 rounding in fp32, to bf16 rounding in
+    bf16 (where autograd adds two bf16 tensors and this adds rows into one); untied as control."""
+    from node.rl.logprobs import token_logprobs_and_entropy
+
+    rollouts = [r for g in fake_groups(0) for r in g]
+    grads = []
+    for into in (False, True):
+        model = (_tied_llama(3) if tied else char_llama(3)).to(dtype)
+        calls: list[int] = []
+        model.model.embed_tokens.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        lp, ent, mask = token_logprobs_and_entropy(model, rollouts, 1.0, 0, torch.device("cpu"), embed_into_grad=into)
+        assert calls == ([] if into else [1])  # the in-place path bypasses the module's own backward
+        ((lp.float() * mask).sum() + (ent.float() * mask).sum()).backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        a, b = grads[0][name], grads[1][name]
+        if dtype is torch.float32:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        else:
+            assert float((b - a).norm() / a.norm()) < 1e-2, name
+    emb = grads[1]["model.embed_tokens.weight"]
+    used = sorted({t for r in rollouts for t in r.prompt_tokens + r.completion_tokens})
+    assert float(emb[used].abs().sum()) > 0  # the embedding really got its rows
