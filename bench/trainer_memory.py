@@ -37,8 +37,6 @@ parameters + fp32 master + 2 moments); the table shows the peak over 12 bytes to
 - ``chunked+gc+mmap+master``: against ``chunked+gc+fused+mmap`` under autocast (the defaults
   for bf16: ``--variants`` unset);
 - ``chunked+mmap+master``: without gradient checkpointing;
-- ``chunked+gc+mmap+master-embed``: without the in-place embedding gradient
-  (``node/rl/logprobs.py``): autograd's dense embedding gradient beside the tied head's;
 - ``chunked16+gc+mmap+master``: head chunks of 16 MiB of fp32 logits (``logprob_chunk_tokens``
   of about 85 rows at SmolLM2's vocabulary, 27 at Qwen's) instead of 64 MiB.
 
@@ -95,15 +93,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "fused": True,
         "master": True,
     },
-    # without the input embedding's in-place gradient (node/rl/logprobs.py): autograd's dense
-    # embedding gradient beside the tied head's at the end of the backward
-    "chunked+gc+mmap+master-embed": {
-        "logprob_chunk_tokens": None,
-        "gradient_checkpointing": True,
-        "fused": True,
-        "master": True,
-        "embed_into_grad": False,
-    },
     # head chunks of 16 MiB of fp32 logits instead of the default 64 MiB (logprob_chunk_tokens)
     "chunked16+gc+mmap+master": {
         "logprob_chunk_tokens": None,
@@ -115,7 +104,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_VARIANTS = {
     "float32": "chunked+gc,chunked+gc+fused,chunked+gc+fused+mmap",
-    "bfloat16": "chunked+gc+fused+mmap,chunked+gc+mmap+master-embed,chunked+gc+mmap+master",
+    "bfloat16": "chunked+gc+fused+mmap,chunked+gc+mmap+master",
 }
 
 
@@ -173,7 +162,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     trim = knobs.pop("trim", False)
     master = knobs.pop("master", False)
     chunk_bytes = knobs.pop("chunk_bytes", None)
-    embed_into_grad = knobs.pop("embed_into_grad", True)
     if chunk_bytes:
         knobs["logprob_chunk_tokens"] = max(16, chunk_bytes // (4 * vocab))
     if spec["dtype"] == "float32" and master:
@@ -195,7 +183,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             return fused and super()._fused_adamw()
 
     trainer = Trainer(model, cfg)
-    trainer.embed_into_grad = trainer.embed_into_grad and embed_into_grad
     assert trainer.master_weights == master
     assert master or bool(trainer.optimizer.defaults["fused"]) == fused
     del model

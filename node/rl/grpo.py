@@ -244,11 +244,6 @@ class GRPOTrainer:
         # (``LIVE``). Autocast computes other numbers than a forward over the published bf16
         # weights; a trainer that publishes in another dtype than its parameters sets it False.
         self.live_is_published = config.compute_dtype == "float32" or self.master_weights
-        # the input embedding's gradient added into the weight's .grad in place
-        # (node/rl/logprobs.py), one buffer for a tied embedding / head instead of two at the end
-        # of the backward: the master-weight mode only, so fp32 and autocast runs compute what
-        # they did
-        self.embed_into_grad = self.master_weights
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         if config.malloc_mmap_threshold > 0:
             set_mmap_threshold(config.malloc_mmap_threshold)  # node/memory.py says why
@@ -360,7 +355,6 @@ class GRPOTrainer:
                 self.pad_token_id,
                 self.device,
                 chunk_tokens=self.config.logprob_chunk_tokens,
-                embed_into_grad=self.embed_into_grad and model is self.model,
             )
         # the loss and its statistics in fp32, whatever the forward ran in
         return tuple(t.float() if t.is_floating_point() else t for t in out)

@@ -88,32 +88,6 @@ def _softcap(model: Any) -> float | None:
     return float(cap) if cap else None
 
 
-class _EmbedIntoGrad(torch.autograd.Function):
-    """An embedding lookup whose backward adds its rows into ``weight.grad`` in place.
-
-    Autograd's embedding backward builds a dense ``[vocab, hidden]`` gradient and then adds it
-    to the gradient already accumulated, which for tied embeddings is the head's (its backward
-    runs first): two whole copies at the end of the backward, where every other gradient
-    exists too (545 MB at Qwen's vocabulary in fp32). Here the rows go straight into the one
-    buffer. The weight's gradient is written as a side effect, so this is for a plain
-    single-process trainer only (no gradient hooks on the weight, no sharding)."""
-
-    @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.weight = weight
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None]:
-        (ids,) = ctx.saved_tensors
-        weight: torch.Tensor = ctx.weight
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, weight.shape[1]).to(weight.grad.dtype))
-        return None, None
-
-
 def completion_stats(
     model: Any,
     ids: torch.Tensor,
@@ -123,19 +97,11 @@ def completion_stats(
     targets: torch.Tensor,
     temperature: float,
     chunk_tokens: int | None,
-    embed_into_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``log p`` and entropy of ``targets`` at positions ``(rows, src)`` of the padded batch:
-    the decoder once, then the head over chunks of the gathered rows (see the module doc).
-    ``embed_into_grad``: the input embedding's gradient goes into the weight's ``.grad`` in
-    place (:class:`_EmbedIntoGrad`), when the model's embedding is a plain ``nn.Embedding``."""
+    the decoder once, then the head over chunks of the gathered rows (see the module doc)."""
     decoder, head, vocab = _parts(model)
-    embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
-    if embed_into_grad and type(embed) is torch.nn.Embedding and torch.is_grad_enabled() and embed.weight.requires_grad:
-        embeds = _EmbedIntoGrad.apply(ids, embed.weight)
-        hidden = decoder(inputs_embeds=embeds, attention_mask=attn).last_hidden_state[rows, src]
-    else:
-        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[rows, src]
+    hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[rows, src]
     step = chunk_tokens or default_chunk_tokens(vocab)
     softcap = _softcap(getattr(model, "model", model))  # a WithWeights wraps the model
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -157,14 +123,12 @@ def token_logprobs_and_entropy(
     device: torch.device,
     *,
     chunk_tokens: int | None = None,
-    embed_into_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-completion-token log p and entropy under ``softmax(logits / temperature)``.
 
     Returns (logprobs, entropy, mask), each (batch, longest completion), right-padded.
     ``chunk_tokens``: completion rows per head chunk (None: :func:`default_chunk_tokens`;
-    0: the full-logits path). Gradients flow when autograd is on; ``embed_into_grad`` (chunked
-    path, plain models): see :func:`completion_stats`."""
+    0: the full-logits path). Gradients flow when autograd is on."""
     ids, attn = _padded_batch(rollouts, pad_token_id, device)
     lengths = [(len(r.prompt_tokens), len(r.completion_tokens)) for r in rollouts]
     max_c = max(c for _, c in lengths)
@@ -190,10 +154,7 @@ def token_logprobs_and_entropy(
         # must see the head run inside its forward, or its parameters are never gathered)
         fused = getattr(model, "completion_stats", None)
         args = (ids, attn, rows, src, targets, temperature, chunk_tokens)
-        if fused is not None:
-            tok_lp, tok_ent = fused(*args)
-        else:
-            tok_lp, tok_ent = completion_stats(model, *args, embed_into_grad=embed_into_grad)
+        tok_lp, tok_ent = fused(*args) if fused is not None else completion_stats(model, *args)
     lp = lp.index_put((rows, cols), tok_lp)
     ent = ent.index_put((rows, cols), tok_ent)
     return lp, ent, mask
