@@ -271,14 +271,14 @@ def main() -> None:
         "state: 12 bytes per parameter (fp32 weights + 2 moments), 14 with +master (plus the bf16 parameters)\n"
     )
     print(
-        f"{'model':10s} {'variant':24s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} "
+        f"{'model':10s} {'variant':28s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} "
         f"{'over 12 B':>10s} {'s/step':>8s}"
     )
     for r in rows:
         over = r["peak_over_imports_bytes"] / r["state_bytes"] - 1
         over12 = r["peak_over_imports_bytes"] / r["state_bytes_12"] - 1
         print(
-            f"{r['model']:10s} {r['variant']:24s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
+            f"{r['model']:10s} {r['variant']:28s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
             f"{r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} {over12:+10.0%} {r['step_s']:8.1f}"
         )
     print(json.dumps({"bench": "trainer_memory", **vars(args), "load_avg": load[0], "results": rows}))
