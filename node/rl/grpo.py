@@ -340,8 +340,9 @@ class GRPOTrainer:
         return micro_batches(lengths, budget, max(1, cfg.micro_batch_size))
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Mixed precision: the policy dtype for compute, fp32 for the master weights and the
-        optimizer (autocast casts each op's inputs; nothing stored changes dtype)."""
+        """Autocast for a bf16 run with fp32 parameters (``param_dtype = "float32"``): bf16
+        compute, each op's inputs cast, nothing stored changes dtype. Nothing for fp32, nor for
+        bf16 parameters (node/rl/precision.py), which compute in their own dtype."""
         if self.config.compute_dtype == "float32" or self.master_weights:
             return contextlib.nullcontext()  # fp32, or parameters already in the compute dtype
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
