@@ -13,7 +13,8 @@
   chunks that no other known peer holds, so the seed's uplink carries each
   chunk about once and the fetchers trade the rest; a seed that sent a chunk
   to someone else moments ago answers ``ELSEWHERE`` and the chunk is left to
-  the peers. Once every chunk is held by some non-seed peer, a seed is used
+  the peers (and asked of the seed again after two chunk times at our receive
+  rate, 0.1-1 s: :meth:`VersionFetcher._elsewhere_retry`). Once every chunk is held by some non-seed peer, a seed is used
   like any other peer (rarest first), which speeds up the tail.
 * Every chunk is size- and hash-checked in a worker thread (the event loop
   never hashes), written once at its offset in the version's preallocated file
@@ -375,10 +376,7 @@ class VersionFetcher:
         fair = rate / max(1, self._busy_connections())
         held, verifying, owner = self.st.bitmap, self._verifying, self._inflight
         peers = self.peers
-        # at most two chunk times at our receive rate: half a second is most of a 1000 Mbit/s
-        # fetch of 64 MiB (the straggler test below still keeps a slow link from duplicating)
-        wait = min(self.endgame_after_s, max(ELSEWHERE_RETRY_MIN_S, 2 * self._chunk_len / rate))
-        best, oldest = None, now - wait
+        best, oldest = None, now - self.endgame_after_s
         for i, since in self._inflight_since.items():
             q = peers.get(owner.get(i, ""))
             if (

@@ -17,7 +17,9 @@ A copy sent to a slow recipient holds nothing off: a send that ran (or, still
 running, has run) ``SLOW_RECIPIENT`` times as long as the same chunk takes at
 a fair share of the fastest recent upload rate (a send's rate times the sends
 running beside it: the upload cap and the uplink are shared, and that must not
-make every recipient look slow). Such a peer's uplink is most likely as slow as its
+make every recipient look slow). A send lasts as long as the link takes, not as long as
+copying into the socket's buffer: data connections limit unsent bytes (wire.py,
+``TCP_NOTSENT_LOWAT``). Such a peer's uplink is most likely as slow as its
 downlink, and the others would wait on it for the chunk (bench/distribution.py
 --link-caps: with a 20 Mbit/s fetcher in the swarm, the others' completion was
 1.7x what it was without it).
