@@ -14,8 +14,9 @@
   chunk about once and the fetchers trade the rest; a seed that sent a chunk
   to someone else moments ago answers ``ELSEWHERE`` and the chunk is left to
   the peers (and asked of the seed again after two chunk times at our receive
-  rate, 0.1-1 s: :meth:`VersionFetcher._elsewhere_retry`). Once every chunk is held by some non-seed peer, a seed is used
-  like any other peer (rarest first), which speeds up the tail.
+  rate, 0.1-1 s: :meth:`VersionFetcher._elsewhere_retry`). Once every chunk is
+  held by some non-seed peer, a seed is used like any other peer (rarest
+  first), which speeds up the tail.
 * Every chunk is size- and hash-checked in a worker thread (the event loop
   never hashes), written once at its offset in the version's preallocated file
   (store.py) and marked held - from that moment the node's own chunk server
@@ -594,7 +595,10 @@ class VersionFetcher:
             if not outstanding:
                 wait = self.have_poll_s - (now - last_have)
                 if p.refused:  # a refused chunk may be asked again before the next HAVE poll
-                    wait = min(wait, min(p.refused.values()) - now)
+                    for k in [k for k, until in p.refused.items() if until <= now]:
+                        del p.refused[k]  # expired (else an idle session would wake every 10 ms)
+                    if p.refused:
+                        wait = min(wait, min(p.refused.values()) - now)
                 with trio.move_on_after(max(0.01, wait)):
                     await self._changed.wait()
                 continue
