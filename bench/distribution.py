@@ -129,7 +129,9 @@ def run_node(a) -> None:
 
     store = ChunkStore(Path(a.home), RUN_ID, trainer, durable=not a.no_fsync, direct_io=not a.buffered_io)
     where = {"listen_host": "0.0.0.0", "advertise_host": a.host} if a.host else {}
-    checkpoints = Checkpoints(store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps, **where)
+    checkpoints = Checkpoints(
+        store, TcpTicketOverlay(), max_upload_mbps=a.max_upload_mbps, fetcher_options={"trace": a.trace}, **where
+    )
     guard = ReplayGuard()
     result = {"index": a.index}
 
@@ -186,6 +188,7 @@ def run_node(a) -> None:
                     if pid != key.peer_id:
                         checkpoints.add_peer(pid)
                 checkpoints.on_announce((work / "announce").read_bytes(), guard=None)
+                result["announced_at"] = time.time()  # the fetch starts here (its phases count from it)
                 await checkpoints.wait_version(1)
                 with checkpoints.open_version(1) as files:  # what an engine load starts with
                     for path in files.values():
@@ -239,6 +242,7 @@ def bench_ours(args, src: Path, work: Path, total: int, caps: list[float] | None
         ]
         + (["--no-fsync"] if args.no_fsync else [])
         + (["--buffered-io"] if args.buffered_io else [])
+        + (["--trace"] if args.trace else [])
     )
     for i in range(n):
         cmd = [sys.executable, __file__, "_node", "--index", str(i), "--home", str(work / f"home{i}")] + common
@@ -270,6 +274,19 @@ def bench_ours(args, src: Path, work: Path, total: int, caps: list[float] | None
         if testbed is not None:
             testbed.close()
     per = sorted(d["fetched_at"] - t0 for d in done)
+    # where each fetcher's seconds went: phases of its fetch (seconds after the announce
+    # reached it; see VersionFetcher.phases), the hashing and writing time, its CPU
+    phases = {
+        d["index"]: {
+            "announced": round(d["announced_at"] - t0, 3),
+            **d["fetch"].get("phases", {}),
+            "held_all": round(d["fetched_at"] - d["announced_at"], 3),
+            "loadable": round(d["assembled_at"] - d["announced_at"], 3),
+            "verify_s": d["fetch"].get("verify_s"),
+            "cpu_s": round(final[d["index"]]["cpu_user_s"] + final[d["index"]]["cpu_sys_s"], 2),
+        }
+        for d in done
+    }
     out = {
         "seconds": round(per[-1], 3),
         "loadable_seconds": round(max(d["assembled_at"] for d in done) - t0, 3),
@@ -277,6 +294,8 @@ def bench_ours(args, src: Path, work: Path, total: int, caps: list[float] | None
         "loadable_by_index": {d["index"]: round(d["assembled_at"] - t0, 2) for d in done},
         # by fetcher index (1..n-1): when it held every chunk
         "fetched_by_index": {d["index"]: round(d["fetched_at"] - t0, 2) for d in done},
+        "phases_by_index": phases,
+        "seeder_cpu_s": round(final[0]["cpu_user_s"] + final[0]["cpu_sys_s"], 2),
         "seeder_bytes": final[0]["bytes_served"],
         "seeder_copies": round(final[0]["bytes_served"] / total, 2),
         "fetcher_bytes_served": [final[i]["bytes_served"] for i in range(1, n)],
@@ -286,6 +305,17 @@ def bench_ours(args, src: Path, work: Path, total: int, caps: list[float] | None
             "sys": round(sum(f["cpu_sys_s"] for f in final.values()), 1),
         },
     }
+    for i, ph in sorted(phases.items()):
+        print(f"fetcher {i} phases (s after its announce): " + json.dumps(ph), file=sys.stderr)
+    index_of = {node_key(i).peer_id: i for i in range(n)}
+    for d in done:
+        tr = d["fetch"].pop("trace", None)
+        if tr:
+            print(
+                f"fetcher {d['index']} schedule (s, event, chunk, from node): "
+                + " ".join(f"{t:.3f}:{ev}:{c}:n{index_of.get(pid, '?')}" for t, ev, c, pid in tr),
+                file=sys.stderr,
+            )
     tl = final[0]["served_timeline"]
     print(
         "seeder copies uploaded by t (s): " + " ".join(f"{t:.0f}:{b / total:.2f}" for t, b in tl[1::4]), file=sys.stderr
@@ -308,7 +338,7 @@ def bench_ours(args, src: Path, work: Path, total: int, caps: list[float] | None
 
 # --------------------------------------------------------------------------- raw TCP copy
 def run_raw_client(a) -> None:
-    s = socket.create_connection(("127.0.0.1", a.port))
+    s = socket.create_connection((a.host, a.port))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     buf = bytearray(4 << 20)
     view = memoryview(buf)
@@ -414,6 +444,83 @@ def bench_raw_fanout(files: list[Path], work: Path, total: int, receivers: int) 
         (work / f"raw{i}.bin").unlink()
         (work / f"raw{i}.done").unlink()
     return {"seconds": round(max(done.values()), 3), "by_receiver": [round(done[i], 2) for i in range(receivers)]}
+
+
+def run_raw_sender(a) -> None:
+    """The raw baseline's sender inside the seeder's host (--link-caps): accept every receiver,
+    then send the files with sendfile to all at once (``--together``) or to one after another;
+    write each receiver's start time (the clock is the machine's, shared by every namespace)."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((a.host, a.port))
+    srv.listen(a.receivers)
+    work = Path(a.work)
+    (work / "raw-listening").write_text("")
+    conns = []
+    for _ in range(a.receivers):
+        c, addr = srv.accept()
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        conns.append((addr[0], c))
+    started: dict[str, float] = {}
+
+    def send_to(ip: str, c: socket.socket) -> None:
+        started[ip] = time.time()
+        with c:
+            for p in a.files:
+                with open(p, "rb") as f:
+                    c.sendfile(f)
+
+    if a.together:
+        threads = [threading.Thread(target=send_to, args=ac) for ac in conns]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    else:
+        for ip, c in conns:
+            send_to(ip, c)
+    (work / "raw-started.json").write_text(json.dumps(started))
+
+
+def bench_raw_links(files: list[Path], work: Path, total: int, caps: list[float], together: bool) -> dict[str, float]:
+    """A plain TCP copy of the checkpoint from the seeder's host to every fetcher's host (same
+    caps, no hashing, no fsync, no swarm), ``together`` (one copy per receiver at once over
+    the seeder's uplink) or one receiver after another (each alone on its link): what the
+    links and this box allow. Returns seconds per receiver index (1..n-1)."""
+    from tests.support.netns import Testbed
+
+    n = len(caps)
+    with Testbed() as tb:
+        hosts = [tb.add_public(f"n{i}", up_mbit=c, down_mbit=c) for i, c in enumerate(caps)]
+        for f in ("raw-listening", "raw-started.json"):
+            (work / f).unlink(missing_ok=True)
+        sender = hosts[0].popen(
+            [sys.executable, __file__, "_rawsend", "--host", hosts[0].ip, "--port", "4200"]
+            + ["--receivers", str(n - 1), "--work", str(work), "--files"]
+            + [str(f) for f in files]
+            + (["--together"] if together else [])
+        )
+        while not (work / "raw-listening").exists():
+            if sender.poll() is not None:
+                raise RuntimeError("raw sender failed")
+            time.sleep(0.02)
+        procs = []
+        for i in range(1, n):
+            cmd = [sys.executable, __file__, "_rawclient", "--host", hosts[0].ip, "--port", "4200"]
+            cmd += ["--out", str(work / f"raw{i}.bin"), "--size", str(total), "--done", str(work / f"raw{i}.done")]
+            procs.append(hosts[i].popen(cmd))
+        for i, pr in enumerate(procs, start=1):
+            if pr.wait(timeout=1800):
+                raise RuntimeError(f"raw receiver {i} failed")
+        if sender.wait(timeout=60):
+            raise RuntimeError("raw sender failed")
+        started = json.loads((work / "raw-started.json").read_text())
+        out = {}
+        for i in range(1, n):
+            out[i] = round(float((work / f"raw{i}.done").read_text()) - started[hosts[i].ip], 3)
+            (work / f"raw{i}.bin").unlink()
+            (work / f"raw{i}.done").unlink()
+    return out
 
 
 # --------------------------------------------------------------------------- SHARDCAST
@@ -562,13 +669,23 @@ def main() -> None:
             p.add_argument("--no-fsync", action="store_true")
             p.add_argument("--buffered-io", action="store_true")
             p.add_argument("--host", default="")
+            p.add_argument("--trace", action="store_true")
             return run_node(p.parse_args(sys.argv[2:]))
         if cmd == "_rawclient":
             p.add_argument("--port", type=int)
             p.add_argument("--out")
             p.add_argument("--size", type=int)
             p.add_argument("--done", default=None)
+            p.add_argument("--host", default="127.0.0.1")
             return run_raw_client(p.parse_args(sys.argv[2:]))
+        if cmd == "_rawsend":
+            p.add_argument("--host")
+            p.add_argument("--port", type=int)
+            p.add_argument("--receivers", type=int)
+            p.add_argument("--together", action="store_true")
+            p.add_argument("--work")
+            p.add_argument("--files", nargs="+")
+            return run_raw_sender(p.parse_args(sys.argv[2:]))
         if cmd == "_sc_origin":
             p.add_argument("--data-dir")
             p.add_argument("--port", type=int)
@@ -607,6 +724,10 @@ def main() -> None:
         help="comma list of Mbit/s, seeder first: run every node in its own network-namespace host (root) "
         "with that cap up and down (tc tbf), report each fetcher against its bound, and repeat without the "
         "slowest fetcher to see how much it delays the others",
+    )
+    p.add_argument("--no-ab", action="store_true", help="--link-caps: skip the second run without the slowest fetcher")
+    p.add_argument(
+        "--trace", action="store_true", help="print every fetcher's schedule (GETs, refusals, payloads by peer)"
     )
     p.add_argument("--workdir", default=None)
     args = p.parse_args()
@@ -725,7 +846,21 @@ def main_links(args) -> None:
         runs = {}
         slowest = min(range(1, len(caps)), key=lambda i: caps[i])
         without = [c for i, c in enumerate(caps) if i != slowest]
-        for label, cs in (("all", caps), ("without_slowest", without)):
+        raw: dict[str, dict[int, float]] = {}
+        if not args.no_raw:
+            # the same bytes over the same links, no swarm, nothing hashed or written durably
+            os.sync()
+            raw["alone"] = bench_raw_links(files, work, total, caps, together=False)
+            os.sync()
+            raw["together"] = bench_raw_links(files, work, total, caps, together=True)
+            for i in range(1, len(caps)):
+                print(
+                    f"raw TCP to the {caps[i]:g} Mbit/s host: {raw['alone'][i]:.2f} s alone, "
+                    f"{raw['together'][i]:.2f} s beside the others (bound {bound(i, caps):.2f} s)",
+                    file=sys.stderr,
+                )
+        plan = [("all", caps)] if args.no_ab else [("all", caps), ("without_slowest", without)]
+        for label, cs in plan:
             (work / label).mkdir()
             r = bench_ours(args, src, work / label, total, caps=cs)
             shutil.rmtree(work / label, ignore_errors=True)
@@ -740,22 +875,30 @@ def main_links(args) -> None:
                         "seconds": per[i],
                         "bound_s": round(bound(i, cs), 3),
                         "over_bound": round(per[i] / bound(i, cs), 3),
+                        **(
+                            {"raw_alone_s": raw["alone"][i], "raw_together_s": raw["together"][i]}
+                            if raw and label == "all"
+                            else {}
+                        ),
+                        "phases": r["phases_by_index"][i],
                     }
                     for i in sorted(per)
                 ],
+                "seeder_cpu_s": r["seeder_cpu_s"],
                 "seeder_copies": r["seeder_copies"],
             }
             print(f"{label}: caps {cs}", file=sys.stderr)
             for f in runs[label]["fetchers"]:
+                rawcol = f"  raw TCP alone {f['raw_alone_s']:>6.2f} s" if "raw_alone_s" in f else ""
                 print(
                     f"  {f['cap_mbit']:>7g} Mbit/s  {f['seconds']:>7.2f} s  bound {f['bound_s']:>7.2f} s"
-                    f"  x{f['over_bound']:.2f}",
+                    f"  x{f['over_bound']:.2f}{rawcol}",
                     file=sys.stderr,
                 )
         # the others' completion with and without the slowest host (indices shift past it)
         a = runs["all"]["fetchers"]
         others_all = [f["seconds"] for i, f in enumerate(a, start=1) if i != slowest]
-        others_without = [f["seconds"] for f in runs["without_slowest"]["fetchers"]]
+        others_without = [f["seconds"] for f in runs["without_slowest"]["fetchers"]] if not args.no_ab else []
         out = {
             "size_mib": round(total / 2**20, 1),
             "runs": runs,
@@ -763,7 +906,7 @@ def main_links(args) -> None:
             "swarm_over_bound": round(runs["all"]["seconds"] / runs["all"]["bound_seconds"], 3),
             "worst_over_bound": max(f["over_bound"] for f in a),
             "slowest_cap_mbit": caps[slowest],
-            "others_delay_by_slowest": round(max(others_all) / max(others_without), 3),
+            "others_delay_by_slowest": round(max(others_all) / max(others_without), 3) if others_without else None,
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)

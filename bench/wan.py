@@ -141,6 +141,12 @@ def run_once(args, out: Path, nat_workers: int, capped: bool) -> dict:
             "bytes_served_reverse": dist_of[n].get("bytes_served_reverse", 0),
             "connections_opened": (dist_of[n].get("reverse") or {}).get("served_connections", 0),
             "asked": (dist_of[n].get("reverse") or {}).get("granted", 0),
+            # what the fetchers did over those connections (ChunkServer.reverse counters)
+            "counters": dist_of[n].get("reverse") or {},
+            "versions": [
+                {k: v.get(k) for k in ("version", "bytes_served", "fed_from")}
+                for v in (dist_of[n].get("versions") or [])
+            ],
         }
         for n in place
         if place[n].nat

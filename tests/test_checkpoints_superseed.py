@@ -16,6 +16,8 @@ The hold-offs run on trio's clock: the tests that wait one out use pytest-trio's
 
 from __future__ import annotations
 
+import socket
+
 import trio
 import trio.testing
 
@@ -251,3 +253,72 @@ async def test_a_copy_sent_to_a_slow_recipient_holds_nothing_off(tmp_path, mock_
         for c in (cf, cs, co):
             await c.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_chunk_queued_in_the_send_buffer_is_not_counted_as_delivered(tmp_path, mock_clock):
+    """A 4 MiB chunk (the default size) fits in the kernel's send buffer (4 MiB asked, 8 MiB
+    given): without a limit on unsent bytes (TCP_NOTSENT_LOWAT) the send "finished" the
+    moment it was queued, even to a recipient whose link takes seconds, and super-seeding
+    then held the chunk off (ELSEWHERE) for everyone while it trickled out. Here the slow
+    recipient's receive buffer is tiny and it reads nothing: its send must stay running,
+    prove slow and hold nothing off. Control: a recipient that reads at once keeps its
+    chunk held off for the others."""
+    _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=16, chunk=4 * 1024 * 1024)
+    fast, slow, other = (k.peer_id for k in keys(4)[1:])
+    server = ChunkServer(store)  # hold-off 10 s: longer than anything below
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        cf, cs, co = [await _connect(server, p, st) for p in (fast, slow, other)]
+        cs.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)  # a thin link, in effect
+        status, _ = await _get(cf, 1)  # a fast send: the server's idea of a normal pace
+        assert status == F.OK
+        await cs.send(F.OP_GET, 0)  # never read (until the end)
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        mock_clock.jump(1.0)
+        status, data = await _get(co, 0)
+        assert status == F.OK, "a chunk sitting in the slow recipient's send queue was held off"
+        assert data == store.read_chunk_blocking(st, 0)
+        assert (await _get(co, 1))[0] == F.ELSEWHERE  # control: the fast recipient's chunk is held off
+        op, status, ridx, length = await cs.read_header()  # the slow send, at last
+        assert (op, status, ridx) == (F.OP_GET, F.OK, 0)
+        await cs.read_payload_into(memoryview(bytearray(length)))
+        for c in (cf, cs, co):
+            await c.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_fast_fetcher_asks_a_refused_chunk_again_within_a_fraction_of_a_second(tmp_path, mock_clock):
+    """A seed answers ELSEWHERE for a chunk it just sent to someone else; how soon the fetcher
+    asks again bounds how soon it gets the chunk once the seed lets it go. A fixed second was
+    twice a whole 64 MiB fetch at 1000 Mbit/s (bench/distribution.py --link-caps). A fetcher
+    that receives fast asks again after two chunk times at its rate (at least 0.1 s); after
+    0.3 s without an answer it has asked again. Control: the chunk is served once the seed's
+    hold-off passes, and every other chunk came from the seed at once."""
+    _, trainer, seed_store, seed_st, raw = await _seeded_store(tmp_path, size_mib=2, chunk=512 * 1024)
+    me, first = (k.peer_id for k in keys(3)[1:])
+    seed = ChunkServer(seed_store)  # hold-off 10 s
+    store = ChunkStore(tmp_path / "me", RUN_ID, trainer.peer_id)
+    store.add_announce(raw)
+    fetcher = VersionFetcher(store, 1, LocalOverlay(me, {trainer.peer_id: seed}), stall_timeout=3600.0)
+    fetcher.add_peer(trainer.peer_id)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(seed.run)
+        c = await _connect(seed, first, seed_st)
+        assert (await _get(c, 0))[0] == F.OK  # chunk 0 went to ``first``: held off for 10 s
+        nursery.start_soon(fetcher.run)
+        while fetcher.st.bitmap.count < seed_st.bitmap.n - 1 or seed.chunks_elsewhere < 1:
+            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+        assert seed.chunks_elsewhere == 1 and 0 not in fetcher.st.bitmap
+        mock_clock.jump(0.3)
+        for _ in range(5):  # let the retry go out and its refusal come back
+            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+        # asked again (the old fetcher waited a whole second)
+        assert seed.chunks_elsewhere >= 2, "the refused chunk was not asked again within 0.3 s"
+        mock_clock.jump(10.0)  # past the hold-off: the seed serves it
+        with trio.fail_after(3600):
+            while not fetcher.complete:
+                await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+                mock_clock.jump(0.1)
+        await c.aclose()
+        nursery.cancel_scope.cancel()
+    assert fetcher.complete and fetcher.peers[trainer.peer_id].chunks == seed_st.bitmap.n

@@ -13,8 +13,10 @@
   chunks that no other known peer holds, so the seed's uplink carries each
   chunk about once and the fetchers trade the rest; a seed that sent a chunk
   to someone else moments ago answers ``ELSEWHERE`` and the chunk is left to
-  the peers. Once every chunk is held by some non-seed peer, a seed is used
-  like any other peer (rarest first), which speeds up the tail.
+  the peers (and asked of the seed again after two chunk times at our receive
+  rate, 0.1-1 s: :meth:`VersionFetcher._elsewhere_retry`). Once every chunk is
+  held by some non-seed peer, a seed is used like any other peer (rarest
+  first), which speeds up the tail.
 * Every chunk is size- and hash-checked in a worker thread (the event loop
   never hashes), written once at its offset in the version's preallocated file
   (store.py) and marked held - from that moment the node's own chunk server
@@ -89,6 +91,8 @@ MAX_KNOWN_PEERS = 1024
 # downlink is the likelier bottleneck and a second copy would only compete with the first.
 STRAGGLER = 3.0
 RATE_WINDOW_S = 5.0
+ELSEWHERE_RETRY_MIN_S = 0.1  # see VersionFetcher._elsewhere_retry
+ELSEWHERE_RETRY_FIRST_S = 0.25  # the same, before any payload arrived
 
 
 @dataclasses.dataclass
@@ -173,6 +177,7 @@ class VersionFetcher:
         banned: set[str] | None = None,
         rng: random.Random | None = None,
         reverse: ChunkServer | None = None,
+        trace: bool = False,
     ) -> None:
         self.store = store
         self.st: VersionState = store.versions[version]
@@ -230,6 +235,14 @@ class VersionFetcher:
         self._last_receive_bps = 0.0
         self.held_at_start = self.st.bitmap.count
         self._rate_window: collections.deque[tuple[float, int]] = collections.deque()
+        # When each phase of the fetch first happened, seconds after run() began (trio clock):
+        # where a fetch's fixed costs go (ticket, connection, first bitmap, first byte, hashing
+        # and writing), see :meth:`_mark`.
+        self.phases: dict[str, float] = {}
+        # ``trace``: every GET, refusal and payload as (seconds, event, chunk, peer), for
+        # benchmarks that need to see the schedule (off by default: it grows with the chunks)
+        self.trace: list[tuple[float, str, int, str]] | None = [] if trace else None
+        self.verify_s = 0.0  # thread time spent hashing and writing chunks, all chunks
 
     # ------------------------------------------------------------ inputs
     def add_peer(self, peer_id: str, reverse: bool | None = None) -> FetchPeer | None:
@@ -288,6 +301,15 @@ class VersionFetcher:
 
     def _poke(self) -> None:
         self._changed.set()
+
+    def _trace(self, event: str, idx: int, p: FetchPeer) -> None:
+        if self.trace is not None and self.started_trio is not None:
+            self.trace.append((round(trio.current_time() - self.started_trio, 4), event, idx, p.peer_id))
+
+    def _mark(self, phase: str) -> None:
+        """Record the first time ``phase`` happened (``status()["phases"]``)."""
+        if phase not in self.phases and self.started_trio is not None:
+            self.phases[phase] = round(trio.current_time() - self.started_trio, 4)
 
     # ------------------------------------------------------------ scheduling
     def _pick(self, p: FetchPeer) -> int | None:
@@ -383,6 +405,20 @@ class VersionFetcher:
             self._last_receive_bps = sum(b for _, b in w) / span
         return self._last_receive_bps
 
+    def _elsewhere_retry(self) -> float:
+        """How long a chunk a seed answered ``ELSEWHERE`` is not asked of it again: two chunk
+        times at our receive rate, between ``ELSEWHERE_RETRY_MIN_S`` and ``elsewhere_retry_s``.
+        A fixed second was twice the whole fetch of a 64 MiB checkpoint over a 1000 Mbit/s
+        link (bench/distribution.py --link-caps): the seed had sent the chunk to a slow host
+        and lets it go again once that send proves slow, and the fast fetcher's last chunk
+        waited out the second. A retry costs one small request and its refusal."""
+        rate = self.receive_bps()
+        if rate <= 0:  # nothing received yet: no rate to scale by
+            return min(ELSEWHERE_RETRY_FIRST_S, self.elsewhere_retry_s)
+        return max(
+            min(ELSEWHERE_RETRY_MIN_S, self.elsewhere_retry_s), min(self.elsewhere_retry_s, 2 * self._chunk_len / rate)
+        )
+
     def _busy_connections(self) -> int:
         return sum(1 for q in self.peers.values() if q.running and q.inflight)
 
@@ -416,6 +452,7 @@ class VersionFetcher:
         if self.complete:
             self.finished = time.monotonic()
             return
+        self._mark("scheduled")
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             while not self.complete:
@@ -425,6 +462,7 @@ class VersionFetcher:
                     await self._changed.wait()
             nursery.cancel_scope.cancel()
         self.finished = time.monotonic()
+        self._mark("done")
         self._report(force=True)
 
     def _schedule(self, nursery: trio.Nursery) -> None:
@@ -489,6 +527,7 @@ class VersionFetcher:
             raise TicketError(f"{type(exc).__name__}: {exc}") from None
         if not ticket.ok:
             raise DataPlaneError(F.BAD_TICKET, f"ticket refused: {ticket.reason}")
+        self._mark("first_ticket")
         return await DataConnection.open(
             ticket.host,
             ticket.port,
@@ -531,6 +570,7 @@ class VersionFetcher:
         return await DataConnection.over(stream, tok, stall_timeout=self.stall_timeout, flags=F.FLAG_PUSH_HAVE)
 
     async def _session(self, p: FetchPeer, conn: DataConnection, outstanding: deque[tuple[int, int]]) -> None:
+        self._mark("first_connected")
         await conn.send(F.OP_HAVE)
         outstanding.append((F.OP_HAVE, 0))
         last_have = trio.current_time()
@@ -543,6 +583,8 @@ class VersionFetcher:
                     break
                 if idle:
                     p.service_start = trio.current_time()
+                self._mark("first_get")
+                self._trace("get", i, p)
                 await conn.send(F.OP_GET, i)
                 outstanding.append((F.OP_GET, i))
             now = trio.current_time()
@@ -551,7 +593,13 @@ class VersionFetcher:
                 outstanding.append((F.OP_HAVE, 0))
                 last_have, have_pending = now, True
             if not outstanding:
-                with trio.move_on_after(max(0.01, self.have_poll_s - (now - last_have))):
+                wait = self.have_poll_s - (now - last_have)
+                if p.refused:  # a refused chunk may be asked again before the next HAVE poll
+                    for k in [k for k, until in p.refused.items() if until <= now]:
+                        del p.refused[k]  # expired (else an idle session would wake every 10 ms)
+                    if p.refused:
+                        wait = min(wait, min(p.refused.values()) - now)
+                with trio.move_on_after(max(0.01, wait)):
                     await self._changed.wait()
                 continue
             rop, status, ridx, length = await conn.read_header()
@@ -571,15 +619,17 @@ class VersionFetcher:
                     raise DataPlaneError(F.BAD_REQUEST, "bitmap of the wrong size")
                 buf = bytearray(length)
                 await conn.read_payload_into(memoryview(buf))
+                self._mark("first_have")
                 self.update_have(p.peer_id, bytes(buf))
                 continue
             if status != F.OK:
                 p.service_start = trio.current_time()  # the next reply's service starts now
                 self._release(idx, p)
+                self._trace(F.STATUS_NAMES.get(status, str(status)), idx, p)
                 if status == F.ELSEWHERE:  # a super-seeding seed: someone else just got it from there
                     p.elsewhere += 1
                     self.chunks_elsewhere += 1
-                    p.refused[idx] = trio.current_time() + self.elsewhere_retry_s
+                    p.refused[idx] = trio.current_time() + self._elsewhere_retry()
                     continue
                 if status == F.NOT_HELD and p.bitmap is not None and idx in p.bitmap:
                     nb = p.bitmap.copy()
@@ -598,6 +648,9 @@ class VersionFetcher:
             await conn.read_payload_into(memoryview(buf))
             p.service_start = trio.current_time()
             self._received.append((p.service_start, length))
+            self._mark("first_payload")
+            self._trace("payload", idx, p)
+            self.phases["last_payload"] = round(p.service_start - (self.started_trio or 0.0), 4)
             if idx in self.st.bitmap or idx in self._verifying:  # the other copy of an end-game request won
                 self.chunks_duplicate += 1
                 p.inflight.discard(idx)
@@ -631,12 +684,14 @@ class VersionFetcher:
     async def _verify(self, p: FetchPeer, idx: int, buf: bytearray) -> None:
         try:
             try:
-                h = await trio.to_thread.run_sync(self.store.put_chunk_blocking, self.st, idx, buf)
+                h, spent = await trio.to_thread.run_sync(self._put_timed, idx, buf)
+                self.verify_s += spent
             except ChunkRejected as exc:
                 self.chunks_rejected += 1
                 self._strike(p, exc.reason)
                 return
             self.store.mark_held(h)
+            self._mark("first_held")
             self.bytes_fetched += len(buf)
             self.chunks_fetched += 1
             p.bytes += len(buf)
@@ -648,6 +703,12 @@ class VersionFetcher:
             self._verifying.discard(idx)
             self._release(idx)
             self._report()
+
+    def _put_timed(self, idx: int, buf: bytearray) -> tuple[bytes, float]:
+        """Hash-check and write one chunk (worker thread); its hash and the seconds it took."""
+        t0 = time.perf_counter()
+        h = self.store.put_chunk_blocking(self.st, idx, buf)
+        return h, time.perf_counter() - t0
 
     # ------------------------------------------------------------ progress and stats
     def mib_per_s(self) -> float:
@@ -692,6 +753,9 @@ class VersionFetcher:
             "bytes_from_seeds": self.bytes_from_seeds,
             "held_at_start": self.held_at_start,
             "seconds": round((self.finished or time.monotonic()) - self.started, 3),
+            "phases": dict(self.phases),
+            "verify_s": round(self.verify_s, 3),
+            **({"trace": list(self.trace)} if self.trace is not None else {}),
             "peers": {pid: p.to_json() for pid, p in self.peers.items() if p.bytes or p.failures or p.strikes},
             "fed_from": sorted(pid for pid, p in self.peers.items() if p.bytes),
         }

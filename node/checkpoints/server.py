@@ -17,7 +17,9 @@ A copy sent to a slow recipient holds nothing off: a send that ran (or, still
 running, has run) ``SLOW_RECIPIENT`` times as long as the same chunk takes at
 a fair share of the fastest recent upload rate (a send's rate times the sends
 running beside it: the upload cap and the uplink are shared, and that must not
-make every recipient look slow). Such a peer's uplink is most likely as slow as its
+make every recipient look slow). A send lasts as long as the link takes, not as long as
+copying into the socket's buffer: data connections limit unsent bytes (wire.py,
+``TCP_NOTSENT_LOWAT``). Such a peer's uplink is most likely as slow as its
 downlink, and the others would wait on it for the chunk (bench/distribution.py
 --link-caps: with a 20 Mbit/s fetcher in the swarm, the others' completion was
 1.7x what it was without it).
@@ -286,6 +288,9 @@ class ChunkServer:
         assert self._nursery is not None  # _reverse_refusal checked it
         self._dialling[peer_id] += 1
         self.reverse["granted"] += 1
+        st = self.store.get(req.version, req.root)
+        if st is not None and st.bitmap.count == 0:
+            self.reverse["granted_holding_none"] += 1  # the fetcher asked early: it may poll HAVE
         self._nursery.start_soon(self._reverse_dial, peer_id, req)
         return ReverseChunkAnswer(ok=True, reason="")
 
@@ -453,6 +458,8 @@ class ChunkServer:
             if st is None:
                 await send_all(sock, F.REPLY.pack(op, F.GONE, idx, 0), self.stall_timeout_s)
                 return
+            if t.reverse:  # what a fetcher asked over a connection we opened (status: reverse)
+                self.reverse["asked_have" if op == F.OP_HAVE else "asked_get" if op == F.OP_GET else "asked_other"] += 1
             if op == F.OP_HAVE:
                 bm = pushed = st.bitmap.to_bytes()
                 await send_all(sock, F.REPLY.pack(op, F.OK, 0, len(bm)) + bm, self.stall_timeout_s)
@@ -469,6 +476,8 @@ class ChunkServer:
                 if idx >= st.bitmap.n:
                     await send_all(sock, F.REPLY.pack(op, F.BAD_INDEX, idx, 0), self.stall_timeout_s)
                 elif idx not in st.bitmap:
+                    if t.reverse:
+                        self.reverse["answered_not_held"] += 1
                     await send_all(sock, F.REPLY.pack(op, F.NOT_HELD, idx, 0), self.stall_timeout_s)
                 elif sl is not None and sl.held_off(
                     idx,
@@ -479,6 +488,8 @@ class ChunkServer:
                     self._slow_after_s(st.chunks[idx][2]),
                 ):
                     self.chunks_elsewhere += 1
+                    if t.reverse:
+                        self.reverse["answered_elsewhere"] += 1
                     await send_all(sock, F.REPLY.pack(op, F.ELSEWHERE, idx, 0), self.stall_timeout_s)
                 else:
                     ok = False

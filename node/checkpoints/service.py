@@ -644,6 +644,9 @@ class Checkpoints:
                     "fed_from_bytes": {pid: p["bytes"] for pid, p in (fs.get("peers") or {}).items() if p.get("bytes")},
                     "fetching": f is not None,
                     "mib_per_s": round(f.mib_per_s(), 1) if f is not None else 0.0,
+                    # where the fetch's time went (VersionFetcher.phases), and its hashing/writing
+                    "phases": fs.get("phases", {}),
+                    "verify_s": fs.get("verify_s", 0.0),
                 }
             )
         return {

@@ -7,6 +7,14 @@ import socket
 import trio
 
 SOCK_BUF = 4 * 1024 * 1024
+# Unsent bytes the kernel queues before a write blocks (TCP_NOTSENT_LOWAT; bytes in flight
+# do not count, so a long fat link still fills). Without it a 4 MiB chunk "sent" the moment
+# it was copied into the (up to 8 MiB) send buffer, even to a 20 Mbit/s recipient: the chunk
+# server's super-seeding then took that recipient for a fast one and held the chunk off
+# (ELSEWHERE) for everyone else while it trickled out, and the 1000 Mbit/s fetchers of
+# bench/distribution.py --link-caps waited ~0.5 s on such chunks (docs/benchmarks.md).
+NOTSENT_LOWAT = 256 * 1024
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's number where Python lacks the name
 
 
 def tune(sock: trio.socket.SocketType) -> None:
@@ -15,10 +23,14 @@ def tune(sock: trio.socket.SocketType) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         except OSError:
             pass
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass
+    for level, opt, value in (
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+        (socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, NOTSENT_LOWAT),
+    ):
+        try:
+            sock.setsockopt(level, opt, value)
+        except OSError:  # not TCP (tests use socketpairs), or a kernel without the option
+            pass
 
 
 async def recv_exactly_into(sock: trio.socket.SocketType, view: memoryview, stall_timeout: float) -> None:
