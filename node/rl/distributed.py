@@ -231,7 +231,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
             self.config.temperature,
             self.pad_token_id,
             self.device,
-            chunk_tokens=self.config.logprob_chunk_tokens or None,
+            chunk_tokens=self.chunk_tokens or self._sized_chunk_tokens(),
         )
         pack = torch.stack([lp, ent])
         if not mine:

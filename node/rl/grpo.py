@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from node.errors import CheckpointError
 from node.memory import set_mmap_threshold
 from node.rl.filters import filter_zero_advantage, group_advantages
-from node.rl.logprobs import micro_batches, token_logprobs_and_entropy
+from node.rl.logprobs import default_chunk_tokens, micro_batches, token_logprobs_and_entropy
 from node.rl.metrics import RatioStats, StepMetrics, reward_stats
 from node.rl.precision import MasterAdamW, is_master_state
 from node.util import crash_point, fsync_dir, fsync_tree
@@ -90,7 +90,9 @@ class GRPOConfig:
     mini_batches: int = 1  # optimizer steps per batch; INTELLECT-2: 1
     micro_batch_size: int = 8  # rollouts per forward/backward; memory only, never changes the result
     micro_batch_tokens: int = 0  # padded tokens per forward/backward (0: only micro_batch_size counts)
-    logprob_chunk_tokens: int | None = None  # completion rows per lm_head chunk (None: 64 MiB; 0: full logits)
+    # completion rows per lm_head chunk (None: sized by the model, 16-64 MiB of fp32 logits,
+    # node/rl/logprobs.chunk_bytes_for; 0: full logits)
+    logprob_chunk_tokens: int | None = None
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (memory for time)
     # glibc: allocations of at least this many bytes get their own mapping, returned to the OS when
     # freed: -1 GB at the peak of a SmolLM2 or Qwen-0.5B step, for ~20 % more seconds (fresh pages
@@ -251,6 +253,10 @@ class GRPOTrainer:
         self.model: Any = model.to(self.device)  # a transformers causal LM (save_pretrained, config)
         self.model.eval()
         self.pad_token_id = pad_token_id
+        # completion rows per head chunk, the config's or sized by the model
+        self.chunk_tokens = config.logprob_chunk_tokens
+        if self.chunk_tokens is None:
+            self.chunk_tokens = self._sized_chunk_tokens()
         self.version = 0
         self.optimizer: Any
         if self.master_weights:
@@ -302,6 +308,19 @@ class GRPOTrainer:
         if cfg.compute_dtype == "float32" or cfg.param_dtype == "float32":
             return False
         return all(type(p.data) is torch.Tensor and p.is_floating_point() for p in model.parameters())
+
+    def _sized_chunk_tokens(self) -> int | None:
+        """Head-chunk rows for this model (``node.rl.logprobs.default_chunk_tokens`` of its
+        vocabulary and parameter count): small chunks for a small model, whose state the
+        chunks' working memory would otherwise add most to. None when the model has no
+        output embedding to size by (``node.rl.logprobs`` then takes 64 MiB)."""
+        get_head = getattr(self.model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        weight = getattr(head, "weight", None)
+        if weight is None:
+            return None
+        params = sum(p.numel() for p in self.model.parameters())
+        return default_chunk_tokens(int(weight.shape[0]), params)
 
     def _fused_adamw(self) -> bool:
         """Whether AdamW runs as torch's fused kernel: one pass over each parameter that updates
@@ -355,7 +374,7 @@ class GRPOTrainer:
                 self.config.temperature,
                 self.pad_token_id,
                 self.device,
-                chunk_tokens=self.config.logprob_chunk_tokens,
+                chunk_tokens=self.chunk_tokens,
             )
         # the loss and its statistics in fp32, whatever the forward ran in
         return tuple(t.float() if t.is_floating_point() else t for t in out)

@@ -28,8 +28,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 # Bytes of fp32 logits per chunk: with the softmax and the backward's copies, a chunk costs
-# about four times this at its peak.
+# about four times this at its peak. Sized by the model (``chunk_bytes_for``): a quarter of a
+# byte per parameter within 16-64 MiB. Measured on SmolLM2-135M (bf16, fp32 masters): 64 MiB
+# chunks put the step's peak 170 MiB (+10 % of the state) higher than 32 MiB ones, 16 MiB saved
+# only 20 MiB more and cost 2 s a step (+15 %: each chunk's backward makes a whole
+# [vocab, hidden] head gradient); at Qwen2.5-0.5B's size 64 MiB and 16 MiB peak alike and
+# 16 MiB costs 25 % more seconds (docs/benchmarks.md, "Trainer memory").
 CHUNK_BYTES = 64 << 20
+MIN_CHUNK_BYTES = 16 << 20
 
 
 class HasTokens(Protocol):
@@ -39,10 +45,20 @@ class HasTokens(Protocol):
     completion_tokens: list[int]
 
 
-def default_chunk_tokens(vocab: int) -> int:
-    """Completion rows per head chunk so that one chunk's fp32 logits take ``CHUNK_BYTES``
-    (about 110 rows at Qwen's vocabulary, 340 at SmolLM2's)."""
-    return max(16, CHUNK_BYTES // (4 * max(1, vocab)))
+def chunk_bytes_for(params: int | None) -> int:
+    """fp32 logit bytes per head chunk for a model of ``params`` parameters: ``params / 4``
+    within [``MIN_CHUNK_BYTES``, ``CHUNK_BYTES``] (SmolLM2-135M: 32 MiB; Qwen2.5-0.5B and
+    larger: 64 MiB); unknown size: the ceiling. Smaller chunks only add per-chunk cost."""
+    if not params:
+        return CHUNK_BYTES
+    return min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, params // 4))
+
+
+def default_chunk_tokens(vocab: int, params: int | None = None) -> int:
+    """Completion rows per head chunk so that one chunk's fp32 logits take
+    :func:`chunk_bytes_for` ``(params)`` (without ``params``, 64 MiB: about 110 rows at Qwen's
+    vocabulary, 340 at SmolLM2's; sized, 171 rows for SmolLM2-135M)."""
+    return max(16, chunk_bytes_for(params) // (4 * max(1, vocab)))
 
 
 def _padded_batch(
@@ -186,6 +202,8 @@ def micro_batches(lengths: Sequence[int], token_budget: int, max_rows: int = 0) 
 
 __all__ = [
     "CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "chunk_bytes_for",
     "completion_stats",
     "default_chunk_tokens",
     "logits_bytes",
