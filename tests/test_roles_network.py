@@ -68,7 +68,10 @@ CHEAT_RULES = {
     "prompts": {"prompts"},  # answers prompts it was not assigned
     "rewards": {"reward"},  # claims rewards the rules do not give
     "version": {"version"},  # signs batches as a policy version nobody announced
-    "greedy": {"sampling"},  # decodes greedily, claims the run's temperature: not the seeded samples
+    # decodes greedily, claims the run's temperature: not the seeded samples; where the first
+    # token off the seeded sample is an EOS (greedy stopped, or the seeded sample stops), the
+    # replay names it "termination" (node/roles/rollouts.py), a chance per batch
+    "greedy": {"sampling", "termination"},
     "grind": {"counter"},  # skips batch counters looking for easy prompts
 }
 
