@@ -94,6 +94,20 @@ def test_lossy_switch_delays_and_drops_frames():
         assert stats["dropped"] > 0 and stats["forwarded"] > 0, stats
 
 
+def test_lossy_switch_loses_ip_frames_but_never_arp():
+    """Loss stands for the internet path, not a host's own first hop: at 100 % loss no IP
+    packet crosses, yet ARP still resolves the peer's MAC (dropping ARP too made connects fail
+    with EHOSTUNREACH when the kernel's three probes were all lost, a CI failure at 10 %).
+    Control: the TCP connect's SYNs, IP packets, are all lost."""
+    with Testbed(emulate=True) as tb:
+        a, b = tb.add_public("a", delay_ms=1), tb.add_public("b", delay_ms=1)
+        tb.start_switch(loss=1.0, seed=1)
+        syn = a.run(*_py(f"import socket;socket.create_connection(('{b.ip}',5000),timeout=2)"))
+        assert syn.returncode != 0 and "timed out" in syn.stderr, syn.stderr  # every SYN is dropped
+        neigh = a.run("ip", "neigh", "show", b.ip)
+        assert "lladdr" in neigh.stdout, neigh.stdout  # ARP got through both ways
+
+
 class Net:
     """Overlay processes in a testbed; each writes its status JSON to a file we poll."""
 
