@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import trio
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -157,10 +159,12 @@ def _cpu() -> float:
 async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Path, upload_mbps: float = 0.0) -> dict:
     """Full anchor, then the next version as a delta, to ``fetchers`` nodes: seconds each
     (announce -> every fetcher holds the version loadable: chunks written, a delta applied
-    and its weights root checked), and this process's CPU seconds over each phase.
-    ``upload_mbps``: every node's chunk server capped at that rate (its token bucket, the
-    operator's ``--max-upload-mbps``), the seeder's included."""
-    import trio
+    and its weights root checked), the seconds until every fetcher held the version's chunks
+    (``*_held_seconds``: for a delta, before its apply), and this process's CPU seconds over
+    each phase. ``upload_mbps``: every node's chunk server capped at that rate (its token
+    bucket, the operator's ``--max-upload-mbps``), the seeder's included. Times are read
+    on trio's clock (``DilatedClock`` when the setting runs under one); CPU seconds are
+    this process's, real."""
 
     from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
     from protocol import NodeKey
@@ -185,12 +189,17 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
             raw = await nodes[0].publish(ks[0], v, src, CHUNK, delta_base=1 if kind == "delta" else None)
             st = nodes[0].store.get(v)
             assert (st.delta is None) == (kind == "full"), f"version {v} was not published as {kind}"
-            t0, cpu0 = time.perf_counter(), _cpu()
+            t0, cpu0 = trio.current_time(), _cpu()
             for c in nodes[1:]:
                 c.on_announce(raw)
             for c in nodes[1:]:
                 assert await c.wait_outcome(v) is None, c.refused
-            out[f"{kind}_seconds"] = round(time.perf_counter() - t0, 3)
+            wall = trio.current_time() - t0
+            # when each fetcher held every chunk (its fetch's "done" phase, seconds after its start)
+            held = [c.fetch_history.get(v, {}).get("phases", {}).get("done") for c in nodes[1:]]
+            if all(h is not None for h in held):
+                out[f"{kind}_held_seconds"] = round(max(held), 3)
+            out[f"{kind}_seconds"] = round(wall, 3)
             out[f"{kind}_cpu_seconds"] = round(_cpu() - cpu0, 2)
             out[f"{kind}_bytes"] = st.manifest.total_bytes
             out[f"{kind}_seeder_bytes"] = nodes[0].server.bytes_served - out.get("full_seeder_bytes", 0)
@@ -202,20 +211,58 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
     return out
 
 
+class DilatedClock(trio.abc.Clock):
+    """A trio clock running ``dilation`` times slower than real time: time dilation
+    (Gupta et al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006).
+    Every timer, timeout and token bucket of the nodes runs on trio's clock, so under this
+    one a 100 Mbit/s cap passes 100 Mbit per *emulated* second and every protocol timer
+    keeps its emulated length, while the CPU work (applying, hashing, writing: threads)
+    takes real time: each node gets ``dilation`` times more CPU per emulated second than
+    its share of this machine. Nodes sharing 2 cores then behave as nodes with cores of
+    their own, which is what they have on the internet."""
+
+    def __init__(self, dilation: float) -> None:
+        self.dilation = dilation
+        self.t0 = time.perf_counter()
+
+    def start_clock(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def current_time(self) -> float:
+        return (time.perf_counter() - self.t0) / self.dilation
+
+    def deadline_to_sleep_time(self, deadline: float) -> float:
+        return max(0.0, (deadline - self.current_time()) * self.dilation)
+
+
+def own_cores_dilation(fetchers: int, cores_per_fetcher: float) -> float:
+    """The time dilation that gives each of ``fetchers`` nodes ``cores_per_fetcher`` cores'
+    worth of CPU per byte of network on this machine (1: it has them already)."""
+    return max(1.0, fetchers * cores_per_fetcher / (os.cpu_count() or 1))
+
+
 def delivery(anchor_src: Path, delta_src: Path, args, work: Path) -> list[dict]:
     """Every delivery setting of the run, one after the other on the same exports:
-    loopback (uncapped) to ``--fetchers`` nodes, then every node capped at ``--capped-mbps``
-    to ``--fetchers`` nodes and to one (what one user sees on a machine of their own)."""
-    import trio
+    loopback (uncapped) to ``--fetchers`` nodes; every node capped at ``--capped-mbps`` to
+    ``--fetchers`` nodes sharing this machine's cores; the same with each fetcher given
+    ``--cores-per-fetcher`` cores of its own by time dilation (``distribute``); and to one
+    fetcher (what one user sees on a machine of their own)."""
 
-    settings = [(args.fetchers, 0.0)]
+    settings = [(args.fetchers, 0.0, 1.0)]
     if args.capped_mbps > 0:
-        settings += [(args.fetchers, args.capped_mbps), (1, args.capped_mbps)]
+        settings.append((args.fetchers, args.capped_mbps, 1.0))
+        dil = own_cores_dilation(args.fetchers, args.cores_per_fetcher)
+        if args.cores_per_fetcher > 0 and dil > 1.0:
+            settings.append((args.fetchers, args.capped_mbps, dil))
+        settings.append((1, args.capped_mbps, 1.0))
     out = []
-    for fetchers, mbps in settings:
+    for fetchers, mbps, dilation in settings:
         shutil.rmtree(work, ignore_errors=True)
-        d = trio.run(distribute, anchor_src, delta_src, fetchers, work, mbps)
-        d.update(fetchers=fetchers, upload_mbps=mbps)
+        clock = DilatedClock(dilation) if dilation > 1.0 else None
+        d = trio.run(distribute, anchor_src, delta_src, fetchers, work, mbps, clock=clock)
+        d.update(fetchers=fetchers, upload_mbps=mbps, dilation=round(dilation, 2))
+        if dilation > 1.0:
+            d["own_cores"] = args.cores_per_fetcher
         out.append(d)
         print(json.dumps(d), file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
@@ -232,6 +279,12 @@ def main() -> None:
     ap.add_argument("--fetchers", type=int, default=8)
     ap.add_argument(
         "--capped-mbps", type=float, default=100.0, help="also deliver with every upload capped at this (0: skip)"
+    )
+    ap.add_argument(
+        "--cores-per-fetcher",
+        type=float,
+        default=2.0,
+        help="capped setting again with each fetcher given this many cores of its own, by time dilation (0: skip)",
     )
     ap.add_argument(
         "--exports",
@@ -272,13 +325,15 @@ def main() -> None:
             f"{r['apply_s']:>7.2f}",
             file=sys.stderr,
         )
-    print(f"{'fetchers':>8} {'upload cap':>10} {'full s':>7} {'full CPU-s':>10} {'delta s':>7} {'delta CPU-s':>11} "
-          f"{'speedup':>7}", file=sys.stderr)  # fmt: skip
+    print(f"{'fetchers':>8} {'upload cap':>10} {'cores':>14} {'full s':>7} {'full CPU-s':>10} {'delta held s':>12} "
+          f"{'delta s':>7} {'delta CPU-s':>11} {'speedup':>7}", file=sys.stderr)  # fmt: skip
     for d in dist:
         cap = f"{d['upload_mbps']:g} Mbit/s" if d["upload_mbps"] else "loopback"
+        cores = f"{d['own_cores']:g} each (x{d['dilation']:g})" if "own_cores" in d else "shared"
         print(
-            f"{d['fetchers']:>8} {cap:>10} {d['full_seconds']:>7.2f} {d['full_cpu_seconds']:>10.2f} "
-            f"{d['delta_seconds']:>7.2f} {d['delta_cpu_seconds']:>11.2f} {d['speedup']:>6.1f}x",
+            f"{d['fetchers']:>8} {cap:>10} {cores:>14} {d['full_seconds']:>7.2f} {d['full_cpu_seconds']:>10.2f} "
+            f"{d.get('delta_held_seconds', float('nan')):>12.2f} {d['delta_seconds']:>7.2f} "
+            f"{d['delta_cpu_seconds']:>11.2f} {d['speedup']:>6.1f}x",
             file=sys.stderr,
         )
     print(json.dumps({"steps": rows, "distribution": dist, "fetchers": args.fetchers}))

@@ -22,6 +22,7 @@ from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
 from node.checkpoints.delta import DeltaIncompatible, apply_delta, encode_delta, iter_changes
 from node.checkpoints.p2p_overlay import delta_base_for
 from node.checkpoints.server import ChunkServer
+from node.checkpoints.store import DELTA_MIN_CHUNK, DELTA_MIN_CHUNKS, delta_chunk_size
 from node.checkpoints.wire import send_all
 from node.p2p.testing import wait_until
 from protocol import DeltaRef, ProtocolError, sha256
@@ -121,15 +122,20 @@ def test_an_optimizer_step_over_several_segments_is_small_and_exact(tmp_path):
     assert table[present[np.argmax(rate)]] != table[present[np.argmin(rate)]]
 
 
-@pytest.mark.parametrize(("direct", "workers"), [(True, 1), (True, 3), (False, 2)])
-def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path, direct, workers):
+@pytest.mark.parametrize(
+    ("direct", "workers", "chunk"),
+    [(True, 1, 64 * 4096), (True, 3, 64 * 4096), (False, 2, 64 * 4096), (True, 2, 3 * 4096), (False, 1, 3 * 4096)],
+)
+def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path, direct, workers, chunk):
     """apply_delta streams the base once: unchanged tensors and the header copied, changed
     ones decoded a segment at a time (on ``workers`` threads, fed on in file order), chunks
     hashed and written on other threads. Its chunk hashes must be what build_manifest
     gives for the new version's files, chunk by chunk in order, whatever the chunk size
     against tensors and segments (an odd size cuts tensors, segments and the header across
     chunks), with O_DIRECT writes or not, on one decoding thread or several; ``on_block``
-    sees every chunk once, after it was written."""
+    sees every chunk once, after it was written. Chunks are hashed and written in blocks of
+    several (``WRITE_BLOCK``): a chunk size that does not divide the block (3 x 4096) leaves
+    a short last block."""
     from node.checkpoints import build_manifest
 
     g = torch.Generator().manual_seed(11)
@@ -155,7 +161,6 @@ def test_one_pass_apply_hashes_every_chunk_as_the_anchor_manifest_would(tmp_path
         ("c.dense", ENC_DENSE),
         ("d.small", ENC_SPARSE),
     }
-    chunk = 3 * 4096 + 4096 * 61  # not a divisor of a segment's bytes, aligned for O_DIRECT
     seen: list[tuple[str, int]] = []
     hashes = apply_delta(
         _files(a),
@@ -195,6 +200,23 @@ def test_structure_change_cannot_be_a_delta(tmp_path):
     (c / "config.json").write_text("{}")
     with pytest.raises(DeltaIncompatible, match=r"config\.json changed"):
         encode_delta(_files(a), _files(c))
+
+
+def test_a_delta_is_cut_into_enough_chunks_for_the_swarm_to_pass_on():
+    """A receiver re-serves only whole chunks, so a delta is cut into at least
+    DELTA_MIN_CHUNKS of them: the largest power of two doing so, within the run's chunk
+    size and not under DELTA_MIN_CHUNK."""
+    for delta_bytes in [1, 1000, 300_000, 5_129_845, 20 << 20, 1 << 30]:
+        for cs in [64 << 10, 1 << 20, 4 << 20]:
+            d = delta_chunk_size(delta_bytes, cs)
+            floor = min(DELTA_MIN_CHUNK, cs)
+            assert d & (d - 1) == 0 and floor <= d <= cs
+            if floor < d < cs:
+                assert delta_bytes // d >= DELTA_MIN_CHUNKS > delta_bytes // (2 * d)
+            elif d == cs and cs > floor:
+                assert delta_bytes // d >= DELTA_MIN_CHUNKS
+    # SmolLM2-135M's step at lr 3e-6 (5.1 MB): 20 chunks of 256 KiB instead of 2 of 4 MiB
+    assert delta_chunk_size(5_129_845, 4 << 20) == 256 << 10
 
 
 def test_a_sparse_bf16_step_is_a_small_fraction_of_the_checkpoint(tmp_path):
@@ -444,6 +466,42 @@ async def test_trainer_publishes_anchor_every_k_and_when_the_delta_is_not_small(
     assert d4.manifest.total_bytes < st.get(3).manifest.total_bytes / 10
     with sw.trainer.open_version(4) as files:  # the trainer applied its own delta and checked it
         assert equal_dirs(srcs[4], next(iter(files.values())).parent)
+
+
+async def test_a_delta_travels_in_its_own_small_chunks_and_its_result_is_checked_in_them(tmp_path):
+    """The trainer publishes a delta in chunks of ``delta_chunk_size`` (here 256 KiB under
+    the run's 1 MiB), and its ``weights_root`` over the rebuilt files in those chunks; a
+    follower fed by the trainer and by another follower rebuilds the version bit for bit
+    and checks that root. The control: the anchor before it keeps the run's chunk size."""
+    g = torch.Generator().manual_seed(5)
+    w0 = torch.randn(2_000_000, generator=g).to(torch.bfloat16)
+    w1 = w0.clone()
+    idx = torch.randperm(len(w0), generator=g)[:400_000]  # a fifth, to new values: a ~1 MB delta
+    w1[idx] = torch.randn(len(idx), generator=g).to(torch.bfloat16)
+    srcs = [write_version(tmp_path / "src0", {"w": w0}), write_version(tmp_path / "src1", {"w": w1})]
+    sw = Swarm(tmp_path, 3)
+    sw.link(1, [0, 2])
+    sw.link(2, [0, 1])
+    async with trio.open_nursery() as nursery:
+        await sw.start(nursery)
+        for v, src in enumerate(srcs):
+            raw = await sw.trainer.publish(sw.keys[0], v, src, 1 << 20, delta_base=v - 1 if v else None)
+            for follower in sw.nodes[1:]:
+                follower.on_announce(raw)
+            with trio.fail_after(60):
+                for follower in sw.nodes[1:]:
+                    await follower.wait_assembled(v)
+        nursery.cancel_scope.cancel()
+    anchor, delta = sw.trainer.store.get(0), sw.trainer.store.get(1)
+    assert anchor.delta is None and anchor.manifest.chunk_size == 1 << 20
+    assert delta.delta is not None
+    size = delta.manifest.total_bytes
+    assert delta.manifest.chunk_size == delta_chunk_size(size, 1 << 20) == 256 << 10
+    assert len(delta.manifest.chunks()) == -(-size // (256 << 10)) >= 2
+    for follower in sw.nodes[1:]:
+        assert follower.deltas_applied == 1 and not follower.refused
+        with follower.open_version(1) as files:
+            assert equal_dirs(srcs[1], next(iter(files.values())).parent)
 
 
 def test_engine_loads_a_delta_in_place_touching_only_changed_tensors(tmp_path):

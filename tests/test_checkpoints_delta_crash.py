@@ -23,9 +23,13 @@ from tests.support.deltas import equal_dirs, make_versions
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 64 * 1024
 
+# The child writes one chunk at a time (an apply writes blocks of up to 4 MiB, and these
+# test weights are smaller than one), so its pause after the first chunk is mid-file.
 CHILD = """
 import sys
-from node.checkpoints import ChunkStore
+from node.checkpoints import ChunkStore, delta
+
+delta.WRITE_BLOCK = 1
 
 store = ChunkStore(sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3])
 def pause(path, index):

@@ -62,6 +62,12 @@ log = logging.getLogger(__name__)
 
 SLOW_RECIPIENT = 3.0  # see the module docstring
 FAST_DECAY = 0.9  # the fastest recent send rate decays by this factor per send
+# Sends shorter than this are neither timed nor judged slow (SLOW_RECIPIENT): they finish into
+# the upload cap's burst (512 KiB) and the socket's unsent queue (wire.py, 256 KiB), so their
+# duration says nothing of the recipient's link. Timing them made a delta's 256 KiB chunks
+# look sent at memory speed, every capped send after them "slow", and the seed sent a 5 MB
+# delta 1.8-2.1 times over instead of once (docs/benchmarks.md, "Sparse deltas").
+RATE_MIN_BYTES = 1024 * 1024
 # A reverse ticket: how long the fetcher waits for the holder's connection (it is good once).
 REVERSE_TICKET_TTL_S = 15.0
 MAX_REVERSE_EXPECTED = 256  # reverse connections one fetcher node waits for at once
@@ -518,12 +524,19 @@ class ChunkServer:
     def _slow_after_s(self, length: int) -> float:
         """A send of ``length`` bytes running longer than this goes to a slow recipient."""
         fair = self._fast_send_bps / max(1, self._sending)
-        return SLOW_RECIPIENT * length / fair if fair > 0 else float("inf")
+        if length < RATE_MIN_BYTES or fair <= 0:
+            return float("inf")
+        return SLOW_RECIPIENT * length / fair
 
     def _sent_at(self, length: int, seconds: float, share: int) -> bool:
         """Record a finished send that ran beside ``share`` - 1 others; whether its recipient
-        was slow (SLOW_RECIPIENT)."""
+        was slow (SLOW_RECIPIENT). Under an upload cap no sends together run faster than the
+        cap, so a faster reading (a burst) counts as the cap."""
+        if length < RATE_MIN_BYTES:
+            return False
         total = length / max(seconds, 1e-6) * share
+        if self.bucket.limited:
+            total = min(total, self.bucket.rate)
         self._fast_send_bps = max(total, self._fast_send_bps * FAST_DECAY)
         return total * SLOW_RECIPIENT < self._fast_send_bps
 

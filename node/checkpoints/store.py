@@ -170,6 +170,27 @@ def _final_name(st: VersionState) -> str:
     return "files" if st.delta is None else "delta"
 
 
+# a delta is cut into at least this many chunks where the floor below allows
+DELTA_MIN_CHUNKS = 16
+# the smallest delta chunk: per chunk a request, a HAVE bit and a sha256 (below ~256 KiB the
+# per-chunk round trips start to cost more than pipelining wins on a 100 Mbit/s link)
+DELTA_MIN_CHUNK = 256 * 1024
+
+
+def delta_chunk_size(delta_bytes: int, chunk_size: int) -> int:
+    """The chunk size a delta version is published with: the largest power of two at most
+    ``chunk_size`` that cuts ``delta_bytes`` into at least ``DELTA_MIN_CHUNKS`` chunks, and not
+    under ``DELTA_MIN_CHUNK``.
+
+    Why smaller than an anchor's: a receiver re-serves only chunks it holds whole, so a
+    5 MB delta in 4 MiB chunks is two pieces, and the swarm can only copy a piece onward
+    after a whole 4 MiB (0.34 s at 100 Mbit/s) arrived; in 256 KiB chunks every fetcher
+    starts serving after 21 ms and the delta reaches 8 fetchers in little more than the
+    seeder's own upload time (docs/benchmarks.md, "Sparse deltas")."""
+    cs = 1 << max(0, (max(1, delta_bytes // DELTA_MIN_CHUNKS)).bit_length() - 1)
+    return max(min(cs, chunk_size), min(DELTA_MIN_CHUNK, chunk_size))
+
+
 class ChunkStore:
     """Chunks, manifests and assembled files of a run's checkpoint versions."""
 
@@ -604,6 +625,10 @@ class ChunkStore:
             raise DeltaIncompatible(
                 f"the delta is {stats.delta_bytes} bytes, not under {max_fraction:g} of the full {stats.full_bytes}"
             )
+        # the delta version's chunk size (its delta file's chunks and the chunks its result
+        # is hashed in for ``weights_root``): small enough that the delta spreads through the
+        # swarm in pieces (``delta_chunk_size``)
+        chunk_size = delta_chunk_size(len(data), chunk_size)
         full = build_manifest(self.run_id, version, src_dir, chunk_size, created_ms=0)
         ref = DeltaRef(base_version=base.version, base_root=base.root, weights_root=full.root)
         with self._tmp_lock:
