@@ -255,6 +255,34 @@ async def test_a_copy_sent_to_a_slow_recipient_holds_nothing_off(tmp_path, mock_
         nursery.cancel_scope.cancel()
 
 
+async def test_chunks_inside_the_caps_burst_make_no_later_send_look_slow(tmp_path, mock_clock):
+    """A delta travels in 256 KiB chunks. Under an upload cap the first of them go out inside
+    the token bucket's 512 KiB burst, in no time: timing those made the seed's idea of a
+    normal pace limitless, every send paced by the cap "slow", and a slow send holds nothing
+    off, so the seed sent a 5 MB delta about twice over (bench/delta.py). Sends under
+    RATE_MIN_BYTES are neither timed nor judged slow. Control: chunk 0, sent in the burst,
+    is held off too; a slow recipient of a bigger chunk still holds nothing off
+    (test_a_copy_sent_to_a_slow_recipient_holds_nothing_off)."""
+    mock_clock.autojump_threshold = 0  # the cap's waits pass as soon as every task waits
+    _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=2, chunk=256 * 1024)
+    a, b, other = (k.peer_id for k in keys(4)[1:])
+    server = ChunkServer(store, max_upload_mbps=8)  # 1 MB/s, bursts of 512 KiB; hold-off 10 s
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.run)
+        ca, cb, co = [await _connect(server, p, st) for p in (a, b, other)]
+        t0 = trio.current_time()
+        for i in (0, 1):  # the burst: no time passes
+            assert (await _get(ca, i))[0] == F.OK
+        assert trio.current_time() - t0 < 0.01
+        assert (await _get(cb, 2))[0] == F.OK  # paced by the cap
+        assert trio.current_time() - t0 > 0.2
+        assert (await _get(co, 2))[0] == F.ELSEWHERE, "a send at the cap's pace was taken for a slow recipient"
+        assert (await _get(co, 0))[0] == F.ELSEWHERE
+        for c in (ca, cb, co):
+            await c.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_chunk_queued_in_the_send_buffer_is_not_counted_as_delivered(tmp_path, mock_clock):
     """A 4 MiB chunk (the default size) fits in the kernel's send buffer (4 MiB asked, 8 MiB
     given): without a limit on unsent bytes (TCP_NOTSENT_LOWAT) the send "finished" the

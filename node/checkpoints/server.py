@@ -530,13 +530,10 @@ class ChunkServer:
 
     def _sent_at(self, length: int, seconds: float, share: int) -> bool:
         """Record a finished send that ran beside ``share`` - 1 others; whether its recipient
-        was slow (SLOW_RECIPIENT). Under an upload cap no sends together run faster than the
-        cap, so a faster reading (a burst) counts as the cap."""
+        was slow (SLOW_RECIPIENT)."""
         if length < RATE_MIN_BYTES:
             return False
         total = length / max(seconds, 1e-6) * share
-        if self.bucket.limited:
-            total = min(total, self.bucket.rate)
         self._fast_send_bps = max(total, self._fast_send_bps * FAST_DECAY)
         return total * SLOW_RECIPIENT < self._fast_send_bps
 
