@@ -19,12 +19,15 @@ node and N fetcher nodes (stores, chunk servers and fetchers in this one process
 bytes over real loopback TCP, tickets in-process), first a full anchor (the version
 before the last), then the last step as a delta on it: announce -> every fetcher holds
 the version loadable (delta: applied and its weights root checked), with this
-process's CPU seconds over each phase. Three settings, one after the other: loopback
+process's CPU seconds over each phase. Four settings, one after the other: loopback
 to ``--fetchers`` nodes; every node's upload capped at ``--capped-mbps`` (the chunk
 server's token bucket, ``--max-upload-mbps``; downloads are bounded by the uploads
-they come from) to ``--fetchers`` nodes; and the same caps to one fetcher (what one
-user sees on a machine of their own). ``--exports A,B`` skips training and delivers
-the export folder B as a delta on A.
+they come from) to ``--fetchers`` nodes, all sharing this machine's cores; the same
+with each fetcher given ``--cores-per-fetcher`` cores of its own, as on the internet,
+by running the nodes on a dilated trio clock (``DilatedClock``: every timer and
+token bucket in emulated time, the CPU work in real time); and the same caps to one
+fetcher (what one user sees on a machine of their own). ``--exports A,B`` skips
+training and delivers the export folder B as a delta on A.
 
 CPU only; a GRPO step here takes seconds to tens of seconds (2 cores). The last
 line of output is one JSON object.

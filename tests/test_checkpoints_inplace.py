@@ -240,3 +240,50 @@ async def test_a_restart_between_the_last_chunk_and_the_rename_finishes_without_
     j2.write_bytes(j2.read_bytes()[:-4])
     restarted = ChunkStore(tmp_path / "other", RUN_ID, seed_store.trainer)
     assert restarted.get(1).bitmap.count == len(st2.chunks) - 1 and not restarted.get(1).complete
+
+
+async def test_an_idle_fetcher_sees_a_peers_fresh_small_chunk_within_a_few_chunk_times(tmp_path, mock_clock):
+    """A fetcher whose only peer holds nothing yet polls that peer's HAVE while idle. With the
+    run's 4 MiB chunks it polls every ``have_poll_s`` (0.25 s); a delta's chunks are 256 KiB
+    (~21 ms at 100 Mbit/s), and a fresh chunk of a peer went unseen for up to 12 chunk times,
+    so the poll shrinks with the chunk (not under HAVE_POLL_MIN_S): the peer's first chunk is
+    asked for and fetched within 0.03 s of the mock clock. Control: a version of 4 MiB chunks
+    keeps the 0.25 s poll."""
+    from node.checkpoints.fetcher import HAVE_POLL_MIN_S
+
+    src = make_checkpoint(tmp_path / "ckpt", 1, seed=17)  # 4 chunks of 256 KiB
+    seed_store, raw = _seeder(tmp_path, src)
+    seed_st = seed_store.get(1)
+    b_key = keys(3)[2]
+    a = ChunkStore(tmp_path / "a", RUN_ID, seed_store.trainer)
+    st_a, _ = a.add_announce(raw)
+    a_srv = ChunkServer(a)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a_srv.run)
+        b = ChunkStore(tmp_path / "b", RUN_ID, seed_store.trainer)
+        st_b, _ = b.add_announce(raw)
+        fb = VersionFetcher(b, 1, LocalOverlay(b_key.peer_id, {"a": a_srv}))
+        assert fb.have_poll_s == HAVE_POLL_MIN_S < 0.25
+        fb.add_peer("a")  # A is its only peer: nothing to fetch until A holds a chunk
+        nursery.start_soon(fb.run)
+        for _ in range(50):  # connected, A's empty bitmap seen, idle
+            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+        assert st_b.bitmap.count == 0
+        a.mark_held(a.put_chunk_blocking(st_a, 0, seed_store.read_chunk_blocking(seed_st, 0)))
+        t0 = trio.current_time()
+        mock_clock.jump(0.03)
+        for _ in range(500):  # the poll, the GET and the chunk's real I/O, clock standing still
+            if 0 in st_b.bitmap:
+                break
+            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+        assert 0 in st_b.bitmap, "a peer's fresh chunk went unseen for 0.03 s"
+        assert trio.current_time() - t0 <= 0.03 + 1e-9
+        nursery.cancel_scope.cancel()
+    # the control: 4 MiB chunks poll at have_poll_s
+    big = make_checkpoint(tmp_path / "big", 8, seed=18)
+    trainer = keys(1)[0]
+    c = ChunkStore(tmp_path / "c", RUN_ID, trainer.peer_id)
+    _, raw_big = c.import_directory_blocking(trainer, 2, big, chunk_size=4 * 1024 * 1024)
+    d = ChunkStore(tmp_path / "d", RUN_ID, trainer.peer_id)
+    d.add_announce(raw_big)
+    assert VersionFetcher(d, 2, LocalOverlay(b_key.peer_id, {})).have_poll_s == 0.25

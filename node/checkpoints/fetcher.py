@@ -93,6 +93,8 @@ STRAGGLER = 3.0
 RATE_WINDOW_S = 5.0
 ELSEWHERE_RETRY_MIN_S = 0.1  # see VersionFetcher._elsewhere_retry
 ELSEWHERE_RETRY_FIRST_S = 0.25  # the same, before any payload arrived
+HAVE_POLL_CHUNK = 4 * 1024 * 1024  # chunks this big or bigger: HAVE polled every have_poll_s
+HAVE_POLL_MIN_S = 0.02  # smaller chunks: in proportion, but not more often than this
 
 
 @dataclasses.dataclass
@@ -218,6 +220,12 @@ class VersionFetcher:
         # from glibc's mmap threshold up, an mmap/munmap with a page fault per 4 KiB page
         self._chunk_len = max((c[2] for c in self.st.chunks), default=0)
         self._free_bufs: list[bytearray] = []
+        # an idle connection polls HAVE every have_poll_s for chunks of HAVE_POLL_CHUNK, in
+        # proportion for smaller ones: a delta's 256 KiB chunks take ~21 ms at 100 Mbit/s, and
+        # a peer's fresh chunk went unseen for up to 0.25 s, 12 chunk times (bench/delta.py)
+        if 0 < self._chunk_len < HAVE_POLL_CHUNK:
+            scaled = have_poll_s * self._chunk_len / HAVE_POLL_CHUNK
+            self.have_poll_s = max(scaled, min(have_poll_s, HAVE_POLL_MIN_S))
         # stats
         self.started = time.monotonic()
         # trio's clock when run() began (a fetcher may be built outside trio: set there)
