@@ -34,8 +34,12 @@ class JsError(Exception):
 
 def unavailable() -> str | None:
     """Why the JS peer cannot run here, or None."""
-    if shutil.which("node") is None:
-        return "Node.js is not installed (Debian: apt-get install nodejs npm; then npm ci in tests/interop)"
+    node = shutil.which("node")
+    if node is None:
+        return "Node.js >= 20 is not installed (then run `npm ci` in tests/interop; .ci/run does both)"
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    if int(version.lstrip("v").split(".")[0] or 0) < 20:
+        return f"js-libp2p 3 needs Node.js >= 20, this is {version} (.ci/run installs Node 22 then)"
     if not (HERE / "node_modules" / "libp2p").is_dir():
         return "js-libp2p is not installed: run `npm ci` in tests/interop (.ci/run does)"
     return None

@@ -93,7 +93,7 @@ const ops = {
       ping: ping({ runOnLimitedConnection: true })
     }
     if (msg.relay_server) {
-      services.relay = circuitRelayServer({ reservations: { applyDefaultLimit: false } })
+      services.relay = circuitRelayServer()
     }
     const node = await createLibp2p({
       addresses: { listen: msg.listen ?? ['/ip4/127.0.0.1/tcp/0'] },

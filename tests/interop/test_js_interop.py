@@ -21,7 +21,10 @@ interop only.
 
 from __future__ import annotations
 
+import traceback
+
 import multiaddr
+import pytest
 import trio
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.host.ping import ID as PING_ID
@@ -233,12 +236,18 @@ async def test_plaintext_claim_of_a_workers_id_is_refused_and_the_worker_keeps_i
     except JsError:
         pass
     # Plaintext under the attacker's own id is refused too: only Noise is spoken.
-    await js.create("plain", security="plaintext")
+    plain = await js.create("plain", security="plaintext")
     try:
         await js.call("dial", name="plain", addr=addr)
         raise AssertionError("a plaintext handshake was accepted")
     except JsError as exc:
         assert "plaintext" in str(exc)
+    # ...and the node never dials out with it either.
+    assert boot.host is not None
+    with trio.fail_after(10), pytest.raises(Exception) as refused:
+        await boot.host.connect(parse_peer_addr(plain["addrs"][0]))
+    assert "failed to negotiate the secure protocol" in "".join(traceback.format_exception(refused.value))
+    assert not connected(boot, plain["peer_id"])
 
     # Honest control: the same garbage over Noise from the attacker's own id is charged to it.
     attacker = (await js.create("noisy", security="noise"))["peer_id"]
