@@ -113,7 +113,7 @@ async def test_js_dials_identifies_and_pings_primenode(js: JsPeer, net: NodeFact
     pong = await js.call("ping", name="dialer", peer=node.peer_id)
     assert pong["rtt_ms"] >= 0
 
-    # The node saw the same peer: the id js proved, js' protocols via identify.
+    # The node holds the connection under the id js proved in the Noise handshake.
     assert connected(node, peer["peer_id"])
     await js.stop("dialer")
 
