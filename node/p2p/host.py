@@ -31,7 +31,7 @@
   relayed connection (and send none rather than an empty one): the library reported
   ``/p2p/<self>/p2p-circuit/p2p/<remote>`` there, which js-libp2p rejects, so identify over
   a relay failed with it (tests/interop/). A peer reached through a relay has no address of
-  ours worth reporting; js-libp2p leaves the field out in the same case. On a direct
+  ours worth reporting (what we see is the relay), and the field is optional. On a direct
   connection the socket's remote address is sent, as before (the library also sent the
   circuit address there whenever the peer had *another*, relayed, connection).
 * The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
