@@ -1,5 +1,14 @@
 """libp2p host factory with the fixes we measured on py-libp2p 0.8.1.
 
+* :func:`make_host` offers and accepts **Noise only** (``sec_opt``): without it
+  ``new_host()`` also offers ``/plaintext/2.0.0``, secio and TLS, and over plaintext a
+  peer claims any peer id without proving it holds the key (issue 30: garbage sent under a
+  worker's id got the *worker* banned). Every charge, strike and ban in
+  :class:`~node.p2p.policy.PeerPolicy` is keyed by the connection's peer id, so that id
+  must be one the remote proved in the handshake. Noise does (the static key is signed by
+  the libp2p identity key); secio is deprecated everywhere; py-libp2p's TLS is not needed
+  (every libp2p stack speaks Noise, and go-/rust-libp2p offer only Noise and TLS).
+  Relayed connections and AutoNAT dial-backs go through the same upgrader.
 * ``ConnectionConfig(max_connections_per_peer=1)``: removes the ~250 ms dial delay.
 * :func:`closing_host` closes the host *before* leaving ``host.run()`` (otherwise
   3 fds leak per cycle).
@@ -18,6 +27,13 @@
   the library refuses every dial to that peer for 60 s without trying, so our own
   back-off (``ConnectionManager``, ``connect_bootstrap``'s retries) never got a second
   try: a node started a moment before its bootstrap listened gave up and exited.
+* :func:`install_libp2p_fixes` makes identify leave out the observed address on a
+  relayed connection (and send none rather than an empty one): the library reported
+  ``/p2p/<self>/p2p-circuit/p2p/<remote>`` there, which js-libp2p rejects, so identify over
+  a relay failed with it (tests/interop/). A peer reached through a relay has no address of
+  ours worth reporting (what we see is the relay), and the field is optional. On a direct
+  connection the socket's remote address is sent, as before (the library also sent the
+  circuit address there whenever the peer had *another*, relayed, connection).
 * The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
 """
 
@@ -26,15 +42,21 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost
+from libp2p.abc import IHost, ISecureTransport
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from node.errors import NetworkError
 from node.util import aclose_shielded
@@ -63,6 +85,7 @@ def install_libp2p_fixes() -> None:
     _batch_yamux_window_updates()
     _limit_inbound_connection_rate()
     _shield_connection_close()
+    _identify_observed_addr_on_relays()
     _fixes_installed = True
 
 
@@ -92,6 +115,56 @@ def _shield_connection_close() -> None:
                 await aclose_shielded(self.muxed_conn.secured_conn.close, 1)
 
     SwarmConn.close = _close  # type: ignore[method-assign]  # a deliberate patch
+
+
+def _identify_observed_addr_on_relays() -> None:
+    """No observed address in identify on relayed connections, none empty (module docstring).
+
+    The library's handler asks ``_prefer_circuit_addr(host, peer, socket_addr)`` for the
+    address to report, per *peer*; it cannot tell which connection the stream is on. The
+    handler is wrapped to note, for the task answering, whether this stream's connection is
+    relayed, and the lookup answers from that note.
+    """
+    import contextvars
+
+    from libp2p.host import defaults
+    from libp2p.identity.identify import identify as ident
+    from libp2p.identity.identify.pb.identify_pb2 import Identify
+    from libp2p.identity.identify_push import identify_push as push
+
+    on_relay: contextvars.ContextVar[bool] = contextvars.ContextVar("primenode_identify_on_relay", default=False)
+    make_handler = ident.identify_handler_for
+    make_message = ident._mk_identify_protobuf
+
+    def handler_for(host: IHost, use_varint_format: bool = True) -> Any:
+        handle = make_handler(host, use_varint_format)
+
+        async def _handle(stream: Any) -> None:
+            from node.p2p.nat import conn_is_relayed
+
+            conn = getattr(stream, "swarm_conn", None)
+            token = on_relay.set(conn is None or conn_is_relayed(conn))
+            try:
+                await handle(stream)
+            finally:
+                on_relay.reset(token)
+
+        return _handle
+
+    def observed(host: IHost, peer_id: ID, fallback: multiaddr.Multiaddr | None) -> multiaddr.Multiaddr | None:
+        return None if on_relay.get() else fallback  # fallback: the stream's socket address
+
+    def message(host: IHost, observed_multiaddr: multiaddr.Multiaddr | None) -> Identify:
+        msg = make_message(host, observed_multiaddr)
+        if observed_multiaddr is None:
+            msg.ClearField("observed_addr")
+        return msg
+
+    ident._prefer_circuit_addr = observed  # a deliberate patch
+    ident._mk_identify_protobuf = message  # a deliberate patch
+    push._mk_identify_protobuf = message  # a deliberate patch
+    ident.identify_handler_for = handler_for  # a deliberate patch
+    defaults.identify_handler_for = handler_for  # a deliberate patch
 
 
 # New inbound connections a node accepts per second (burst: at once). Joins are rare;
@@ -164,10 +237,20 @@ def libp2p_key_pair(key: NodeKey):
     return create_new_key_pair(key.seed)
 
 
+def authenticated_security(key_pair: KeyPair) -> dict[TProtocol, ISecureTransport]:
+    """The only security transport a host offers or accepts: Noise (see the module docstring).
+
+    A remote that proposes anything else (``/plaintext/2.0.0``, secio, TLS) fails
+    multistream-select before any byte of ours is exchanged, so no frame can ever be
+    attributed to a peer id that was not proven."""
+    return {NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=create_new_x25519_key_pair().private_key)}
+
+
 def make_host(key: NodeKey, *, dial_timeout: float = 5.0) -> IHost:
     install_libp2p_fixes()
     cfg = ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout)
-    host = new_host(key_pair=libp2p_key_pair(key), connection_config=cfg)
+    key_pair = libp2p_key_pair(key)
+    host = new_host(key_pair=key_pair, connection_config=cfg, sec_opt=authenticated_security(key_pair))
     _no_negative_dial_cache(host)
     return host
 

@@ -1,0 +1,265 @@
+"""primenode against an independent libp2p stack: js-libp2p 3.3 (tests/interop/package.json).
+
+Real processes on loopback: our side is a real primenode node (or its host) on this trio loop,
+the other side js-libp2p in one Node.js process for the module (peer.mjs, driven by jspeer.py).
+
+* dial, identify and ping, js -> primenode and primenode -> js;
+* circuit relay v2 both ways: primenode reserves a slot on a js relay and a js client reaches
+  it through that relay (identify included: py-libp2p's observed address on a relayed
+  connection used to make js reject identify, node/p2p/host.py); a js client reserves a slot
+  on a primenode relay and a second js client dials it through ours;
+* issue 30 point 1: a js peer speaking plaintext and claiming a running worker's peer id is
+  refused in the handshake and the worker keeps its good standing, beside the honest
+  control: the same garbage requests over Noise from the attacker's own id get the attacker
+  charged and banned.
+
+A js peer speaks no primenode gossip, and a node drops such a connection after a grace
+(``ConnectionManager.gossip_grace``, issue 30 point 6): where a test keeps a js peer
+connected for longer, :func:`hold_foreign_peers` lengthens the grace, so these tests measure
+interop only.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import multiaddr
+import pytest
+import trio
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.host.ping import ID as PING_ID
+from libp2p.host.ping import perform_ping_roundtrip
+from libp2p.identity.identify.identify import ID as IDENTIFY_ID
+from libp2p.identity.identify.identify import parse_identify_response
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
+
+from node.p2p.host import parse_peer_addr
+from node.p2p.nat import NatConfig, conn_is_relayed
+from node.p2p.node import Node
+from node.p2p.testing import NodeFactory, wait_until
+from protocol import GenesisRequest, GenesisResponse
+from protocol import reqresp as frames
+from tests.interop.jspeer import JsError, JsPeer
+
+PING = "/ipfs/ping/1.0.0"
+IDENTIFY = "/ipfs/id/1.0.0"
+
+
+def hold_foreign_peers(node: Node) -> None:
+    """Keep gossip-less (js) peers connected for the test (see the module docstring)."""
+    assert node.conns is not None
+    node.conns.gossip_grace = 3600.0
+
+
+def connected(node: Node, peer_id: str) -> bool:
+    assert node.host is not None
+    conns = node.host.get_network().get_connections(ID.from_base58(peer_id))
+    return any(not getattr(c, "is_closed", False) for c in conns)
+
+
+def js_protocols_known(node: Node, peer_id: str) -> bool:
+    """Our host's own identify of the js peer (run by py-libp2p on every new connection) is done."""
+    assert node.host is not None
+    try:
+        return PING in node.host.get_peerstore().get_protocols(ID.from_base58(peer_id))
+    except Exception:
+        return False
+
+
+async def py_identify(node: Node, peer_id: str, *, timeout: float = 10.0):
+    """Run identify from our side on the existing connection; the parsed message.
+
+    js-libp2p takes one inbound identify stream per connection at a time, and our host runs
+    one by itself on every new connection: wait for that one (:func:`js_protocols_known`)."""
+    assert node.host is not None
+    await wait_until(lambda: js_protocols_known(node, peer_id), timeout, what="our host's identify of the js peer")
+    with trio.fail_after(timeout):
+        stream = await node.host.new_stream(ID.from_base58(peer_id), [IDENTIFY_ID])
+        data = b""
+        try:
+            while True:
+                data += await stream.read()
+        except StreamEOF:
+            pass
+        await stream.close()
+    return parse_identify_response(data)
+
+
+async def py_ping(node: Node, peer_id: str, *, rounds: int = 3, timeout: float = 10.0) -> None:
+    """Ping from our side; the library raises if a pong does not echo its ping."""
+    assert node.host is not None
+    with trio.fail_after(timeout):
+        stream = await node.host.new_stream(ID.from_base58(peer_id), [PING_ID])
+        for _ in range(rounds):
+            await perform_ping_roundtrip(stream)
+        await stream.close()
+
+
+# ----------------------------------------------------------------------- dial, identify, ping
+async def test_js_dials_identifies_and_pings_primenode(js: JsPeer, net: NodeFactory) -> None:
+    node = await net.start()
+    hold_foreign_peers(node)
+    peer = await js.create("dialer", security="noise")
+    addr = node.full_addrs()[0]
+
+    conn = await js.call("dial", name="dialer", addr=addr)
+    assert conn["peer"] == node.peer_id  # Noise proved the id we dialled
+    info = await js.call("identify", name="dialer", peer=node.peer_id)
+    assert frames.PROTOCOL_ID in info["protocols"] and PING in info["protocols"]
+    assert info["agent_version"].startswith("py-libp2p")
+    assert any(a.startswith("/ip4/127.0.0.1/tcp/") for a in info["listen_addrs"])
+    assert info["observed_addr"].startswith("/ip4/127.0.0.1/tcp/")  # our view of the js socket
+    pong = await js.call("ping", name="dialer", peer=node.peer_id)
+    assert pong["rtt_ms"] >= 0
+
+    # The node holds the connection under the id js proved in the Noise handshake.
+    assert connected(node, peer["peer_id"])
+    await js.stop("dialer")
+
+
+async def test_primenode_dials_identifies_and_pings_js(js: JsPeer, net: NodeFactory) -> None:
+    node = await net.start()
+    hold_foreign_peers(node)
+    peer = await js.create("listener", security="noise")
+    assert node.host is not None
+
+    with trio.fail_after(10):
+        await node.host.connect(parse_peer_addr(peer["addrs"][0]))
+    msg = await py_identify(node, peer["peer_id"])
+    assert ID.from_pubkey(deserialize_public_key(msg.public_key)).to_base58() == peer["peer_id"]
+    assert PING in msg.protocols and IDENTIFY in msg.protocols
+    assert msg.agent_version.startswith("js-libp2p/")
+    observed = str(multiaddr.Multiaddr(msg.observed_addr))
+    assert observed.startswith("/ip4/127.0.0.1/tcp/")  # js saw our socket
+    await py_ping(node, peer["peer_id"])
+    # js identified us on the connection we opened, too.
+    info = await js.call("identify", name="listener", peer=node.peer_id)
+    assert frames.PROTOCOL_ID in info["protocols"]
+    await js.stop("listener")
+
+
+# ----------------------------------------------------------------------- circuit relay v2
+async def test_primenode_reserves_on_js_relay_and_is_reached_through_it(js: JsPeer, net: NodeFactory) -> None:
+    relay = await js.create("relay", security="noise", relay_server=True)
+    relay_addr = relay["addrs"][0]
+    node = await net.start(nat=NatConfig(mode="private", first_check_s=0.2, hole_punch=False), bootstrap=[])
+    hold_foreign_peers(node)
+    assert node.host is not None and node.nat is not None
+    with trio.fail_after(10):
+        await node.host.connect(parse_peer_addr(relay_addr))
+    await wait_until(lambda: relay["peer_id"] in node.nat.relays, 15, what="a reservation on the js relay")
+    circuit = f"{relay_addr}/p2p-circuit/p2p/{node.peer_id}"
+    assert any(a.startswith(relay_addr) and "/p2p-circuit" in a for a in node.full_addrs())
+
+    client = (await js.create("via-relay", security="noise"))["peer_id"]
+    conn = await js.call("dial", name="via-relay", addr=circuit)
+    assert conn["peer"] == node.peer_id and "/p2p-circuit" in conn["remote_addr"]
+    await js.call("ping", name="via-relay", peer=node.peer_id)
+    # Identify over the relayed connection: js rejected our old observed address here.
+    info = await js.call("identify", name="via-relay", peer=node.peer_id, relayed=True)
+    assert frames.PROTOCOL_ID in info["protocols"]
+    assert info["observed_addr"] is None  # a relayed peer has no address of ours to report
+
+    # And our side over the same relayed connection: identify and ping towards js.
+    assert any(conn_is_relayed(c) for c in node.host.get_network().get_connections(ID.from_base58(client)))
+    msg = await py_identify(node, client)
+    assert PING in msg.protocols
+    assert not msg.observed_addr or "/p2p-circuit" in str(multiaddr.Multiaddr(msg.observed_addr))
+    await py_ping(node, client)
+    await js.stop("via-relay")
+    await js.stop("relay")
+
+
+async def test_js_client_reserves_on_primenode_relay_and_is_dialled_through_it(js: JsPeer, net: NodeFactory) -> None:
+    node = await net.start()  # public (fast_config): serves as a relay
+    hold_foreign_peers(node)
+    assert node.nat is not None
+    relay_addr = node.full_addrs()[0]
+    target = await js.create("reserver", security="noise", listen=[f"{relay_addr}/p2p-circuit"])
+    addrs = (await js.call("addrs", name="reserver", contains="/p2p-circuit"))["addrs"]
+    circuit = next(a for a in addrs if "/p2p-circuit" in a)
+    assert circuit.startswith(relay_addr)
+    assert node.nat.relay.reservations() >= 1
+
+    await js.create("caller", security="noise")
+    conn = await js.call("dial", name="caller", addr=circuit)
+    assert conn["peer"] == target["peer_id"] and "/p2p-circuit" in conn["remote_addr"]
+    await js.call("ping", name="caller", peer=target["peer_id"])
+    info = await js.call("identify", name="caller", peer=target["peer_id"], relayed=True)
+    assert PING in info["protocols"]
+    assert node.nat.relay.bytes_relayed > 0  # the bytes crossed our relay
+    await js.stop("caller")
+    await js.stop("reserver")
+
+
+# ----------------------------------------------------------------------- point 1: identity spoofing
+def garbage_request() -> str:
+    """A well-framed request whose envelope is garbage: the node charges its sender."""
+    return frames.encode_frame(b"\x01" * 48).hex()
+
+
+async def send_garbage_until_banned(js: JsPeer, name: str, node: Node, peer_id: str, tries: int = 10) -> int:
+    assert node.host is not None
+    addr = node.full_addrs()[0]
+    sent = 0
+    for _ in range(tries):
+        if node.policy.is_banned(peer_id):
+            break
+        try:
+            await js.call("request", name=name, addr=addr, protocol=frames.PROTOCOL_ID, data_hex=garbage_request())
+        except JsError:
+            pass  # the node hung up on a banned peer mid-request
+        sent += 1
+    return sent
+
+
+async def test_plaintext_claim_of_a_workers_id_is_refused_and_the_worker_keeps_its_standing(
+    js: JsPeer, net: NodeFactory
+) -> None:
+    boot = await net.start()
+    worker = await net.start()
+    hold_foreign_peers(boot)
+    await wait_until(lambda: connected(boot, worker.peer_id), 15, what="the worker to connect")
+    addr = boot.full_addrs()[0]
+
+    # The attack: plaintext, presenting the worker's public key (no proof of its private key).
+    await js.create("thief", security="spoof", claim=worker.peer_id)
+    try:
+        await js.call("dial", name="thief", addr=addr)
+        raise AssertionError("a plaintext handshake claiming the worker's id was accepted")
+    except JsError as exc:
+        assert "plaintext" in str(exc)  # multistream-select found no common security protocol
+    try:
+        await js.call("request", name="thief", addr=addr, protocol=frames.PROTOCOL_ID, data_hex=garbage_request())
+        raise AssertionError("a plaintext stream reached request/response")
+    except JsError:
+        pass
+    # Plaintext under the attacker's own id is refused too: only Noise is spoken.
+    plain = await js.create("plain", security="plaintext")
+    try:
+        await js.call("dial", name="plain", addr=addr)
+        raise AssertionError("a plaintext handshake was accepted")
+    except JsError as exc:
+        assert "plaintext" in str(exc)
+    # ...and the node never dials out with it either.
+    assert boot.host is not None
+    with trio.fail_after(10), pytest.raises(Exception) as refused:
+        await boot.host.connect(parse_peer_addr(plain["addrs"][0]))
+    assert "failed to negotiate the secure protocol" in "".join(traceback.format_exception(refused.value))
+    assert not connected(boot, plain["peer_id"])
+
+    # Honest control: the same garbage over Noise from the attacker's own id is charged to it.
+    attacker = (await js.create("noisy", security="noise"))["peer_id"]
+    sent = await send_garbage_until_banned(js, "noisy", boot, attacker)
+    assert boot.policy.is_banned(attacker), f"{sent} garbage requests did not ban their sender"
+
+    # The worker stays in good standing and connected, and is still served.
+    assert boot.policy.points(worker.peer_id) == 0.0
+    assert not boot.policy.is_banned(worker.peer_id)
+    assert connected(boot, worker.peer_id)
+    assert worker.reqresp is not None
+    env = await worker.reqresp.request(boot.peer_id, GenesisRequest(want=0), GenesisResponse, timeout=10)
+    assert env.sender == boot.peer_id
+    for name in ("thief", "plain", "noisy"):
+        await js.stop(name)
