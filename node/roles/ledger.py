@@ -11,7 +11,10 @@ within ``max_async`` of the trainer's current version, and the signed batch
 itself is held. Accepting validators whose rewards disagree are logged and the
 batch waits for more votes; once the validators that have not voted could no
 longer complete an agreeing quorum (at the latest when every genesis validator
-has voted), it is rejected. Each (worker, policy version, batch counter) slot is
+has voted), it is rejected. A vote is on one announce, (worker, batch id), and
+counts only where that worker signed the batch (protocol/batches.py): a vote on
+another peer's announce of the same id (a thief's copy, rejected) is about a batch
+that does not exist. Each (worker, policy version, batch counter) slot is
 admitted at most once, so a worker cannot get the same owed prompts counted
 twice. Rewards come from the agreeing validators (median per sample), never from
 the worker.
