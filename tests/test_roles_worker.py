@@ -25,10 +25,10 @@ def make_worker(tmp_path, signed, **kw) -> WorkerRole:
     return WorkerRole(home, RunContext.from_genesis(signed.genesis, tmp_path / "cache"), **kw)
 
 
-def vote(batch_id: bytes, sender: NodeKey | str, accept: bool):
+def vote(batch_id: bytes, sender: NodeKey | str, accept: bool, worker: str = W):
     body = Vote(
         batch_id=batch_id,
-        worker=W,
+        worker=worker,
         policy_version=0,
         accept=accept,
         reason="" if accept else "toploc: x",
@@ -39,9 +39,14 @@ def vote(batch_id: bytes, sender: NodeKey | str, accept: bool):
 
 def test_batches_accepted_counts_batches_with_a_quorum_not_votes(tmp_path):
     w = make_worker(tmp_path, tiny_genesis())  # 2 validators, quorum 2
+    w.node = types.SimpleNamespace(peer_id=W)
     v1, v2 = VALIDATORS
     a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
     w._my_batches |= {a, b}
+    # votes on another peer's announce of our batch's id (a thief's copy) are not about our batch
+    w._on_vote(vote(a, v1, False, worker=WORKERS[1].peer_id))
+    w._on_vote(vote(a, v2, False, worker=WORKERS[1].peer_id))
+    assert (w.stats["batches_rejected"], w.stats["reject_votes"]) == (0, 0)
     w._on_vote(vote(a, v1, True))
     assert (w.stats["batches_accepted"], w.stats["accept_votes"]) == (0, 1)  # one of two: not yet
     w._on_vote(vote(a, v1, True))  # the same validator again (gossip duplicate)
@@ -62,6 +67,7 @@ def test_with_quorum_below_the_validators_one_reject_does_not_decide(tmp_path):
     validators = [*VALIDATORS, NodeKey(b"\x27" * 32)]
     signed = tiny_genesis(fields={"name": "q", "validators": validators})
     w = make_worker(tmp_path, signed)
+    w.node = types.SimpleNamespace(peer_id=W)
     a, b = bytes([1]) * 32, bytes([2]) * 32
     w._my_batches |= {a, b}
     w._on_vote(vote(a, validators[0], False))
