@@ -283,3 +283,64 @@ async def test_a_flood_that_fills_the_fetch_lane_sheds_an_honest_announce_withou
             assert role.strikes[thief] == 1 and role.stolen_announces == 1
             assert not any(isinstance(m, Vote) and not m.accept and m.worker == honest.peer_id for m in node.published)
             nursery.cancel_scope.cancel()
+
+
+async def test_the_trainer_sheds_a_flooded_announce_without_forgetting_it_and_refuses_copies(tmp_path, monkeypatch):
+    """The trainer's intake, the same way: fresh identities fill its unproven lane with batches
+    they never serve; the worker's announce is shed (not remembered), its re-announce is
+    fetched once the flood's fetches fail and its batch is recorded as the worker's. Then a
+    thief announcing that id is charged without a fetch; the worker is never charged."""
+    from node.home import NodeHome
+    from node.roles import trainer as trainer_mod
+    from node.roles.common import AnnounceIntake
+    from tests.support.roles import tiny_context
+    from tests.test_ledger import _signed_batch
+
+    real_sleep = trio.sleep
+
+    async def fast_sleep(s):  # the trainer waits 1 s before its second attempt; keep the test short
+        await real_sleep(min(s, 0.01))
+
+    monkeypatch.setattr(trainer_mod.trio, "sleep", fast_sleep)
+    ctx = tiny_context(tmp_path / "ctx")
+    run_id = ctx.genesis.run_id
+    home = NodeHome(tmp_path / "home")
+    home.path.mkdir(parents=True)
+    role = trainer_mod.TrainerRole(home, ctx)
+    # a small lane (4 unproven places, one fetch on them), built as the trainer builds its own
+    role.intake = AnnounceIntake(8, 1, hold_while_fetching=True, on_evicted=role._unqueue)
+    honest = NodeKey(b"\x71" * 32)
+    raw, ann = _signed_batch(honest, run_id, 0)
+    node = role.node = _LaneNode({(honest.peer_id, ann.batch_id): raw})
+    seq = iter(range(1, 10_000))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for _ in range(trainer_mod.FETCH_TASKS):
+                nursery.start_soon(role._fetch_loop)
+            flood = [NodeKey.generate().peer_id for _ in range(5)]
+            for i, s in enumerate(flood):
+                bogus = RolloutAnnounce(
+                    batch_id=(20_000 + i).to_bytes(32, "big"),
+                    policy_version=0,
+                    batch_counter=0,
+                    num_samples=1,
+                    size_bytes=1,
+                )
+                role._on_announce(_announce_env(s, bogus, next(seq), run_id))
+                await trio.testing.wait_all_tasks_blocked()
+            assert len(role.intake) == 4  # one being fetched (hanging), four places held
+            dropped = role.dropped_announces
+            role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))
+            assert role.dropped_announces == dropped + 1 and (honest.peer_id, ann.batch_id) not in role._queued
+            node.release.set()
+            await wait_until(lambda: len(role.intake) == 0 and not role._queued, 20, poll=0.05, what="the lane drained")
+            assert all(node.policy.points(s) > 0 for s in flood)  # every flooder charged
+            role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))  # the re-announce
+            await wait_until(lambda: role.ledger.owner(ann.batch_id) is not None, 20, poll=0.05, what="recorded")
+            assert role.ledger.batch(ann.batch_id).worker == honest.peer_id
+            thief = NodeKey.generate().peer_id
+            before = len(node.requests)
+            role._on_announce(_announce_env(thief, ann, next(seq), run_id))
+            assert len(node.requests) == before and node.policy.points(thief) > 0 and role.stolen_announces == 1
+            assert node.policy.points(honest.peer_id) == 0
+            nursery.cancel_scope.cancel()

@@ -169,3 +169,34 @@ async def test_weight_cache_shares_one_read_between_concurrent_gets(monkeypatch)
     for v in (6, 7):
         await cache.get(v)
     assert reads == [5, 6, 7] and list(cache._cache) == [6, 7]  # capacity bounds what it keeps
+
+
+async def test_an_undecided_batch_is_announced_again_a_few_times_then_left(tmp_path, autojump_clock):
+    """A validator or the trainer whose fetch lane was full sheds an announce without
+    remembering it: the worker announces a batch no quorum decided again, every
+    ``reannounce_s``, at most ``REANNOUNCES`` times; a decided batch (control) never."""
+    from node.roles.worker import REANNOUNCES, _Announced
+    from protocol import RolloutAnnounce
+
+    w = make_worker(tmp_path, tiny_genesis())
+    published: list[bytes] = []
+
+    async def publish(msg) -> None:
+        published.append(msg.batch_id)
+
+    w.node = types.SimpleNamespace(peer_id=W, gossip=types.SimpleNamespace(publish=publish))
+    undecided, decided = bytes([1]) * 32, bytes([2]) * 32
+    for b in (undecided, decided):
+        ann = RolloutAnnounce(batch_id=b, policy_version=0, batch_counter=b[0], num_samples=8, size_bytes=100)
+        w._announced[b] = _Announced(ann, trio.current_time())
+        w._my_batches.add(b)
+    for v in VALIDATORS:  # a quorum accepts one of them
+        w._on_vote(vote(decided, v, True))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w._reannounce_loop)
+        await trio.sleep(w.reannounce_s * 0.9)
+        assert published == []  # not before reannounce_s
+        await trio.sleep(w.reannounce_s * (REANNOUNCES + 3))
+        nursery.cancel_scope.cancel()
+    assert published == [undecided] * REANNOUNCES
+    assert w.stats["reannounced"] == REANNOUNCES and not w._announced
