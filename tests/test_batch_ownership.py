@@ -105,11 +105,28 @@ async def test_thieves_announcing_an_honest_batch_first_or_later_pay_and_the_bat
             def admitted_of(worker: str) -> list[bytes]:
                 return [b for b in trainer.ledger.admitted_ids() if trainer.ledger.batch(b).worker == worker]
 
-            await wait_until(
-                lambda: front_run and front_run[0] in admitted_of(me), 300, poll=0.5, what="the copied batch"
-            )
-            stolen = front_run[0]
-            await wait_until(lambda: len(admitted_of(me)) >= 2, 180, poll=0.5, what="a control batch nobody copied")
+            def state() -> str:
+                """What each node holds, for a failure message."""
+                lines = [f"front-run {[b.hex()[:12] for b in front_run]}; worker {honest.stats}"]
+                for r in trainer.ledger.records():
+                    lines.append(
+                        f"ledger {r.batch_id.hex()[:12]} ..{r.worker[-6:]} v{r.policy_version} {r.status} {r.reason}"
+                    )
+                for v in validators:
+                    lines.append(
+                        f"validator {dict(v.verdicts)} {dict(v.reasons)} queued {len(v.intake)} {v.last_reasons}"
+                    )
+                lines.append(
+                    f"trainer v{trainer.version} queued {len(trainer.intake)} dropped {trainer.dropped_announces}"
+                )
+                return "\n".join(lines)
+
+            try:
+                await wait_until(lambda: front_run and front_run[0] in admitted_of(me), 300, poll=0.5, what="copied")
+                stolen = front_run[0]
+                await wait_until(lambda: len(admitted_of(me)) >= 2, 180, poll=0.5, what="a control batch")
+            except trio.TooSlowError as exc:
+                raise AssertionError(f"{exc}\n{state()}") from None
 
             # the copied batch: its worker's, accepted by both validators on the worker's own announce
             rec = trainer.ledger.batch(stolen)
