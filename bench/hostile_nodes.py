@@ -257,10 +257,17 @@ def make_validator_fetcher(node, on_fetched):
             self.node = node
             self.ctx = types.SimpleNamespace(genesis=node.genesis)
             self.n_fetchers = defaults["fetchers"].default
-            self.intake = AnnounceIntake(defaults["queue"].default, unproven_slots=max(1, self.n_fetchers // 2))
+            self.intake = AnnounceIntake(
+                defaults["queue"].default, unproven_slots=max(1, self.n_fetchers // 2), on_evicted=self._unsee
+            )
             self._verify = VerifyQueue()
             self.fetch_failures = 0
             self._seen = collections.OrderedDict()
+            self._signers = collections.OrderedDict()
+            self.stolen_announces = 0
+            self.strikes = collections.Counter()
+            self.ban_after = 2
+            self._nursery = None
             self.store = types.SimpleNamespace(versions={})
             self.weights = types.SimpleNamespace(held=lambda version: True)
             self.fetched = 0
@@ -275,6 +282,7 @@ def make_validator_fetcher(node, on_fetched):
             self.bad_batches += 1
 
         async def run_fetchers(self, nursery: trio.Nursery) -> None:
+            self._nursery = nursery
             node.gossip.on("rollout", self._on_announce)
             for _ in range(self.n_fetchers):
                 nursery.start_soon(self._fetch_loop)

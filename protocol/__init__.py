@@ -6,7 +6,9 @@ Read it to learn the whole protocol, in this order (docs/protocol.md follows it)
 * values: ``schema`` (typed messages, one canonical msgpack form, exact validation),
   ``messages`` (every message class), ``errors`` (``ProtocolError``: a rule name as data);
 * trust: ``identity`` (ed25519 keys, peer ids), ``envelope`` (signed envelopes,
-  replay protection), ``genesis`` (the signed run document; the run id is its hash);
+  replay protection), ``genesis`` (the signed run document; the run id is its hash),
+  ``batches`` (a rollout batch is its signer's: ``(worker, batch_id)``, and the check
+  of fetched batch bytes against an announce);
 * the run's derived facts: ``topics`` (gossip topic names), ``assignment`` (owed
   prompts), ``seeds`` (the per-sample seed), ``rules`` (the ``max_async`` window,
   the quorum outcome), ``proof_layout`` (how a sample's TOPLOC proofs are cut),
@@ -21,6 +23,7 @@ constants would collide if re-exported here.
 """
 
 from .assignment import assign_prompts, assignment_seed
+from .batches import BatchKey, batch_key, open_announced_batch
 from .bitmap import Bitmap
 from .envelope import (
     MAX_ENVELOPE_BYTES,
@@ -49,6 +52,7 @@ __all__ = [
     "PRE_RUN_TYPES",
     "PROTOCOL_VERSION",
     "ZERO_RUN_ID",
+    "BatchKey",
     "Bitmap",
     "Envelope",
     "Message",
@@ -61,11 +65,13 @@ __all__ = [
     "all_topics",
     "assign_prompts",
     "assignment_seed",
+    "batch_key",
     "check_initial_manifest",
     "chunk_rows",
     "expected_chunks",
     "is_stale",
     "model_content_root",
+    "open_announced_batch",
     "open_envelope",
     "peer_id_from_public_bytes",
     "proof_size",

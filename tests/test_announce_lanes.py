@@ -71,3 +71,28 @@ async def test_announces_queued_before_their_sender_proved_itself_are_promoted()
     lanes.mark_served("newcomer")  # its first batch (fetched elsewhere) checked out
     env, unproven = await lanes.receive()
     assert env.sender == "newcomer" and not unproven
+
+
+def test_a_full_lane_gives_a_newcomer_a_place_from_its_biggest_holder():
+    """Per-sender shares: in a full lane, an announce from a sender that would hold fewer than
+    the biggest holder displaces that holder's newest announce; once every holder has as few
+    as the newcomer would, the newcomer is refused (and so is the biggest holder itself)."""
+    lanes = AnnounceLanes(size=8, unproven_slots=1)  # the unproven lane holds 4
+    for i in range(4):
+        assert lanes.send_nowait(_env("flooder", i)) is None
+    displaced = lanes.send_nowait(_env("honest", 10))
+    assert displaced is not None and (displaced.sender, displaced.seq) == ("flooder", 3)  # its newest
+    assert lanes.held("honest") == 1 and lanes.held("flooder") == 3 and len(lanes) == 4
+    assert lanes.send_nowait(_env("second", 11)).sender == "flooder"
+    assert lanes.send_nowait(_env("third", 12)).sender == "flooder"
+    assert [lanes.held(p) for p in ("flooder", "honest", "second", "third")] == [1, 1, 1, 1]
+    for sender in ("fourth", "flooder", "honest"):  # nobody holds more than one place: refused
+        try:
+            lanes.send_nowait(_env(sender, 13))
+        except trio.WouldBlock:
+            pass
+        else:
+            raise AssertionError(f"{sender} took a place from a sender holding as few as it")
+    # control: the proven lane is apart; a proven announcer still gets in
+    lanes.mark_served("worker")
+    assert lanes.send_nowait(_env("worker", 20)) is None and lanes.held("worker") == 1

@@ -20,12 +20,12 @@ def ledger(tmp_path, quorum=2, max_async=2):
 def test_admits_only_with_quorum_of_genesis_validators(tmp_path):
     lg = ledger(tmp_path)
     lg.record_batch(b"b1", "w", 0, 0, 2, b"env")
-    assert lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.0])
-    assert not lg.record_vote(b"b1", "impostor", True, "", [1.0, 0.0])
+    assert lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.0], worker="w")
+    assert not lg.record_vote(b"b1", "impostor", True, "", [1.0, 0.0], worker="w")
     assert lg.try_admit(b"b1") == "pending"
-    lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.0])  # the same validator twice counts once
+    lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.0], worker="w")  # the same validator twice counts once
     assert lg.try_admit(b"b1") == "pending"
-    lg.record_vote(b"b1", "val-b", True, "", [1.0, 0.0])  # the same rewards (see the agreement tests)
+    lg.record_vote(b"b1", "val-b", True, "", [1.0, 0.0], worker="w")  # the same rewards (see the agreement tests)
     assert lg.try_admit(b"b1") == "admitted"
     [batch] = lg.untrained()
     assert batch.rewards == [1.0, 0.0]
@@ -36,7 +36,7 @@ def test_needs_the_batch_bytes(tmp_path):
     lg = ledger(tmp_path)
     lg.record_batch(b"b1", "w", 0, 0, 1, None)
     for v in V[:2]:
-        lg.record_vote(b"b1", v, True, "", [1.0])
+        lg.record_vote(b"b1", v, True, "", [1.0], worker="w")
     assert lg.try_admit(b"b1") == "pending"
     lg.record_batch(b"b1", "w", 0, 0, 1, b"env")
     assert lg.try_admit(b"b1") == "admitted"
@@ -45,11 +45,11 @@ def test_needs_the_batch_bytes(tmp_path):
 def test_rejected_when_quorum_becomes_impossible(tmp_path):
     lg = ledger(tmp_path)
     lg.record_batch(b"b1", "w", 0, 0, 1, b"env")
-    lg.record_vote(b"b1", "val-a", False, "toploc: exponent mismatches", [])
+    lg.record_vote(b"b1", "val-a", False, "toploc: exponent mismatches", [], worker="w")
     assert lg.try_admit(b"b1") == "pending"
-    lg.record_vote(b"b1", "val-b", False, "toploc", [])
+    lg.record_vote(b"b1", "val-b", False, "toploc", [], worker="w")
     assert lg.try_admit(b"b1") == "rejected"
-    lg.record_vote(b"b1", "val-c", True, "", [1.0])
+    lg.record_vote(b"b1", "val-c", True, "", [1.0], worker="w")
     assert lg.try_admit(b"b1") == "rejected"
     assert lg.untrained() == []
 
@@ -61,7 +61,7 @@ def test_stale_batches_are_refused(tmp_path):
     lg.record_batch(b"ok", "w", 3, 0, 1, b"env")
     for b in (b"old", b"ok"):
         for v in V[:2]:
-            lg.record_vote(b, v, True, "", [1.0])
+            lg.record_vote(b, v, True, "", [1.0], worker="w")
     assert lg.try_admit(b"old") == "rejected"
     assert lg.try_admit(b"ok") == "admitted"
 
@@ -71,7 +71,7 @@ def test_one_admission_per_slot(tmp_path):
     for b in (b"x", b"y"):
         lg.record_batch(b, "w", 0, 7, 1, b"env-" + b)
         for v in V[:2]:
-            lg.record_vote(b, v, True, "", [1.0])
+            lg.record_vote(b, v, True, "", [1.0], worker="w")
     assert lg.try_admit(b"x") == "admitted"
     assert lg.try_admit(b"y") == "rejected"
 
@@ -82,7 +82,7 @@ def test_crash_recovery_loses_nothing_admitted(tmp_path):
         b = bytes([i])
         lg.record_batch(b, "w", 0, i, 1, b"env")
         for v in V[:2]:
-            lg.record_vote(b, v, True, "", [float(i)])
+            lg.record_vote(b, v, True, "", [float(i)], worker="w")
         assert lg.try_admit(b) == "admitted"
     lg.mark_trained([b"\x00", b"\x01"], step=1)
     lg.commit_checkpoint(step=1, policy_version=1)
@@ -115,7 +115,7 @@ def test_rejected_batches_lose_their_bytes_but_keep_their_record(tmp_path):
     lg = ledger(tmp_path)
     lg.record_batch(b"bad", "w", 0, 0, 1, b"x" * 1000)
     for v in V[:2]:
-        lg.record_vote(b"bad", v, False, "toploc: exponent mismatches", [])
+        lg.record_vote(b"bad", v, False, "toploc: exponent mismatches", [], worker="w")
     assert lg.try_admit(b"bad") == "rejected"
     rec = lg.batch(b"bad")
     assert (rec.worker, rec.status, rec.envelope) == ("w", "rejected", None) and "toploc" in rec.reason
@@ -127,7 +127,7 @@ def test_rejected_batches_lose_their_bytes_but_keep_their_record(tmp_path):
     for b in (b"x", b"y"):
         lg.record_batch(b, "w", 1, 7, 1, b"env-" + b)
         for v in V[:2]:
-            lg.record_vote(b, v, True, "", [1.0])
+            lg.record_vote(b, v, True, "", [1.0], worker="w")
     assert [lg.try_admit(b) for b in (b"x", b"y")] == ["admitted", "rejected"]
     assert lg.batch(b"y").envelope is None
     assert [b.envelope for b in lg.untrained()] == [b"env-x"]
@@ -137,7 +137,7 @@ def test_pending_bytes_are_capped_unvouched_oldest_first_and_an_evicted_batch_is
     lg = Ledger(tmp_path / "node.db", V, 2, 2, max_pending=3, max_pending_bytes=10_000)
     lg.record_batch(b"old", "honest", 0, 0, 1, b"o" * 100)
     lg.record_batch(b"vouched", "honest", 0, 1, 1, b"v" * 100)
-    lg.record_vote(b"vouched", "val-a", True, "", [1.0])  # one accept: not yet a quorum
+    lg.record_vote(b"vouched", "val-a", True, "", [1.0], worker="honest")  # one accept: not yet a quorum
     for i in range(20):  # fresh identities, batches nobody votes for
         lg.record_batch(b"flood%d" % i, f"fresh-{i}", 0, 0, 1, b"f" * 100)
         s = lg.storage()
@@ -155,7 +155,7 @@ def test_pending_bytes_are_capped_unvouched_oldest_first_and_an_evicted_batch_is
     assert lg.bytes_wanted(b"old") is None
     assert lg.needs_fetch(b"old")
     for v in V[:2]:
-        lg.record_vote(b"old", v, True, "", [0.5])
+        lg.record_vote(b"old", v, True, "", [0.5], worker="honest")
     assert lg.try_admit(b"old") == "pending"
     assert lg.bytes_wanted(b"old") == ("honest", 0, 0, 1)
     lg.record_batch(b"old", "honest", 0, 0, 1, b"o" * 100)  # fetched again
@@ -169,14 +169,14 @@ def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tm
         b = b"adm%d" % i
         lg.record_batch(b, "w", i, 0, 1, b"A" * 50)
         for v in V[:2]:
-            lg.record_vote(b, v, True, "", [1.0])
+            lg.record_vote(b, v, True, "", [1.0], worker="w")
         assert lg.try_admit(b) == "admitted"
     lg.mark_trained([b"adm5"], step=1)
     for i in range(30):  # rejected batches (their votes kept), then pending ones, old and new
         b = b"rej%02d" % i
         lg.record_batch(b, f"fresh-{i}", 5, 0, 1, b"R" * 50)
         for v in V[:2]:
-            lg.record_vote(b, v, False, "assignment", [])
+            lg.record_vote(b, v, False, "assignment", [], worker=f"fresh-{i}")
         assert lg.try_admit(b) == "rejected"
     lg.record_batch(b"pend-old", "w", 1, 1, 1, b"P" * 50)
     lg.record_batch(b"pend-new", "w", 5, 1, 1, b"P" * 50)
@@ -185,8 +185,8 @@ def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tm
     now = now_ms()
     with monkeypatch.context() as m:  # a vote received two minutes ago, for a batch never recorded
         m.setattr(ledger_module, "now_ms", lambda: now - 120_000)
-        lg.record_vote(b"never-recorded", "val-a", True, "", [1.0])
-    lg.record_vote(b"not-yet-fetched", "val-a", True, "", [1.0])  # recent: may still be fetched
+        lg.record_vote(b"never-recorded", "val-a", True, "", [1.0], worker="w")
+    lg.record_vote(b"not-yet-fetched", "val-a", True, "", [1.0], worker="w")  # recent: may still be fetched
 
     out = lg.prune(now=now)
     assert out["stale"] == 1 and out["orphan_votes_deleted"] == 1
@@ -345,15 +345,15 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
 def test_admits_when_the_accepting_validators_rewards_agree(tmp_path):
     lg = ledger(tmp_path)
     lg.record_batch(b"b1", "w", 0, 0, 2, b"env")
-    lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.25])
-    lg.record_vote(b"b1", "val-b", True, "", [1.0 + 1e-9, 0.25])  # float rounding: within 1e-6
+    lg.record_vote(b"b1", "val-a", True, "", [1.0, 0.25], worker="w")
+    lg.record_vote(b"b1", "val-b", True, "", [1.0 + 1e-9, 0.25], worker="w")  # float rounding: within 1e-6
     assert lg.try_admit(b"b1") == "admitted"
     assert lg.untrained()[0].rewards == [1.0 + 0.5e-9, 0.25]
     # a run with a looser [config] reward_agreement: the agreeing validators' median
     loose = Ledger(tmp_path / "loose.db", V, 2, 2, reward_agreement=0.2)
     loose.record_batch(b"b1", "w", 0, 0, 1, b"env")
-    loose.record_vote(b"b1", "val-a", True, "", [1.0])
-    loose.record_vote(b"b1", "val-b", True, "", [0.9])
+    loose.record_vote(b"b1", "val-a", True, "", [1.0], worker="w")
+    loose.record_vote(b"b1", "val-b", True, "", [0.9], worker="w")
     assert loose.try_admit(b"b1") == "admitted"
     assert loose.untrained()[0].rewards == [0.95]
 
@@ -362,20 +362,20 @@ def test_disagreeing_rewards_wait_for_more_votes_then_are_refused_once_all_voted
     lg = ledger(tmp_path)
     for b in (b"split", b"settled"):  # the same two first votes on both batches
         lg.record_batch(b, "w", 0, int(b == b"settled"), 2, b"env")
-        lg.record_vote(b, "val-a", True, "", [1.0, 0.0])
-        lg.record_vote(b, "val-b", True, "", [0.0, 0.0])  # a quorum accepts, on other rewards
+        lg.record_vote(b, "val-a", True, "", [1.0, 0.0], worker="w")
+        lg.record_vote(b, "val-b", True, "", [0.0, 0.0], worker="w")  # a quorum accepts, on other rewards
         with caplog.at_level("WARNING", logger="node.roles.ledger"):
             assert lg.try_admit(b) == "pending"
         assert b.hex()[:12] in caplog.text and "val-a" in caplog.text and "val-b" in caplog.text
         assert "disagree" in caplog.text
     # the last validator sides with neither: no two agree and nobody is left to vote
-    lg.record_vote(b"split", "val-c", True, "", [0.5, 0.0])
+    lg.record_vote(b"split", "val-c", True, "", [0.5, 0.0], worker="w")
     assert lg.try_admit(b"split") == "rejected"
     rec = lg.batch(b"split")
     assert rec.reason.startswith("validators' rewards disagree") and rec.envelope is None
     assert all(v in rec.reason for v in V)
     # control: the last validator agrees with one of them; that pair's rewards are admitted
-    lg.record_vote(b"settled", "val-c", True, "", [1.0, 0.0])
+    lg.record_vote(b"settled", "val-c", True, "", [1.0, 0.0], worker="w")
     assert lg.try_admit(b"settled") == "admitted"
     assert lg.untrained()[0].rewards == [1.0, 0.0]  # val-b's 0.0 is not in the median
 
@@ -385,17 +385,17 @@ def test_refused_as_soon_as_the_missing_votes_could_not_complete_an_agreeing_quo
     lg = Ledger(tmp_path / "node.db", five, 3, 2)
     for b in (b"hopeless", b"open"):
         lg.record_batch(b, "w", 0, int(b == b"open"), 1, b"env")
-        lg.record_vote(b, "val-0", True, "", [1.0])
-        lg.record_vote(b, "val-1", True, "", [0.0])
-        lg.record_vote(b, "val-2", False, "toploc", [])
+        lg.record_vote(b, "val-0", True, "", [1.0], worker="w")
+        lg.record_vote(b, "val-1", True, "", [0.0], worker="w")
+        lg.record_vote(b, "val-2", False, "toploc", [], worker="w")
     # one more reject: a best agreeing set of 1 plus one validator left cannot make 3
-    lg.record_vote(b"hopeless", "val-3", False, "toploc", [])
+    lg.record_vote(b"hopeless", "val-3", False, "toploc", [], worker="w")
     assert lg.try_admit(b"hopeless") == "rejected"
     assert lg.batch(b"hopeless").reason.startswith("validators' rewards disagree")
     # control: two validators left could still join val-0
     assert lg.try_admit(b"open") == "pending"
     for v in ("val-3", "val-4"):
-        lg.record_vote(b"open", v, True, "", [1.0])
+        lg.record_vote(b"open", v, True, "", [1.0], worker="w")
     assert lg.try_admit(b"open") == "admitted"
 
 
@@ -407,10 +407,10 @@ def test_a_disagreeing_minority_does_not_block_an_agreeing_quorum(tmp_path):
         lg = Ledger(tmp_path / f"{case}.db", five, 3, 2)
         lg.record_batch(b"b", "w", 0, 0, 3, b"env")
         for v, rewards in outliers.items():  # the outliers vote first
-            lg.record_vote(b"b", v, True, "", rewards)
+            lg.record_vote(b"b", v, True, "", rewards, worker="w")
             assert lg.try_admit(b"b") == "pending"
         for v in five[:3]:
-            lg.record_vote(b"b", v, True, "", honest)
+            lg.record_vote(b"b", v, True, "", honest, worker="w")
         assert lg.try_admit(b"b") == "admitted", case
         results[case] = lg.untrained()[0].rewards
     assert results == {"control": honest, "outliers": honest}  # the outliers moved nothing
@@ -420,13 +420,13 @@ def test_reward_lists_of_the_wrong_size_never_agree(tmp_path):
     lg = ledger(tmp_path)
     for b in (b"short", b"ok"):
         lg.record_batch(b, "w", 0, int(b == b"ok"), 2, b"env")
-        lg.record_vote(b, "val-a", True, "", [1.0, 1.0])
-        lg.record_vote(b, "val-b", True, "", [1.0])  # one reward for a batch of two
+        lg.record_vote(b, "val-a", True, "", [1.0, 1.0], worker="w")
+        lg.record_vote(b, "val-b", True, "", [1.0], worker="w")  # one reward for a batch of two
         assert lg.try_admit(b) == "pending"
-    lg.record_vote(b"short", "val-c", True, "", [1.0, 1.0, 1.0])
+    lg.record_vote(b"short", "val-c", True, "", [1.0, 1.0, 1.0], worker="w")
     assert lg.try_admit(b"short") == "rejected"
     assert "do not match the batch size (2 samples)" in lg.batch(b"short").reason
-    lg.record_vote(b"ok", "val-c", True, "", [1.0, 1.0])  # control
+    lg.record_vote(b"ok", "val-c", True, "", [1.0, 1.0], worker="w")  # control
     assert lg.try_admit(b"ok") == "admitted"
 
 
@@ -434,8 +434,8 @@ def test_an_evicted_batch_is_fetched_again_only_for_an_agreeing_quorum(tmp_path)
     lg = ledger(tmp_path)
     for b, second in ((b"split", [0.0]), (b"agreed", [1.0])):
         lg.record_batch(b, "w", 0, int(b == b"agreed"), 1, None)  # bytes evicted (or not fetched yet)
-        lg.record_vote(b, "val-a", True, "", [1.0])
-        lg.record_vote(b, "val-b", True, "", second)
+        lg.record_vote(b, "val-a", True, "", [1.0], worker="w")
+        lg.record_vote(b, "val-b", True, "", second, worker="w")
         assert lg.try_admit(b) == "pending"
     assert lg.bytes_wanted(b"split") is None  # its bytes could not get it admitted
     assert lg.bytes_wanted(b"agreed") == ("w", 0, 1, 1)
@@ -447,7 +447,7 @@ def test_a_slot_is_admitted_once_and_the_refusal_names_the_batch_that_holds_it(t
     for b, (worker, version, counter) in slots.items():
         lg.record_batch(b, worker, version, counter, 1, b"env-" + b)
         for v in V[:2]:
-            lg.record_vote(b, v, True, "", [1.0])
+            lg.record_vote(b, v, True, "", [1.0], worker=worker)
     # controls: different slots (another counter, another worker's) are each admitted
     assert [lg.try_admit(b) for b in (b"first", b"next-counter", b"other-worker")] == ["admitted"] * 3
     assert lg.try_admit(b"again") == "rejected"
@@ -458,7 +458,7 @@ def test_a_slot_is_admitted_once_and_the_refusal_names_the_batch_that_holds_it(t
     lg = ledger(tmp_path)
     lg.record_batch(b"third", "w", 0, 7, 1, b"env-third")
     for v in V[:2]:
-        lg.record_vote(b"third", v, True, "", [1.0])
+        lg.record_vote(b"third", v, True, "", [1.0], worker="w")
     assert lg.try_admit(b"third") == "rejected" and b"first".hex() in lg.batch(b"third").reason
     assert lg.admitted_ids() == {b"first", b"next-counter", b"other-worker"}
 
@@ -477,3 +477,70 @@ def test_the_trainer_reads_reward_agreement_from_the_genesis_config(tmp_path):
         role = TrainerRole(home, tiny_context(tmp_path / name / "ctx", **config))
         assert role.ledger.reward_agreement == expected
         role.ledger.close()
+
+
+# ------------------------------------------------------------------ a batch belongs to its signer
+
+
+def test_votes_on_another_announcers_copy_of_an_id_never_touch_the_signers_batch(tmp_path):
+    """A thief announced an honest batch's id first and every validator rejected *its*
+    announce (the bytes it served were signed by someone else): those votes name the thief
+    as the worker and count for nothing. The signer's batch is admitted on the votes on its
+    own announce, beside a control batch nobody copied."""
+    lg = ledger(tmp_path, quorum=2)
+    for v in V:  # every validator rejects the thief's announce of b"stolen", before the batch is fetched
+        lg.record_vote(b"stolen", v, False, "batch: batch_sender: signed by another peer", [], worker="thief")
+    lg.record_batch(b"stolen", "honest", 0, 0, 1, b"env-stolen")
+    lg.record_batch(b"control", "honest", 0, 1, 1, b"env-control")
+    assert lg.try_admit(b"stolen") == "pending"  # the thief's rejections are not on this batch
+    assert lg.accept_voters(b"stolen") == set()
+    for b in (b"stolen", b"control"):
+        for v in V[:2]:
+            lg.record_vote(b, v, True, "", [1.0], worker="honest")
+    assert [lg.try_admit(b) for b in (b"stolen", b"control")] == ["admitted", "admitted"]
+    assert lg.accept_voters(b"stolen") == set(V[:2])
+    assert {(r.worker, r.accept) for r in lg.votes(b"stolen")} == {("thief", False), ("honest", True)}
+    assert len(lg.votes(b"stolen", worker="honest")) == 2
+    assert lg.owner(b"stolen") == "honest" and lg.owner(b"never") is None
+    # a row never changes hands: bytes offered under another worker are ignored
+    lg.record_batch(b"pending-one", "honest", 0, 2, 1, None)
+    lg.record_batch(b"pending-one", "thief", 0, 2, 1, b"thief-bytes")
+    assert lg.batch(b"pending-one").worker == "honest" and lg.batch(b"pending-one").envelope is None
+    # the thief's votes are orphans: retention deletes them once their TTL passed; the signer's stay
+    lg.orphan_vote_ttl_s = 0.0
+    lg.prune(now=now_ms() + 1000)
+    assert {r.worker for r in lg.votes(b"stolen")} == {"honest"}
+
+
+def test_a_ledger_from_before_votes_named_their_worker_is_migrated(tmp_path):
+    """Votes of an old ledger take the worker of the row they are on (the only announcer whose
+    votes were ever acted on), so a pending batch is decided the same way after the upgrade."""
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(str(path))
+    db.executescript(
+        ledger_module.SCHEMA.split("CREATE TABLE IF NOT EXISTS votes")[0]
+        + "CREATE TABLE votes (batch_id BLOB NOT NULL, validator TEXT NOT NULL, accept INTEGER NOT NULL, "
+        "reason TEXT NOT NULL, rewards BLOB NOT NULL, received_ms INTEGER NOT NULL, PRIMARY KEY (batch_id, validator));"
+        "CREATE INDEX votes_by_time ON votes(received_ms);"
+    )
+    db.execute(
+        "INSERT INTO batches(batch_id, worker, policy_version, batch_counter, num_samples, envelope) "
+        "VALUES(?, 'w', 0, 0, 1, ?)",
+        (b"b1", b"env"),
+    )
+    for v in ("val-a", "val-b"):
+        db.execute(
+            "INSERT INTO votes VALUES(?, ?, 1, '', ?, ?)",
+            (b"b1", v, b"\x91\xcb?\xf0\x00\x00\x00\x00\x00\x00", now_ms()),
+        )
+    db.execute("INSERT INTO votes VALUES(?, 'val-a', 1, '', ?, ?)", (b"orphan", b"\x90", now_ms()))
+    db.commit()
+    db.close()
+    lg = Ledger(path, V, 2, 2)
+    assert {(r.validator, r.worker) for r in lg.votes(b"b1")} == {("val-a", "w"), ("val-b", "w")}
+    assert [r.worker for r in lg.votes(b"orphan")] == [""]
+    assert lg.try_admit(b"b1") == "admitted"
+    lg.close()
+    assert Ledger(path, V, 2, 2).try_admit(b"b1") == "admitted"  # reopening migrates nothing twice

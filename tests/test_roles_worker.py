@@ -25,10 +25,10 @@ def make_worker(tmp_path, signed, **kw) -> WorkerRole:
     return WorkerRole(home, RunContext.from_genesis(signed.genesis, tmp_path / "cache"), **kw)
 
 
-def vote(batch_id: bytes, sender: NodeKey | str, accept: bool):
+def vote(batch_id: bytes, sender: NodeKey | str, accept: bool, worker: str = W):
     body = Vote(
         batch_id=batch_id,
-        worker=W,
+        worker=worker,
         policy_version=0,
         accept=accept,
         reason="" if accept else "toploc: x",
@@ -39,9 +39,14 @@ def vote(batch_id: bytes, sender: NodeKey | str, accept: bool):
 
 def test_batches_accepted_counts_batches_with_a_quorum_not_votes(tmp_path):
     w = make_worker(tmp_path, tiny_genesis())  # 2 validators, quorum 2
+    w.node = types.SimpleNamespace(peer_id=W)
     v1, v2 = VALIDATORS
     a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
     w._my_batches |= {a, b}
+    # votes on another peer's announce of our batch's id (a thief's copy) are not about our batch
+    w._on_vote(vote(a, v1, False, worker=WORKERS[1].peer_id))
+    w._on_vote(vote(a, v2, False, worker=WORKERS[1].peer_id))
+    assert (w.stats["batches_rejected"], w.stats["reject_votes"]) == (0, 0)
     w._on_vote(vote(a, v1, True))
     assert (w.stats["batches_accepted"], w.stats["accept_votes"]) == (0, 1)  # one of two: not yet
     w._on_vote(vote(a, v1, True))  # the same validator again (gossip duplicate)
@@ -62,6 +67,7 @@ def test_with_quorum_below_the_validators_one_reject_does_not_decide(tmp_path):
     validators = [*VALIDATORS, NodeKey(b"\x27" * 32)]
     signed = tiny_genesis(fields={"name": "q", "validators": validators})
     w = make_worker(tmp_path, signed)
+    w.node = types.SimpleNamespace(peer_id=W)
     a, b = bytes([1]) * 32, bytes([2]) * 32
     w._my_batches |= {a, b}
     w._on_vote(vote(a, validators[0], False))
@@ -163,3 +169,34 @@ async def test_weight_cache_shares_one_read_between_concurrent_gets(monkeypatch)
     for v in (6, 7):
         await cache.get(v)
     assert reads == [5, 6, 7] and list(cache._cache) == [6, 7]  # capacity bounds what it keeps
+
+
+async def test_an_undecided_batch_is_announced_again_a_few_times_then_left(tmp_path, autojump_clock):
+    """A validator or the trainer whose fetch lane was full sheds an announce without
+    remembering it: the worker announces a batch no quorum decided again, every
+    ``reannounce_s``, at most ``REANNOUNCES`` times; a decided batch (control) never."""
+    from node.roles.worker import REANNOUNCES, _Announced
+    from protocol import RolloutAnnounce
+
+    w = make_worker(tmp_path, tiny_genesis())
+    published: list[bytes] = []
+
+    async def publish(msg) -> None:
+        published.append(msg.batch_id)
+
+    w.node = types.SimpleNamespace(peer_id=W, gossip=types.SimpleNamespace(publish=publish))
+    undecided, decided = bytes([1]) * 32, bytes([2]) * 32
+    for b in (undecided, decided):
+        ann = RolloutAnnounce(batch_id=b, policy_version=0, batch_counter=b[0], num_samples=8, size_bytes=100)
+        w._announced[b] = _Announced(ann, trio.current_time())
+        w._my_batches.add(b)
+    for v in VALIDATORS:  # a quorum accepts one of them
+        w._on_vote(vote(decided, v, True))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w._reannounce_loop)
+        await trio.sleep(w.reannounce_s * 0.9)
+        assert published == []  # not before reannounce_s
+        await trio.sleep(w.reannounce_s * (REANNOUNCES + 3))
+        nursery.cancel_scope.cancel()
+    assert published == [undecided] * REANNOUNCES
+    assert w.stats["reannounced"] == REANNOUNCES and not w._announced

@@ -21,7 +21,7 @@ V = ["val-a", "val-b"]
 def admitted(lg: Ledger, batch_id: bytes, version: int, counter: int = 0) -> None:
     lg.record_batch(batch_id, "w", version, counter, 1, b"env-" + batch_id)
     for v in V:
-        lg.record_vote(batch_id, v, True, "", [1.0])
+        lg.record_vote(batch_id, v, True, "", [1.0], worker="w")
     assert lg.try_admit(batch_id) == "admitted"
 
 

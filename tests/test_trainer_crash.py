@@ -75,7 +75,7 @@ def seed(tmp_path: Path) -> dict[str, torch.Tensor]:
     for i, b in enumerate(BATCHES):
         r.ledger.record_batch(b, "worker", 0, i, 1, b"signed batch bytes")
         for v in VALIDATORS:
-            r.ledger.record_vote(b, v.peer_id, True, "", [1.0])
+            r.ledger.record_vote(b, v.peer_id, True, "", [1.0], worker="worker")
         assert r.ledger.try_admit(b) == "admitted"
     weights = {k: v.clone() for k, v in r.trainer.model.state_dict().items()}
     r.ledger.close()
@@ -222,7 +222,7 @@ def test_pending_batches_are_decided_again_after_a_restart(tmp_path):
     r = role(tmp_path)
     r.ledger.record_batch(b"late", "worker", 0, 9, 1, b"signed batch bytes")
     for v in VALIDATORS:
-        r.ledger.record_vote(b"late", v.peer_id, True, "", [0.5])  # try_admit never ran: "killed"
+        r.ledger.record_vote(b"late", v.peer_id, True, "", [0.5], worker="worker")  # try_admit never ran: "killed"
     r.ledger.close()
     again = role(tmp_path)
     again._load_or_init()

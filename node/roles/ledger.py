@@ -11,7 +11,10 @@ within ``max_async`` of the trainer's current version, and the signed batch
 itself is held. Accepting validators whose rewards disagree are logged and the
 batch waits for more votes; once the validators that have not voted could no
 longer complete an agreeing quorum (at the latest when every genesis validator
-has voted), it is rejected. Each (worker, policy version, batch counter) slot is
+has voted), it is rejected. A vote is on one announce, (worker, batch id), and
+counts only where that worker signed the batch (protocol/batches.py): a vote on
+another peer's announce of the same id (a thief's copy, rejected) is about a batch
+that does not exist. Each (worker, policy version, batch counter) slot is
 admitted at most once, so a worker cannot get the same owed prompts counted
 twice. Rewards come from the agreeing validators (median per sample), never from
 the worker.
@@ -53,10 +56,27 @@ from protocol.rules import Quorum, agreeing_validators, is_stale, quorum_outcome
 
 log = logging.getLogger(__name__)
 
+# A vote is on one announce: (batch_id, worker = the announcer the validator fetched from). It
+# counts for a batch only where that worker is the batch's signer (protocol/batches.py), so a
+# vote on someone else's announce of the same id (a thief's, rejected) never touches the batch.
+VOTES_TABLE = """
+CREATE TABLE IF NOT EXISTS votes (
+    batch_id BLOB NOT NULL,
+    worker TEXT NOT NULL,                      -- the announcer the vote is on (counts only if the signer)
+    validator TEXT NOT NULL,
+    accept INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    rewards BLOB NOT NULL,
+    received_ms INTEGER NOT NULL,
+    PRIMARY KEY (batch_id, worker, validator)
+)
+"""
+VOTES_INDEX = "CREATE INDEX IF NOT EXISTS votes_by_time ON votes(received_ms)"
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
-    batch_id BLOB PRIMARY KEY,
-    worker TEXT NOT NULL,
+    batch_id BLOB PRIMARY KEY,                 -- sha256 of the signed batch: one signer per id ...
+    worker TEXT NOT NULL,                      -- ... its signer (= announcer: rows are written only then)
     policy_version INTEGER NOT NULL,
     batch_counter INTEGER NOT NULL,
     num_samples INTEGER NOT NULL,
@@ -70,18 +90,9 @@ CREATE TABLE IF NOT EXISTS batches (
 CREATE UNIQUE INDEX IF NOT EXISTS admitted_slot
     ON batches(worker, policy_version, batch_counter) WHERE status = 'admitted';
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches(status);
-CREATE TABLE IF NOT EXISTS votes (
-    batch_id BLOB NOT NULL,
-    validator TEXT NOT NULL,
-    accept INTEGER NOT NULL,
-    reason TEXT NOT NULL,
-    rewards BLOB NOT NULL,
-    received_ms INTEGER NOT NULL,
-    PRIMARY KEY (batch_id, validator)
-);
-CREATE INDEX IF NOT EXISTS votes_by_time ON votes(received_ms);
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+SCHEMA += VOTES_TABLE + ";\n" + VOTES_INDEX + ";\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +127,7 @@ class VoteRecord:
     validator: str
     accept: bool
     reason: str
+    worker: str = ""  # the announcer the vote is on
 
 
 # Retention defaults (see the module docstring; the trainer reads overrides from the run config).
@@ -166,6 +178,30 @@ class Ledger:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        self._migrate_votes()
+
+    def _migrate_votes(self) -> None:
+        """Ledgers from before votes named their batch's worker: each vote is given the worker
+        of the batch row it is on (the only announcer whose votes were ever acted on); votes on
+        no row (orphans) get none, so they never count, and retention deletes them."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(votes)")}
+        if "worker" in columns:
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("ALTER TABLE votes RENAME TO votes_v1")  # its index goes with it
+            self.db.execute(VOTES_TABLE)
+            self.db.execute(
+                "INSERT INTO votes(batch_id, worker, validator, accept, reason, rewards, received_ms) "
+                "SELECT v.batch_id, COALESCE(b.worker, ''), v.validator, v.accept, v.reason, v.rewards, v.received_ms "
+                "FROM votes_v1 v LEFT JOIN batches b ON b.batch_id = v.batch_id"
+            )
+            self.db.execute("DROP TABLE votes_v1")
+            self.db.execute(VOTES_INDEX)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self.db.close()
@@ -196,14 +232,17 @@ class Ledger:
     ) -> None:
         """Remember an announced batch (and its bytes once fetched). Only a pending batch takes
         bytes: a decided one keeps what it has (a rejected batch fetched again stores nothing).
-        Storing bytes may evict the envelopes of older pending batches (see the module docstring)."""
+        Storing bytes may evict the envelopes of older pending batches (see the module docstring).
+        ``worker`` must be the batch's signer (the caller checked the bytes,
+        ``protocol.open_announced_batch``); a row never changes hands: bytes offered under
+        another worker than the row's are ignored."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             self.db.execute(
                 "INSERT INTO batches(batch_id, worker, policy_version, batch_counter, num_samples, envelope) "
                 "VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(batch_id) DO UPDATE SET envelope = CASE "
                 "WHEN batches.status = 'pending' THEN COALESCE(batches.envelope, excluded.envelope) "
-                "ELSE batches.envelope END",
+                "ELSE batches.envelope END WHERE batches.worker = excluded.worker",
                 (batch_id, worker, policy_version, batch_counter, num_samples, envelope),
             )
             if envelope is not None:
@@ -224,7 +263,8 @@ class Ledger:
             return
         victims = self.db.execute(
             "SELECT b.batch_id, length(b.envelope), "
-            "EXISTS(SELECT 1 FROM votes v WHERE v.batch_id = b.batch_id AND v.accept = 1) AS vouched "
+            "EXISTS(SELECT 1 FROM votes v WHERE v.batch_id = b.batch_id AND v.worker = b.worker AND v.accept = 1) "
+            "AS vouched "
             "FROM batches b WHERE b.status = 'pending' AND b.envelope IS NOT NULL AND b.batch_id != ? "
             "ORDER BY vouched, b.rowid",
             (keep,),
@@ -246,25 +286,42 @@ class Ledger:
         ).fetchone()
         if row is None:
             return None
-        if len(self._agreeing(self._accept_rewards(batch_id), row[3])) < self.quorum:
+        if len(self._agreeing(self._accept_rewards(batch_id, row[0]), row[3])) < self.quorum:
             return None
         if is_stale(row[1], self.policy_version, self.max_async):
             return None
         return row
+
+    def owner(self, batch_id: bytes) -> str | None:
+        """The worker (signer) of the batch the ledger holds under ``batch_id``, or None."""
+        row = self.db.execute("SELECT worker FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        return None if row is None else str(row[0])
 
     def needs_fetch(self, batch_id: bytes) -> bool:
         """Whether fetching this batch could still matter: unknown, or pending without bytes."""
         row = self.db.execute("SELECT status, envelope IS NULL FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
         return row is None or (row[0] == "pending" and bool(row[1]))
 
-    def record_vote(self, batch_id: bytes, validator: str, accept: bool, reason: str, rewards: Sequence[float]) -> bool:
-        """Store a vote from a genesis validator; returns False if it is not one (ignored)."""
+    def record_vote(
+        self,
+        batch_id: bytes,
+        validator: str,
+        accept: bool,
+        reason: str,
+        rewards: Sequence[float],
+        *,
+        worker: str,
+    ) -> bool:
+        """Store a vote from a genesis validator on ``worker``'s announce of ``batch_id`` (the
+        vote's ``worker`` field); returns False if the voter is not a genesis validator
+        (ignored). The vote counts for the batch only if ``worker`` is its signer: a vote on
+        another peer's announce of the same id is about a batch that does not exist."""
         if validator not in self.validators:
             return False
         self.db.execute(
-            "INSERT OR IGNORE INTO votes(batch_id, validator, accept, reason, rewards, received_ms) "
-            "VALUES(?, ?, ?, ?, ?, ?)",
-            (batch_id, validator, int(accept), reason, msgpack.packb(list(rewards)), now_ms()),
+            "INSERT OR IGNORE INTO votes(batch_id, worker, validator, accept, reason, rewards, received_ms) "
+            "VALUES(?, ?, ?, ?, ?, ?, ?)",
+            (batch_id, worker, validator, int(accept), reason, msgpack.packb(list(rewards)), now_ms()),
         )
         return True
 
@@ -284,7 +341,8 @@ class Ledger:
         if status != "pending":
             return status
         votes = self.db.execute(
-            "SELECT validator, accept, reason FROM votes WHERE batch_id = ? ORDER BY received_ms, rowid", (batch_id,)
+            "SELECT validator, accept, reason FROM votes WHERE batch_id = ? AND worker = ? ORDER BY received_ms, rowid",
+            (batch_id, worker),
         ).fetchall()
         accepters = [v for v, a, _ in votes if a]
         rejecters = [v for v, a, _ in votes if not a]
@@ -296,7 +354,7 @@ class Ledger:
         outcome = quorum_outcome(accepters, rejecters, self.validators, self.quorum)
         if outcome is Quorum.REJECTED:
             return self._reject(batch_id, f"rejected by validators: {next(r for _, a, r in votes if not a)}")
-        accepted = self._accept_rewards(batch_id)
+        accepted = self._accept_rewards(batch_id, worker)
         agreeing = self._agreeing(accepted, n)
         if len(agreeing) < self.quorum:
             return self._disagreement(
@@ -334,9 +392,11 @@ class Ledger:
             raise
         return "admitted"
 
-    def _accept_rewards(self, batch_id: bytes) -> dict[str, list[float]]:
-        """The rewards each genesis validator that accepts the batch recomputed."""
-        rows = self.db.execute("SELECT validator, rewards FROM votes WHERE batch_id = ? AND accept = 1", (batch_id,))
+    def _accept_rewards(self, batch_id: bytes, worker: str) -> dict[str, list[float]]:
+        """The rewards each genesis validator that accepts ``worker``'s batch recomputed."""
+        rows = self.db.execute(
+            "SELECT validator, rewards FROM votes WHERE batch_id = ? AND worker = ? AND accept = 1", (batch_id, worker)
+        )
         return {v: msgpack.unpackb(r) for v, r in rows if v in self.validators}
 
     def _agreeing(self, accepted: dict[str, list[float]], num_samples: int) -> frozenset[str]:
@@ -426,12 +486,13 @@ class Ledger:
                 self.db.executemany("DELETE FROM votes WHERE batch_id = ?", gone)
                 self.db.executemany("DELETE FROM batches WHERE batch_id = ?", gone)
                 out["rows_deleted"] = len(gone)
-            # votes for batches never recorded, older than the TTL; each vote is looked at once
+            # votes for batches never recorded (or on another announcer's copy of a recorded id),
+            # older than the TTL; each vote is looked at once
             cutoff = now - int(self.orphan_vote_ttl_s * 1000)
             since = self.get_state("orphan_votes_checked_ms", 0)
             out["orphan_votes_deleted"] = self.db.execute(
                 "DELETE FROM votes WHERE received_ms >= ? AND received_ms < ? "
-                "AND NOT EXISTS (SELECT 1 FROM batches b WHERE b.batch_id = votes.batch_id)",
+                "AND NOT EXISTS (SELECT 1 FROM batches b WHERE b.batch_id = votes.batch_id AND b.worker = votes.worker)",
                 (since, cutoff),
             ).rowcount
             if cutoff > since:
@@ -605,17 +666,27 @@ class Ledger:
             sql += " WHERE " + " AND ".join(where)
         return [BatchRecord(*row) for row in self.db.execute(sql + " ORDER BY rowid", args)]
 
-    def votes(self, batch_id: bytes) -> list[VoteRecord]:
-        """The votes recorded on one batch (recorded before the batch itself, too), oldest first."""
-        rows = self.db.execute(
-            "SELECT validator, accept, reason FROM votes WHERE batch_id = ? ORDER BY received_ms, rowid", (batch_id,)
-        )
-        return [VoteRecord(v, bool(a), r) for v, a, r in rows]
+    def votes(self, batch_id: bytes, worker: str | None = None) -> list[VoteRecord]:
+        """The votes recorded on ``worker``'s announce of ``batch_id`` (recorded before the batch
+        itself, too), oldest first; with no ``worker``, on every announce of that id."""
+        sql = "SELECT validator, accept, reason, worker FROM votes WHERE batch_id = ?"
+        args: list[object] = [batch_id]
+        if worker is not None:
+            sql += " AND worker = ?"
+            args.append(worker)
+        rows = self.db.execute(sql + " ORDER BY received_ms, rowid", args)
+        return [VoteRecord(v, bool(a), r, w) for v, a, r, w in rows]
 
     def admitted_ids(self) -> set[bytes]:
         return {r[0] for r in self.db.execute("SELECT batch_id FROM batches WHERE status = 'admitted'")}
 
     def accept_voters(self, batch_id: bytes) -> set[str]:
+        """The validators that accept the batch held under ``batch_id`` (votes on its signer's announce)."""
         return {
-            r[0] for r in self.db.execute("SELECT validator FROM votes WHERE batch_id = ? AND accept = 1", (batch_id,))
+            r[0]
+            for r in self.db.execute(
+                "SELECT v.validator FROM votes v JOIN batches b ON b.batch_id = v.batch_id AND b.worker = v.worker "
+                "WHERE v.batch_id = ? AND v.accept = 1",
+                (batch_id,),
+            )
         }

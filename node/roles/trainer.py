@@ -34,7 +34,16 @@ from node.roles.ledger import (
 )
 from node.roles.resume import TrainerStates
 from node.util import abandon, crash_point, stop_point
-from protocol import CheckpointAnnounce, Envelope, ProtocolError, RolloutAnnounce, RolloutBatch, open_envelope
+from protocol import (
+    BatchKey,
+    CheckpointAnnounce,
+    Envelope,
+    ProtocolError,
+    RolloutAnnounce,
+    RolloutBatch,
+    batch_key,
+    open_envelope,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +94,7 @@ class TrainerRole(LearningRole):
         )
         self.prune_interval_s = float(cfg.get("ledger_prune_interval_s", 30.0))
         self.refetches = 0
-        self._refetching: set[bytes] = set()  # queued second fetches (bounded like the queue)
+        self._refetching: set[BatchKey] = set()  # queued second fetches (bounded like the queue)
         self.states = TrainerStates(self.home.trainer_states_dir, legacy=self.home.trainer_checkpoint_dir)
         self.export_root = self.home.trainer_export_dir
         self.metrics_path = self.home.metrics_path
@@ -94,9 +103,13 @@ class TrainerRole(LearningRole):
         self.last_metrics: dict[str, Any] = {}
         self.restored = 0
         self._admitted = trio.Event()
-        self.intake = AnnounceIntake(1024, unproven_slots=UNPROVEN_FETCH_SLOTS, hold_while_fetching=True)
+        self.intake = AnnounceIntake(
+            1024, unproven_slots=UNPROVEN_FETCH_SLOTS, hold_while_fetching=True, on_evicted=self._unqueue
+        )
         self.fetch_failures = 0
-        self._queued_ids: set[bytes] = set()
+        # announces queued or being fetched, keyed (announcer, batch id): protocol/batches.py
+        self._queued: set[BatchKey] = set()
+        self.stolen_announces = 0  # announces of a batch the ledger holds as another worker's
 
     # ------------------------------------------------------------ lifecycle
     async def run(self, node) -> None:
@@ -252,21 +265,37 @@ class TrainerRole(LearningRole):
     def _on_announce(self, env: Envelope) -> None:
         if self.node.policy.is_banned(env.sender):
             return
+        ann: RolloutAnnounce = env.body
+        owner = self.ledger.owner(ann.batch_id)
+        if owner is not None and owner != env.sender:
+            # the ledger holds this id as the batch its signer served: this announcer claims
+            # someone else's batch. Charged, not fetched; the signer's row is untouched.
+            self.stolen_announces += 1
+            self.node.policy.penalise(env.sender, "batch_stolen")
+            return
         # Nothing is written to the ledger before the batch is fetched: announces from free
         # identities must not grow the database (the row is written with the bytes below).
         # A batch already decided or held is not fetched again (a rejected batch stores nothing).
-        if env.body.batch_id in self._queued_ids or not self.ledger.needs_fetch(env.body.batch_id):
+        key = batch_key(env.sender, ann)
+        if key in self._queued or not self.ledger.needs_fetch(ann.batch_id):
             self.intake.dropped += 1
             return
         if self.intake.offer(env):
-            self._queued_ids.add(env.body.batch_id)
+            self._queued.add(key)
+
+    def _unqueue(self, env: Envelope) -> None:
+        """A queued announce displaced by a sender with a smaller share: it may come again."""
+        key = batch_key(env.sender, env.body)
+        self._queued.discard(key)
+        self._refetching.discard(key)
 
     async def _fetch_one(self, env: Envelope) -> None:
+        key = batch_key(env.sender, env.body)
         try:
             await self._fetch_and_record(env)
         finally:
-            self._queued_ids.discard(env.body.batch_id)
-            self._refetching.discard(env.body.batch_id)
+            self._queued.discard(key)
+            self._refetching.discard(key)
 
     async def _fetch_and_record(self, env: Envelope) -> None:
         last: Exception | None = None
@@ -292,7 +321,7 @@ class TrainerRole(LearningRole):
             self._decide(ann.batch_id)
             return
         self.fetch_failures += 1
-        if last is not None and env.body.batch_id not in self._refetching:
+        if last is not None and batch_key(env.sender, env.body) not in self._refetching:
             # (a worker that no longer holds a batch the ledger evicted is not charged for it)
             self.charge_unserved(env.sender, last)
 
@@ -300,7 +329,10 @@ class TrainerRole(LearningRole):
         vote = env.body
         if env.sender not in self.ctx.genesis.validators:
             return  # only the genesis's validators count
-        if self.ledger.record_vote(vote.batch_id, env.sender, vote.accept, vote.reason, vote.rewards):
+        # a vote is on one announce, (vote.worker, batch id): it counts only for that worker's batch
+        if self.ledger.record_vote(
+            vote.batch_id, env.sender, vote.accept, vote.reason, vote.rewards, worker=vote.worker
+        ):
             self._decide(vote.batch_id)
 
     def _decide(self, batch_id: bytes) -> None:
@@ -316,15 +348,16 @@ class TrainerRole(LearningRole):
     def _refetch(self, batch_id: bytes, worker: str, version: int, counter: int, num_samples: int) -> None:
         """A quorum accepts a batch whose bytes the ledger evicted (retention caps): fetch it
         again from its worker, through the same queue and per-announcer limits as announces."""
-        if batch_id in self._queued_ids or self.node.policy.is_banned(worker):
+        key: BatchKey = (worker, batch_id)
+        if key in self._queued or self.node.policy.is_banned(worker):
             return
         ann = RolloutAnnounce(
             batch_id=batch_id, policy_version=version, batch_counter=counter, num_samples=num_samples, size_bytes=1
         )
         env = Envelope(self.ctx.genesis.run_id, RolloutAnnounce.TYPE_ID, worker, 0, 0, ann, b"")
         if self.intake.offer(env, count_drops=False):
-            self._queued_ids.add(batch_id)
-            self._refetching.add(batch_id)
+            self._queued.add(key)
+            self._refetching.add(key)
             self.refetches += 1
             log.info("fetching evicted batch %s again: a quorum accepts it", batch_id.hex()[:12])
 
@@ -481,6 +514,7 @@ class TrainerRole(LearningRole):
             "discarded_batches": self.ledger.discarded(),
             "restored_after_crash": self.restored,
             "dropped_announces": self.dropped_announces,
+            "stolen_announces": self.stolen_announces,
             "ledger": {**self.ledger.storage(), "refetches": self.refetches},
             "last_step": {
                 k: m[k]

@@ -16,7 +16,7 @@ from node.p2p.reqresp import RequestError
 from node.roles.common import AnnounceIntake, EngineRole
 from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, check_batch_rules, verify_batch
 from node.roles.verify_queue import VerifyQueue
-from protocol import Envelope, ProtocolError, RolloutBatch, Vote
+from protocol import BatchKey, Envelope, ProtocolError, RolloutBatch, Vote, batch_key
 from protocol.rules import is_stale
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ CHEATING_RULES = {
 # Accepted slots (worker, version, batch counter) remembered, so a second batch for one slot
 # is refused: a slot is worth one batch, not a choice among several.
 MAX_SLOTS = 100_000
+# Announces queued for a fetch, remembered (worker, batch id) so a repeat is not fetched again.
+MAX_SEEN = 10_000
+# Batch ids whose signer a fetch proved: another peer's announce of one is refused unfetched.
+MAX_SIGNERS = 10_000
 
 
 class ValidatorRole(EngineRole):
@@ -63,7 +67,7 @@ class ValidatorRole(EngineRole):
         super().__init__(*args, **kwargs)
         self.n_fetchers = fetchers
         self.ban_after = int(self.ctx.config.get("ban_after_rejections", 2))
-        self.intake = AnnounceIntake(queue, unproven_slots=max(1, fetchers // 2))
+        self.intake = AnnounceIntake(queue, unproven_slots=max(1, fetchers // 2), on_evicted=self._unsee)
         # fetched batches that passed every rule needing no model, waiting for a prefill:
         # announcers this validator accepted a batch of go first (see verify_queue.py)
         self._verify: VerifyQueue[tuple[Envelope, RolloutBatch]] = VerifyQueue()
@@ -73,7 +77,11 @@ class ValidatorRole(EngineRole):
         self.last_reasons: collections.deque[str] = collections.deque(maxlen=10)
         self.fetch_failures = 0
         self.verify_s = 0.0
-        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # Announces are keyed (announcer, batch id) (protocol/batches.py): one peer's announce of
+        # an id never stands for another's, so a copy announced first cannot shadow the signer's.
+        self._seen: collections.OrderedDict[BatchKey, None] = collections.OrderedDict()
+        self._signers: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self.stolen_announces = 0  # announces of a batch another peer signed, refused unfetched
         self._slots: collections.OrderedDict[tuple[str, int, int], bytes] = collections.OrderedDict()
         self._parking = trio.Semaphore(MAX_PARKED)
         self._nursery: trio.Nursery | None = None
@@ -88,14 +96,32 @@ class ValidatorRole(EngineRole):
             nursery.start_soon(self._verify_loop)
 
     def _on_announce(self, env: Envelope) -> None:
-        if self.node.policy.is_banned(env.sender) or env.body.batch_id in self._seen:
+        key = batch_key(env.sender, env.body)
+        if self.node.policy.is_banned(env.sender) or key in self._seen:
             return
-        self.intake.offer(env, on_admitted=lambda: self._remember(env.body.batch_id))
+        signer = self._signers.get(env.body.batch_id)
+        if signer is not None and signer != env.sender:
+            # a batch this validator fetched from its signer, announced as someone else's:
+            # the announcer is charged and struck without a fetch; the signer's batch is untouched
+            self.stolen_announces += 1
+            self.node.policy.penalise(env.sender, "batch_stolen")
+            assert self._nursery is not None
+            self._nursery.start_soon(self._strike, env.sender, "announced a batch signed by another peer")
+            return
+        if self.intake.offer(env):  # seen only once queued: an announce shed by a full lane may come again
+            self._seen[key] = None
+            while len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
 
-    def _remember(self, batch_id: bytes) -> None:
-        self._seen[batch_id] = None
-        while len(self._seen) > 10_000:
-            self._seen.popitem(last=False)
+    def _unsee(self, env: Envelope) -> None:
+        """A queued announce displaced by a sender with a smaller share: it may come again."""
+        self._seen.pop(batch_key(env.sender, env.body), None)
+
+    def _proved_signer(self, batch_id: bytes, signer: str) -> None:
+        self._signers[batch_id] = signer
+        self._signers.move_to_end(batch_id)
+        while len(self._signers) > MAX_SIGNERS:
+            self._signers.popitem(last=False)
 
     async def _fetch_one(self, env: Envelope) -> None:
         if self.node.policy.is_banned(env.sender):
@@ -110,6 +136,7 @@ class ValidatorRole(EngineRole):
                 self.fetch_failures += 1
                 self.charge_unserved(env.sender, exc)
             return
+        self._proved_signer(env.body.batch_id, env.sender)
         v = batch.policy_version
         stale = self._stale(v)
         if stale is not None:
@@ -283,15 +310,17 @@ class ValidatorRole(EngineRole):
         self.last_reasons.append(f"{env.sender[:12]}: {verdict.reason[:120]}")
         log.warning("rejected batch %s from %s: %s", ann.batch_id.hex()[:12], env.sender, verdict.reason)
         if verdict.rule in CHEATING_RULES or verdict.rule == "batch":
-            self._verify.forget(env.sender)  # its next batches queue as a stranger's
-            if env.sender not in self.strikes and len(self.strikes) >= 10_000:
-                del self.strikes[min(self.strikes, key=lambda peer: self.strikes[peer])]  # bounded: forget the mildest
-            self.strikes[env.sender] += 1
-            if self.strikes[env.sender] >= self.ban_after and not self.node.policy.is_banned(env.sender):
-                await self.publish_ban(
-                    env.sender, f"{self.strikes[env.sender]} rejected batches, last: {verdict.reason}"
-                )
-                self._verify.discard(env.sender)
+            await self._strike(env.sender, verdict.reason)
+
+    async def _strike(self, peer: str, reason: str) -> None:
+        """A cheating strike against ``peer``; ``ban_after`` of them ban it network-wide."""
+        self._verify.forget(peer)  # its next batches queue as a stranger's
+        if peer not in self.strikes and len(self.strikes) >= 10_000:
+            del self.strikes[min(self.strikes, key=lambda p: self.strikes[p])]  # bounded: forget the mildest
+        self.strikes[peer] += 1
+        if self.strikes[peer] >= self.ban_after and not self.node.policy.is_banned(peer):
+            await self.publish_ban(peer, f"{self.strikes[peer]} rejected batches, last: {reason}")
+            self._verify.discard(peer)
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {**super().heartbeat_fields(), "batches": sum(self.verdicts.values())}
@@ -305,6 +334,7 @@ class ValidatorRole(EngineRole):
             "strikes": dict(self.strikes),
             "queued": len(self.intake),
             "dropped_announces": self.dropped_announces,
+            "stolen_announces": self.stolen_announces,
             # batches waiting for a prefill, and those dropped (unproven lane full, per-announcer cap, banned)
             "verify_queue": self._verify.status(),
             "dropped_batches": sum(self._verify.dropped.values()),

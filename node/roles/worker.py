@@ -31,6 +31,12 @@ TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "greedy", "version", 
 BATCH_TAMPERS = ("tokens", "prompts", "rewards", "greedy")  # applied by produce_batch
 GRIND_STRIDE = 7  # the "grind" mode uses counters 7, 14, 21, ...
 VERSION_LIE = 50
+# A batch the validators have not decided this long after its announce is announced again
+# (at most REANNOUNCES times, while its version is in the window): a validator or the trainer
+# whose fetch lane was full when it came (a flood) sheds an announce without remembering it,
+# and takes it when it comes again; nodes that queued it ignore the repeat.
+REANNOUNCE_S = 20.0
+REANNOUNCES = 2
 
 
 @dataclasses.dataclass
@@ -40,6 +46,15 @@ class _Tally:
     accepts: set[str] = dataclasses.field(default_factory=set)
     rejects: set[str] = dataclasses.field(default_factory=set)
     decided: bool = False
+
+
+@dataclasses.dataclass
+class _Announced:
+    """One of our announces, kept to be announced again while undecided."""
+
+    announce: RolloutAnnounce
+    at: float  # trio clock of the last announce
+    repeats: int = 0
 
 
 class WorkerRole(EngineRole):
@@ -67,6 +82,7 @@ class WorkerRole(EngineRole):
             "batches_accepted": 0,
             "batches_rejected": 0,
             "batches_served": 0,
+            "reannounced": 0,
             "accept_votes": 0,
             "reject_votes": 0,
             "generate_s": 0.0,
@@ -75,6 +91,8 @@ class WorkerRole(EngineRole):
         self.policy = PolicyFacts(-1, bytes(32), 0)  # the loaded version's manifest facts
         self._my_batches: set[bytes] = set()
         self._tally: dict[bytes, _Tally] = {}
+        self._announced: dict[bytes, _Announced] = {}  # our held batches, for re-announces
+        self.reannounce_s = REANNOUNCE_S
         # The worker only ever needs the version it runs and the next one (read ahead while
         # the current batch generates); older state dicts are dead weight in its memory.
         self.weights.capacity = 2
@@ -86,6 +104,7 @@ class WorkerRole(EngineRole):
             node.gossip.on("vote", self._on_vote)
             nursery.start_soon(self._loop)
             nursery.start_soon(self._read_ahead_loop)
+            nursery.start_soon(self._reannounce_loop)
 
     def _serve_batch(self, env: Envelope, peer: str) -> BatchResponse:
         raw = self.batches.get(env.body.batch_id)
@@ -98,6 +117,8 @@ class WorkerRole(EngineRole):
         g = self.ctx.genesis
         if vote.batch_id not in self._my_batches or env.sender not in g.validators:
             return
+        if vote.worker != self.node.peer_id:
+            return  # a vote on another peer's announce of our batch's id is not about our batch
         tally = self._tally.setdefault(vote.batch_id, _Tally())
         if env.sender in tally.accepts or env.sender in tally.rejects:
             return  # one vote per validator and batch
@@ -202,17 +223,42 @@ class WorkerRole(EngineRole):
                 old, _ = self.batches.popitem(last=False)
                 self._my_batches.discard(old)
                 self._tally.pop(old, None)
+                self._announced.pop(old, None)
             self.stats["batches_produced"] += 1
-            await node.gossip.publish(
-                RolloutAnnounce(
-                    batch_id=batch_id,
-                    policy_version=claimed,
-                    batch_counter=counter,
-                    num_samples=len(batch.samples),
-                    size_bytes=len(raw),
-                )
+            announce = RolloutAnnounce(
+                batch_id=batch_id,
+                policy_version=claimed,
+                batch_counter=counter,
+                num_samples=len(batch.samples),
+                size_bytes=len(raw),
             )
+            self._announced[batch_id] = _Announced(announce, trio.current_time())
+            await node.gossip.publish(announce)
             log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], claimed, counter)
+
+    async def _reannounce_loop(self) -> None:
+        """Announce again each held batch that no quorum decided ``reannounce_s`` after its last
+        announce, up to ``REANNOUNCES`` times, while its version is inside the window."""
+        while True:
+            await trio.sleep(self.reannounce_s / 4)
+            now = trio.current_time()
+            newest = max(self.store.versions, default=-1)
+            for batch_id, a in list(self._announced.items()):
+                tally = self._tally.get(batch_id)
+                version = a.announce.policy_version
+                if (tally is not None and tally.decided) or a.repeats >= REANNOUNCES:
+                    del self._announced[batch_id]
+                    continue
+                if is_stale(version, newest, self.ctx.genesis.max_async):
+                    del self._announced[batch_id]
+                    continue
+                if now - a.at < self.reannounce_s:
+                    continue
+                a.repeats += 1
+                a.at = now
+                self.stats["reannounced"] += 1
+                await self.node.gossip.publish(a.announce)
+                log.info("announced batch %s again (no decision yet)", batch_id.hex()[:12])
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {**super().heartbeat_fields(), "batches": self.stats["batches_produced"]}
