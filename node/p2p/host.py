@@ -18,6 +18,8 @@
   the library refuses every dial to that peer for 60 s without trying, so our own
   back-off (``ConnectionManager``, ``connect_bootstrap``'s retries) never got a second
   try: a node started a moment before its bootstrap listened gave up and exited.
+* :func:`install_libp2p_fixes` releases inbound connection slots when a connection closes and
+  caps connections per IP and per peer (``node/p2p/connlimits.py``).
 * The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
 """
 
@@ -37,6 +39,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from node.errors import NetworkError
+from node.p2p.connlimits import install_connection_slot_fixes
 from node.util import aclose_shielded
 from protocol import NodeKey
 
@@ -62,6 +65,7 @@ def install_libp2p_fixes() -> None:
     AutoConnector.maybe_connect = _no_auto_connect  # type: ignore[method-assign]  # a deliberate patch
     _batch_yamux_window_updates()
     _limit_inbound_connection_rate()
+    install_connection_slot_fixes()  # inbound slots come back on close; per-IP/per-peer caps
     _shield_connection_close()
     _fixes_installed = True
 
