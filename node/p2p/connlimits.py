@@ -33,7 +33,8 @@ peer the same way), so one host cannot fill the table:
 
 Refusals are counted per reason on the swarm (``primenode_refused``; the accept-rate refusals
 stay in ``primenode_inbound_refused``) and reported by :func:`connection_stats` in the node's
-status (``connections``) and as ``primenode_connections_refused{reason}``.
+status (``connections``, with the node's trio task count) and on ``/metrics`` as
+``primenode_connections_refused{reason}`` (:func:`register_connection_metrics`).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def connection_stats(host: Any) -> dict[str, Any]:
     limiter = getattr(swarm, "_inbound_limiter", None)
     refused = dict(getattr(swarm, "primenode_refused", {}))
     refused["rate"] = getattr(swarm, "primenode_inbound_refused", 0)
-    per_ip: Counter[str] = getattr(swarm, "primenode_inbound_per_ip", Counter())
+    per_ip = Counter(getattr(swarm, "primenode_inbound_per_ip", {}))
     return {
         "inbound": inbound,
         "outbound": outbound,
@@ -229,3 +230,25 @@ def trio_task_count() -> int:
         for nursery in task.child_nurseries:
             stack.extend(nursery.child_tasks)
     return n
+
+
+def register_connection_metrics(registry: Any, host: Any) -> None:
+    """Expose :func:`connection_stats` on ``/metrics``: live connections by direction and
+    refused inbound connections by reason (rate, per_ip, per_peer)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class _Collector:
+        def collect(self):
+            st = connection_stats(host)
+            live = GaugeMetricFamily("primenode_connections", "Open libp2p connections", labels=["direction"])
+            live.add_metric(["inbound"], st["inbound"])
+            live.add_metric(["outbound"], st["outbound"])
+            yield live
+            refused = CounterMetricFamily(
+                "primenode_connections_refused", "Inbound connections refused, by reason", labels=["reason"]
+            )
+            for reason in ("rate", "per_ip", "per_peer"):
+                refused.add_metric([reason], st["refused"].get(reason, 0))
+            yield refused
+
+    registry.register(_Collector())
