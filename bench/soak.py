@@ -250,6 +250,7 @@ class Churn:
         self.join_s: list[float] = []
         self.failures: list[str] = []
         self.next_t = 0.0
+        self.closing = False
         self.every_s = args.duration * 60 / args.joins if args.joins else float("inf")
 
     def _worker_cmd(self, home) -> list[str]:
@@ -337,7 +338,7 @@ class Churn:
                 self._done(j)
             elif t - j.leaving_since > 30:
                 j.proc.kill()
-        if self.started < a.joins and t >= self.next_t and self.free:
+        if self.started < a.joins and t >= self.next_t and self.free and not self.closing:
             joining = sum(1 for j in self.active if j.joined_s is None)
             if joining < a.max_joining:
                 self._start_one(t)
@@ -474,7 +475,11 @@ def main() -> None:
                 )
                 next_sample += args.interval_s
             if t >= args.duration * 60:
-                break
+                # joins in progress finish (or time out) before the end; none is started now
+                if churn is None or not any(j.joined_s is None for j in churn.active):
+                    break
+                if churn is not None:
+                    churn.closing = True
             time.sleep(0.5 if churn is not None else max(0.0, next_sample - t))
     finally:
         if churn is not None:
@@ -498,6 +503,7 @@ def main() -> None:
     steps_during = samples[-1]["step"] - (step_at_churn or 0)
     ch = churn.summary() if churn else {}
     joins_pass = not churn or (ch["joins_failed"] == 0 and ch["joins_ok"] >= args.joins and ch["relayed_joins_ok"] >= 1)
+    boot_flat = bool(boot.get("rss_flat") and boot.get("fds_flat") and boot["tasks_flat"])
     print(
         f"\nbootstrap tasks: {tasks[0]} after warm-up, {tasks[-1]} at the end (floor growth {task_growth}); "
         f"joins ok {ch.get('joins_ok', 0)} of {args.joins} asked, failed {ch.get('joins_failed', 0)}, "
@@ -515,8 +521,10 @@ def main() -> None:
         "churn": ch,
         "died": died,
         "exit_codes": codes,
-        "flat": flat and not died,
-        "pass": bool(flat and not died and joins_pass and steps_during > 0),
+        "bootstrap_flat": boot_flat,
+        "all_flat": flat and not died,
+        # the churn's verdict: every join, training went on, the bootstrap flat, nobody died
+        "pass": bool(boot_flat and not died and joins_pass and steps_during > 0),
         "nodes": nodes,
         "out": str(out),
     }

@@ -244,3 +244,50 @@ async def test_one_peer_id_holds_at_most_max_connections_per_peer():
                     assert swarm.get_connections(honest.get_id())
                 hosts.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_full_table_is_trimmed_from_the_busiest_address_first():
+    """Four identities from 127.0.0.2, then an honest node from 127.0.0.1, in a table of 4:
+    the connection manager trims one of the hoarder's (it used to drop the newest: the honest
+    node, so one host holding old connections kept every newcomer out)."""
+    from multiaddr import Multiaddr
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery)
+            boot = await net.start()
+            pace_accepts_of(boot.host, StepClock(), step=True)
+            boot.conns.max_connections = 4
+            dropped: list[str] = []
+            disconnect = boot.conns._disconnect
+
+            async def recording(pid: str) -> None:
+                dropped.append(pid)
+                await disconnect(pid)
+
+            boot.conns._disconnect = recording
+            addr = boot.full_addrs()[0]
+            info = parse_peer_addr(addr)
+            hoarders = [make_host(NodeKey.generate()) for _ in range(4)]
+            async with trio.open_nursery() as hosts:
+                for h in hoarders:
+                    await hosts.start(_serve_host, h)
+                for h in hoarders:
+                    with trio.fail_after(15):
+                        await h.get_network()._dial_addr_single_attempt(
+                            Multiaddr(addr.split("/p2p/")[0]), info.peer_id, source=("127.0.0.2", 0)
+                        )
+                await wait_until(lambda: len(boot.conns.connected()) == 4, 10, what="the hoarder's four connected")
+                joiner = await net.start()
+                await wait_until(lambda: dropped, 20, what="a trim")
+                assert joiner.peer_id not in dropped
+                assert set(dropped) <= {h.get_id().to_base58() for h in hoarders}
+                assert joiner.peer_id in boot.conns.connected()
+                hosts.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+
+async def _serve_host(host, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async with closing_host(host, ["/ip4/127.0.0.1/tcp/0"]):
+        task_status.started()
+        await trio.sleep_forever()

@@ -252,3 +252,21 @@ def register_connection_metrics(registry: Any, host: Any) -> None:
             yield refused
 
     registry.register(_Collector())
+
+
+def peer_ip(host: Any, peer_id: str) -> str | None:
+    """The remote IP address of our (first) connection with ``peer_id``; None if unknown."""
+    from libp2p.peer.id import ID
+
+    try:
+        conns = host.get_network().connections.get(ID.from_base58(peer_id), ())
+    except Exception:
+        return None
+    for c in conns:
+        try:
+            addr = c.muxed_conn.get_remote_address()
+        except Exception:
+            continue
+        if addr:
+            return str(addr[0])
+    return None
