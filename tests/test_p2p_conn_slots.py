@@ -235,6 +235,8 @@ async def test_one_peer_id_holds_at_most_max_connections_per_peer():
                     lambda: connection_stats(boot.host)["refused"].get("per_peer") == 1, 10, what="the third refused"
                 )
                 assert len(swarm.get_connections(attacker)) == limit
+                rcmgr = swarm._resource_manager  # the refused one gave its resource scope back
+                assert rcmgr is None or rcmgr._current_connections == limit, rcmgr._current_connections
 
                 # honest control: a different peer id connects while the attacker holds its two
                 honest = make_host(NodeKey.generate())

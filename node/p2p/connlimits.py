@@ -174,6 +174,14 @@ def _limit_connections_per_peer() -> None:
         live = sum(1 for c in self.connections.get(peer, ()) if not c.is_closed) + pending[peer]
         if live >= limit:
             _refuse(self, "per_peer")
+            # the library gave the connection a resource-manager scope during the upgrade;
+            # add_conn would release it with the SwarmConn it never gets
+            scope = getattr(muxed_conn, "_resource_scope", None)
+            if scope is not None:
+                try:
+                    scope.close()
+                except Exception:
+                    pass
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await _close_quietly(muxed_conn)
             raise SwarmException(f"peer {peer} already holds {live} connections")
