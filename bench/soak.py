@@ -3,7 +3,7 @@ leave every few seconds. Does every join succeed, does the run keep training, an
 bootstrap's memory, file descriptors and trio tasks stay flat? (issue 30, point 8)
 
     python bench/soak.py [--duration 60] [--joins 1000] [--interval-s 15] [--warmup-min 5]
-                         [--workers 2] [--validators 3] [--pool 6] [--max-joining 3]
+                         [--workers 2] [--validators 3] [--pool 8] [--max-joining 6]
                          [--dwell-s 4] [--out DIR]
 
 Starts the network ``primenode devnet`` starts (node/ops/devnet.py: bootstrap, trainer,
@@ -383,8 +383,8 @@ def main() -> None:
     ap.add_argument("--warmup-min", type=float, default=5.0, help="samples before this are not used for the slope")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--validators", type=int, default=3)
-    ap.add_argument("--pool", type=int, default=6, help="extra worker homes that join and leave")
-    ap.add_argument("--max-joining", type=int, default=3, help="joins in progress at once")
+    ap.add_argument("--pool", type=int, default=8, help="extra worker homes that join and leave")
+    ap.add_argument("--max-joining", type=int, default=6, help="joins in progress at once")
     ap.add_argument("--dwell-s", type=float, default=4.0, help="a joined worker leaves this long after joining")
     ap.add_argument("--join-timeout-s", type=float, default=180.0)
     ap.add_argument("--out", type=Path, default=None, help="devnet folder (default: a fresh temporary one)")
