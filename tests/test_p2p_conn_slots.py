@@ -180,6 +180,11 @@ async def test_one_ip_address_holds_at_most_its_share_and_an_honest_node_still_j
             stats = connection_stats(boot.host)
             assert stats["refused"].get("per_ip") == 5 and stats["refused"]["rate"] == 0, stats
             assert stats["busiest_ip"] == limit, stats
+            # the operator sees it: status and /metrics
+            assert boot.status()["connections"]["refused"]["per_ip"] == 5
+            from prometheus_client import generate_latest
+
+            assert b'primenode_connections_refused_total{reason="per_ip"} 5.0' in generate_latest(boot.metrics.registry)
 
             # honest control, from another address, while the hoarder still holds its share
             joiner = await net.start()
