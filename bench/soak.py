@@ -1,14 +1,32 @@
-"""Resource-hygiene soak: a devnet runs for tens of minutes; is memory and fd use flat?
+"""Resource-hygiene soak with churn: a devnet trains while workers and validators join and
+leave every few seconds. Does every join succeed, does the run keep training, and do the
+bootstrap's memory, file descriptors and trio tasks stay flat? (issue 30, point 8)
 
-    python bench/soak.py [--minutes 30] [--interval-s 15] [--warmup-min 5]
-                         [--workers 2] [--validators 2] [--out DIR]
+    python bench/soak.py [--duration 60] [--joins 1000] [--interval-s 15] [--warmup-min 5]
+                         [--workers 2] [--validators 3] [--pool 8] [--max-joining 6]
+                         [--dwell-s 4] [--out DIR]
 
-Starts the same network ``primenode devnet`` starts (node/ops/devnet.py: bootstrap,
-trainer, workers, validators as separate OS processes on 127.0.0.1, tiny model,
-target-length task) with a step budget it never reaches, and samples every
-process's RSS and open file descriptors every ``--interval-s`` seconds (psutil
-when installed, else /proc). Samples go to ``OUT/samples.jsonl`` as they are
-taken; at the end a table per node and one JSON line.
+Starts the network ``primenode devnet`` starts (node/ops/devnet.py: bootstrap, trainer,
+workers, validators as separate OS processes on 127.0.0.1, tiny model, target-length task)
+with a step budget it never reaches, then churns for ``--duration`` minutes, starting
+``--joins`` joins evenly spread over it (at most ``--max-joining`` joiners at once):
+
+* a **worker join** is ``primenode join --role worker --bootstrap ADDR --run-id HEX`` from one of
+  ``--pool`` extra worker homes (the normal join path: genesis fetched from the bootstrap). It
+  succeeds when the joiner's status lists the bootstrap among its peers; ``--dwell-s`` later
+  it leaves: SIGTERM, every third one SIGKILL (a crash: the bootstrap sees no goodbye).
+  Pool home 0 says ``reachability = "private"`` in its config.toml: it joins **behind a
+  relay** (reserves a slot on the bootstrap, advertises circuit addresses) and succeeds only
+  once it holds that reservation.
+* every fourth join is a **validator join**: one of the devnet's validators (round robin, one
+  at a time, so quorum holds) is stopped and started again, and succeeds when it is
+  connected to the bootstrap again.
+
+A join that does not succeed within ``--join-timeout-s`` or whose process exits first fails
+the run. Every ``--interval-s`` seconds it samples every devnet process's RSS and open fds
+(psutil when installed, else /proc), the bootstrap's trio task count and connections (its
+``/status``), the trainer's step and the ledger's admitted batches. Samples go to
+``OUT/samples.jsonl`` as they are taken; at the end a table per node and one JSON line.
 
 "Flat" is decided on the samples after ``--warmup-min`` (model load, first
 checkpoints, caches filling): a least-squares slope per node, and
@@ -19,28 +37,33 @@ checkpoints, caches filling): a least-squares slope per node, and
   ``--fd-tolerance`` and the floor (the fewest fds in the last five samples) is
   within ``--fd-tolerance`` of the floor of the window's first five samples: a
   leak raises the floor, while data-plane connections that are open for a
-  moment when a checkpoint moves only raise single samples.
+  moment when a checkpoint moves only raise single samples;
+* the bootstrap's tasks are flat by the same floor rule (``--task-tolerance``).
 
-A node that died during the soak fails the run. The trainer's step count and
-the ledger's admitted batches are reported too (the run must keep training).
+A node that died during the soak fails the run, and so does a run whose trainer made no
+step during the churn. ``--joins 0`` is the old soak (no churn).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import signal
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from node.ops.churn import trainer_step  # noqa: E402
-from node.ops.devnet import Devnet, DevnetOptions  # noqa: E402
+from node.ops.devnet import Devnet, DevnetOptions, NodeProc, primenode_cmd  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -178,17 +201,197 @@ def print_table(nodes: dict) -> None:
         )
 
 
+def status_of(home) -> dict | None:
+    try:
+        port = json.loads(home.runtime_path.read_text())["status_port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as r:
+            st: dict = json.loads(r.read())
+            return st
+    except Exception:
+        return None
+
+
+@dataclasses.dataclass
+class Join:
+    n: int
+    kind: str  # "worker", "relayed-worker" or "validator"
+    name: str
+    proc: subprocess.Popen
+    started: float
+    joined_s: float | None = None
+    leaving_since: float | None = None
+    log: object = None
+
+
+class Churn:
+    """Starts joins at an even pace, checks each one succeeds, makes it leave after a dwell."""
+
+    def __init__(self, devnet: Devnet, args, out: Path) -> None:
+        from node.config import NodeConfig
+        from node.genesis_file import read_genesis
+        from node.home import NodeHome
+
+        self.devnet, self.args, self.out = devnet, args, out
+        self.boot_id = devnet.bootstrap_addr.rsplit("/p2p/", 1)[1]
+        self.run_id = read_genesis(devnet.genesis_path).genesis.run_id.hex()
+        self.pool = []
+        for i in range(args.pool):
+            h = NodeHome(out / "nodes" / f"churn-{i}")
+            if not h.exists():
+                h.init(NodeConfig(reachability="private" if i == 0 else "auto"))
+            self.pool.append(h)
+        self.free = list(range(args.pool))
+        self.validators = [n for n in devnet.nodes if n.role == "validator"]
+        self.next_validator = 0
+        self.validator_busy = False
+        self.active: list[Join] = []
+        self.started = self.ok = self.failed = self.relayed_ok = 0
+        self.kinds: dict[str, int] = {}
+        self.join_s: list[float] = []
+        self.failures: list[str] = []
+        self.next_t = 0.0
+        self.closing = False
+        self.every_s = args.duration * 60 / args.joins if args.joins else float("inf")
+
+    def _worker_cmd(self, home) -> list[str]:
+        return primenode_cmd() + [
+            "join", "--role", "worker", "--home", str(home.path), "--bootstrap", self.devnet.bootstrap_addr,
+            "--run-id", self.run_id, "--listen", "/ip4/127.0.0.1/tcp/0",
+        ]  # fmt: skip
+
+    def _start_one(self, t: float) -> None:
+        self.started += 1
+        n = self.started
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        if n % 4 == 0 and not self.validator_busy and self.validators:
+            v: NodeProc = self.validators[self.next_validator % len(self.validators)]
+            self.next_validator += 1
+            self.validator_busy = True
+            self.devnet.kill(v.name, signal.SIGTERM)
+            if v.log:
+                v.log.close()  # type: ignore[attr-defined]
+            self.devnet.start(v)
+            assert v.proc is not None
+            self.active.append(Join(n, "validator", v.name, v.proc, t))
+        else:
+            slot = self.free.pop(0)
+            home = self.pool[slot]
+            log = open(self.out / "logs" / f"churn-{slot}.log", "ab")
+            proc = subprocess.Popen(
+                self._worker_cmd(home), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            kind = "relayed-worker" if slot == 0 else "worker"
+            self.active.append(Join(n, kind, f"churn-{slot}", proc, t, log=log))
+        self.kinds[self.active[-1].kind] = self.kinds.get(self.active[-1].kind, 0) + 1
+
+    def _home(self, j: Join):
+        if j.kind == "validator":
+            return self.devnet.node(j.name).home
+        return self.pool[int(j.name.split("-")[1])]
+
+    def _joined(self, j: Join) -> bool:
+        st = status_of(self._home(j))
+        if not st or not any(p.get("peer_id") == self.boot_id for p in st.get("peers") or []):
+            return False
+        if j.kind == "relayed-worker":
+            nat = st.get("nat") or {}
+            return nat.get("reachability") == "private" and bool(nat.get("relays"))
+        return True
+
+    def _done(self, j: Join) -> None:
+        self.active.remove(j)
+        if j.kind == "validator":
+            self.validator_busy = False
+        else:
+            if j.log:
+                j.log.close()  # type: ignore[attr-defined]
+            self.free.append(int(j.name.split("-")[1]))
+
+    def tick(self, t: float) -> None:
+        a = self.args
+        for j in list(self.active):
+            if j.joined_s is None:
+                if self._joined(j):
+                    j.joined_s = t - j.started
+                    self.ok += 1
+                    self.join_s.append(j.joined_s)
+                    if j.kind == "relayed-worker":
+                        self.relayed_ok += 1
+                    if j.kind == "validator":
+                        self._done(j)  # it stays: the run needs it (it leaves at its next turn)
+                elif j.proc.poll() is not None or t - j.started > a.join_timeout_s:
+                    why = "exited" if j.proc.poll() is not None else "timed out"
+                    self.failed += 1
+                    self.failures.append(f"join {j.n} ({j.kind} {j.name}) {why} after {t - j.started:.0f} s")
+                    if j.proc.poll() is None:
+                        j.proc.kill()
+                        j.proc.wait()
+                    if j.kind == "validator":
+                        self._done(j)
+                    else:
+                        self._done(j)
+            elif j.leaving_since is None:
+                if t - j.started - j.joined_s >= a.dwell_s:
+                    j.proc.send_signal(signal.SIGKILL if j.n % 3 == 0 else signal.SIGTERM)
+                    j.leaving_since = t
+            elif j.proc.poll() is not None:
+                self._done(j)
+            elif t - j.leaving_since > 30:
+                j.proc.kill()
+        if self.started < a.joins and t >= self.next_t and self.free and not self.closing:
+            joining = sum(1 for j in self.active if j.joined_s is None)
+            if joining < a.max_joining:
+                self._start_one(t)
+                self.next_t += self.every_s
+
+    def stop(self) -> None:
+        for j in list(self.active):
+            if j.proc.poll() is None and j.kind != "validator":
+                j.proc.kill()
+                j.proc.wait()
+            if j.kind != "validator" and j.log:
+                j.log.close()  # type: ignore[attr-defined]
+
+    def summary(self) -> dict:
+        js = sorted(self.join_s)
+        return {
+            "joins_asked": self.args.joins,
+            "joins_started": self.started,
+            "joins_ok": self.ok,
+            "joins_failed": self.failed,
+            "by_kind": self.kinds,
+            "relayed_joins_ok": self.relayed_ok,
+            "join_s_median": round(js[len(js) // 2], 1) if js else None,
+            "join_s_max": round(js[-1], 1) if js else None,
+            "failures": self.failures[:20],
+        }
+
+
+def floor_growth(values: list) -> int | None:
+    vals = [v for v in values if isinstance(v, int)]
+    if len(vals) < 2:
+        return None
+    k = min(5, len(vals))
+    return min(vals[-k:]) - min(vals[:k])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--duration", "--minutes", dest="duration", type=float, default=60.0, help="minutes")
+    ap.add_argument("--joins", type=int, default=1000, help="joins spread over the duration (0: no churn)")
     ap.add_argument("--interval-s", type=float, default=15.0)
     ap.add_argument("--warmup-min", type=float, default=5.0, help="samples before this are not used for the slope")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--validators", type=int, default=2)
+    ap.add_argument("--validators", type=int, default=3)
+    ap.add_argument("--pool", type=int, default=8, help="extra worker homes that join and leave")
+    ap.add_argument("--max-joining", type=int, default=6, help="joins in progress at once")
+    ap.add_argument("--dwell-s", type=float, default=4.0, help="a joined worker leaves this long after joining")
+    ap.add_argument("--join-timeout-s", type=float, default=180.0)
     ap.add_argument("--out", type=Path, default=None, help="devnet folder (default: a fresh temporary one)")
     ap.add_argument("--rss-tolerance-mib", type=float, default=8.0)
     ap.add_argument("--rss-tolerance-pct", type=float, default=5.0)
     ap.add_argument("--fd-tolerance", type=float, default=3.0)
+    ap.add_argument("--task-tolerance", type=int, default=20)
     ap.add_argument(
         "--from-samples", type=Path, default=None, help="only summarise an earlier run's samples.jsonl (no devnet)"
     )
@@ -213,40 +416,74 @@ def main() -> None:
 
     out = args.out or Path(tempfile.mkdtemp(prefix="primenode-soak-"))
     opts = DevnetOptions(
-        out=out, workers=args.workers, validators=args.validators, steps=10**9, timeout_s=args.minutes * 60 + 600
+        out=out, workers=args.workers, validators=args.validators, steps=10**9, timeout_s=args.duration * 60 + 600
     )
     devnet = Devnet(opts)
     devnet.prepare()
     names = [n.name for n in devnet.nodes]
+    churn = Churn(devnet, args, out) if args.joins else None
     samples: list[dict] = []
     log = open(out / "samples.jsonl", "w")
-    print(f"soak: devnet in {out}, {args.minutes:g} min, sample every {args.interval_s:g} s", flush=True)
+    print(
+        f"soak: devnet in {out}, {args.duration:g} min, {args.joins} joins, sample every {args.interval_s:g} s",
+        flush=True,
+    )
     t0 = time.monotonic()
     devnet.start_all()
     died: dict[str, int] = {}
+    boot_home = devnet.node("bootstrap").home
+    step_at_churn: int | None = None
     try:
-        next_t = 0.0
+        next_sample = 0.0
         while True:
             t = time.monotonic() - t0
-            procs = {}
-            for n in devnet.nodes:
-                if n.proc is not None and n.proc.poll() is None:
-                    procs[n.name] = proc_sample(n.proc.pid)
-                else:
-                    procs[n.name] = None
-                    if n.proc is not None and n.name not in died:
-                        died[n.name] = n.proc.returncode
-            s = {"t": round(t, 1), "procs": procs, "step": trainer_step(devnet), "admitted": admitted_count(devnet)}
-            samples.append(s)
-            log.write(json.dumps(s) + "\n")
-            log.flush()
-            brief = " ".join(f"{k}={v['rss'] / MIB:.0f}M/{v['fds']}fd" if v else f"{k}=DEAD" for k, v in procs.items())
-            print(f"[{t / 60:5.1f} min] step {s['step']} admitted {s['admitted']} | {brief}", flush=True)
-            if t >= args.minutes * 60:
-                break
-            next_t += args.interval_s
-            time.sleep(max(0.0, next_t - (time.monotonic() - t0)))
+            if churn is not None:
+                if step_at_churn is None:
+                    step_at_churn = trainer_step(devnet)
+                churn.tick(t)
+            if t >= next_sample:
+                procs = {}
+                for n in devnet.nodes:
+                    if n.proc is not None and n.proc.poll() is None:
+                        procs[n.name] = proc_sample(n.proc.pid)
+                    else:
+                        procs[n.name] = None
+                        churned = churn is not None and any(j.name == n.name for j in churn.active)
+                        if n.proc is not None and n.name not in died and not churned:
+                            died[n.name] = n.proc.returncode
+                conns = (status_of(boot_home) or {}).get("connections") or {}
+                s = {
+                    "t": round(t, 1),
+                    "procs": procs,
+                    "step": trainer_step(devnet),
+                    "admitted": admitted_count(devnet),
+                    "boot_tasks": conns.get("tasks"),
+                    "boot_inbound": conns.get("inbound"),
+                    "boot_refused": sum((conns.get("refused") or {}).values()) if conns else None,
+                    "joins_ok": churn.ok if churn else 0,
+                    "joins_failed": churn.failed if churn else 0,
+                }
+                samples.append(s)
+                log.write(json.dumps(s) + "\n")
+                log.flush()
+                b = procs.get("bootstrap")
+                brief = f"boot {b['rss'] / MIB:.0f}M/{b['fds']}fd/{s['boot_tasks']}tasks" if b else "boot DEAD"
+                print(
+                    f"[{t / 60:5.1f} min] step {s['step']} admitted {s['admitted']} | {brief} | "
+                    f"joins ok {s['joins_ok']} failed {s['joins_failed']}",
+                    flush=True,
+                )
+                next_sample += args.interval_s
+            if t >= args.duration * 60:
+                # joins in progress finish (or time out) before the end; none is started now
+                if churn is None or not any(j.joined_s is None for j in churn.active):
+                    break
+                if churn is not None:
+                    churn.closing = True
+            time.sleep(0.5 if churn is not None else max(0.0, next_sample - t))
     finally:
+        if churn is not None:
+            churn.stop()
         status_end = devnet.snapshot()
         codes = devnet.stop_all()
         log.close()
@@ -255,17 +492,39 @@ def main() -> None:
     nodes = summarise(samples, names, args.warmup_min * 60, args)
     print()
     print_table(nodes)
-    flat = all(n.get("rss_flat") and n.get("fds_flat") for n in nodes.values())
+    warm = [s for s in samples if s["t"] >= args.warmup_min * 60] or samples
+    tasks = [s.get("boot_tasks") for s in warm]
+    task_growth = floor_growth(tasks)
+    boot = nodes.get("bootstrap", {})
+    boot["tasks_warm"], boot["tasks_end"] = tasks[0], tasks[-1]
+    boot["tasks_floor_growth"] = task_growth
+    boot["tasks_flat"] = task_growth is not None and task_growth <= args.task_tolerance
+    flat = all(n.get("rss_flat") and n.get("fds_flat") for n in nodes.values()) and boot["tasks_flat"]
+    steps_during = samples[-1]["step"] - (step_at_churn or 0)
+    ch = churn.summary() if churn else {}
+    joins_pass = not churn or (ch["joins_failed"] == 0 and ch["joins_ok"] >= args.joins and ch["relayed_joins_ok"] >= 1)
+    boot_flat = bool(boot.get("rss_flat") and boot.get("fds_flat") and boot["tasks_flat"])
+    print(
+        f"\nbootstrap tasks: {tasks[0]} after warm-up, {tasks[-1]} at the end (floor growth {task_growth}); "
+        f"joins ok {ch.get('joins_ok', 0)} of {args.joins} asked, failed {ch.get('joins_failed', 0)}, "
+        f"behind a relay {ch.get('relayed_joins_ok', 0)}; trainer steps during the churn {steps_during}"
+    )
     final = {
+        "bench": "soak",
         "minutes": round(samples[-1]["t"] / 60, 1),
         "samples": len(samples),
         "interval_s": args.interval_s,
         "warmup_min": args.warmup_min,
         "steps": samples[-1]["step"],
+        "steps_during_churn": steps_during,
         "admitted": samples[-1]["admitted"],
+        "churn": ch,
         "died": died,
         "exit_codes": codes,
-        "flat": flat and not died,
+        "bootstrap_flat": boot_flat,
+        "all_flat": flat and not died,
+        # the churn's verdict: every join, training went on, the bootstrap flat, nobody died
+        "pass": bool(boot_flat and not died and joins_pass and steps_during > 0),
         "nodes": nodes,
         "out": str(out),
     }

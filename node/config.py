@@ -29,6 +29,9 @@ class NodeConfig:
     # Upload cap for checkpoint chunks, in Mbit/s; 0 = unlimited.
     max_upload_mbps: float = 0.0
     heartbeat_interval_s: float = 2.0
+    # "auto" (ask peers: AutoNAT), or "public" / "private" for an operator who knows: a node
+    # behind NAT that says "private" reserves relay slots at once instead of after the checks.
+    reachability: str = "auto"
     # Write checkpoint chunks and assembled files with O_DIRECT (bypassing the page
     # cache; docs/checkpoints.md says why). Falls back by itself where the filesystem
     # refuses it; set false to always write through the page cache.
@@ -54,6 +57,8 @@ class NodeConfig:
             if type(value) is not type(default):
                 raise ConfigError(f"{path}: {key} must be {type(default).__name__}, got {type(value).__name__}")
             setattr(cfg, key, value)
+        if cfg.reachability not in ("auto", "public", "private"):
+            raise ConfigError(f"{path}: reachability must be auto, public or private, got {cfg.reachability!r}")
         return cfg
 
     def save(self, path: Path) -> None:

@@ -205,6 +205,7 @@ class _Settings:
     advertise_host: str
     heartbeat_interval_s: float
     direct_io: bool = True
+    reachability: str = "auto"
 
 
 def _settings(
@@ -232,6 +233,7 @@ def _settings(
         advertise_host=cfg.advertise_host,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
         direct_io=cfg.direct_io,
+        reachability=cfg.reachability,
     )
     if s.target_peers < 1:
         raise ConfigError("--target-peers must be at least 1")
@@ -251,9 +253,11 @@ def _settings(
 
 
 def _p2p_config(s: _Settings) -> P2PConfig:
+    from node.p2p.nat import NatConfig
     from node.p2p.node import P2PConfig
 
     return P2PConfig(
+        nat=NatConfig(mode=s.reachability),
         listen=s.listen,
         bootstrap=s.bootstrap,
         advertise_host=s.advertise_host,

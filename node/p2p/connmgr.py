@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -23,6 +24,7 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from node.errors import NetworkError
+from node.p2p.connlimits import peer_ip
 from node.p2p.host import is_circuit, parse_peer_addr, peer_info, strip_peer_id
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
@@ -269,8 +271,12 @@ class ConnectionManager:
         if excess <= 0:
             return set()
         keep = set(self.bootstrap_ids) | self.protected
-        newest = sorted((p for p in live if p not in keep), key=lambda p: self._conn_since[p], reverse=True)
-        drop = set(newest[:excess])
+        # Newest first, but from the busiest IP address first: one host holding many identities
+        # cannot push everyone else's (newer) connections out of the table.
+        ips = {p: peer_ip(self.host, p) for p in live if p not in keep}
+        per_ip = Counter(ip for ip in ips.values() if ip is not None)
+        order = sorted(ips, key=lambda p: (per_ip.get(ips[p] or "", 1), self._conn_since[p]), reverse=True)
+        drop = set(order[:excess])
         for pid in drop:
             self.trimmed += 1
             self.metrics.dials.labels("trimmed").inc()

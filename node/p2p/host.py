@@ -34,6 +34,8 @@
   ours worth reporting (what we see is the relay), and the field is optional. On a direct
   connection the socket's remote address is sent, as before (the library also sent the
   circuit address there whenever the peer had *another*, relayed, connection).
+* :func:`install_libp2p_fixes` releases inbound connection slots when a connection closes and
+  caps connections per IP and per peer (``node/p2p/connlimits.py``).
 * The ``libp2p`` logger does not propagate; :func:`attach_libp2p_logging` hooks it up.
 """
 
@@ -59,6 +61,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from node.errors import NetworkError
+from node.p2p.connlimits import install_connection_slot_fixes
 from node.util import aclose_shielded
 from protocol import NodeKey
 
@@ -84,6 +87,7 @@ def install_libp2p_fixes() -> None:
     AutoConnector.maybe_connect = _no_auto_connect  # type: ignore[method-assign]  # a deliberate patch
     _batch_yamux_window_updates()
     _limit_inbound_connection_rate()
+    install_connection_slot_fixes()  # inbound slots come back on close; per-IP/per-peer caps
     _shield_connection_close()
     _identify_observed_addr_on_relays()
     _fixes_installed = True

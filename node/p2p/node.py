@@ -24,6 +24,7 @@ import trio
 from libp2p.abc import IHost
 
 from node.errors import ConfigError, NetworkError
+from node.p2p.connlimits import connection_stats, register_connection_metrics, trio_task_count
 from node.p2p.connmgr import ConnectionManager
 from node.p2p.gossip import Gossip
 from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host
@@ -179,6 +180,7 @@ class Node:
         cfg = self.config
         with self._cancel:
             self.host = host = make_host(self.key, dial_timeout=cfg.dial_timeout_s)
+            register_connection_metrics(self.metrics.registry, host)
             async with closing_host(host, cfg.listen):
                 self.reqresp = ReqResp(
                     host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq
@@ -297,6 +299,17 @@ class Node:
             await trio.sleep(self.config.heartbeat_interval_s)
 
     # ---------------------------------------------------------------- genesis
+    def _connection_status(self) -> dict[str, Any] | None:
+        """Connections, refusals and the trio task count (bench/soak.py watches it for leaks)."""
+        if self.host is None:
+            return None
+        st = connection_stats(self.host)
+        try:
+            st["tasks"] = trio_task_count()
+        except RuntimeError:  # status() called outside the node's trio run
+            st["tasks"] = None
+        return st
+
     def _serve_genesis(self, env: Envelope, peer: str):
         if self.signed_genesis is None:
             return ErrorResponse(code="no_genesis", detail="this node holds no run genesis")
@@ -344,6 +357,7 @@ class Node:
                 "tree": self.gossip.status() if self.gossip else {},
             },
             "nat": self.nat.status() if self.nat is not None else None,
+            "connections": self._connection_status(),
             "bans": self.policy.banned(),
             "requests": {k: dict(v) for k, v in self.metrics.req.items()},
             "role_state": self.hook.status(),

@@ -51,12 +51,14 @@ class _Score:
 
 
 class RateBucket:
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self.tokens, self.t = burst, time.monotonic()
+    """Token bucket. ``clock`` is injectable so tests can run a rate on a simulated clock."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.t = burst, clock()
 
     def take(self, n: float = 1.0) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
         self.t = now
         if self.tokens >= n:
