@@ -81,6 +81,8 @@ class ConnectionManager:
         my_addrs: Callable[[], list[str]] = lambda: [],
         has_gossip_stream: Callable[[str], bool] = lambda peer_id: True,
         gossip_grace: float = 5.0,
+        keep_without_gossip: Callable[[str], bool] = lambda peer_id: False,
+        clock: Callable[[], float] = time.monotonic,
         max_connections: int | None = None,
         probe_interval: float = 30.0,
         learn_from_heartbeats: bool = True,
@@ -101,7 +103,15 @@ class ConnectionManager:
         self.my_addrs = my_addrs
         self.has_gossip_stream = has_gossip_stream
         self.gossip_grace = gossip_grace
+        # Peers kept although they carry no gossip: a relay we hold a reservation on (a generic
+        # libp2p relay speaks no primenode gossip; dropping it would drop the reservation and,
+        # with it, the only address a NAT'd node can advertise). Set by the node from NatService.
+        self.keep_without_gossip = keep_without_gossip
+        # The gossip watchdog's clock (tests drive it past several grace periods without sleeping).
+        self.clock = clock
         self._no_stream_since: dict[str, float] = {}
+        self.dropped_no_gossip = 0
+        self.rounds = 0  # loop iterations done (tests wait on it)
         self.book: dict[str, BookEntry] = {}
         self.max_book = 2048  # bounded: heartbeats and peer exchange from free identities feed it
         # Inbound connections are accepted by libp2p without limit; beyond this many the
@@ -268,7 +278,7 @@ class ConnectionManager:
         excess = len(live) - self.max_connections
         if excess <= 0:
             return set()
-        keep = set(self.bootstrap_ids) | self.protected
+        keep = set(self.bootstrap_ids) | self.protected | {p for p in live if self.keep_without_gossip(p)}
         newest = sorted((p for p in live if p not in keep), key=lambda p: self._conn_since[p], reverse=True)
         drop = set(newest[:excess])
         for pid in drop:
@@ -276,6 +286,46 @@ class ConnectionManager:
             self.metrics.dials.labels("trimmed").inc()
             nursery.start_soon(self._disconnect, pid)
         return drop
+
+    def check_gossip_grace(self, live: set[str]) -> list[str]:
+        """The connected peers to drop because gossip cannot flow to them: no gossip stream for
+        ``gossip_grace`` seconds (by :attr:`clock`).
+
+        Two kinds of peer end up here: a primenode peer whose stream py-libp2p lost when it
+        trimmed a duplicate connection (dropping it makes a fresh connection), and a peer that
+        does not speak primenode gossip at all (a generic libp2p node: it would hold a
+        connection slot and give us nothing). Each drop is one INFO line with the reason. A peer
+        in :attr:`keep_without_gossip` (a relay we hold a reservation on) is never dropped here:
+        its connection *is* the reservation.
+        """
+        now = self.clock()
+        drop = []
+        for pid in live:
+            if self.has_gossip_stream(pid) or self.keep_without_gossip(pid):
+                self._no_stream_since.pop(pid, None)
+            elif now - self._no_stream_since.setdefault(pid, now) > self.gossip_grace:
+                self._no_stream_since.pop(pid, None)
+                self.dropped_no_gossip += 1
+                self.metrics.dials.labels("dropped_no_gossip").inc()
+                log.info("dropping %s: %s", pid, self._no_gossip_reason(pid))
+                drop.append(pid)
+        for pid in list(self._no_stream_since):
+            if pid not in live:
+                del self._no_stream_since[pid]
+        return drop
+
+    def _no_gossip_reason(self, peer_id: str) -> str:
+        """Why a peer carries no gossip, in words: what identify says it offers, if it said."""
+        grace = f"no primenode gossip stream after {self.gossip_grace:g} s"
+        try:
+            protos = [str(p) for p in self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))]
+        except Exception:
+            protos = []
+        if not protos:
+            return grace
+        if any(p.startswith("/primenode/") for p in protos):
+            return grace + " (a primenode peer: a fresh connection will be made)"
+        return grace + " (not a primenode node: it offers only " + ", ".join(sorted(protos)[:6]) + ")"
 
     async def _try_dial(self, peer_id: str) -> None:
         try:
@@ -399,21 +449,11 @@ class ConnectionManager:
                 for gone in (set(self._px_asked) | set(self.latency_ms)) - live:
                     self._px_asked.pop(gone, None)
                     self.latency_ms.pop(gone, None)
-                # Watchdog: a connection without a pubsub stream after a grace period
-                # (py-libp2p sometimes loses it when a duplicate connection is trimmed)
-                # carries no gossip: drop it so a fresh one is made.
-                for pid in live:
-                    if self.has_gossip_stream(pid):
-                        self._no_stream_since.pop(pid, None)
-                    elif now - self._no_stream_since.setdefault(pid, now) > self.gossip_grace:
-                        self._no_stream_since.pop(pid, None)
-                        self.metrics.dials.labels("dropped_no_gossip").inc()
-                        nursery.start_soon(self._disconnect, pid)
-                for pid in list(self._no_stream_since):
-                    if pid not in live:
-                        del self._no_stream_since[pid]
+                for pid in self.check_gossip_grace(live):
+                    nursery.start_soon(self._disconnect, pid)
                 # forget long-dead, never-reached entries (not bootstrap)
                 for pid, e in list(self.book.items()):
                     if pid not in self.bootstrap_ids and e.fails >= 8 and now - e.updated > self.forget_after:
                         del self.book[pid]
+                self.rounds += 1
                 await trio.sleep(self.interval)

@@ -74,6 +74,9 @@ READ_CHUNK_BYTES = 256 * 1024
 PARTIAL_FRAME_TIMEOUT_S = 30.0  # a frame that has started must be complete by then (slow senders are cut)
 PRUNE_AFTER = 3  # duplicates in a row from an eager peer before it is pruned
 MIN_EAGER = 2  # never prune below this many eager links
+# A peer whose identify lists protocols but not ours (a generic libp2p relay we hold a
+# reservation on) is not sent gossip; we look again this often (it may add the protocol).
+NO_GOSSIP_RECHECK_S = 30.0
 
 Handler = Callable[[Envelope], Any]
 
@@ -90,6 +93,7 @@ class _Link:
         self.send, self.recv = trio.open_memory_channel[bytes](queue_size)
         self.scope = trio.CancelScope()
         self.stream_ok = False
+        self.foreign = False  # identify says the peer does not speak our gossip
         self.created = time.monotonic()
         self.sent = 0
 
@@ -283,8 +287,8 @@ class Gossip:
 
     def _send(self, pid: str, frame: bytes) -> None:
         link = self._links.get(pid)
-        if link is None:
-            return
+        if link is None or link.foreign:
+            return  # a peer that does not speak gossip: nothing to queue (it would only fill up)
         try:
             link.send.send_nowait(frame)
         except trio.WouldBlock:
@@ -385,6 +389,14 @@ class Gossip:
         except Exception:
             pass
 
+    def _may_speak_gossip(self, peer_id: str) -> bool:
+        """False only when identify listed the peer's protocols and ours is not among them."""
+        try:
+            protos = self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))
+        except Exception:
+            return True  # nothing known yet: try
+        return not protos or GOSSIP_PROTOCOL in [str(p) for p in protos]
+
     @staticmethod
     def _take_batch(link: _Link, first: bytes) -> tuple[bytes, int]:
         """``first`` plus every frame already queued (up to WRITE_BATCH_BYTES), length-prefixed."""
@@ -405,6 +417,20 @@ class Gossip:
         backoff = 0.05
         with link.scope:
             while True:
+                if not self._may_speak_gossip(link.peer_id):
+                    # Opening a stream would fail every time (and py-libp2p logs each failure
+                    # at ERROR); the connection manager decides whether to keep the peer.
+                    link.foreign, link.stream_ok, pending = True, False, None
+                    self._make_lazy(link.peer_id)
+                    self._ihave_out.pop(link.peer_id, None)
+                    while True:
+                        try:
+                            link.recv.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                    await trio.sleep(NO_GOSSIP_RECHECK_S)
+                    continue
+                link.foreign = False
                 stream = None
                 try:
                     with trio.fail_after(self.write_timeout):

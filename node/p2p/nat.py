@@ -275,6 +275,7 @@ class NatService:
         self.relays: dict[str, list[str]] = {}  # relay peer id -> our circuit addrs through it
         self.relay_errors: dict[str, str] = {}
         self._relay_retry_at: dict[str, float] = {}
+        self._reserving: set[str] = set()  # relays a reservation request is under way with
         limits = RelayLimits(
             duration=config.circuit_max_s,
             data=config.circuit_max_bytes,
@@ -313,6 +314,12 @@ class NatService:
         if self.behind_nat:
             return [a for addrs in self.relays.values() for a in addrs]
         return direct
+
+    def holds_reservation(self, peer_id: str) -> bool:
+        """Whether we hold (or are asking for) a relay slot on ``peer_id``. The connection
+        manager keeps such a peer although it speaks no primenode gossip: a generic libp2p
+        relay never will, and closing the connection would end the reservation."""
+        return peer_id in self.relays or peer_id in self._reserving
 
     def relayed_peers(self) -> list[str]:
         """Peers whose every connection to us runs over a relay."""
@@ -513,7 +520,11 @@ class NatService:
                 break
             if rid in self.relays or self._relay_retry_at.get(rid, 0.0) > time.monotonic():
                 continue
-            addrs = await self._reserve(rid)
+            self._reserving.add(rid)
+            try:
+                addrs = await self._reserve(rid)
+            finally:
+                self._reserving.discard(rid)
             if not addrs:
                 self._relay_retry_at[rid] = time.monotonic() + RELAY_RETRY_S
             if addrs:

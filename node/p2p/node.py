@@ -219,6 +219,7 @@ class Node:
                     bootstrap_ids=lambda: self.conns.bootstrap_ids if self.conns else [],
                 )
                 self.conns.relay_dialer = self.nat.dial_via_relay
+                self.conns.keep_without_gossip = self.nat.holds_reservation
                 self.reqresp.before_dial = self.nat.ensure_connected
                 if self.genesis is not None:
                     self.conns.protected = {self.genesis.trainer, *self.genesis.validators}
