@@ -58,6 +58,9 @@ class BookEntry:
     fails: int = 0
     next_try: float = 0.0
     last_error: str = ""
+    # The peer whose peer-exchange answer named this entry; "" once the entry came from the
+    # bootstrap list or a heartbeat of the peer itself (its own signed word).
+    source: str = ""
 
 
 class ConnectionManager:
@@ -114,6 +117,10 @@ class ConnectionManager:
         self.rounds = 0  # loop iterations done (tests wait on it)
         self.book: dict[str, BookEntry] = {}
         self.max_book = 2048  # bounded: heartbeats and peer exchange from free identities feed it
+        # Entries one peer's exchange answers may hold: a peer answering with fresh names in a
+        # loop (32 per answer) would otherwise fill the book and push out what others told us.
+        self.max_book_per_source = 256
+        self._by_source: dict[str, int] = {}
         # Inbound connections are accepted by libp2p without limit; beyond this many the
         # newest unprotected ones are closed (protected: bootstrap, and the genesis roles
         # the node puts in ``protected``).
@@ -170,21 +177,46 @@ class ConnectionManager:
         return e.addrs[0] if e and e.addrs else None
 
     # ---------------------------------------------------------- learning
-    def _learn(self, peer_id: str, addrs: list[str]) -> None:
+    def _learn(self, peer_id: str, addrs: list[str], source: str = "") -> None:
+        """Record ``addrs`` for ``peer_id``; ``source``: the peer whose exchange answer said so
+        ("" for the bootstrap list and heartbeats)."""
         if peer_id == self.my_id or not addrs:
             return
         addrs = [strip_peer_id(a) for a in addrs][:8]
         e = self.book.get(peer_id)
         if e is None:
+            if source and self._by_source.get(source, 0) >= self.max_book_per_source:
+                return
             if len(self.book) >= self.max_book:
                 self._trim_book()
                 if len(self.book) >= self.max_book:
                     return
-            self.book[peer_id] = BookEntry(list(addrs), time.monotonic())
+            self.book[peer_id] = BookEntry(list(addrs), time.monotonic(), source=source)
+            if source:
+                self._by_source[source] = self._by_source.get(source, 0) + 1
         else:
+            if source and e.source != source and e.fails == 0:
+                # Another peer's word does not move a working entry (a hostile answer could
+                # otherwise point an honest peer's entry anywhere); a failing one it may repair.
+                return
             if e.addrs != addrs:
                 e.addrs = list(addrs)
             e.updated = time.monotonic()
+            if not source and e.source:
+                self._release_source(e)  # the peer's own heartbeat or the bootstrap list: ours now
+
+    def _release_source(self, e: BookEntry) -> None:
+        left = self._by_source.get(e.source, 0) - 1
+        if left > 0:
+            self._by_source[e.source] = left
+        else:
+            self._by_source.pop(e.source, None)
+        e.source = ""
+
+    def _forget(self, peer_id: str) -> None:
+        e = self.book.pop(peer_id, None)
+        if e is not None and e.source:
+            self._release_source(e)
 
     def _relay_only(self, peer_id: str) -> bool:
         e = self.book.get(peer_id)
@@ -197,7 +229,7 @@ class ConnectionManager:
         cands = [p for p in self.book if p not in keep]
         cands.sort(key=lambda p: (-self.book[p].fails, self.book[p].updated))
         for pid in cands[: max(1, len(self.book) // 4)]:
-            del self.book[pid]
+            self._forget(pid)
 
     def _on_peer_state(self, st: PeerState) -> None:
         e = self.book.get(st.peer_id)
@@ -368,7 +400,7 @@ class ConnectionManager:
         for pa in env.body.peers:
             if pa.peer_id not in self.book and pa.peer_id != self.my_id:
                 new += 1
-            self._learn(pa.peer_id, list(pa.addrs))
+            self._learn(pa.peer_id, list(pa.addrs), source=peer_id)
         return new
 
     async def _px_one(self, peer_id: str) -> None:
@@ -454,6 +486,6 @@ class ConnectionManager:
                 # forget long-dead, never-reached entries (not bootstrap)
                 for pid, e in list(self.book.items()):
                     if pid not in self.bootstrap_ids and e.fails >= 8 and now - e.updated > self.forget_after:
-                        del self.book[pid]
+                        self._forget(pid)
                 self.rounds += 1
                 await trio.sleep(self.interval)

@@ -77,6 +77,10 @@ MIN_EAGER = 2  # never prune below this many eager links
 # A peer whose identify lists protocols but not ours (a generic libp2p relay we hold a
 # reservation on) is not sent gossip; we look again this often (it may add the protocol).
 NO_GOSSIP_RECHECK_S = 30.0
+# Inbound gossip streams one peer may hold open at once. An honest peer keeps one (a second
+# one briefly while it replaces a failed stream); each held stream may buffer a frame of up to
+# 1 MiB for PARTIAL_FRAME_TIMEOUT_S, so without a cap one peer could hold memory without bound.
+MAX_INBOUND_STREAMS_PER_PEER = 4
 
 Handler = Callable[[Envelope], Any]
 
@@ -130,6 +134,7 @@ class Gossip:
         cache_max_bytes: int = 64 * 1024 * 1024,
         cache_ttl_s: float = 120.0,
         missing_capacity: int = 20_000,
+        missing_per_peer: int = MAX_IDS_PER_FRAME,
     ) -> None:
         self.host = host
         self.key = key
@@ -150,6 +155,11 @@ class Gossip:
         self._cache_bytes = 0
         self.cache_ttl_s = cache_ttl_s
         self.missing_capacity = missing_capacity
+        # Missing ids first announced by one peer (its share of ``missing_capacity``): a peer
+        # announcing ids it never serves must not push out the ids honest peers announced.
+        self.missing_per_peer = missing_per_peer
+        self._missing_by: collections.Counter[str] = collections.Counter()
+        self._inbound: collections.Counter[str] = collections.Counter()  # open inbound streams per peer
         # kind -> the only senders whose messages of that kind count (from the genesis):
         # checkpoints from the trainer, votes from validators, bans from either.
         self.authorised = authorised or {}
@@ -167,7 +177,8 @@ class Gossip:
         self._cache: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
         # peer -> ids to announce in its next IHAVE (bounded per peer).
         self._ihave_out: dict[str, list[bytes]] = {}
-        # id we lack -> [deadline, peers that announced it] (bounded).
+        # id we lack -> [deadline, peers that announced it, first announcer] (bounded in all and
+        # per first announcer).
         self._missing: collections.OrderedDict[bytes, list] = collections.OrderedDict()
         self._dup_streak: dict[str, int] = {}  # eager peer -> duplicates in a row from it
         self.counters: collections.Counter[str] = collections.Counter()
@@ -362,16 +373,16 @@ class Gossip:
             now = trio.current_time()
             wanted: dict[str, list[bytes]] = {}
             for msg_id, entry in list(self._missing.items()):
-                deadline, announcers = entry
+                deadline, announcers, _owner = entry
                 if msg_id in self._seen:
-                    del self._missing[msg_id]
+                    self._forget_missing(msg_id)
                     continue
                 if deadline > now:
                     continue
                 while announcers and announcers[0] not in self._links:
                     announcers.pop(0)
                 if not announcers:
-                    del self._missing[msg_id]  # nobody left to ask; a later IHAVE starts over
+                    self._forget_missing(msg_id)  # nobody left to ask; a later IHAVE starts over
                     continue
                 pid = announcers.pop(0)
                 wanted.setdefault(pid, []).append(msg_id)
@@ -460,6 +471,24 @@ class Gossip:
     # ------------------------------------------------------------- inbound
     async def _handle_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
+        if self._inbound[peer] >= MAX_INBOUND_STREAMS_PER_PEER:
+            # Not charged: an honest peer replacing failed streams can briefly hold several.
+            self.counters["streams_refused"] += 1
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+            return
+        self._inbound[peer] += 1
+        try:
+            await self._read_stream(peer, stream)
+        finally:
+            self._inbound[peer] -= 1
+            if self._inbound[peer] <= 0:
+                del self._inbound[peer]
+
+    async def _read_stream(self, peer: str, stream: INetStream) -> None:
         buf = bytearray()
         partial_deadline: float | None = None
         try:
@@ -498,6 +527,14 @@ class Gossip:
             log.debug("gossip stream from %s ended: %r", peer, exc)
         finally:
             await aclose_shielded(stream.close, 1)
+
+    def _forget_missing(self, msg_id: bytes) -> None:
+        entry = self._missing.pop(msg_id, None)
+        if entry is not None:
+            owner = entry[2]
+            self._missing_by[owner] -= 1
+            if self._missing_by[owner] <= 0:
+                del self._missing_by[owner]
 
     def _mark_seen(self, msg_id: bytes) -> None:
         now = time.monotonic()
@@ -579,7 +616,7 @@ class Gossip:
         except trio.WouldBlock:
             self.metrics.on_dropped("local_queue_full")
         self.relayed_frames += 1
-        self._missing.pop(msg_id, None)
+        self._forget_missing(msg_id)
         self._remember(msg_id, frame)
         self._make_eager(fwd)  # the path that delivered first stays in the tree
         self._dup_streak.pop(fwd, None)
@@ -609,9 +646,13 @@ class Gossip:
                     continue
                 entry = self._missing.get(msg_id)
                 if entry is None:
+                    if self._missing_by[fwd] >= self.missing_per_peer:
+                        self.counters["ihave_over_share"] += 1
+                        continue  # its share is full; other announcers of the id still count
                     if len(self._missing) >= self.missing_capacity:
-                        self._missing.popitem(last=False)
-                    self._missing[msg_id] = [deadline, [fwd]]
+                        self._forget_missing(next(iter(self._missing)))
+                    self._missing[msg_id] = [deadline, [fwd], fwd]
+                    self._missing_by[fwd] += 1
                 elif fwd not in entry[1] and len(entry[1]) < 16:
                     entry[1].append(fwd)
         return False

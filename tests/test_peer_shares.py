@@ -1,0 +1,147 @@
+"""What one peer can hold: a hostile peer at its per-peer bound while an honest peer proceeds.
+
+Each test is one resource of docs/security.md's "What one peer can do" table whose bound
+was global only before (one peer could take every other peer's share). Real libp2p hosts
+on 127.0.0.1 in one trio process; the hostile peer is a primenode node whose host or
+handlers the test drives by hand.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from libp2p.peer.id import ID
+
+import protocol
+from node.p2p.gossip import GOSSIP_PROTOCOL, MAX_INBOUND_STREAMS_PER_PEER
+from node.p2p.testing import NodeFactory, tagged_announce, wait_until
+from node.util import now_ms
+from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
+from protocol import gossip as frames
+from protocol.gossip import IHAVE, encode_control
+
+
+async def test_one_peer_holds_at_most_its_gossip_streams_while_an_honest_peer_gossips():
+    """Inbound gossip streams: each may buffer a partial frame (up to 1 MiB) for 30 s. A peer
+    opening many and stalling each mid-frame holds MAX_INBOUND_STREAMS_PER_PEER of them; the
+    rest are reset at once, and an honest peer's gossip still arrives."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=2)
+            target = await net.start()
+            honest = await net.start(target_peers=1)
+            attacker = await net.start(target_peers=1)
+            await net.wait_connected([target, honest], min_peers=1)
+            await wait_until(lambda: target.gossip._inbound[attacker.peer_id] >= 1, 20, what="attacker's stream")
+            tid = ID.from_base58(target.peer_id)
+            held = []
+            for _ in range(3 * MAX_INBOUND_STREAMS_PER_PEER):
+                try:  # a frame that says 64 KiB and stops after 10 bytes: the reader must wait
+                    s = await attacker.host.new_stream(tid, [GOSSIP_PROTOCOL])
+                    await s.write(frames.frame_header(64 * 1024) + b"x" * 10)
+                    held.append(s)
+                except Exception:
+                    pass  # reset by the target (over the cap)
+            await wait_until(
+                lambda: target.gossip.counters["streams_refused"] >= 2 * MAX_INBOUND_STREAMS_PER_PEER,
+                20,
+                what="the streams over the cap refused",
+            )
+            assert target.gossip._inbound[attacker.peer_id] == MAX_INBOUND_STREAMS_PER_PEER
+
+            got: list[int] = []
+            target.gossip.on("rollout", lambda env: got.append(_tag(env)))
+            await honest.gossip.publish(tagged_announce(7))
+            await wait_until(lambda: 7 in got, 20, what="the honest peer's message at the target")
+            assert target.gossip._inbound[attacker.peer_id] == MAX_INBOUND_STREAMS_PER_PEER
+            assert not target.policy.is_banned(honest.peer_id)
+            nursery.cancel_scope.cancel()
+
+
+def _tag(env: Envelope) -> int:
+    return int.from_bytes(env.body.batch_id, "big")
+
+
+async def test_ids_announced_and_never_served_take_only_the_announcers_share():
+    """Missing ids (IHAVE of ids we lack, waiting for a GRAFT): an announcer of ids it never
+    serves holds at most ``missing_per_peer`` of the table; an id an honest peer announced
+    before the flood is still asked for, served and delivered."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=2)
+            target = await net.start()
+            honest = await net.start(target_peers=1)
+            attacker = await net.start(target_peers=1)
+            for n in (honest, attacker):
+                await wait_until(lambda n=n: n.gossip.has_stream(target.peer_id), 20, what="gossip links")
+            g = target.gossip
+            g.missing_capacity, g.missing_per_peer = 200, 50
+            g.graft_timeout_s = 3.0  # time for the whole flood to land before the honest GRAFT
+
+            # The honest peer holds a message the target lacks (it never pushed it) and announces it.
+            data = protocol.seal(honest.key, honest.run_id, tagged_announce(9), now_ms(), honest.seq.next())
+            msg_id = frames.message_id(data)
+            honest.gossip._remember(msg_id, frames.encode_message(honest.gossip.topic("rollout"), data))
+            got: list[int] = []
+            g.on("rollout", lambda env: got.append(_tag(env)))
+            honest.gossip._send(target.peer_id, encode_control(IHAVE, [msg_id]))
+            await wait_until(lambda: msg_id in g._missing or 9 in got, 20, what="the honest IHAVE")
+
+            # The attacker announces 3,000 ids it will never serve, in 10 frames.
+            before = g.counters["ihave_received"]
+            for _ in range(10):
+                attacker.gossip._send(target.peer_id, encode_control(IHAVE, [os.urandom(32) for _ in range(300)]))
+            await wait_until(lambda: g.counters["ihave_received"] >= before + 3000, 20, what="the flood")
+            assert g._missing_by[attacker.peer_id] == 50
+            assert g.counters["ihave_over_share"] >= 2950
+
+            await wait_until(lambda: 9 in got, 20, what="the honest message, grafted")
+            assert not target.policy.is_banned(honest.peer_id)
+            nursery.cancel_scope.cancel()
+
+
+async def test_peer_exchange_answers_take_only_their_sources_share_of_the_address_book():
+    """Address book: every peer-exchange answer may name 32 fresh identities. Entries learned
+    from one peer's answers are capped (``max_book_per_source``), so a peer answering with
+    fresh names in a loop cannot push out what the node learned from others."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=3, learn_addrs_from_heartbeats=False)
+            target = await net.start()
+            honest = await net.start(target_peers=1)
+            attacker = await net.start(target_peers=1)
+            await wait_until(
+                lambda: {honest.peer_id, attacker.peer_id} <= set(target.conns.connected()), 20, what="connections"
+            )
+            book = target.conns
+            book.max_book, book.max_book_per_source = 200, 50
+
+            def fresh(n: int) -> tuple[PeerAddr, ...]:
+                return tuple(
+                    PeerAddr(peer_id=protocol.NodeKey.generate().peer_id, addrs=(f"/ip4/10.9.{i % 250}.1/tcp/4001",))
+                    for i in range(n)
+                )
+
+            honest_peers = fresh(30)
+            honest.reqresp.register(
+                PeerExchangeRequest, lambda env, peer: PeerExchangeResponse(peers=honest_peers[: env.body.max_peers])
+            )
+
+            def hostile(env: Envelope, peer: str) -> PeerExchangeResponse:
+                return PeerExchangeResponse(peers=fresh(env.body.max_peers))
+
+            attacker.reqresp.register(PeerExchangeRequest, hostile)
+            await book.exchange(honest.peer_id)
+            assert all(p.peer_id in book.book for p in honest_peers)
+            for _ in range(20):  # 640 fresh names
+                await book.exchange(attacker.peer_id)
+            from_attacker = [p for p, e in book.book.items() if e.source == attacker.peer_id]
+            assert len(from_attacker) == 50
+            assert all(p.peer_id in book.book for p in honest_peers), "honest entries were pushed out"
+            assert len(book.book) < book.max_book
+            # The honest source's next answer is still learned.
+            honest_peers = fresh(10)
+            await book.exchange(honest.peer_id)
+            assert all(p.peer_id in book.book for p in honest_peers)
+            nursery.cancel_scope.cancel()
