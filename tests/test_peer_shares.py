@@ -12,9 +12,15 @@ import os
 
 import trio
 from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 import protocol
 from node.p2p.gossip import GOSSIP_PROTOCOL, MAX_INBOUND_STREAMS_PER_PEER
+from node.p2p.nat import NatConfig
 from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.util import now_ms
 from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
@@ -144,4 +150,47 @@ async def test_peer_exchange_answers_take_only_their_sources_share_of_the_addres
             honest_peers = fresh(10)
             await book.exchange(honest.peer_id)
             assert all(p.peer_id in book.book for p in honest_peers)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_relay_gives_each_peer_one_reservation_and_frees_those_of_peers_gone():
+    """Relay reservations (a public node serving as relay): the library reserves for any peer
+    id a request names, so one connection could take every slot under fresh names; and it keeps
+    a slot for its whole TTL after its peer left. Here one peer naming fresh ids holds one slot
+    (its own), a peer that reserved and left gives its slot up, and an honest NAT'd node gets a
+    slot in a table of two."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=3)
+            relay = await net.start(nat=NatConfig(mode="public", hole_punch=False, max_reservations=2))
+            assert relay.nat is not None
+            served = relay.nat.relay
+            await wait_until(lambda: served.serving, 20, what="the relay serving")
+
+            attacker = await net.start(target_peers=1)
+            rid = ID.from_base58(relay.peer_id)
+            for _ in range(4):
+                stream = await attacker.host.new_stream(rid, [HOP_PROTOCOL_ID])
+                fake = protocol.NodeKey.generate().peer_id
+                await write_delimited_msg(
+                    stream, HopMessage(type=HopMessage.RESERVE, peer=CircuitPeerId(id=ID.from_base58(fake).to_bytes()))
+                )
+                answer = await read_delimited_msg(stream, HopMessage)
+                assert answer.status == to_proto_status(StatusCode.OK)
+                await stream.close()
+            assert served.reservations() == 1 and served.foreign_names_cleared == 4
+
+            private = NatConfig(mode="private", relays=1, first_check_s=0.1, hole_punch=False)
+            leaver = await net.start(target_peers=1, nat=private)
+            assert leaver.nat is not None
+            await wait_until(lambda: relay.peer_id in leaver.nat.relays, 20, what="the leaver's reservation")
+            assert served.reservations() == 2
+            net.kill(leaver)
+            await wait_until(lambda: leaver.peer_id not in relay.conns.connected(), 20, what="the leaver gone")
+
+            honest = await net.start(target_peers=1, nat=private)
+            assert honest.nat is not None
+            await wait_until(lambda: relay.peer_id in honest.nat.relays, 20, what="the honest reservation")
+            assert served.reservations() == 2 and served.reservations_freed == 1
+            assert any("p2p-circuit" in a for a in honest.addrs())
             nursery.cancel_scope.cancel()

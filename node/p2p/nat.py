@@ -201,6 +201,8 @@ class LimitedRelay(CircuitV2Protocol):
         self.rate_bytes_s = rate_bytes_s
         self.bytes_relayed = 0
         self.reservations_refused = 0
+        self.reservations_freed = 0  # slots of disconnected peers given to newcomers
+        self.foreign_names_cleared = 0  # reservation requests naming a peer other than the asker
 
     async def _read_stream_with_retry(self, stream: INetStream, max_retries: int = 3) -> bytes | None:
         data = await super()._read_stream_with_retry(stream, max_retries)
@@ -211,11 +213,35 @@ class LimitedRelay(CircuitV2Protocol):
         return data
 
     async def _handle_reserve(self, stream: INetStream, msg: Any) -> None:
+        """A reservation is for the peer that asks, one per peer, while it stays connected.
+
+        py-libp2p 0.8.1 reserves for whatever peer id the request's optional ``peer`` field
+        names, so one connection could take every slot under fresh names: the field is
+        cleared, and the library falls back to the connection's authenticated peer. When the
+        table is full, slots of peers no longer connected (a reservation is useless without
+        its connection, but the library keeps it for its whole TTL) are freed first.
+        """
         if not self.serving:
             self.reservations_refused += 1
             await self._send_status(stream, StatusCode.RESERVATION_REFUSED, "not serving as a relay (not public)")
             return
+        with contextlib.suppress(Exception):
+            if msg.HasField("peer"):
+                if msg.peer.id != stream.muxed_conn.peer_id.to_bytes():
+                    self.foreign_names_cleared += 1
+                msg.ClearField("peer")
+        self._free_slots_of_gone_peers()
         await super()._handle_reserve(stream, msg)
+
+    def _free_slots_of_gone_peers(self) -> None:
+        table = getattr(self.resource_manager, "_reservations", None)
+        if not isinstance(table, dict) or len(table) < self.resource_manager.limits.max_reservations:
+            return
+        network = self.host.get_network()
+        for pid in list(table):
+            if not network.get_connections(pid):
+                del table[pid]
+                self.reservations_freed += 1
 
     def reservations(self) -> int:
         return len(getattr(self.resource_manager, "_reservations", {}) or {})
