@@ -21,11 +21,13 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 import protocol
 from node.p2p.gossip import GOSSIP_PROTOCOL, MAX_INBOUND_STREAMS_PER_PEER
 from node.p2p.nat import NatConfig
+from node.p2p.swarm import SwarmView
 from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.util import now_ms
 from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
 from protocol import gossip as frames
 from protocol.gossip import IHAVE, encode_control
+from tests.test_hostile_floods import _hb_env
 
 
 async def test_one_peer_holds_at_most_its_gossip_streams_while_an_honest_peer_gossips():
@@ -194,3 +196,53 @@ async def test_a_relay_gives_each_peer_one_reservation_and_frees_those_of_peers_
             assert served.reservations() == 2 and served.reservations_freed == 1
             assert any("p2p-circuit" in a for a in honest.addrs())
             nursery.cancel_scope.cancel()
+
+
+async def test_a_neighbour_relaying_fresh_identities_gets_a_fair_share_of_the_swarm_view():
+    """Swarm-view entries: a neighbour forwarding heartbeats of fresh identities filled the view
+    (2048), and every later newcomer was refused until they went silent. Now each entry is
+    charged to the neighbour that introduced it and, while full, a newcomer introduced by
+    another neighbour takes the place of one of the biggest introducer's entries."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=3, forget_after_s=60.0)
+            target = await net.start()
+            honest = await net.start(target_peers=1)
+            attacker = await net.start(target_peers=1)
+            view = target.swarm
+            await wait_until(lambda: view.knows(honest.peer_id) and view.knows(attacker.peer_id), 20, what="views")
+            view.max_peers = 20
+            topic = attacker.gossip.topic("heartbeat")
+            for _ in range(40):
+                key = protocol.NodeKey.generate()
+                data = protocol.seal(key, attacker.run_id, attacker.make_heartbeat(), now_ms(), 1)
+                attacker.gossip._send(target.peer_id, frames.encode_message(topic, data))
+            await wait_until(lambda: view.introduced_by(attacker.peer_id) >= 17, 20, what="the flood in the view")
+            await wait_until(lambda: view.refused > 0, 20, what="the view full")
+            assert len(view.peers()) == 20
+
+            # A newcomer that reaches the target only through the honest node.
+            newcomer = await net.start(target_peers=1, bootstrap=honest.full_addrs())
+            await wait_until(lambda: view.knows(newcomer.peer_id), 20, what="the newcomer in the full view")
+            assert view.displaced >= 1 and len(view.peers()) <= 20
+            assert view.knows(honest.peer_id)  # the displaced entry was one the attacker brought
+            nursery.cancel_scope.cancel()
+
+
+def test_the_swarm_view_shares_out_its_room_between_introducers():
+    """The rule on its own: introducers end up with equal shares, never one of them all."""
+    view = SwarmView("me", forget_after=1e9, max_peers=10)
+    intro = {"via": "a"}
+    view.introducer = lambda: intro["via"]
+    keys = [protocol.NodeKey.generate() for _ in range(30)]
+
+    def deliver(k: protocol.NodeKey) -> None:
+        view.on_heartbeat(_hb_env(k, now_ms()))
+
+    for k in keys[:15]:
+        deliver(k)
+    assert view.introduced_by("a") == 10 and view.refused == 5  # alone, "a" may fill it
+    intro["via"] = "b"
+    for k in keys[15:]:
+        deliver(k)
+    assert view.introduced_by("a") == 5 and view.introduced_by("b") == 5

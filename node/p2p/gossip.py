@@ -167,7 +167,10 @@ class Gossip:
         self._topic_kind = {topic_name(run_id, k): (k, t) for k, t in TOPIC_TYPES.items()}
         self._kind_topic = {k: tp for tp, (k, _t) in self._topic_kind.items()}
         self._handlers: dict[str, list[Handler]] = {k: [] for k in TOPIC_TYPES}
-        self._queues = {k: trio.open_memory_channel[Envelope](queue_size) for k in TOPIC_TYPES}
+        self._queues = {k: trio.open_memory_channel[tuple[Envelope, str]](queue_size) for k in TOPIC_TYPES}
+        # kind -> the peer that forwarded the message its handlers are being called with (read
+        # by a sync handler during the call: the swarm view charges a new entry to it).
+        self.delivered_from: dict[str, str] = {}
         self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._links: dict[str, _Link] = {}
         # Plumtree state. Every peer with a link is in exactly one of eager / lazy.
@@ -253,8 +256,9 @@ class Gossip:
             await trio.sleep_forever()
 
     async def _dispatch(self, kind: str, recv: trio.MemoryReceiveChannel) -> None:
-        async for env in recv:
+        async for env, fwd in recv:
             for h in list(self._handlers[kind]):
+                self.delivered_from[kind] = fwd
                 try:
                     r = h(env)
                     if inspect.isawaitable(r):
@@ -612,7 +616,7 @@ class Gossip:
             return self._drop("origin_rate", fwd, charge=fwd == env.sender)
         self.metrics.on_accepted(kind)
         try:
-            self._queues[kind][0].send_nowait(env)
+            self._queues[kind][0].send_nowait((env, fwd))
         except trio.WouldBlock:
             self.metrics.on_dropped("local_queue_full")
         self.relayed_frames += 1

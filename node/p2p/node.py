@@ -225,6 +225,8 @@ class Node:
                     self.conns.protected = {self.genesis.trainer, *self.genesis.validators}
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
                 self.gossip.on("heartbeat", self.swarm.on_heartbeat)
+                gossip = self.gossip
+                self.swarm.introducer = lambda: gossip.delivered_from.get("heartbeat")
                 if cfg.learn_addrs_from_heartbeats:
                     self.swarm.listeners.append(self._remember_addrs)
                 async with trio.open_nursery() as nursery:
