@@ -26,7 +26,7 @@ from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.util import now_ms
 from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
 from protocol import gossip as frames
-from protocol.gossip import IHAVE, encode_control
+from protocol.gossip import GRAFT, IHAVE, encode_control
 from tests.test_hostile_floods import _hb_env
 
 
@@ -246,3 +246,34 @@ def test_the_swarm_view_shares_out_its_room_between_introducers():
     for k in keys[15:]:
         deliver(k)
     assert view.introduced_by("a") == 5 and view.introduced_by("b") == 5
+
+
+async def test_a_forwarders_flood_cycles_only_its_share_of_the_graft_cache():
+    """GRAFT cache (recent messages kept to repair lazy links): every message in it is valid,
+    but a neighbour relaying valid messages at its full rate cycled the whole cache, so GRAFTs
+    for everyone else's messages went unanswered. Each forwarder now holds at most
+    ``cache_share`` of it and makes room from its own oldest; an honest message cached before
+    the flood still answers a GRAFT."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=1)
+            target = await net.start()
+            honest = await net.start()
+            attacker = await net.start()
+            third = await net.start()
+            g = target.gossip
+            for n in (honest, attacker, third):
+                await wait_until(lambda n=n: n.gossip.has_stream(target.peer_id), 20, what="gossip links")
+            g.cache_capacity = 40  # a share of 10
+            data = await honest.gossip.publish(tagged_announce(1))
+            honest_id = frames.message_id(data)
+            await wait_until(lambda: honest_id in g._cache, 20, what="the honest message cached")
+            for tag in range(100, 160):
+                await attacker.gossip.publish(tagged_announce(tag))
+            await wait_until(lambda: g.counters["cache_over_share"] >= 50, 20, what="the flood")
+            assert len(g._cache_by[attacker.peer_id].ids) == 10
+            assert honest_id in g._cache
+
+            third.gossip._send(target.peer_id, encode_control(GRAFT, [honest_id]))
+            await wait_until(lambda: g.counters["graft_served"] >= 1, 20, what="the GRAFT answered")
+            nursery.cancel_scope.cancel()

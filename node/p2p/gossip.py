@@ -102,6 +102,14 @@ class _Link:
         self.sent = 0
 
 
+class _Held:
+    """The messages one forwarder has in the GRAFT cache."""
+
+    def __init__(self) -> None:
+        self.ids: collections.deque[bytes] = collections.deque()
+        self.bytes = 0
+
+
 class Gossip:
     """Signed, validated publish/subscribe for one run.
 
@@ -154,6 +162,11 @@ class Gossip:
         self.cache_max_bytes = cache_max_bytes
         self._cache_bytes = 0
         self.cache_ttl_s = cache_ttl_s
+        # One forwarder's messages may take at most this share of the cache's count and bytes:
+        # a peer relaying a valid flood at its full rate would otherwise cycle the whole cache
+        # and leave GRAFTs for everyone else's messages unanswered. Ours are not counted.
+        self.cache_share = 0.25
+        self._cache_by: dict[str, _Held] = {}  # forwarder -> its cached ids (oldest first), bytes
         self.missing_capacity = missing_capacity
         # Missing ids first announced by one peer (its share of ``missing_capacity``): a peer
         # announcing ids it never serves must not push out the ids honest peers announced.
@@ -176,8 +189,9 @@ class Gossip:
         # Plumtree state. Every peer with a link is in exactly one of eager / lazy.
         self._eager: set[str] = set()
         self._lazy: set[str] = set()
-        # id -> (message frame, time): answers GRAFTs (bounded by count and age).
-        self._cache: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        # id -> (message frame, time, forwarder or "" for ours): answers GRAFTs (bounded by
+        # count, bytes and age, and per forwarder).
+        self._cache: collections.OrderedDict[bytes, tuple[bytes, float, str]] = collections.OrderedDict()
         # peer -> ids to announce in its next IHAVE (bounded per peer).
         self._ihave_out: dict[str, list[bytes]] = {}
         # id we lack -> [deadline, peers that announced it, first announcer] (bounded in all and
@@ -332,24 +346,49 @@ class Gossip:
                 if len(ids) < MAX_IDS_PER_FRAME:  # beyond that the peer still has GRAFT from others
                     ids.append(msg_id)
 
-    def _remember(self, msg_id: bytes, frame: bytes) -> None:
-        """Keep ``frame`` to answer GRAFTs: bounded by count, bytes (manifests are large) and age."""
+    def _remember(self, msg_id: bytes, frame: bytes, forwarder: str = "") -> None:
+        """Keep ``frame`` to answer GRAFTs: bounded by count, bytes (manifests are large) and age,
+        and per forwarder: past its share (``cache_share`` of count and bytes) a forwarder's
+        own oldest entries make room, never other peers' (GRAFTs come within a second or two
+        of a message, so the newest are the ones worth keeping)."""
         now = time.monotonic()
         if msg_id in self._cache:
             return
-        self._cache[msg_id] = (frame, now)
+        if forwarder:
+            held = self._cache_by.setdefault(forwarder, _Held())
+            while held.ids and (
+                len(held.ids) + 1 > self.cache_capacity * self.cache_share
+                or held.bytes + len(frame) > self.cache_max_bytes * self.cache_share
+            ):
+                self.counters["cache_over_share"] += 1
+                self._uncache(held.ids[0])
+            held = self._cache_by.setdefault(forwarder, _Held())
+            held.ids.append(msg_id)
+            held.bytes += len(frame)
+        self._cache[msg_id] = (frame, now, forwarder)
         self._cache_bytes += len(frame)
         while self._cache:
-            _oldest, (f, t) = next(iter(self._cache.items()))
+            oldest, (_f, t, _fwd) = next(iter(self._cache.items()))
             if (
                 len(self._cache) > self.cache_capacity
                 or self._cache_bytes > self.cache_max_bytes
                 or now - t > self.cache_ttl_s
             ):
-                self._cache.popitem(last=False)
-                self._cache_bytes -= len(f)
+                self._uncache(oldest)
             else:
                 break
+
+    def _uncache(self, msg_id: bytes) -> None:
+        """Drop one cached message. Insertion order is the same in the cache and in each
+        forwarder's list, so the entry is at the head of its forwarder's list."""
+        frame, _t, fwd = self._cache.pop(msg_id)
+        self._cache_bytes -= len(frame)
+        if fwd:
+            held = self._cache_by[fwd]
+            held.ids.popleft()
+            held.bytes -= len(frame)
+            if not held.ids:
+                del self._cache_by[fwd]
 
     def _make_eager(self, pid: str) -> None:
         if pid in self._links:
@@ -621,7 +660,7 @@ class Gossip:
             self.metrics.on_dropped("local_queue_full")
         self.relayed_frames += 1
         self._forget_missing(msg_id)
-        self._remember(msg_id, frame)
+        self._remember(msg_id, frame, fwd)
         self._make_eager(fwd)  # the path that delivered first stays in the tree
         self._dup_streak.pop(fwd, None)
         self._pass_on(msg_id, frame, exclude=(fwd, env.sender))
