@@ -8,6 +8,7 @@ handlers the test drives by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import trio
@@ -20,11 +21,12 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 
 import protocol
 from node.p2p.gossip import GOSSIP_PROTOCOL, MAX_INBOUND_STREAMS_PER_PEER
+from node.p2p.host import closing_host, make_host, parse_peer_addr
 from node.p2p.nat import NatConfig
 from node.p2p.swarm import SwarmView
 from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.util import now_ms
-from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
+from protocol import Envelope, HaveEntry, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
 from protocol import gossip as frames
 from protocol.gossip import GRAFT, IHAVE, encode_control
 from tests.test_hostile_floods import _hb_env
@@ -276,4 +278,48 @@ async def test_a_forwarders_flood_cycles_only_its_share_of_the_graft_cache():
 
             third.gossip._send(target.peer_id, encode_control(GRAFT, [honest_id]))
             await wait_until(lambda: g.counters["graft_served"] >= 1, 20, what="the GRAFT answered")
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_never_reads_its_gossip_holds_one_send_queue_then_is_cut_loose():
+    """Per-peer send queue: a peer that accepts our gossip stream and never reads fills the
+    transport's window and then its own queue (``peer_queue_size`` frames), never anyone
+    else's; at the bound it is disconnected, and an honest peer receives every message."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=2)
+            target = await net.start()
+            honest = await net.start(target_peers=1)
+            await net.wait_connected([target, honest], min_peers=1)
+            g = target.gossip
+            g.peer_queue_size = 8
+
+            async def hold(stream) -> None:  # accept, never read
+                await trio.sleep_forever()
+
+            key = protocol.NodeKey.generate()
+            sink = make_host(key)
+            sink.set_stream_handler(GOSSIP_PROTOCOL, hold)
+            sink_done = trio.Event()
+
+            async def run_sink(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                async with closing_host(sink, ["/ip4/127.0.0.1/tcp/0"]):
+                    task_status.started()
+                    await sink_done.wait()
+
+            await nursery.start(run_sink)
+            await sink.connect(parse_peer_addr(target.full_addrs()[0]))
+            await wait_until(lambda: g.has_stream(key.peer_id), 20, what="the target's stream to the sink")
+
+            got: list[int] = []
+            honest.gossip.on("heartbeat", lambda env: env.sender == target.peer_id and got.append(env.body.step))
+            for step in range(40):
+                have = (HaveEntry(version=1, root=bytes(32), bitmap=os.urandom(60 * 1024)),)
+                hb = dataclasses.replace(target.make_heartbeat(), have=have, step=step)
+                await g.publish(hb)
+                await trio.sleep(0.01)
+            await wait_until(lambda: key.peer_id not in target.conns.connected(), 20, what="the sink cut loose")
+            assert target.metrics.dropped["peer_queue_full"] >= 1
+            await wait_until(lambda: set(range(40)) <= set(got), 30, what="every message at the honest peer")
+            sink_done.set()
             nursery.cancel_scope.cancel()
