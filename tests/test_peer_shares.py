@@ -22,7 +22,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 import protocol
 from node.p2p.gossip import GOSSIP_PROTOCOL, MAX_INBOUND_STREAMS_PER_PEER
 from node.p2p.host import closing_host, make_host, parse_peer_addr
-from node.p2p.nat import NatConfig
+from node.p2p.nat import DialBackAutoNAT, NatConfig
 from node.p2p.swarm import SwarmView
 from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.util import now_ms
@@ -323,3 +323,17 @@ async def test_a_peer_that_never_reads_its_gossip_holds_one_send_queue_then_is_c
             await wait_until(lambda: set(range(40)) <= set(got), 30, what="every message at the honest peer")
             sink_done.set()
             nursery.cancel_scope.cancel()
+
+
+async def test_dial_backs_are_one_per_peer_per_interval_and_others_are_still_served():
+    """AutoNAT dial-backs (each a TCP connection and a Noise handshake from us): one per
+    requesting peer every DIAL_BACK_EVERY_S, at most DIAL_BACK_MAX_ADDRS addresses each; a
+    peer asking in a loop is refused while another peer is served."""
+    server = DialBackAutoNAT(make_host(protocol.NodeKey.generate()), timeout=1.0)
+    asker, other = (ID.from_base58(protocol.NodeKey.generate().peer_id) for _ in range(2))
+    assert await server._try_dial(asker, []) is None  # served (nothing to dial)
+    for _ in range(10):
+        await server._try_dial(asker, [])
+    assert (server.served, server.refused) == (1, 10)
+    await server._try_dial(other, [])
+    assert (server.served, server.refused) == (2, 10)
