@@ -337,3 +337,45 @@ async def test_dial_backs_are_one_per_peer_per_interval_and_others_are_still_ser
     assert (server.served, server.refused) == (1, 10)
     await server._try_dial(other, [])
     assert (server.served, server.refused) == (2, 10)
+
+
+async def test_one_dialer_holds_a_quarter_of_the_circuits_to_a_relayed_peer():
+    """Circuits through a relay to a NAT'd peer: the reservation allows ``max_circuits_per_peer``
+    at once, shared by every dialer, and one dialer holding them all cut the peer off. Each
+    dialer now holds at most a quarter; an honest dialer still reaches the peer."""
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            net = NodeFactory(nursery, target_peers=3)
+            relay = await net.start(nat=NatConfig(mode="public", hole_punch=False, max_circuits_per_peer=8))
+            assert relay.nat is not None
+            served = relay.nat.relay
+            await wait_until(lambda: served.serving, 20, what="the relay serving")
+            private = NatConfig(mode="private", relays=1, first_check_s=0.1, hole_punch=False)
+            hidden = await net.start(target_peers=1, nat=private)
+            assert hidden.nat is not None
+            await wait_until(lambda: relay.peer_id in hidden.nat.relays, 20, what="the reservation")
+            circuit = hidden.nat.relays[relay.peer_id][0]
+
+            attacker = await net.start(target_peers=1)
+            rid = ID.from_base58(relay.peer_id)
+            answers = []
+            held = []
+            for _ in range(8):  # CONNECTs that are never followed by a handshake
+                stream = await attacker.host.new_stream(rid, [HOP_PROTOCOL_ID])
+                dst = CircuitPeerId(id=ID.from_base58(hidden.peer_id).to_bytes())
+                await write_delimited_msg(stream, HopMessage(type=HopMessage.CONNECT, peer=dst))
+                try:
+                    answers.append((await read_delimited_msg(stream, HopMessage)).status)
+                except Exception:
+                    answers.append(-1)  # reset
+                held.append(stream)
+            ok = to_proto_status(StatusCode.OK)
+            assert answers.count(ok) == served.max_circuits_per_dialer == 2, answers
+            assert served.circuits_refused == 6
+
+            dialer = await net.start(target_peers=1, nat=NatConfig(mode="public", hole_punch=False))
+            assert dialer.nat is not None
+            with trio.fail_after(15):
+                await dialer.nat.dial_via_relay(hidden.peer_id, [circuit])
+            assert dialer.nat.relay_dials["ok"] == 1
+            nursery.cancel_scope.cancel()

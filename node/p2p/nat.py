@@ -203,6 +203,11 @@ class LimitedRelay(CircuitV2Protocol):
         self.reservations_refused = 0
         self.reservations_freed = 0  # slots of disconnected peers given to newcomers
         self.foreign_names_cleared = 0  # reservation requests naming a peer other than the asker
+        # Circuits one dialer holds open to one reserved peer: a quarter of the reservation's
+        # ``max_circuit_conns``, so one dialer cannot hold every circuit to a NAT'd peer.
+        self.max_circuits_per_dialer = max(1, limits.max_circuit_conns // 4)
+        self._circuits: dict[tuple[str, bytes], int] = {}
+        self.circuits_refused = 0
 
     async def _read_stream_with_retry(self, stream: INetStream, max_retries: int = 3) -> bytes | None:
         data = await super()._read_stream_with_retry(stream, max_retries)
@@ -232,6 +237,33 @@ class LimitedRelay(CircuitV2Protocol):
                 msg.ClearField("peer")
         self._free_slots_of_gone_peers()
         await super()._handle_reserve(stream, msg)
+
+    async def _handle_connect(self, stream: INetStream, msg: Any) -> None:
+        """The library's CONNECT (it returns when the circuit ends), with a cap per dialer and
+        destination: the reservation's circuits are shared by every peer that dials it."""
+        try:
+            key = (stream.muxed_conn.peer_id.to_base58(), bytes(msg.peer.id))
+        except Exception:
+            await super()._handle_connect(stream, msg)
+            return
+        if self._circuits.get(key, 0) >= self.max_circuits_per_dialer:
+            self.circuits_refused += 1
+            await self._send_status(
+                stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, "too many circuits from you to this peer"
+            )
+            await trio.sleep(0.5)  # as the library does: let the status reach the dialer first
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            return
+        self._circuits[key] = self._circuits.get(key, 0) + 1
+        try:
+            await super()._handle_connect(stream, msg)
+        finally:
+            left = self._circuits.get(key, 1) - 1
+            if left > 0:
+                self._circuits[key] = left
+            else:
+                self._circuits.pop(key, None)
 
     def _free_slots_of_gone_peers(self) -> None:
         table = getattr(self.resource_manager, "_reservations", None)
