@@ -232,8 +232,12 @@ async def test_a_holder_dials_only_an_ip_address_the_requester_owns(tmp_path):
             for _ in range(cp.server.max_connections_per_peer):
                 assert ask("198.18.0.7").ok  # control: its own address (the dials fail: port 9)
             assert ask("198.18.0.7").reason.startswith("busy")  # per-requester cap, dials in flight
+            other = ReverseChunkRequest(
+                version=1, root=st.root, chunk_indices=(0,), ticket=bytes(32), host="198.18.0.8", port=9
+            )
+            assert cp.grant_reverse(keys(9)[7].peer_id, other, {"198.18.0.8"}).ok  # control: another requester
             nursery.cancel_scope.cancel()
-    assert cp.server.reverse["granted"] == cp.server.max_connections_per_peer
+    assert cp.server.reverse["granted"] == cp.server.max_connections_per_peer + 1
 
 
 async def test_a_fetcher_that_is_not_reachable_asks_no_holder_behind_nat(tmp_path):

@@ -78,6 +78,7 @@ async def test_chunk_tickets_are_bounded_per_peer_and_in_total():
     for _ in range(1000):  # one peer asking for tickets it never uses
         assert server.grant_ticket("hoarder", req).ok
     assert sum(1 for t in server.tickets.values() if t.peer_id == "hoarder") <= server.max_tickets_per_peer + 64
+    assert server.grant_ticket("honest", req).ok  # control: another peer is served beside the hoarder
     refused = 0
     for i in range(1000):  # many fresh identities
         refused += not server.grant_ticket(f"sybil-{i}", req).ok

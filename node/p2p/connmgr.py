@@ -60,6 +60,9 @@ class BookEntry:
     fails: int = 0
     next_try: float = 0.0
     last_error: str = ""
+    # The peer whose peer-exchange answer named this entry; "" once the entry came from the
+    # bootstrap list or a heartbeat of the peer itself (its own signed word).
+    source: str = ""
 
 
 class ConnectionManager:
@@ -83,6 +86,8 @@ class ConnectionManager:
         my_addrs: Callable[[], list[str]] = lambda: [],
         has_gossip_stream: Callable[[str], bool] = lambda peer_id: True,
         gossip_grace: float = 5.0,
+        keep_without_gossip: Callable[[str], bool] = lambda peer_id: False,
+        clock: Callable[[], float] = time.monotonic,
         max_connections: int | None = None,
         probe_interval: float = 30.0,
         learn_from_heartbeats: bool = True,
@@ -103,9 +108,21 @@ class ConnectionManager:
         self.my_addrs = my_addrs
         self.has_gossip_stream = has_gossip_stream
         self.gossip_grace = gossip_grace
+        # Peers kept although they carry no gossip: a relay we hold a reservation on (a generic
+        # libp2p relay speaks no primenode gossip; dropping it would drop the reservation and,
+        # with it, the only address a NAT'd node can advertise). Set by the node from NatService.
+        self.keep_without_gossip = keep_without_gossip
+        # The gossip watchdog's clock (tests drive it past several grace periods without sleeping).
+        self.clock = clock
         self._no_stream_since: dict[str, float] = {}
+        self.dropped_no_gossip = 0
+        self.rounds = 0  # loop iterations done (tests wait on it)
         self.book: dict[str, BookEntry] = {}
         self.max_book = 2048  # bounded: heartbeats and peer exchange from free identities feed it
+        # Entries one peer's exchange answers may hold: a peer answering with fresh names in a
+        # loop (32 per answer) would otherwise fill the book and push out what others told us.
+        self.max_book_per_source = 256
+        self._by_source: dict[str, int] = {}
         # Inbound connections are accepted by libp2p without limit; beyond this many the
         # newest unprotected ones are closed (protected: bootstrap, and the genesis roles
         # the node puts in ``protected``).
@@ -162,21 +179,46 @@ class ConnectionManager:
         return e.addrs[0] if e and e.addrs else None
 
     # ---------------------------------------------------------- learning
-    def _learn(self, peer_id: str, addrs: list[str]) -> None:
+    def _learn(self, peer_id: str, addrs: list[str], source: str = "") -> None:
+        """Record ``addrs`` for ``peer_id``; ``source``: the peer whose exchange answer said so
+        ("" for the bootstrap list and heartbeats)."""
         if peer_id == self.my_id or not addrs:
             return
         addrs = [strip_peer_id(a) for a in addrs][:8]
         e = self.book.get(peer_id)
         if e is None:
+            if source and self._by_source.get(source, 0) >= self.max_book_per_source:
+                return
             if len(self.book) >= self.max_book:
                 self._trim_book()
                 if len(self.book) >= self.max_book:
                     return
-            self.book[peer_id] = BookEntry(list(addrs), time.monotonic())
+            self.book[peer_id] = BookEntry(list(addrs), time.monotonic(), source=source)
+            if source:
+                self._by_source[source] = self._by_source.get(source, 0) + 1
         else:
+            if source and e.source != source and e.fails == 0:
+                # Another peer's word does not move a working entry (a hostile answer could
+                # otherwise point an honest peer's entry anywhere); a failing one it may repair.
+                return
             if e.addrs != addrs:
                 e.addrs = list(addrs)
             e.updated = time.monotonic()
+            if not source and e.source:
+                self._release_source(e)  # the peer's own heartbeat or the bootstrap list: ours now
+
+    def _release_source(self, e: BookEntry) -> None:
+        left = self._by_source.get(e.source, 0) - 1
+        if left > 0:
+            self._by_source[e.source] = left
+        else:
+            self._by_source.pop(e.source, None)
+        e.source = ""
+
+    def _forget(self, peer_id: str) -> None:
+        e = self.book.pop(peer_id, None)
+        if e is not None and e.source:
+            self._release_source(e)
 
     def _relay_only(self, peer_id: str) -> bool:
         e = self.book.get(peer_id)
@@ -189,7 +231,7 @@ class ConnectionManager:
         cands = [p for p in self.book if p not in keep]
         cands.sort(key=lambda p: (-self.book[p].fails, self.book[p].updated))
         for pid in cands[: max(1, len(self.book) // 4)]:
-            del self.book[pid]
+            self._forget(pid)
 
     def _on_peer_state(self, st: PeerState) -> None:
         e = self.book.get(st.peer_id)
@@ -270,7 +312,7 @@ class ConnectionManager:
         excess = len(live) - self.max_connections
         if excess <= 0:
             return set()
-        keep = set(self.bootstrap_ids) | self.protected
+        keep = set(self.bootstrap_ids) | self.protected | {p for p in live if self.keep_without_gossip(p)}
         # Newest first, but from the busiest IP address first: one host holding many identities
         # cannot push everyone else's (newer) connections out of the table.
         ips = {p: peer_ip(self.host, p) for p in live if p not in keep}
@@ -282,6 +324,46 @@ class ConnectionManager:
             self.metrics.dials.labels("trimmed").inc()
             nursery.start_soon(self._disconnect, pid)
         return drop
+
+    def check_gossip_grace(self, live: set[str]) -> list[str]:
+        """The connected peers to drop because gossip cannot flow to them: no gossip stream for
+        ``gossip_grace`` seconds (by :attr:`clock`).
+
+        Two kinds of peer end up here: a primenode peer whose stream py-libp2p lost when it
+        trimmed a duplicate connection (dropping it makes a fresh connection), and a peer that
+        does not speak primenode gossip at all (a generic libp2p node: it would hold a
+        connection slot and give us nothing). Each drop is one INFO line with the reason. A peer
+        in :attr:`keep_without_gossip` (a relay we hold a reservation on) is never dropped here:
+        its connection *is* the reservation.
+        """
+        now = self.clock()
+        drop = []
+        for pid in live:
+            if self.has_gossip_stream(pid) or self.keep_without_gossip(pid):
+                self._no_stream_since.pop(pid, None)
+            elif now - self._no_stream_since.setdefault(pid, now) > self.gossip_grace:
+                self._no_stream_since.pop(pid, None)
+                self.dropped_no_gossip += 1
+                self.metrics.dials.labels("dropped_no_gossip").inc()
+                log.info("dropping %s: %s", pid, self._no_gossip_reason(pid))
+                drop.append(pid)
+        for pid in list(self._no_stream_since):
+            if pid not in live:
+                del self._no_stream_since[pid]
+        return drop
+
+    def _no_gossip_reason(self, peer_id: str) -> str:
+        """Why a peer carries no gossip, in words: what identify says it offers, if it said."""
+        grace = f"no primenode gossip stream after {self.gossip_grace:g} s"
+        try:
+            protos = [str(p) for p in self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))]
+        except Exception:
+            protos = []
+        if not protos:
+            return grace
+        if any(p.startswith("/primenode/") for p in protos):
+            return grace + " (a primenode peer: a fresh connection will be made)"
+        return grace + " (not a primenode node: it offers only " + ", ".join(sorted(protos)[:6]) + ")"
 
     async def _try_dial(self, peer_id: str) -> None:
         try:
@@ -324,7 +406,7 @@ class ConnectionManager:
         for pa in env.body.peers:
             if pa.peer_id not in self.book and pa.peer_id != self.my_id:
                 new += 1
-            self._learn(pa.peer_id, list(pa.addrs))
+            self._learn(pa.peer_id, list(pa.addrs), source=peer_id)
         return new
 
     async def _px_one(self, peer_id: str) -> None:
@@ -405,21 +487,11 @@ class ConnectionManager:
                 for gone in (set(self._px_asked) | set(self.latency_ms)) - live:
                     self._px_asked.pop(gone, None)
                     self.latency_ms.pop(gone, None)
-                # Watchdog: a connection without a pubsub stream after a grace period
-                # (py-libp2p sometimes loses it when a duplicate connection is trimmed)
-                # carries no gossip: drop it so a fresh one is made.
-                for pid in live:
-                    if self.has_gossip_stream(pid):
-                        self._no_stream_since.pop(pid, None)
-                    elif now - self._no_stream_since.setdefault(pid, now) > self.gossip_grace:
-                        self._no_stream_since.pop(pid, None)
-                        self.metrics.dials.labels("dropped_no_gossip").inc()
-                        nursery.start_soon(self._disconnect, pid)
-                for pid in list(self._no_stream_since):
-                    if pid not in live:
-                        del self._no_stream_since[pid]
+                for pid in self.check_gossip_grace(live):
+                    nursery.start_soon(self._disconnect, pid)
                 # forget long-dead, never-reached entries (not bootstrap)
                 for pid, e in list(self.book.items()):
                     if pid not in self.bootstrap_ids and e.fails >= 8 and now - e.updated > self.forget_after:
-                        del self.book[pid]
+                        self._forget(pid)
+                self.rounds += 1
                 await trio.sleep(self.interval)

@@ -74,6 +74,13 @@ READ_CHUNK_BYTES = 256 * 1024
 PARTIAL_FRAME_TIMEOUT_S = 30.0  # a frame that has started must be complete by then (slow senders are cut)
 PRUNE_AFTER = 3  # duplicates in a row from an eager peer before it is pruned
 MIN_EAGER = 2  # never prune below this many eager links
+# A peer whose identify lists protocols but not ours (a generic libp2p relay we hold a
+# reservation on) is not sent gossip; we look again this often (it may add the protocol).
+NO_GOSSIP_RECHECK_S = 30.0
+# Inbound gossip streams one peer may hold open at once. An honest peer keeps one (a second
+# one briefly while it replaces a failed stream); each held stream may buffer a frame of up to
+# 1 MiB for PARTIAL_FRAME_TIMEOUT_S, so without a cap one peer could hold memory without bound.
+MAX_INBOUND_STREAMS_PER_PEER = 4
 
 Handler = Callable[[Envelope], Any]
 
@@ -90,8 +97,17 @@ class _Link:
         self.send, self.recv = trio.open_memory_channel[bytes](queue_size)
         self.scope = trio.CancelScope()
         self.stream_ok = False
+        self.foreign = False  # identify says the peer does not speak our gossip
         self.created = time.monotonic()
         self.sent = 0
+
+
+class _Held:
+    """The messages one forwarder has in the GRAFT cache."""
+
+    def __init__(self) -> None:
+        self.ids: collections.deque[bytes] = collections.deque()
+        self.bytes = 0
 
 
 class Gossip:
@@ -126,6 +142,7 @@ class Gossip:
         cache_max_bytes: int = 64 * 1024 * 1024,
         cache_ttl_s: float = 120.0,
         missing_capacity: int = 20_000,
+        missing_per_peer: int = MAX_IDS_PER_FRAME,
     ) -> None:
         self.host = host
         self.key = key
@@ -145,7 +162,17 @@ class Gossip:
         self.cache_max_bytes = cache_max_bytes
         self._cache_bytes = 0
         self.cache_ttl_s = cache_ttl_s
+        # One forwarder's messages may take at most this share of the cache's count and bytes:
+        # a peer relaying a valid flood at its full rate would otherwise cycle the whole cache
+        # and leave GRAFTs for everyone else's messages unanswered. Ours are not counted.
+        self.cache_share = 0.25
+        self._cache_by: dict[str, _Held] = {}  # forwarder -> its cached ids (oldest first), bytes
         self.missing_capacity = missing_capacity
+        # Missing ids first announced by one peer (its share of ``missing_capacity``): a peer
+        # announcing ids it never serves must not push out the ids honest peers announced.
+        self.missing_per_peer = missing_per_peer
+        self._missing_by: collections.Counter[str] = collections.Counter()
+        self._inbound: collections.Counter[str] = collections.Counter()  # open inbound streams per peer
         # kind -> the only senders whose messages of that kind count (from the genesis):
         # checkpoints from the trainer, votes from validators, bans from either.
         self.authorised = authorised or {}
@@ -153,17 +180,22 @@ class Gossip:
         self._topic_kind = {topic_name(run_id, k): (k, t) for k, t in TOPIC_TYPES.items()}
         self._kind_topic = {k: tp for tp, (k, _t) in self._topic_kind.items()}
         self._handlers: dict[str, list[Handler]] = {k: [] for k in TOPIC_TYPES}
-        self._queues = {k: trio.open_memory_channel[Envelope](queue_size) for k in TOPIC_TYPES}
+        self._queues = {k: trio.open_memory_channel[tuple[Envelope, str]](queue_size) for k in TOPIC_TYPES}
+        # kind -> the peer that forwarded the message its handlers are being called with (read
+        # by a sync handler during the call: the swarm view charges a new entry to it).
+        self.delivered_from: dict[str, str] = {}
         self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._links: dict[str, _Link] = {}
         # Plumtree state. Every peer with a link is in exactly one of eager / lazy.
         self._eager: set[str] = set()
         self._lazy: set[str] = set()
-        # id -> (message frame, time): answers GRAFTs (bounded by count and age).
-        self._cache: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        # id -> (message frame, time, forwarder or "" for ours): answers GRAFTs (bounded by
+        # count, bytes and age, and per forwarder).
+        self._cache: collections.OrderedDict[bytes, tuple[bytes, float, str]] = collections.OrderedDict()
         # peer -> ids to announce in its next IHAVE (bounded per peer).
         self._ihave_out: dict[str, list[bytes]] = {}
-        # id we lack -> [deadline, peers that announced it] (bounded).
+        # id we lack -> [deadline, peers that announced it, first announcer] (bounded in all and
+        # per first announcer).
         self._missing: collections.OrderedDict[bytes, list] = collections.OrderedDict()
         self._dup_streak: dict[str, int] = {}  # eager peer -> duplicates in a row from it
         self.counters: collections.Counter[str] = collections.Counter()
@@ -238,8 +270,9 @@ class Gossip:
             await trio.sleep_forever()
 
     async def _dispatch(self, kind: str, recv: trio.MemoryReceiveChannel) -> None:
-        async for env in recv:
+        async for env, fwd in recv:
             for h in list(self._handlers[kind]):
+                self.delivered_from[kind] = fwd
                 try:
                     r = h(env)
                     if inspect.isawaitable(r):
@@ -283,8 +316,8 @@ class Gossip:
 
     def _send(self, pid: str, frame: bytes) -> None:
         link = self._links.get(pid)
-        if link is None:
-            return
+        if link is None or link.foreign:
+            return  # a peer that does not speak gossip: nothing to queue (it would only fill up)
         try:
             link.send.send_nowait(frame)
         except trio.WouldBlock:
@@ -313,24 +346,49 @@ class Gossip:
                 if len(ids) < MAX_IDS_PER_FRAME:  # beyond that the peer still has GRAFT from others
                     ids.append(msg_id)
 
-    def _remember(self, msg_id: bytes, frame: bytes) -> None:
-        """Keep ``frame`` to answer GRAFTs: bounded by count, bytes (manifests are large) and age."""
+    def _remember(self, msg_id: bytes, frame: bytes, forwarder: str = "") -> None:
+        """Keep ``frame`` to answer GRAFTs: bounded by count, bytes (manifests are large) and age,
+        and per forwarder: past its share (``cache_share`` of count and bytes) a forwarder's
+        own oldest entries make room, never other peers' (GRAFTs come within a second or two
+        of a message, so the newest are the ones worth keeping)."""
         now = time.monotonic()
         if msg_id in self._cache:
             return
-        self._cache[msg_id] = (frame, now)
+        if forwarder:
+            held = self._cache_by.setdefault(forwarder, _Held())
+            while held.ids and (
+                len(held.ids) + 1 > self.cache_capacity * self.cache_share
+                or held.bytes + len(frame) > self.cache_max_bytes * self.cache_share
+            ):
+                self.counters["cache_over_share"] += 1
+                self._uncache(held.ids[0])
+            held = self._cache_by.setdefault(forwarder, _Held())
+            held.ids.append(msg_id)
+            held.bytes += len(frame)
+        self._cache[msg_id] = (frame, now, forwarder)
         self._cache_bytes += len(frame)
         while self._cache:
-            _oldest, (f, t) = next(iter(self._cache.items()))
+            oldest, (_f, t, _fwd) = next(iter(self._cache.items()))
             if (
                 len(self._cache) > self.cache_capacity
                 or self._cache_bytes > self.cache_max_bytes
                 or now - t > self.cache_ttl_s
             ):
-                self._cache.popitem(last=False)
-                self._cache_bytes -= len(f)
+                self._uncache(oldest)
             else:
                 break
+
+    def _uncache(self, msg_id: bytes) -> None:
+        """Drop one cached message. Insertion order is the same in the cache and in each
+        forwarder's list, so the entry is at the head of its forwarder's list."""
+        frame, _t, fwd = self._cache.pop(msg_id)
+        self._cache_bytes -= len(frame)
+        if fwd:
+            held = self._cache_by[fwd]
+            held.ids.popleft()
+            held.bytes -= len(frame)
+            if not held.ids:
+                del self._cache_by[fwd]
 
     def _make_eager(self, pid: str) -> None:
         if pid in self._links:
@@ -358,16 +416,16 @@ class Gossip:
             now = trio.current_time()
             wanted: dict[str, list[bytes]] = {}
             for msg_id, entry in list(self._missing.items()):
-                deadline, announcers = entry
+                deadline, announcers, _owner = entry
                 if msg_id in self._seen:
-                    del self._missing[msg_id]
+                    self._forget_missing(msg_id)
                     continue
                 if deadline > now:
                     continue
                 while announcers and announcers[0] not in self._links:
                     announcers.pop(0)
                 if not announcers:
-                    del self._missing[msg_id]  # nobody left to ask; a later IHAVE starts over
+                    self._forget_missing(msg_id)  # nobody left to ask; a later IHAVE starts over
                     continue
                 pid = announcers.pop(0)
                 wanted.setdefault(pid, []).append(msg_id)
@@ -384,6 +442,14 @@ class Gossip:
                 await self.host.disconnect(ID.from_base58(pid))
         except Exception:
             pass
+
+    def _may_speak_gossip(self, peer_id: str) -> bool:
+        """False only when identify listed the peer's protocols and ours is not among them."""
+        try:
+            protos = self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))
+        except Exception:
+            return True  # nothing known yet: try
+        return not protos or GOSSIP_PROTOCOL in [str(p) for p in protos]
 
     @staticmethod
     def _take_batch(link: _Link, first: bytes) -> tuple[bytes, int]:
@@ -405,6 +471,20 @@ class Gossip:
         backoff = 0.05
         with link.scope:
             while True:
+                if not self._may_speak_gossip(link.peer_id):
+                    # Opening a stream would fail every time (and py-libp2p logs each failure
+                    # at ERROR); the connection manager decides whether to keep the peer.
+                    link.foreign, link.stream_ok, pending = True, False, None
+                    self._make_lazy(link.peer_id)
+                    self._ihave_out.pop(link.peer_id, None)
+                    while True:
+                        try:
+                            link.recv.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                    await trio.sleep(NO_GOSSIP_RECHECK_S)
+                    continue
+                link.foreign = False
                 stream = None
                 try:
                     with trio.fail_after(self.write_timeout):
@@ -434,6 +514,24 @@ class Gossip:
     # ------------------------------------------------------------- inbound
     async def _handle_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id.to_base58()
+        if self._inbound[peer] >= MAX_INBOUND_STREAMS_PER_PEER:
+            # Not charged: an honest peer replacing failed streams can briefly hold several.
+            self.counters["streams_refused"] += 1
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+            return
+        self._inbound[peer] += 1
+        try:
+            await self._read_stream(peer, stream)
+        finally:
+            self._inbound[peer] -= 1
+            if self._inbound[peer] <= 0:
+                del self._inbound[peer]
+
+    async def _read_stream(self, peer: str, stream: INetStream) -> None:
         buf = bytearray()
         partial_deadline: float | None = None
         try:
@@ -472,6 +570,14 @@ class Gossip:
             log.debug("gossip stream from %s ended: %r", peer, exc)
         finally:
             await aclose_shielded(stream.close, 1)
+
+    def _forget_missing(self, msg_id: bytes) -> None:
+        entry = self._missing.pop(msg_id, None)
+        if entry is not None:
+            owner = entry[2]
+            self._missing_by[owner] -= 1
+            if self._missing_by[owner] <= 0:
+                del self._missing_by[owner]
 
     def _mark_seen(self, msg_id: bytes) -> None:
         now = time.monotonic()
@@ -549,12 +655,12 @@ class Gossip:
             return self._drop("origin_rate", fwd, charge=fwd == env.sender)
         self.metrics.on_accepted(kind)
         try:
-            self._queues[kind][0].send_nowait(env)
+            self._queues[kind][0].send_nowait((env, fwd))
         except trio.WouldBlock:
             self.metrics.on_dropped("local_queue_full")
         self.relayed_frames += 1
-        self._missing.pop(msg_id, None)
-        self._remember(msg_id, frame)
+        self._forget_missing(msg_id)
+        self._remember(msg_id, frame, fwd)
         self._make_eager(fwd)  # the path that delivered first stays in the tree
         self._dup_streak.pop(fwd, None)
         self._pass_on(msg_id, frame, exclude=(fwd, env.sender))
@@ -583,9 +689,13 @@ class Gossip:
                     continue
                 entry = self._missing.get(msg_id)
                 if entry is None:
+                    if self._missing_by[fwd] >= self.missing_per_peer:
+                        self.counters["ihave_over_share"] += 1
+                        continue  # its share is full; other announcers of the id still count
                     if len(self._missing) >= self.missing_capacity:
-                        self._missing.popitem(last=False)
-                    self._missing[msg_id] = [deadline, [fwd]]
+                        self._forget_missing(next(iter(self._missing)))
+                    self._missing[msg_id] = [deadline, [fwd], fwd]
+                    self._missing_by[fwd] += 1
                 elif fwd not in entry[1] and len(entry[1]) < 16:
                     entry[1].append(fwd)
         return False

@@ -201,6 +201,13 @@ class LimitedRelay(CircuitV2Protocol):
         self.rate_bytes_s = rate_bytes_s
         self.bytes_relayed = 0
         self.reservations_refused = 0
+        self.reservations_freed = 0  # slots of disconnected peers given to newcomers
+        self.foreign_names_cleared = 0  # reservation requests naming a peer other than the asker
+        # Circuits one dialer holds open to one reserved peer: a quarter of the reservation's
+        # ``max_circuit_conns``, so one dialer cannot hold every circuit to a NAT'd peer.
+        self.max_circuits_per_dialer = max(1, limits.max_circuit_conns // 4)
+        self._circuits: dict[tuple[str, bytes], int] = {}
+        self.circuits_refused = 0
 
     async def _read_stream_with_retry(self, stream: INetStream, max_retries: int = 3) -> bytes | None:
         data = await super()._read_stream_with_retry(stream, max_retries)
@@ -211,11 +218,62 @@ class LimitedRelay(CircuitV2Protocol):
         return data
 
     async def _handle_reserve(self, stream: INetStream, msg: Any) -> None:
+        """A reservation is for the peer that asks, one per peer, while it stays connected.
+
+        py-libp2p 0.8.1 reserves for whatever peer id the request's optional ``peer`` field
+        names, so one connection could take every slot under fresh names: the field is
+        cleared, and the library falls back to the connection's authenticated peer. When the
+        table is full, slots of peers no longer connected (a reservation is useless without
+        its connection, but the library keeps it for its whole TTL) are freed first.
+        """
         if not self.serving:
             self.reservations_refused += 1
             await self._send_status(stream, StatusCode.RESERVATION_REFUSED, "not serving as a relay (not public)")
             return
+        with contextlib.suppress(Exception):
+            if msg.HasField("peer"):
+                if msg.peer.id != stream.muxed_conn.peer_id.to_bytes():
+                    self.foreign_names_cleared += 1
+                msg.ClearField("peer")
+        self._free_slots_of_gone_peers()
         await super()._handle_reserve(stream, msg)
+
+    async def _handle_connect(self, stream: INetStream, msg: Any) -> None:
+        """The library's CONNECT (it returns when the circuit ends), with a cap per dialer and
+        destination: the reservation's circuits are shared by every peer that dials it."""
+        try:
+            key = (stream.muxed_conn.peer_id.to_base58(), bytes(msg.peer.id))
+        except Exception:
+            await super()._handle_connect(stream, msg)
+            return
+        if self._circuits.get(key, 0) >= self.max_circuits_per_dialer:
+            self.circuits_refused += 1
+            await self._send_status(
+                stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, "too many circuits from you to this peer"
+            )
+            await trio.sleep(0.5)  # as the library does: let the status reach the dialer first
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            return
+        self._circuits[key] = self._circuits.get(key, 0) + 1
+        try:
+            await super()._handle_connect(stream, msg)
+        finally:
+            left = self._circuits.get(key, 1) - 1
+            if left > 0:
+                self._circuits[key] = left
+            else:
+                self._circuits.pop(key, None)
+
+    def _free_slots_of_gone_peers(self) -> None:
+        table = getattr(self.resource_manager, "_reservations", None)
+        if not isinstance(table, dict) or len(table) < self.resource_manager.limits.max_reservations:
+            return
+        network = self.host.get_network()
+        for pid in list(table):
+            if not network.get_connections(pid):
+                del table[pid]
+                self.reservations_freed += 1
 
     def reservations(self) -> int:
         return len(getattr(self.resource_manager, "_reservations", {}) or {})
@@ -275,6 +333,7 @@ class NatService:
         self.relays: dict[str, list[str]] = {}  # relay peer id -> our circuit addrs through it
         self.relay_errors: dict[str, str] = {}
         self._relay_retry_at: dict[str, float] = {}
+        self._reserving: set[str] = set()  # relays a reservation request is under way with
         limits = RelayLimits(
             duration=config.circuit_max_s,
             data=config.circuit_max_bytes,
@@ -313,6 +372,12 @@ class NatService:
         if self.behind_nat:
             return [a for addrs in self.relays.values() for a in addrs]
         return direct
+
+    def holds_reservation(self, peer_id: str) -> bool:
+        """Whether we hold (or are asking for) a relay slot on ``peer_id``. The connection
+        manager keeps such a peer although it speaks no primenode gossip: a generic libp2p
+        relay never will, and closing the connection would end the reservation."""
+        return peer_id in self.relays or peer_id in self._reserving
 
     def relayed_peers(self) -> list[str]:
         """Peers whose every connection to us runs over a relay."""
@@ -513,7 +578,11 @@ class NatService:
                 break
             if rid in self.relays or self._relay_retry_at.get(rid, 0.0) > time.monotonic():
                 continue
-            addrs = await self._reserve(rid)
+            self._reserving.add(rid)
+            try:
+                addrs = await self._reserve(rid)
+            finally:
+                self._reserving.discard(rid)
             if not addrs:
                 self._relay_retry_at[rid] = time.monotonic() + RELAY_RETRY_S
             if addrs:

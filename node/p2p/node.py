@@ -221,11 +221,14 @@ class Node:
                     bootstrap_ids=lambda: self.conns.bootstrap_ids if self.conns else [],
                 )
                 self.conns.relay_dialer = self.nat.dial_via_relay
+                self.conns.keep_without_gossip = self.nat.holds_reservation
                 self.reqresp.before_dial = self.nat.ensure_connected
                 if self.genesis is not None:
                     self.conns.protected = {self.genesis.trainer, *self.genesis.validators}
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
                 self.gossip.on("heartbeat", self.swarm.on_heartbeat)
+                gossip = self.gossip
+                self.swarm.introducer = lambda: gossip.delivered_from.get("heartbeat")
                 if cfg.learn_addrs_from_heartbeats:
                     self.swarm.listeners.append(self._remember_addrs)
                 async with trio.open_nursery() as nursery:

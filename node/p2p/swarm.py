@@ -59,6 +59,15 @@ class SwarmView:
         # new ones wait until silent peers are forgotten.
         self.max_peers = max_peers
         self.refused = 0
+        # Who introduced each entry: the peer that forwarded its first heartbeat to us (set by
+        # the node from gossip; None: unknown). While full, a newcomer may take the place of an
+        # entry introduced by the peer holding the most entries, if that is more than its own
+        # introducer holds: one neighbour relaying a crowd of fresh identities ends up with a
+        # fair share of the view, and the peers others introduce still get in.
+        self.introducer: Callable[[], str | None] = lambda: None
+        self._via: dict[str, str] = {}
+        self._via_count: collections.Counter[str] = collections.Counter()
+        self.displaced = 0
         self.forget_after = forget_after
         self.clock = clock
         self._peers: dict[str, PeerState] = {}
@@ -73,25 +82,51 @@ class SwarmView:
         prev = self._peers.get(env.sender)
         if prev is not None and prev.heartbeat is not None and env.timestamp_ms < prev.received_ms - 60_000:
             return
+        via = self.introducer() if prev is None else None
         if prev is None and len(self._peers) >= self.max_peers:
             self.prune()
-            if len(self._peers) >= self.max_peers:
+            if len(self._peers) >= self.max_peers and not self._displace_for(via):
                 self.refused += 1
                 return
         st = PeerState(env.sender, env.body, self.clock(), env.timestamp_ms)
         self._peers[env.sender] = st
+        if via is not None:
+            self._via[env.sender] = via
+            self._via_count[via] += 1
         self.delivery_ms.append(time.time() * 1000 - env.timestamp_ms)
         for cb in list(self.listeners):
             cb(st)
 
     def forget(self, peer_id: str) -> None:
         self._peers.pop(peer_id, None)
+        via = self._via.pop(peer_id, None)
+        if via is not None:
+            self._via_count[via] -= 1
+            if self._via_count[via] <= 0:
+                del self._via_count[via]
 
     def prune(self) -> None:
         cutoff = self.clock() - self.forget_after
         for pid, st in list(self._peers.items()):
             if st.last_seen < cutoff:
-                del self._peers[pid]
+                self.forget(pid)
+
+    def introduced_by(self, peer_id: str) -> int:
+        """Entries whose first heartbeat ``peer_id`` forwarded to us."""
+        return self._via_count.get(peer_id, 0)
+
+    def _displace_for(self, via: str | None) -> bool:
+        """Make room for a newcomer introduced by ``via``: drop the least recently heard entry
+        of the introducer holding the most, if it holds more than ``via`` would after."""
+        if via is None or not self._via_count:
+            return False
+        top, held = self._via_count.most_common(1)[0]
+        if top == via or held <= self._via_count.get(via, 0) + 1:
+            return False
+        victim = min((p for p, v in self._via.items() if v == top), key=lambda p: self._peers[p].last_seen)
+        self.forget(victim)
+        self.displaced += 1
+        return True
 
     def peers(self) -> dict[str, PeerState]:
         self.prune()
