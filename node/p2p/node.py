@@ -380,7 +380,8 @@ async def fetch_genesis(
             except trio.TooSlowError:
                 errors.append(f"{text}: no answer within {timeout:g} s")
             except RequestError as exc:
-                errors.append(f"{text}: {exc}")
+                # "unsupported": the one line names what is missing (a libp2p node, not primenode)
+                errors.append(f"{text}: {exc.detail if exc.code == 'unsupported' else exc}")
             except Exception as exc:
                 errors.append(f"{text}: {type(exc).__name__}: {exc}")
     raise NetworkError("could not get the run genesis from any bootstrap node: " + "; ".join(errors))

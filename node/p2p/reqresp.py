@@ -38,13 +38,32 @@ RequestHandler = Callable[[Envelope, str], Any]
 
 
 class RequestError(Exception):
-    """A request failed: ``code`` is "timeout", "unreachable", "refused",
-    "bad_response", "too_large", "closed", or the remote's ErrorResponse code."""
+    """A request failed: ``code`` is "timeout", "unreachable", "unsupported" (a libp2p peer
+    that does not speak primenode's request/response protocol), "refused", "bad_response",
+    "too_large", "closed", or the remote's ErrorResponse code."""
 
     def __init__(self, code: str, detail: str = "") -> None:
         self.code = code
         self.detail = detail
         super().__init__(f"{code}: {detail}" if detail else code)
+
+
+def protocol_refused(exc: BaseException) -> bool:
+    """The remote answered multistream-select with "na": it is up but does not speak the
+    protocol. py-libp2p says so only in the *cause* of the StreamFailure it raises."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if "not supported" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def foreign_peer_detail(peer_id: str, protocol_id: str = RR_PROTOCOL) -> str:
+    """The one line an operator sees when a peer is libp2p but not primenode."""
+    return f"{peer_id} is a libp2p node but does not speak primenode ({protocol_id} not supported)"
 
 
 async def write_frame(stream: INetStream, data: bytes) -> None:
@@ -141,7 +160,9 @@ class ReqResp:
             except trio.Cancelled:
                 raise
             except Exception as exc:
-                if attempt == 1 or not had_connection or "not supported" in str(exc):
+                if protocol_refused(exc):  # a live peer that is not primenode: no redial
+                    raise RequestError("unsupported", foreign_peer_detail(peer_id)) from None
+                if attempt == 1 or not had_connection:
                     raise RequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
                 self.metrics.on_request("stream", "client", "redial")
                 with trio.move_on_after(2) as cs:
