@@ -162,8 +162,11 @@ class StreamAccounting:
     # ------------------------------------------------------------------ slots
     def want_slot(self, ticket: int) -> bool:
         """The stream's request is read: it asks for a slot. True: granted now; False: it
-        waits (the driver waits until a later :meth:`close` returns its ticket)."""
-        s = self._streams[ticket]
+        waits (the driver waits until a later :meth:`close` returns its ticket). A ticket
+        already closed (preempted between its last read and this call) is never granted."""
+        s = self._streams.get(ticket)
+        if s is None:
+            return False
         s.state = "waiting"
         self._waiting.append(ticket)
         granted = self._dispatch()
