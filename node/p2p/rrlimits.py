@@ -54,7 +54,7 @@ class StreamLimits:
     max_read_s: float = 30.0
     # refusals a peer may cause for free (a burst, refilled at refusal_refill_per_s): an honest
     # peer at its cap for a moment is not charged; one that keeps opening streams is
-    free_refusals: float = 32.0
+    free_refusals: float = 8.0
     refusal_refill_per_s: float = 1.0
     refusal_points: float = 1.0
     max_peers: int = 10_000  # bound on the refusal table (fresh identities are free)
