@@ -197,6 +197,7 @@ async def test_a_peer_that_keeps_opening_streams_over_its_cap_is_charged_and_ban
             await open_streams(hhost, boot, 100, None, nursery)  # the 100 unfinished streams
             await wait_until(lambda: boot.policy.is_banned(hostile_id), timeout=30, what="the flooder to be banned")
             assert boot.reqresp.streams.counters["charged"] >= 1
+            assert boot.status()["request_streams"]["refused_peer_cap"] >= lim.free_refusals  # operators see it
             assert boot.reqresp.streams.counters["refused_peer_cap"] >= lim.free_refusals
             # the honest control is served and in good standing
             await honest_round(honest, boot)

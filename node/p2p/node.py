@@ -346,6 +346,10 @@ class Node:
             "nat": self.nat.status() if self.nat is not None else None,
             "bans": self.policy.banned(),
             "requests": {k: dict(v) for k, v in self.metrics.req.items()},
+            # inbound request streams and handler slots held, and what the per-peer caps refused
+            "request_streams": {**self.reqresp.streams.sizes(), **self.reqresp.streams.counters}
+            if self.reqresp
+            else {},
             "role_state": self.hook.status(),
         }
 
