@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
+from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.host import closing_host, make_host, parse_peer_addr
 from node.p2p.metrics import NodeMetrics
 from node.p2p.node import Node
@@ -46,15 +47,26 @@ LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 
 @contextlib.asynccontextmanager
 async def peer(boot: Node) -> AsyncIterator[tuple[object, ReqResp, str]]:
-    """A plain libp2p host with a request/response client, connected to ``boot``."""
+    """A plain libp2p host with a request/response client, connected to ``boot``. It takes
+    the node's gossip link (reads and discards it), as a real peer (or a careful attacker)
+    does: the node drops a connection without one after a few seconds."""
     key = NodeKey.generate()
     host = make_host(key)
+
+    async def drain(stream) -> None:
+        with contextlib.suppress(Exception):
+            while await stream.read(65536):
+                pass
+
+    host.set_stream_handler(GOSSIP_PROTOCOL, drain)
     async with closing_host(host, LISTEN):
         rr = ReqResp(
             host, key, boot.run_id, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(time.time_ns())
         )
+        info = parse_peer_addr(boot.full_addrs()[0])
         with trio.fail_after(10):
-            await host.connect(parse_peer_addr(boot.full_addrs()[0]))
+            await host.connect(info)
+            await host.new_stream(info.peer_id, [GOSSIP_PROTOCOL])  # held open, never written
         yield host, rr, key.peer_id
 
 
@@ -185,6 +197,7 @@ async def test_silent_and_dribbling_streams_end_at_deadlines_that_fit_the_reques
             assert trio.current_time() - t0 < lim.max_read_s  # well before the old 30 s hold
             assert boot.reqresp.streams.holding(hostile_id) == (0, 0)
             assert boot.metrics.req["server:stream"]["read_timeout"] >= lim.streams_per_peer
+            assert hostile_id in boot.conns.connected()  # the deadlines ended them, not a dropped connection
         nursery.cancel_scope.cancel()
 
 
@@ -202,4 +215,89 @@ async def test_a_peer_that_keeps_opening_streams_over_its_cap_is_charged_and_ban
             # the honest control is served and in good standing
             await honest_round(honest, boot)
             assert not boot.policy.is_banned(honest_id) and boot.policy.points(honest_id) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_when_every_slot_is_busy_a_freed_slot_goes_to_the_peer_holding_none():
+    """Slots short (4 in all, 3 per peer): two hostile peers hold all four with handlers that
+    do not return and queue more; the honest request waits, and the first slot freed is its,
+    ahead of the hostile peer's queued request that arrived earlier."""
+    from node.p2p.rrlimits import StreamLimits
+
+    run_id = b"\x07" * 32
+    key = NodeKey.generate()
+    host = make_host(key)
+    async with closing_host(host, LISTEN), trio.open_nursery() as nursery:
+        server = ReqResp(
+            host,
+            key,
+            run_id,
+            policy=PeerPolicy(),
+            metrics=NodeMetrics(),
+            seq=SequenceCounter(1),
+            limits=StreamLimits(total_slots=4, slots_per_peer=3),
+        )
+        gates: dict[bytes, trio.Event] = {}
+
+        def gate(tag: int) -> trio.Event:
+            return gates.setdefault(tag.to_bytes(32, "big"), trio.Event())
+
+        async def slow(env, peer_id):
+            await gates.setdefault(env.body.batch_id, trio.Event()).wait()
+            return BatchResponse(found=False, envelope=b"")
+
+        genesis = NodeFactory(nursery).genesis
+        server.register(BatchRequest, slow)
+        server.register(GenesisRequest, lambda env, p: GenesisResponse(genesis=genesis))
+        addr = f"{host.get_addrs()[0]}"
+        answered: list[str] = []
+        acct = server.streams
+
+        async def client(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            ckey = NodeKey.generate()
+            chost = make_host(ckey)
+            async with closing_host(chost, LISTEN):
+                rr = ReqResp(chost, ckey, run_id, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(1))
+                with trio.fail_after(10):
+                    await chost.connect(parse_peer_addr(addr))
+                task_status.started(rr)
+                await trio.sleep_forever()
+
+        async def ask(rr: ReqResp, tag: str, message, expect) -> None:
+            await rr.request(key.peer_id, message, expect, timeout=60)
+            answered.append(tag)
+
+        def req(tag: int) -> BatchRequest:
+            return BatchRequest(batch_id=tag.to_bytes(32, "big"))
+
+        granted: list[str] = []  # the peer of every slot granted, in order
+        dispatch = acct._dispatch
+
+        def recording() -> list[int]:
+            out = dispatch()
+            granted.extend(acct._streams[t].peer for t in out)
+            return out
+
+        acct._dispatch = recording  # type: ignore[method-assign]
+        a, b, honest = [await nursery.start(client) for _ in range(3)]
+        # hostile A: 3 slots (its cap) + 1 queued; hostile B: 1 slot + 1 queued (before the honest one)
+        for i in range(4):
+            nursery.start_soon(ask, a, f"A{i}", req(i), BatchResponse)
+        await wait_until(lambda: acct.sizes()["slots"] == 3 and acct.sizes()["waiting"] == 1, what="A holding 3")
+        nursery.start_soon(ask, b, "B0", req(10), BatchResponse)
+        await wait_until(lambda: acct.sizes()["slots"] == 4, what="all slots busy")
+        nursery.start_soon(ask, b, "B1", req(11), BatchResponse)
+        await wait_until(lambda: acct.sizes()["waiting"] == 2, what="B queued")
+        nursery.start_soon(ask, honest, "honest", GenesisRequest(want=0), GenesisResponse)
+        await wait_until(lambda: acct.sizes()["waiting"] == 3, what="the honest request queued")
+        assert [acct.holding(k.key.peer_id) for k in (a, b)] == [(4, 3), (2, 1)]
+        n = len(granted)
+        gate(0).set()  # one of A's handlers returns
+        await wait_until(lambda: "honest" in answered, what="the honest answer")
+        # the freed slot went to the honest peer (holding none), not to B's earlier request
+        # (B holds one) nor to A's (A held its cap); B's comes next, when the honest one is done
+        assert granted[n:][:2] == [honest.key.peer_id, b.key.peer_id], granted[n:]
+        for i in (1, 2, 3, 10, 11):
+            gate(i).set()
+        await wait_until(lambda: len(answered) == 7, what="everyone answered")
         nursery.cancel_scope.cancel()
