@@ -83,11 +83,17 @@ class _StreamOpenNoise(logging.Filter):
     """py-libp2p logs a 7-line ERROR each time a stream we open fails to negotiate: a peer
     answering "protocol not supported" (our gossip retries, peer exchange, AutoNAT against a
     generic relay or another stack: a dozen per foreign connection), or a connection closed
-    mid-negotiation. The same failure is raised to our caller, which reports what matters in
-    one line (``reqresp.foreign_peer_detail``), so these go (``--debug`` keeps them)."""
+    mid-negotiation (then the multistream client logs its own one-line ERROR first). The same
+    failure is raised to our caller, which reports what matters in one line
+    (``reqresp.foreign_peer_detail``), so these go (``--debug`` keeps them)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name.startswith("libp2p.host") and str(record.msg).startswith("Failed to open stream"))
+        msg = str(record.msg)
+        if record.name.startswith("libp2p.host"):
+            return not msg.startswith("Failed to open stream")
+        if record.name.startswith("libp2p.protocol_muxer"):
+            return not msg.startswith("MultiselectClient")
+        return True
 
 
 def setup_logging(debug: bool = False) -> None:
