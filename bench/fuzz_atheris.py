@@ -317,7 +317,10 @@ def _define_targets() -> None:
             )
             stream = FakeStream(data, key.peer_id)
             try:
-                await node._serve_one(stream, key.peer_id)
+                adm = node.streams.open(key.peer_id)  # through the per-peer accounting, as _serve does
+                assert adm.ticket is not None
+                node._live[adm.ticket] = (trio.CancelScope(), trio.Event())
+                await node._serve_one(stream, key.peer_id, adm.ticket)
             except RequestError:
                 return  # a short or oversized frame: nothing answered
             assert not any(c["internal"] for c in node.metrics.req.values())

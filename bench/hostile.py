@@ -1,10 +1,10 @@
 """Hostile-network benchmark (issue 8): honest gossip, batches and checkpoints while attackers flood.
 
     python bench/hostile.py [--seconds 12] [--attackers 5] [--rate 2000]
-                            [--scenarios invalid,invalid_noban,replay,useless,connections,chunks,unserved,garbage]
+                            [--scenarios invalid,invalid_noban,replay,useless,connections,chunks,unserved,garbage,slowstreams]
                             [--honest 6] [--honest-procs 0] [--quiet-seconds 6] [--drain-s 10]
                             [--garbage-rate 2] [--garbage-per-identity 2] [--batch-interval-s 4]
-                            [--verify-queue fair|fifo] [--attacker-nice 0]
+                            [--verify-queue fair|fifo] [--attacker-nice 0] [--slow-streams 100]
 
 Per scenario, a **fresh honest network** (nothing carries over from the previous
 scenario): ``--honest`` real primenode nodes (libp2p hosts, our validated Plumtree
@@ -60,6 +60,14 @@ replacing an identity that is banned or cut off. Scenarios:
   quiet and attack windows should hold several batches each (e.g. ``--quiet-seconds 40
   --seconds 60``); ``--verify-queue fifo`` runs the validator with the first-come channel
   the verify queue replaced (a baseline);
+* ``slowstreams``: every attacker holds one identity per honest node (node 0 included), each
+  with ``--slow-streams`` request/response streams open that never finish their request
+  (half write nothing, half announce a 200-byte request and dribble a byte every 0.5 s),
+  re-opened as the node ends them; a banned identity is replaced. The coordinator's prober
+  asks every node for the genesis and for peer addresses once a second in the quiet window
+  and in the attack window (the honest requests a joiner makes); reported: their p50/p99 per
+  window, failures, and the ratio (issue 30: at most 2 x quiet). ``--slow-streams 16`` is
+  exactly one peer's allowance (node/p2p/rrlimits.py), 100 the issue's attack;
 * ``quiet``: no attacker at all (a control: how much the attack window differs from
   the quiet window by chance).
 
@@ -108,7 +116,17 @@ from protocol import Heartbeat, NodeKey, RolloutAnnounce, seal  # noqa: E402
 from protocol.gossip import PRUNE, encode_control, encode_frame, encode_message  # noqa: E402
 from protocol.testing import with_signature  # noqa: E402
 
-SCENARIOS = ("invalid", "invalid_noban", "replay", "useless", "connections", "chunks", "unserved", "garbage")
+SCENARIOS = (
+    "invalid",
+    "invalid_noban",
+    "replay",
+    "useless",
+    "connections",
+    "chunks",
+    "unserved",
+    "garbage",
+    "slowstreams",
+)
 ALL_SCENARIOS = ("quiet",) + SCENARIOS
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 TICK = 0.02  # attackers write every 20 ms
@@ -124,6 +142,7 @@ ATTACK_UNITS = {
     "chunks": "data-plane connections (attempted / accepted with 4 GETs each)",
     "unserved": "batch announcements",
     "garbage": "garbage batches (announced and served)",
+    "slowstreams": "request streams opened and held unfinished",
 }
 UNSERVED_PER_IDENTITY = 4  # node.roles.common.MAX_PENDING_PER_ANNOUNCER: what one identity can queue
 
@@ -538,6 +557,73 @@ async def _garbage_identity(a: Attack, target: str) -> None:
         a.failed(exc)
 
 
+async def attack_slowstreams(a: Attack, idx: int) -> None:
+    """``slowstreams``: per target, one identity holding ``--slow-streams`` unfinished request streams."""
+    async with trio.open_nursery() as nursery:
+        for target in a.targets:
+            nursery.start_soon(_slow_identity, a, target)
+
+
+async def _slow_identity(a: Attack, target: str) -> None:
+    from node.p2p.gossip import GOSSIP_PROTOCOL
+    from node.p2p.host import closing_host, make_host, parse_peer_addr
+
+    info = parse_peer_addr(target)
+
+    async def drain_gossip(stream) -> None:  # take the node's gossip link (a connection without one is closed)
+        try:
+            while await stream.read(65536):
+                pass
+        except Exception:
+            pass
+
+    while True:
+        key = NodeKey.generate()
+        a.count("identities")
+        host = make_host(key)
+        host.set_stream_handler(GOSSIP_PROTOCOL, drain_gossip)
+        try:
+            async with closing_host(host, LISTEN):
+                with trio.fail_after(10):
+                    await host.connect(info)
+                    await host.new_stream(info.peer_id, [GOSSIP_PROTOCOL])  # held open, never written
+
+                async with trio.open_nursery() as nursery:
+                    for k in range(a.args.slow_streams):
+                        nursery.start_soon(_hold_slow_stream, a, host, info.peer_id, k)
+                a.count("cut")
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            a.failed(exc)
+        await trio.sleep(0.5)
+
+
+async def _hold_slow_stream(a: Attack, host, peer_id, k: int) -> None:
+    """One request stream that never finishes its request, re-opened while connected."""
+    from node.p2p.reqresp import RR_PROTOCOL
+
+    while host.get_network().get_connections(peer_id):
+        a.count("offered")
+        try:
+            with trio.fail_after(10):
+                s = await host.new_stream(peer_id, [RR_PROTOCOL])
+            a.count("written")
+            a.first.set()
+            if k % 2:  # announce a 200-byte request, then dribble it
+                await s.write((200).to_bytes(4, "big"))
+                while True:
+                    await s.write(b"x")
+                    await trio.sleep(0.5)
+            else:  # write nothing; wait for the node to end it
+                await s.read(1)
+        except trio.Cancelled:
+            raise
+        except Exception:
+            a.count("ended_by_node")
+        await trio.sleep(0.05)
+
+
 ATTACKS = {
     "invalid": attack_gossip,
     "replay": attack_gossip,
@@ -546,6 +632,7 @@ ATTACKS = {
     "chunks": attack_chunks,
     "unserved": attack_unserved,
     "garbage": attack_garbage,
+    "slowstreams": attack_slowstreams,
 }
 
 
@@ -665,6 +752,38 @@ class Prober:
             return None
         return (time.monotonic() - t0) * 1000
 
+    async def asked(self, i: int, kind: str, timeout: float = 10.0) -> float | None:
+        """One honest request a joiner makes (``genesis`` or ``px``) to node ``i``: ms, or None."""
+        from protocol import GenesisRequest, GenesisResponse, PeerExchangeRequest, PeerExchangeResponse
+
+        t0 = time.monotonic()
+        try:
+            if kind == "genesis":
+                await self.rr.request(
+                    self.nodes[i]["peer_id"], GenesisRequest(want=0), GenesisResponse, timeout=timeout
+                )
+            else:
+                await self.rr.request(
+                    self.nodes[i]["peer_id"], PeerExchangeRequest(max_peers=8), PeerExchangeResponse, timeout=timeout
+                )
+        except Exception:
+            return None
+        return (time.monotonic() - t0) * 1000
+
+    async def request_rounds(self, until: float, out: dict[str, list[float | None]]) -> None:
+        """``slowstreams``: genesis and peer-exchange requests to every node, a round a second."""
+        while time.time() < until - 0.5:
+            t_round = time.monotonic()
+
+            async def one(i: int, kind: str) -> None:
+                out.setdefault(kind, []).append(await self.asked(i, kind))
+
+            async with trio.open_nursery() as nursery:
+                for i in self.nodes:
+                    for kind in ("genesis", "px"):
+                        nursery.start_soon(one, i, kind)
+            await trio.sleep(max(0.0, 1.0 - (time.monotonic() - t_round)))
+
     async def ping_all(self, timeout: float = 5.0) -> dict[int, float | None]:
         out: dict[int, float | None] = {}
 
@@ -753,6 +872,10 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
             t = time.time() + 0.5
             plan = {"warm": [t, t + args.warm_s], "quiet": [t + args.warm_s, t + args.warm_s + args.quiet_seconds]}
             write_json(work / "plan.json", plan)  # atomically: the shards poll for it
+            requests: dict[str, dict[str, list[float | None]]] = {"quiet": {}, "attack": {}}
+            if scen == "slowstreams":
+                await trio.sleep(max(0.0, plan["quiet"][0] - time.time()))
+                await prober.request_rounds(plan["quiet"][1], requests["quiet"])
             await trio.sleep(max(0.0, plan["quiet"][1] + 1.0 - time.time()))
             stats = None
             if scen != "quiet":
@@ -760,6 +883,8 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
                 targets = [nodes[i]["addrs"][0] for i in sorted(nodes) if i != 0 or scen == "chunks"]
                 if scen == "garbage":  # straight at the validator (the genesis names it)
                     targets = [nodes[1]["addrs"][0]]
+                if scen == "slowstreams":  # every node serves the genesis: node 0 too
+                    targets = [nodes[i]["addrs"][0] for i in sorted(nodes)]
                 ckpt = ready[0].get("ckpt")
                 cmd = [
                     sys.executable,
@@ -787,6 +912,8 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
                     str(args.attacker_nice),
                     "--max-s",
                     str(args.ramp_s + args.seconds + 120),
+                    "--slow-streams",
+                    str(args.slow_streams),
                 ]
                 if ckpt:
                     cmd += ["--ckpt", f"{ckpt['version']}:{ckpt['root']}"]
@@ -808,6 +935,9 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
             ta = time.time() + args.ramp_s
             tb = ta + args.seconds
             write_json(work / "attack.json", {"start": ta, "end": tb})
+            if scen == "slowstreams":
+                await trio.sleep(max(0.0, ta - time.time()))
+                await prober.request_rounds(tb, requests["attack"])
             while time.time() < tb:  # round trips during the attack (an overloaded node may miss some)
                 await trio.sleep(min(2.0, max(0.0, tb - time.time())))
                 if time.time() < tb - 0.5:
@@ -834,6 +964,9 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
         results = [json.loads((work / f"result-{i}.json").read_text()) for i in range(procs_n) if i not in lost_shards]
         dead = sorted(i for i in range(args.honest) if i % procs_n in lost_shards)
         res.update(summarise(args, scen, results, stats, final, probe_fail_attack, probe_rtts, dead))
+        if scen == "slowstreams":
+            res["requests"] = summarise_requests(requests)
+            res["notes"] = "; ".join(x for x in (res.get("notes"), res["requests"]["note"]) if x)
     except Exception as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
         res["crashed_nodes"] = [i for i in range(args.honest) if procs[i % procs_n].poll() is not None]
@@ -871,6 +1004,33 @@ async def run_scenario(args, scen: str, seed: str) -> dict:
             shutil.rmtree(work, ignore_errors=True)
     res["seconds"] = round(time.monotonic() - t_scen, 1)
     return res
+
+
+def summarise_requests(requests: dict[str, dict[str, list[float | None]]]) -> dict:
+    """``slowstreams``: honest genesis / peer-exchange latency per window, failures, ratios."""
+    out: dict = {}
+    for window, kinds in requests.items():
+        for kind, vals in kinds.items():
+            ok = [v for v in vals if v is not None]
+            out.setdefault(kind, {})[window] = {
+                "asked": len(vals),
+                "failed": len(vals) - len(ok),
+                "p50_ms": pct(ok, 0.5),
+                "p99_ms": pct(ok, 0.99),
+                "max_ms": pct(ok, 1.0),
+            }
+    notes = []
+    for kind, w in out.items():
+        q, at = w.get("quiet", {}), w.get("attack", {})
+        for k in ("p50", "p99"):
+            qv, av = q.get(f"{k}_ms"), at.get(f"{k}_ms")
+            w[f"{k}_over_quiet"] = round(av / qv, 2) if qv and av is not None else None
+        notes.append(
+            f"{kind} p50 {q.get('p50_ms')}>{at.get('p50_ms')} ms, p99 {q.get('p99_ms')}>{at.get('p99_ms')} ms "
+            f"({w['p99_over_quiet']}x), failed {q.get('failed')}/{q.get('asked')} > {at.get('failed')}/{at.get('asked')}"
+        )
+    out["note"] = "; ".join(notes)
+    return out
 
 
 class _Lines:
@@ -1265,6 +1425,9 @@ def main() -> None:
     ap.add_argument("--garbage-per-identity", type=int, default=2, help="garbage: batches each identity serves")
     ap.add_argument("--batch-interval-s", type=float, default=4.0, help="garbage: seconds between honest batches")
     ap.add_argument(
+        "--slow-streams", type=int, default=100, help="slowstreams: unfinished request streams per identity and node"
+    )
+    ap.add_argument(
         "--verify-queue",
         choices=("fair", "fifo"),
         default="fair",
@@ -1340,10 +1503,19 @@ def main() -> None:
         for k in ("p50", "p99"):
             ratio = ver[f"{k}_over_quiet"]
             goal[f"garbage_verify_{k}_within_2x_quiet"] = ratio is not None and ratio <= 2.0
+    slow = results.get("slowstreams")
+    if slow and "requests" in slow:
+        for kind in ("genesis", "px"):
+            w = slow["requests"].get(kind, {})
+            ratio = w.get("p99_over_quiet")
+            failed = w.get("attack", {}).get("failed")
+            goal[f"slowstreams_{kind}_p99_within_2x_quiet"] = ratio is not None and ratio <= 2.0 and failed == 0
     goal["no_crashes"] = final["crashes"] == 0 and not final["errors"]
     goal["no_data_lost"] = final["data_lost"] == 0 and all(r.get("data_lost") is not None for r in results.values())
     final["goal"] = goal
-    judged = bool(inv and "quiet" in inv) or bool(garbage and "verification" in garbage)
+    judged = (
+        bool(inv and "quiet" in inv) or bool(garbage and "verification" in garbage) or bool(slow and "requests" in slow)
+    )
     final["goal_met"] = judged and all(goal.values())
     render({"scenarios": results, "nodes_per_process": final["nodes_per_process"] or 1}, args)
     print(json.dumps(final))
@@ -1380,6 +1552,7 @@ def _brief(r: dict) -> dict:
         "data_lost": r["data_lost"],
         "notes": r.get("notes", ""),
         **({"verification": _brief_verification(r["verification"])} if "verification" in r else {}),
+        **({"requests": {k: v for k, v in r["requests"].items() if k != "note"}} if "requests" in r else {}),
     }
 
 

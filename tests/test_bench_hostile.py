@@ -273,3 +273,19 @@ def test_a_short_quiet_run_reports_every_field():
         "data_lost",
     ):
         assert k in q
+
+
+def test_slowstreams_reports_honest_request_latency_per_window_and_failures():
+    req = {
+        "quiet": {"genesis": [10.0, 12.0, 11.0], "px": [5.0, 6.0]},
+        "attack": {"genesis": [15.0, 30.0, None], "px": [5.0, 7.0]},
+    }
+    out = hostile.summarise_requests(req)
+    g, p = out["genesis"], out["px"]
+    assert g["quiet"] == {"asked": 3, "failed": 0, "p50_ms": 11.0, "p99_ms": 12.0, "max_ms": 12.0}
+    assert g["attack"]["failed"] == 1 and g["attack"]["p99_ms"] == 30.0
+    assert g["p99_over_quiet"] == 2.5 and p["p99_over_quiet"] == round(7.0 / 6.0, 2)
+    assert "failed 0/3 > 1/3" in out["note"]
+    # every honest request failed: no ratio to report, and the note says so
+    out = hostile.summarise_requests({"quiet": {"px": [5.0]}, "attack": {"px": [None, None]}})
+    assert out["px"]["p99_over_quiet"] is None and "failed 0/1 > 2/2" in out["note"]

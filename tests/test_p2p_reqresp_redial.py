@@ -93,3 +93,30 @@ async def test_no_redial_unless_asked_or_when_the_protocol_is_refused():
     with pytest.raises(RequestError):
         await _rr(host)._open_stream(PEER)
     assert host.calls == ["stream on old connection"]  # a live peer that refuses: not disconnected
+
+
+async def test_a_refusal_named_only_in_the_cause_is_unsupported_not_unreachable():
+    """py-libp2p raises StreamFailure("failed to open a stream ...") *from* the multiselect
+    error that says "protocol not supported": the peer is up but is not primenode."""
+
+    class _Foreign(_Host):
+        async def new_stream(self, pid, protocols):
+            self.calls.append("stream on old connection")
+            try:
+                raise ConnectionError("protocols not supported: tried ['/primenode/rr/1.0.0']")
+            except ConnectionError as exc:
+                raise RuntimeError(f"failed to open a stream to peer {pid}") from exc
+
+    host = _Foreign(fresh_dial_works=True)
+    with pytest.raises(RequestError) as err:
+        await _rr(host)._open_stream(PEER)
+    assert err.value.code == "unsupported"
+    assert (
+        err.value.detail == f"{PEER} is a libp2p node but does not speak primenode (/primenode/rr/1.0.0 not supported)"
+    )
+    assert host.calls == ["stream on old connection"]  # not disconnected, not redialled
+    # control: a failure that is not a refusal is still a redial, then "unreachable"
+    host = _Host(fresh_dial_works=False)
+    with pytest.raises(RequestError) as err:
+        await _rr(host)._open_stream(PEER)
+    assert err.value.code == "unreachable"

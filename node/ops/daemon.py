@@ -79,6 +79,23 @@ class _QuietTracebacks(logging.Filter):
         return True
 
 
+class _StreamOpenNoise(logging.Filter):
+    """py-libp2p logs a 7-line ERROR each time a stream we open fails to negotiate: a peer
+    answering "protocol not supported" (our gossip retries, peer exchange, AutoNAT against a
+    generic relay or another stack: a dozen per foreign connection), or a connection closed
+    mid-negotiation (then the multistream client logs its own one-line ERROR first). The same
+    failure is raised to our caller, which reports what matters in one line
+    (``reqresp.foreign_peer_detail``), so these go (``--debug`` keeps them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if record.name.startswith("libp2p.host"):
+            return not msg.startswith("Failed to open stream")
+        if record.name.startswith("libp2p.protocol_muxer"):
+            return not msg.startswith("MultiselectClient")
+        return True
+
+
 def setup_logging(debug: bool = False) -> None:
     """INFO lines with timestamps on stderr for our loggers, WARNING for libraries."""
     from node.p2p.host import attach_libp2p_logging
@@ -105,6 +122,8 @@ def setup_logging(debug: bool = False) -> None:
             h.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
             if not debug and not any(isinstance(f, _QuietTracebacks) for f in h.filters):
                 h.addFilter(_QuietTracebacks())
+            if not debug and not any(isinstance(f, _StreamOpenNoise) for f in h.filters):
+                h.addFilter(_StreamOpenNoise())
 
 
 # --------------------------------------------------------------------------- runtime file

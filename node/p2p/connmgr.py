@@ -63,6 +63,7 @@ class BookEntry:
     # The peer whose peer-exchange answer named this entry; "" once the entry came from the
     # bootstrap list or a heartbeat of the peer itself (its own signed word).
     source: str = ""
+    foreign: int = 0  # connections in a row that answered "not primenode" (a bootstrap only)
 
 
 class ConnectionManager:
@@ -413,7 +414,27 @@ class ConnectionManager:
         try:
             await self.exchange(peer_id)
         except RequestError as exc:
-            log.debug("peer exchange with %s failed: %s", peer_id, exc)
+            if exc.code == "unsupported" and peer_id in self.bootstrap_ids:
+                await self._foreign_bootstrap(peer_id, exc.detail)
+            else:
+                log.debug("peer exchange with %s failed: %s", peer_id, exc)
+        else:
+            e = self.book.get(peer_id)
+            if e is not None:
+                e.foreign = 0
+
+    async def _foreign_bootstrap(self, peer_id: str, detail: str) -> None:
+        """A bootstrap address that leads to a libp2p node which is not primenode (a wrong
+        address, a generic relay): say so in one line, close the connection and dial it again
+        only after an exponential back-off (capped), instead of redialling it every few seconds
+        as a peer that merely lost its gossip stream."""
+        e = self.book.get(peer_id)
+        if e is not None and e.next_try <= time.monotonic():  # once per connection (px may be asked twice)
+            e.foreign += 1
+            delay = backoff_delay(e.foreign, max(self.backoff_base, 1.0), self.backoff_max)
+            e.next_try = time.monotonic() + delay
+            log.warning("bootstrap %s; next try in %.0f s", detail, delay)
+        await self._disconnect(peer_id)
 
     # ---------------------------------------------------------------- loop
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

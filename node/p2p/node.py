@@ -363,6 +363,10 @@ class Node:
             "connections": self._connection_status(),
             "bans": self.policy.banned(),
             "requests": {k: dict(v) for k, v in self.metrics.req.items()},
+            # inbound request streams and handler slots held, and what the per-peer caps refused
+            "request_streams": {**self.reqresp.streams.sizes(), **self.reqresp.streams.counters}
+            if self.reqresp
+            else {},
             "role_state": self.hook.status(),
         }
 
@@ -397,7 +401,8 @@ async def fetch_genesis(
             except trio.TooSlowError:
                 errors.append(f"{text}: no answer within {timeout:g} s")
             except RequestError as exc:
-                errors.append(f"{text}: {exc}")
+                # "unsupported": the one line names what is missing (a libp2p node, not primenode)
+                errors.append(f"{text}: {exc.detail if exc.code == 'unsupported' else exc}")
             except Exception as exc:
                 errors.append(f"{text}: {type(exc).__name__}: {exc}")
     raise NetworkError("could not get the run genesis from any bootstrap node: " + "; ".join(errors))

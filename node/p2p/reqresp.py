@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 import protocol
 from node.p2p.metrics import NodeMetrics
 from node.p2p.policy import PeerPolicy
+from node.p2p.rrlimits import StreamAccounting, StreamLimits
 from node.util import aclose_shielded, now_ms
 from protocol import Envelope, ErrorResponse, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter
 from protocol import reqresp as frames
@@ -37,13 +38,32 @@ RequestHandler = Callable[[Envelope, str], Any]
 
 
 class RequestError(Exception):
-    """A request failed: ``code`` is "timeout", "unreachable", "refused",
-    "bad_response", "too_large", "closed", or the remote's ErrorResponse code."""
+    """A request failed: ``code`` is "timeout", "unreachable", "unsupported" (a libp2p peer
+    that does not speak primenode's request/response protocol), "refused", "bad_response",
+    "too_large", "closed", or the remote's ErrorResponse code."""
 
     def __init__(self, code: str, detail: str = "") -> None:
         self.code = code
         self.detail = detail
         super().__init__(f"{code}: {detail}" if detail else code)
+
+
+def protocol_refused(exc: BaseException) -> bool:
+    """The remote answered multistream-select with "na": it is up but does not speak the
+    protocol. py-libp2p says so only in the *cause* of the StreamFailure it raises."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if "not supported" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def foreign_peer_detail(peer_id: str, protocol_id: str = RR_PROTOCOL) -> str:
+    """The one line an operator sees when a peer is libp2p but not primenode."""
+    return f"{peer_id} is a libp2p node but does not speak primenode ({protocol_id} not supported)"
 
 
 async def write_frame(stream: INetStream, data: bytes) -> None:
@@ -90,6 +110,7 @@ class ReqResp:
         handler_timeout: float = 30.0,
         io_timeout: float = 30.0,
         max_concurrent: int = 64,
+        limits: StreamLimits | None = None,
     ) -> None:
         self.host = host
         self.key = key
@@ -102,7 +123,17 @@ class ReqResp:
         self._handlers: dict[int, tuple[type[Message], RequestHandler]] = {}
         self._guard_in = ReplayGuard()
         self._guard_out = ReplayGuard()
-        self._limit = trio.Semaphore(max_concurrent)
+        # Inbound streams and handler slots per peer and in total (node/p2p/rrlimits.py):
+        # one peer can neither hold another's share nor make it wait for a slot.
+        if limits is None:
+            limits = StreamLimits(
+                total_slots=max_concurrent,
+                slots_per_peer=min(StreamLimits.slots_per_peer, max_concurrent),
+                max_read_s=io_timeout,
+            )
+        self.streams = StreamAccounting(limits)
+        self._live: dict[int, tuple[trio.CancelScope, trio.Event]] = {}
+        self._preempted: set[int] = set()
         self.rtt_ms: dict[str, float] = {}
         # Called before a request to a peer we hold no connection to (the node's NatService:
         # a NAT'd peer known only by relay circuit addresses is dialled through its relay).
@@ -129,7 +160,9 @@ class ReqResp:
             except trio.Cancelled:
                 raise
             except Exception as exc:
-                if attempt == 1 or not had_connection or "not supported" in str(exc):
+                if protocol_refused(exc):  # a live peer that is not primenode: no redial
+                    raise RequestError("unsupported", foreign_peer_detail(peer_id)) from None
+                if attempt == 1 or not had_connection:
                     raise RequestError("unreachable", f"{type(exc).__name__}: {exc}") from None
                 self.metrics.on_request("stream", "client", "redial")
                 with trio.move_on_after(2) as cs:
@@ -212,23 +245,82 @@ class ReqResp:
         return frames.request_cap(c for c, _ in self._handlers.values())
 
     async def _serve(self, stream: INetStream) -> None:
+        """The driver of :class:`StreamAccounting` for one inbound stream: admit it or reset
+        it at once, read the request under deadlines that fit its size, wait for a fair
+        slot, answer, and give everything back."""
         peer = stream.muxed_conn.peer_id.to_base58()
+        ticket = None
+        reset = False
         try:
             if self.policy.refuses(peer) or not self.policy.allow(peer):
-                await stream.reset()
+                reset = True
                 return
-            async with self._limit:
-                with trio.move_on_after(self.io_timeout + self.handler_timeout):
-                    await self._serve_one(stream, peer)
+            adm = self.streams.open(peer)
+            if adm.preempt is not None:
+                self._preempt(adm.preempt)
+            if adm.ticket is None:
+                reset = True
+                self.metrics.on_request("stream", "server", "refused")
+                log.debug("request stream from %s refused: %s", peer, adm.reason)
+                if adm.charge:
+                    self.policy.penalise(peer, "stream_limit", self.streams.limits.refusal_points)
+                return
+            ticket = adm.ticket
+            scope = trio.CancelScope()
+            self._live[ticket] = (scope, trio.Event())
+            with scope, trio.move_on_after(self.io_timeout + self.handler_timeout):
+                await self._serve_one(stream, peer, ticket)
+            reset = ticket in self._preempted
         except Exception as exc:
             log.debug("request from %s failed: %s", peer, exc)
         finally:
-            await aclose_shielded(stream.close, 2)
+            if ticket is not None:
+                self._live.pop(ticket, None)
+                self._preempted.discard(ticket)
+                for t in self.streams.close(ticket):
+                    self._wake(t)
+            await aclose_shielded(stream.reset if reset else stream.close, 2)
 
-    async def _serve_one(self, stream: INetStream, peer: str) -> None:
+    def _wake(self, ticket: int) -> None:
+        live = self._live.get(ticket)
+        if live is not None:
+            live[1].set()
+
+    def _preempt(self, ticket: int) -> None:
+        """Another peer needs the room: end this (slot-less) stream; its task resets it."""
+        self.metrics.on_request("stream", "server", "preempted")
+        live = self._live.get(ticket)
+        if live is not None:
+            self._preempted.add(ticket)
+            live[0].cancel()
+
+    async def _read_request(self, stream: INetStream) -> bytes:
+        """The request frame: its length prefix within ``first_byte_s``, then a body deadline
+        that fits the announced size (a small request gets a short one)."""
+        lim = self.streams.limits
+        try:
+            with trio.fail_after(lim.first_byte_s):
+                header = await read_exactly(stream, frames.LEN_BYTES)
+        except trio.TooSlowError:
+            self.metrics.on_request("stream", "server", "read_timeout")
+            raise RequestError("timeout", f"no request within {lim.first_byte_s:g} s") from None
+        try:
+            n = frames.frame_size(header, self._max_request_bytes())
+        except ProtocolError as exc:
+            raise RequestError("too_large", exc.detail) from None
+        deadline = self.streams.read_deadline(n)
+        try:
+            with trio.fail_after(deadline):
+                return await read_exactly(stream, n)
+        except trio.TooSlowError:
+            self.metrics.on_request("stream", "server", "read_timeout")
+            raise RequestError("timeout", f"request of {n} bytes not read within {deadline:.2f} s") from None
+
+    async def _serve_one(self, stream: INetStream, peer: str, ticket: int) -> None:
         tname = "?"
-        with trio.fail_after(self.io_timeout):
-            raw = await read_frame(stream, self._max_request_bytes())
+        raw = await self._read_request(stream)
+        if not self.streams.want_slot(ticket):
+            await self._live[ticket][1].wait()
         try:
             env = protocol.open_envelope(
                 raw, run_id=self.run_id, now_ms=now_ms(), guard=self._guard_in, allowed_types=set(self._handlers)
@@ -257,5 +349,6 @@ class ReqResp:
                 reply, outcome = frames.internal_error(exc), "internal"
             self.metrics.on_request(tname, "server", outcome)
         data = protocol.seal(self.key, run_id, reply, now_ms(), self.seq.next())
-        with trio.fail_after(self.io_timeout):
+        # the answer at the same minimum pace: a peer that does not read gives its slot back soon
+        with trio.fail_after(min(self.io_timeout, self.streams.read_deadline(len(data)))):
             await write_frame(stream, data)
