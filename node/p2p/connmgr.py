@@ -38,6 +38,9 @@ LATENCY_EWMA = 0.3  # weight of a new round trip in latency_ms
 
 log = logging.getLogger(__name__)
 
+# circuit relay v2's hop protocol (the relay side); a foreign bootstrap offering it is kept
+RELAY_HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
+
 
 class DialError(Exception):
     """One dial failed; the message names the peer, its addresses and the reason. The manager
@@ -113,6 +116,7 @@ class ConnectionManager:
         # libp2p relay speaks no primenode gossip; dropping it would drop the reservation and,
         # with it, the only address a NAT'd node can advertise). Set by the node from NatService.
         self.keep_without_gossip = keep_without_gossip
+        self._kept_as_relay: set[str] = set()  # foreign bootstraps kept as relays (said once each)
         # The gossip watchdog's clock (tests drive it past several grace periods without sleeping).
         self.clock = clock
         self._no_stream_since: dict[str, float] = {}
@@ -423,11 +427,26 @@ class ConnectionManager:
             if e is not None:
                 e.foreign = 0
 
+    def _offers_relay(self, peer_id: str) -> bool:
+        """Whether identify lists the circuit relay v2 hop protocol for ``peer_id``."""
+        try:
+            protos = self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))
+        except Exception:
+            return False
+        return any(str(p) == RELAY_HOP_PROTOCOL for p in protos)
+
     async def _foreign_bootstrap(self, peer_id: str, detail: str) -> None:
         """A bootstrap address that leads to a libp2p node which is not primenode (a wrong
         address, a generic relay): say so in one line, close the connection and dial it again
         only after an exponential back-off (capped), instead of redialling it every few seconds
         as a peer that merely lost its gossip stream."""
+        if self.keep_without_gossip(peer_id) or self._offers_relay(peer_id):
+            # A generic libp2p relay given as a bootstrap is still worth a reservation (a NAT'd
+            # node's only way in); closing the connection would end it. Said once, kept.
+            if peer_id not in self._kept_as_relay:
+                self._kept_as_relay.add(peer_id)
+                log.info("bootstrap %s; kept as a relay only", detail)
+            return
         e = self.book.get(peer_id)
         if e is not None and e.next_try <= time.monotonic():  # once per connection (px may be asked twice)
             e.foreign += 1

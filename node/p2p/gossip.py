@@ -77,6 +77,8 @@ MIN_EAGER = 2  # never prune below this many eager links
 # A peer whose identify lists protocols but not ours (a generic libp2p relay we hold a
 # reservation on) is not sent gossip; we look again this often (it may add the protocol).
 NO_GOSSIP_RECHECK_S = 30.0
+# Every protocol of ours starts so (gossip, request/response): a peer listing none is not primenode.
+PRIMENODE_PROTOCOL_PREFIX = "/primenode/"
 # Inbound gossip streams one peer may hold open at once. An honest peer keeps one (a second
 # one briefly while it replaces a failed stream); each held stream may buffer a frame of up to
 # 1 MiB for PARTIAL_FRAME_TIMEOUT_S, so without a cap one peer could hold memory without bound.
@@ -444,12 +446,18 @@ class Gossip:
             pass
 
     def _may_speak_gossip(self, peer_id: str) -> bool:
-        """False only when identify listed the peer's protocols and ours is not among them."""
+        """False only when identify listed the peer's protocols and none is primenode's.
+
+        Not "gossip is missing": a primenode peer's list can be stale without it (a joiner's
+        genesis fetch is identified before its gossip handler exists, and identify only adds
+        to the list), and judging it foreign then left the bootstrap and the joiner without
+        a gossip link for good. Every primenode host serves request/response from the start.
+        """
         try:
             protos = self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))
         except Exception:
             return True  # nothing known yet: try
-        return not protos or GOSSIP_PROTOCOL in [str(p) for p in protos]
+        return not protos or any(str(p).startswith(PRIMENODE_PROTOCOL_PREFIX) for p in protos)
 
     @staticmethod
     def _take_batch(link: _Link, first: bytes) -> tuple[bytes, int]:
