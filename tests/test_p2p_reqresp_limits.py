@@ -236,6 +236,9 @@ async def test_when_every_slot_is_busy_a_freed_slot_goes_to_the_peer_holding_non
             metrics=NodeMetrics(),
             seq=SequenceCounter(1),
             limits=StreamLimits(total_slots=4, slots_per_peer=3),
+            # the gated handlers must outlive a loaded machine's test: the default 30 s handler
+            # deadline answered the hostile requests with "timeout" in one CI run
+            handler_timeout=600.0,
         )
         gates: dict[bytes, trio.Event] = {}
 
