@@ -152,3 +152,37 @@ def test_a_foreign_connection_leaves_at_most_one_log_line(tmp_path, homes):
         assert stop(boot, signal.SIGTERM) == 0
     finally:
         kill(boot)
+
+
+def test_an_autonat_dial_back_leaves_no_log_line(tmp_path, homes):
+    """A dial-back (AutoNAT: a fresh connection, the Noise handshake, hang up) to a running
+    bootstrap: the dialled side fails to negotiate a muxer, which py-libp2p logs at ERROR, once
+    per probe and peer, at every node. Control: the dial-back succeeded (it authenticated)."""
+    import trio
+
+    from node.p2p.host import make_host, parse_peer_addr
+    from node.p2p.nat import DialBackAutoNAT
+    from protocol.identity import NodeKey
+
+    home, genesis = homes
+    log = tmp_path / "boot.log"
+    boot = spawn(
+        [*CLI, "bootstrap", "--home", str(home), "--genesis", str(genesis), "--listen", "/ip4/127.0.0.1/tcp/0"], log
+    )
+    try:
+        boot_addr = boot.stdout.readline().decode().strip()
+        assert boot_addr.startswith("/ip4/"), log.read_text()
+        wait_for(lambda: "listening on" in log.read_text(), HANG_GUARD_S, "the bootstrap to listen", [log], [boot])
+        before = len(log.read_text().splitlines())
+        info = parse_peer_addr(boot_addr)
+
+        async def dial_back() -> bytes | None:
+            host = make_host(NodeKey.generate())
+            return await DialBackAutoNAT(host, timeout=HANG_GUARD_S)._try_dial(info.peer_id, [info.addrs[0].to_bytes()])
+
+        assert trio.run(dial_back) is not None  # control: the bootstrap was dialled and authenticated
+        assert stop(boot, signal.SIGTERM) == 0
+        after = [ln for ln in log.read_text().splitlines()[before:] if "stopping" not in ln and "stopped" not in ln]
+        assert not libp2p_noise("\n".join(after)), "\n".join(after)
+    finally:
+        kill(boot)

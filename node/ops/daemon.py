@@ -83,7 +83,8 @@ class _StreamOpenNoise(logging.Filter):
     """py-libp2p logs a 7-line ERROR each time a stream we open fails to negotiate: a peer
     answering "protocol not supported" (our gossip retries, peer exchange, AutoNAT against a
     generic relay or another stack: a dozen per foreign connection), or a connection closed
-    mid-negotiation (then the multistream client logs its own one-line ERROR first). The same
+    mid-negotiation (then the multistream client logs its own one-line ERROR first), or a
+    dialer that hung up after the security handshake (an AutoNAT dial-back). The same
     failure is raised to our caller, which reports what matters in one line
     (``reqresp.foreign_peer_detail``), so these go (``--debug`` keeps them)."""
 
@@ -93,6 +94,10 @@ class _StreamOpenNoise(logging.Filter):
             return not msg.startswith("Failed to open stream")
         if record.name.startswith("libp2p.protocol_muxer"):
             return not msg.startswith("MultiselectClient")
+        if record.name.startswith("libp2p.network.swarm"):
+            # an AutoNAT dial-back (ours or a peer's) proves reachability with the security
+            # handshake and hangs up: the dialled side then fails to negotiate a muxer
+            return not msg.startswith("fail to upgrade mux")
         return True
 
 

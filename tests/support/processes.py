@@ -108,11 +108,25 @@ def wait_for_devnet(pred, timeout: float, what: str, devnet: Devnet | None = Non
         if pred():
             return
         time.sleep(0.5)
-    logs = ""
-    if devnet is not None:
-        for p in sorted((devnet.out / "logs").glob("*.log")):
-            logs += f"\n--- {p.name}\n" + p.read_text()[-3000:]
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{logs}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{devnet_report(devnet)}")
+
+
+def devnet_report(devnet: Devnet | None, lines: int = 25) -> str:
+    """What a failed devnet test needs to be diagnosed from CI's output alone: each node's role
+    status (queues, votes, versions) while it still runs, and the last ``lines`` lines of its log
+    from our own loggers (py-libp2p's lines about dead peers would fill any tail)."""
+    if devnet is None:
+        return ""
+    out = ""
+    for p in sorted((devnet.out / "logs").glob("*.log")):
+        ours = [ln for ln in p.read_text(errors="replace").splitlines() if " libp2p." not in ln]
+        out += f"\n--- {p.name}\n" + "\n".join(ln[:300] for ln in ours[-lines:])
+        node = next((n for n in devnet.nodes if n.name == p.stem), None)
+        st = node.status(timeout=2.0) if node is not None and node.proc is not None else None
+        if st is not None:
+            role = st.get("role_state", st.get("role"))
+            out += f"\n    status: {json.dumps(role, default=str)[:1500]}"
+    return out
 
 
 def small_options(tmp_path, **kw) -> DevnetOptions:
