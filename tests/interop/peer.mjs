@@ -21,6 +21,10 @@
 //            `peer` (on a relayed connection if `relayed`), waiting for it.
 //   request  {name, addr? | peer?, protocol, data_hex, timeout_ms?} -> {response_hex}: open a
 //            stream, write the bytes, close our side, read to the end.
+//   cycle    {name, addr, n} -> {ok, failed, errors}: dial `addr` and hang up, `n` times in a row.
+//   hold     {name, addr, protocol, n} -> {opened, refused, errors}: open `n` streams of
+//            `protocol` at once and write nothing on them (a peer that holds its allowance).
+//   release  {name} -> {closed}: abort the streams `hold` opened.
 //   conns    {name} -> {conns: [{peer, remote_addr, limited}]}
 //   hangup   {name, peer}
 //   stop     {name}
@@ -168,6 +172,51 @@ const ops = {
       chunks.push(Buffer.from(chunk.subarray()))
     }
     return { response_hex: Buffer.concat(chunks).toString('hex') }
+  },
+
+  async cycle (msg) {
+    const { node } = nodeOf(msg)
+    let ok = 0
+    let failed = 0
+    const errors = []
+    for (let i = 0; i < msg.n; i++) {
+      try {
+        const conn = await node.dial(multiaddr(msg.addr), { signal: AbortSignal.timeout(msg.timeout_ms ?? 10000) })
+        await node.hangUp(conn.remotePeer)
+        ok++
+      } catch (err) {
+        failed++
+        if (errors.length < 5) errors.push(`${err.name}: ${err.message}`)
+      }
+    }
+    return { ok, failed, errors }
+  },
+
+  async hold (msg) {
+    const entry = nodeOf(msg)
+    entry.held = entry.held ?? []
+    const signal = AbortSignal.timeout(msg.timeout_ms ?? 10000)
+    const results = await Promise.allSettled(Array.from({ length: msg.n }, () =>
+      entry.node.dialProtocol(multiaddr(msg.addr), msg.protocol, { signal })))
+    const errors = []
+    let opened = 0
+    for (const r of results) {
+      if (r.status === 'fulfilled') {
+        entry.held.push(r.value)
+        opened++
+      } else if (errors.length < 5) {
+        errors.push(`${r.reason.name}: ${r.reason.message}`)
+      }
+    }
+    return { opened, refused: msg.n - opened, errors }
+  },
+
+  async release (msg) {
+    const entry = nodeOf(msg)
+    const held = entry.held ?? []
+    entry.held = []
+    for (const s of held) s.abort(new Error('released'))
+    return { closed: held.length }
   },
 
   async conns (msg) {

@@ -12,6 +12,12 @@ the other side js-libp2p in one Node.js process for the module (peer.mjs, driven
   refused in the handshake and the worker keeps its good standing, beside the honest
   control: the same garbage requests over Noise from the attacker's own id get the attacker
   charged and banned.
+* issue 30 point 2: a js peer opens and closes more connections than py-libp2p's inbound
+  table holds (250, never given back before node/p2p/connlimits.py); every one succeeds,
+  every slot comes back, and a real node joins afterwards.
+* issue 30 point 3: a js peer holds far more request streams than its allowance, writing
+  nothing; the node refuses the excess at once (node/p2p/rrlimits.py) and an honest peer's
+  genesis request is answered meanwhile.
 
 A js peer speaks no primenode gossip, and a node drops such a connection after a grace
 (``ConnectionManager.gossip_grace``, issue 30 point 6): where a test keeps a js peer
@@ -34,13 +40,15 @@ from libp2p.identity.identify.identify import parse_identify_response
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
+from node.p2p.connlimits import connection_stats
 from node.p2p.host import parse_peer_addr
 from node.p2p.nat import NatConfig, conn_is_relayed
-from node.p2p.node import Node
+from node.p2p.node import Node, fetch_genesis
 from node.p2p.testing import NodeFactory, wait_until
-from protocol import GenesisRequest, GenesisResponse
+from protocol import GenesisRequest, GenesisResponse, NodeKey
 from protocol import reqresp as frames
 from tests.interop.jspeer import JsError, JsPeer
+from tests.test_p2p_conn_slots import StepClock, pace_accepts_of
 
 PING = "/ipfs/ping/1.0.0"
 IDENTIFY = "/ipfs/id/1.0.0"
@@ -263,3 +271,55 @@ async def test_plaintext_claim_of_a_workers_id_is_refused_and_the_worker_keeps_i
     assert env.sender == boot.peer_id
     for name in ("thief", "plain", "noisy"):
         await js.stop(name)
+
+
+# ---------------------------------------------------------- issue 30 points 2 and 3, from js
+LIBRARY_INBOUND_TABLE = 250  # py-libp2p 0.8.1's default inbound limit, the slots it never gave back
+
+
+async def test_js_connections_come_and_go_past_the_librarys_table_then_a_real_node_joins(
+    js: JsPeer, net: NodeFactory
+) -> None:
+    boot = await net.start()
+    pace_accepts_of(boot.host, StepClock(), step=True)  # every dial inside the accept rate (tested on its own)
+    cycles = LIBRARY_INBOUND_TABLE + 50
+    await js.create("churner", security="noise")
+    # (the call's timeout is a hang guard: 300 handshakes take ~5 s on a quiet machine)
+    res = await js.call("cycle", timeout=300, name="churner", addr=boot.full_addrs()[0], n=cycles, timeout_ms=20000)
+    assert res["ok"] == cycles and res["failed"] == 0, res
+    await wait_until(
+        lambda: connection_stats(boot.host)["inbound_slots_held"] == 0 and connection_stats(boot.host)["inbound"] == 0,
+        30,
+        what="every inbound connection closed and its slot back",
+    )
+    # the join path of a real node after the churn: the genesis, then a node on it
+    assert await fetch_genesis(NodeKey.generate(), boot.full_addrs(), timeout=10) == boot.signed_genesis
+    joiner = await net.start()
+    await wait_until(lambda: boot.swarm.knows(joiner.peer_id), 30, what="the joiner heard by the bootstrap")
+    await js.stop("churner")
+
+
+async def test_js_peer_holding_many_request_streams_is_capped_and_an_honest_peer_is_served(
+    js: JsPeer, net: NodeFactory
+) -> None:
+    boot = await net.start()
+    honest = await net.start()
+    hold_foreign_peers(boot)
+    assert boot.reqresp is not None and honest.reqresp is not None
+    lim = boot.reqresp.streams.limits
+    hog = (await js.create("hog", security="noise"))["peer_id"]
+    n = lim.total_slots + 36  # more than all of the node's handler slots
+    await js.call(
+        "hold", timeout=120, name="hog", addr=boot.full_addrs()[0], protocol=frames.PROTOCOL_ID, n=n, timeout_ms=20000
+    )
+    # the node took at most the hog's allowance of streams, refused the rest at once and charged
+    # the hog for a burst this far over its cap (an honest peer's bursts stay inside the free ones)
+    await wait_until(lambda: boot.reqresp.streams.counters["refused_peer_cap"] > 0, 15, what="a stream refused")
+    streams, slots = boot.reqresp.streams.holding(hog)
+    assert streams <= lim.streams_per_peer and slots == 0, (streams, slots)  # nothing read: no slot
+    assert boot.policy.points(hog) > 0 or boot.policy.is_banned(hog)
+    # meanwhile an honest peer's genesis request is answered (it used to wait for 64 slots held 30 s)
+    env = await honest.reqresp.request(boot.peer_id, GenesisRequest(want=0), GenesisResponse, timeout=10)
+    assert env.sender == boot.peer_id
+    await js.call("release", name="hog")
+    await js.stop("hog")
