@@ -510,6 +510,16 @@ def devnet(
     math_instruction: Annotated[
         str | None, typer.Option("--math-instruction", help="Instruction appended to a math problem.")
     ] = None,
+    heldout: Annotated[
+        int, typer.Option("--heldout", help="Hold out this many problems from training (run init --heldout).")
+    ] = 0,
+    eval_every: Annotated[
+        int, typer.Option("--eval-every", help="The trainer scores the held-out problems every N versions (0: off).")
+    ] = 0,
+    eval_problems: Annotated[
+        int, typer.Option("--eval-problems", help="Held-out problems each evaluation scores (0: all).")
+    ] = 0,
+    eval_samples: Annotated[int, typer.Option("--eval-samples", help="Completions per held-out problem.")] = 1,
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from node.ops.devnet import DevnetOptions, run_devnet
@@ -536,6 +546,10 @@ def devnet(
             policy_dtype=policy_dtype,
             system_prompt=system_prompt,
             math_instruction=math_instruction,
+            heldout=heldout,
+            eval_every=eval_every,
+            eval_problems=eval_problems,
+            eval_samples=eval_samples,
         )
     )
     if summary["interrupted"]:
