@@ -218,3 +218,55 @@ def test_eval_through_the_cli(tmp_path):
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
         "error: --split must be heldout or train, got 'nonsense'"
     ]
+
+
+async def test_the_trainer_evaluates_heldout_problems_into_metrics_jsonl(tmp_path):
+    """A tiny in-process run with ``eval_every = 1``: the trainer scores version 0 at start and
+    each version it commits, off the training path, as ``"kind": "eval"`` lines of its
+    metrics.jsonl and ``last_eval`` in its status; the step lines stay as they were."""
+    import trio
+
+    from node.p2p.testing import wait_until
+    from tests.test_roles_network import start_network
+
+    fields, split = pin_problems("builtin:target-length", 64, 0, 8)
+    genesis = tiny_genesis(
+        fields=fields, **split, steps=1, batches_per_step=1, eval_every=1, eval_problems=2, eval_samples=2
+    )
+
+    def rows() -> list[dict]:
+        path = trainer.home.metrics_path
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    with trio.fail_after(400):
+        async with trio.open_nursery() as nursery:
+            _net, trainer, _validators, _workers = await start_network(nursery, tmp_path, genesis)
+            await wait_until(
+                lambda: {r.get("policy_version") for r in rows() if r.get("kind") == "eval"} >= {0, 1},
+                380,
+                poll=0.5,
+                what="held-out evaluations of versions 0 and 1 in metrics.jsonl",
+            )
+            status = trainer.status()
+            nursery.cancel_scope.cancel()
+    lines = rows()
+    evals = [r for r in lines if r.get("kind") == "eval"]
+    steps = [r for r in lines if r.get("kind") != "eval"]
+    assert steps and all("reward_mean" in r and "step" in r for r in steps)
+    for r in evals:
+        e = r["eval"]
+        assert r["split"] == "heldout" and e["problems"] == 2 and e["samples"] == 2
+        assert 0.0 <= e["pass@1"] <= 1.0 and len(e["pass@1_ci95"]) == 2
+    assert status["last_eval"]["policy_version"] in (0, 1)
+    ctx = RunContext.from_genesis(genesis.genesis, tmp_path / "c")
+    assert {p.prompt for p in ctx.heldout}.isdisjoint(p.prompt for p in ctx.problems)
+
+
+def test_eval_every_without_a_heldout_split_is_refused(tmp_path):
+    from node.roles.trainer import HeldoutEvaluator
+
+    with pytest.raises(ConfigError, match="held-out split"):
+        HeldoutEvaluator.from_config(RunContext.from_genesis(tiny_genesis(eval_every=2).genesis, tmp_path))
+    with pytest.raises(ConfigError, match="eval_samples"):
+        HeldoutEvaluator.from_config(RunContext.from_genesis(tiny_genesis(eval_samples=0).genesis, tmp_path))
+    assert HeldoutEvaluator.from_config(RunContext.from_genesis(tiny_genesis().genesis, tmp_path)) is None
