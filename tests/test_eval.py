@@ -180,6 +180,12 @@ def test_eval_reads_a_published_version_from_a_home(tmp_path):
     v1_lines = (tmp_path / "o.jsonl").read_text()
     v0, _ = evaluate(EvalOptions(**{**base.__dict__, "version": 0}))
     assert v0["version"] == 0 and (tmp_path / "o.jsonl").read_text() != v1_lines
+    # the paired change against version 0's per-problem file: the difference of the two means
+    paired, _ = evaluate(EvalOptions(**{**base.__dict__, "baseline": tmp_path / "o.jsonl", "out": None}))
+    vs = paired["vs_baseline"]
+    assert vs["problems"] == 2
+    assert vs["reward_mean_change"] == pytest.approx(paired["reward_mean"] - v0["reward_mean"], abs=1e-5)
+    assert vs["pass@1_change"] == pytest.approx(paired["pass@1"] - v0["pass@1"], abs=1e-5)
     with pytest.raises(ConfigError, match="version 5 is not in"):
         evaluate(EvalOptions(**{**base.__dict__, "version": 5}))
 

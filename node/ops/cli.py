@@ -429,6 +429,10 @@ def eval_cmd(
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Override the run's.")] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device (cpu, cuda).")] = "cpu",
     out: Annotated[Path | None, typer.Option("--out", help="Write one JSON line per problem here.")] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option("--baseline", help="An earlier eval's --out file: add the paired change and its interval."),
+    ] = None,
 ) -> None:
     """Score a policy on problems (pass@1, pass@K, mean reward, 95 % intervals); a table, then a JSON line."""
     from node.ops.eval_cli import EvalOptions, run_eval_command
@@ -449,6 +453,7 @@ def eval_cmd(
             max_tokens=max_tokens,
             device=device,
             out=out,
+            baseline=baseline,
         )
     )
 

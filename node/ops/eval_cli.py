@@ -171,6 +171,7 @@ class EvalOptions:
     max_tokens: int | None = None
     device: str = "cpu"
     out: Path | None = None
+    baseline: Path | None = None
     batch_prompts: int = 8
 
 
@@ -246,6 +247,8 @@ def evaluate(
         "seconds": round(seconds, 2),
         "seconds_per_problem": round(seconds / len(results), 3),
     }
+    if opts.baseline is not None:
+        summary["vs_baseline"] = compare_with(opts.baseline, results)
     if opts.out is not None:
         by_id = {p.id: p for p in problems}
         lines = []
@@ -260,6 +263,28 @@ def evaluate(
     return summary, results
 
 
+def compare_with(baseline: Path, results: list[ProblemResult]) -> dict[str, Any]:
+    """The paired change of pass@1 and mean reward against another evaluation's per-problem
+    file (``--out`` of an earlier ``primenode eval``, e.g. version 0) over the problems both
+    scored: a difference per problem, so its interval is tighter than two separate ones."""
+    from node.rl.scoring import paired_difference
+
+    try:
+        before = {r["id"]: r for r in map(json.loads, baseline.read_text().splitlines()) if r}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--baseline {baseline}: not a per-problem file of primenode eval ({exc})") from None
+    both = [r for r in results if r.id in before]
+    if not both:
+        raise ConfigError(f"--baseline {baseline} scored none of these problems")
+    out: dict[str, Any] = {"problems": len(both)}
+    for key, now in (("pass_rate", lambda r: r.pass_rate), ("reward_mean", lambda r: r.reward_mean)):
+        d, lo, hi = paired_difference([float(before[r.id][key]) for r in both], [now(r) for r in both])
+        name = "pass@1" if key == "pass_rate" else key
+        out[f"{name}_change"] = round(d, 6)
+        out[f"{name}_change_ci95"] = [round(lo, 6), round(hi, 6)]
+    return out
+
+
 def summary_table(summary: dict[str, Any]) -> Any:
     """The scores as a two-column rich table (the JSON line follows it)."""
     from rich.table import Table
@@ -272,6 +297,11 @@ def summary_table(summary: dict[str, Any]) -> Any:
     for name in dict.fromkeys(("pass@1", f"pass@{k}", "reward_mean")):
         lo, hi = summary[f"{name}_ci95"]
         t.add_row(name, f"{summary[name]:.4f}", f"[{lo:.4f}, {hi:.4f}]")
+    vs = summary.get("vs_baseline")
+    if vs:
+        for name in ("pass@1", "reward_mean"):
+            lo, hi = vs[f"{name}_change_ci95"]
+            t.add_row(f"{name} change vs baseline", f"{vs[f'{name}_change']:+.4f}", f"[{lo:+.4f}, {hi:+.4f}]")
     t.add_row("problems x samples", f"{summary['problems']} x {summary['samples']}", "")
     t.add_row("mean length (tokens)", f"{summary['length_mean']:.1f}", "")
     t.add_row("seconds per problem", f"{summary['seconds_per_problem']:.3f}", "")
