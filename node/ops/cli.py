@@ -428,6 +428,9 @@ def eval_cmd(
     top_p: Annotated[float | None, typer.Option("--top-p", help="Override the run's.")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Override the run's.")] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device (cpu, cuda).")] = "cpu",
+    threads: Annotated[
+        int | None, typer.Option("--threads", help="CPU compute threads (default: torch's; 1 on a busy machine).")
+    ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write one JSON line per problem here.")] = None,
     baseline: Annotated[
         Path | None,
@@ -454,6 +457,7 @@ def eval_cmd(
             device=device,
             out=out,
             baseline=baseline,
+            threads=threads,
         )
     )
 

@@ -173,6 +173,7 @@ class EvalOptions:
     out: Path | None = None
     baseline: Path | None = None
     batch_prompts: int = 8
+    threads: int | None = None
 
 
 def evaluate(
@@ -183,6 +184,12 @@ def evaluate(
 
     if opts.samples < 1:
         raise ConfigError("--samples must be at least 1")
+    if opts.threads is not None:
+        if opts.threads < 1:
+            raise ConfigError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(opts.threads)
     if opts.home is not None and opts.genesis is None:
         raise ConfigError("--home needs --genesis FILE: the run whose versions to read")
     if opts.version is not None and opts.genesis is None:

@@ -65,6 +65,7 @@ class HeldoutEvaluator:
         self.samples = samples
         self.seed = seed
         self.engine: Any = None
+        self.threads = 1
         self.running = False
         self.waiting: int | None = None
         self.last: dict[str, Any] | None = None
@@ -117,17 +118,28 @@ class HeldoutEvaluator:
         """Load ``state`` into the engine and score it (blocking: a thread)."""
         from node.rl.evaluate import sample_problems, summarize
 
+        import torch
+
         t0 = time.monotonic()
-        self.engine.load_weights(state)
-        results = sample_problems(
-            self.problems,
-            self.engine,
-            self.ctx.problem_tokens,
-            self.ctx.decode,
-            self.samples,
-            self.ctx.sampling,
-            seed=self.seed,
-        )
+        # one compute thread: the evaluation shares the machine with the training step, and two
+        # pools of every core each ran SmolLM2's sampling 2-4x slower than one thread on a busy
+        # 2-core machine (docs/rl.md, "Evaluation"). OpenMP's thread count is per calling thread,
+        # and trio reuses its worker threads, so it is put back before the thread goes.
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self.engine.load_weights(state)
+            results = sample_problems(
+                self.problems,
+                self.engine,
+                self.ctx.problem_tokens,
+                self.ctx.decode,
+                self.samples,
+                self.ctx.sampling,
+                seed=self.seed,
+            )
+        finally:
+            torch.set_num_threads(before)
         summary = {**summarize(results), "seed": self.seed, "seconds": round(time.monotonic() - t0, 2)}
         self.last = {"policy_version": version, **summary}
         return {"kind": "eval", "split": "heldout", "policy_version": version, "eval": summary, "time": time.time()}
