@@ -116,9 +116,9 @@ class HeldoutEvaluator:
 
     def run(self, version: int, state: Any) -> dict[str, Any]:
         """Load ``state`` into the engine and score it (blocking: a thread)."""
-        from node.rl.evaluate import sample_problems, summarize
-
         import torch
+
+        from node.rl.evaluate import sample_problems, summarize
 
         t0 = time.monotonic()
         # one compute thread: the evaluation shares the machine with the training step, and two
