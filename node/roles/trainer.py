@@ -611,7 +611,11 @@ class TrainerRole(LearningRole):
             log.warning("held-out evaluation of version %d skipped: its weights are not readable (%s)", version, exc)
             return
         run = functools.partial(self.evals.run, version, state)
-        record = await trio.to_thread.run_sync(run, abandon_on_cancel=True)  # type: ignore[call-arg]
+        try:
+            record = await trio.to_thread.run_sync(run, abandon_on_cancel=True)  # type: ignore[call-arg]
+        except Exception:  # a score is a report, never a reason to stop training
+            log.exception("held-out evaluation of version %d failed", version)
+            return
         await trio.to_thread.run_sync(self._append_metrics, json.dumps(record))
         e = record["eval"]
         log.info(
