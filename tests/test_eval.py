@@ -61,6 +61,9 @@ def test_intervals_known_values():
     mean, lo, hi = mean_interval([0.25, 0.75, 0.5, 0.5])
     half = 1.959963984540054 * math.sqrt((2 * 0.0625) / 3 / 4)
     assert mean == 0.5 and lo == pytest.approx(0.5 - half) and hi == pytest.approx(0.5 + half)
+    # rewards below 0 (target length): no clipping at 0
+    mean, lo, hi = mean_interval([-0.5, 0.25, -0.25, 0.5])
+    assert mean == 0.0 and lo < -0.3 and hi == pytest.approx(-lo)
     # paired: the same gain on every problem has no spread; a mixed one straddles zero
     assert paired_difference([0.0, 0.5, 0.25], [0.5, 1.0, 0.75]) == pytest.approx((0.5, 0.5, 0.5))
     d, lo, hi = paired_difference([0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0])

@@ -9,7 +9,7 @@ held-out evaluation and every node that loads a run's problems.
   computed as a product (no big binomials). With ``k = 1`` it is ``c / n``.
 * ``mean_interval(values)``: a 95 % interval of a mean over problems: Wilson's score
   interval when every value is 0 or 1 (one sample per problem), else the normal
-  approximation over problems, clipped to [0, 1] (problems are the independent units;
+  approximation over problems, clipped to [0, 1] when the scores lie there (problems are the independent units;
   samples of one problem are not independent of each other).
 * ``paired_difference(a, b)``: the mean of ``b - a`` over the same problems and its 95 %
   interval: how two policies (version 0 and the last one) compare problem by problem,
@@ -46,7 +46,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float, float]:
-    """(mean, low, high) of per-problem scores in [0, 1]."""
+    """(mean, low, high) of per-problem scores (pass rates in [0, 1], or mean rewards, which a
+    length penalty or the target-length reward can take below 0)."""
     n = len(values)
     if n == 0:
         return (math.nan, math.nan, math.nan)
@@ -60,7 +61,10 @@ def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float
         return (mean, 0.0, 1.0)
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     half = z * math.sqrt(var / n)
-    return (mean, max(0.0, mean - half), min(1.0, mean + half))
+    # clipped to [0, 1] only when the scores live there (a length reward can be negative)
+    lo = max(0.0, mean - half) if min(values) >= 0 else mean - half
+    hi = min(1.0, mean + half) if max(values) <= 1 else mean + half
+    return (mean, lo, hi)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], z: float = Z95) -> tuple[float, float, float]:
