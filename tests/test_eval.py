@@ -279,3 +279,31 @@ def test_eval_every_without_a_heldout_split_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="eval_samples"):
         HeldoutEvaluator.from_config(RunContext.from_genesis(tiny_genesis(eval_samples=0).genesis, tmp_path))
     assert HeldoutEvaluator.from_config(RunContext.from_genesis(tiny_genesis().genesis, tmp_path)) is None
+
+
+async def test_a_slow_evaluation_skips_to_the_newest_version_due(tmp_path):
+    """One evaluation at a time; versions that come due meanwhile collapse to the newest, and
+    versions off the ``eval_every`` grid are never evaluated."""
+    import trio
+
+    from node.roles.trainer import HeldoutEvaluator
+
+    fields, split = addition_split()
+    ctx = RunContext.from_genesis(addition_genesis(fields, split, eval_every=2).genesis, tmp_path)
+    evals = HeldoutEvaluator.from_config(ctx)
+    assert evals is not None
+    done: list[int] = []
+    release = trio.Event()
+
+    async def evaluate(version: int) -> None:
+        if not done:
+            await release.wait()
+        done.append(version)
+
+    async with trio.open_nursery() as nursery:
+        for v in range(7):  # 0 starts; 2 and 4 come due while it runs, then 6; 1, 3, 5 are off the grid
+            evals.due(nursery, v, evaluate)
+        await trio.testing.wait_all_tasks_blocked()
+        assert done == [] and evals.running
+        release.set()
+    assert done == [0, 6] and not evals.running

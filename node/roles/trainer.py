@@ -101,16 +101,15 @@ class HeldoutEvaluator:
         if self.running:
             self.waiting = version
             return
+        self.running = True  # now, not when the task starts: a second due() must wait behind it
         nursery.start_soon(self._drain, version, evaluate)
 
     async def _drain(self, version: int, evaluate: Any) -> None:
-        self.running = True
         try:
             next_version: int | None = version
             while next_version is not None:
-                self.waiting = None
                 await evaluate(next_version)
-                next_version = self.waiting
+                next_version, self.waiting = self.waiting, None
         finally:
             self.running = False
 
@@ -122,7 +121,7 @@ class HeldoutEvaluator:
 
         t0 = time.monotonic()
         # one compute thread: the evaluation shares the machine with the training step, and two
-        # pools of every core each ran SmolLM2's sampling 2-4x slower than one thread on a busy
+        # pools of every core each ran SmolLM2's sampling 2-7x slower than one thread on a busy
         # 2-core machine (docs/rl.md, "Evaluation"). OpenMP's thread count is per calling thread,
         # and trio reuses its worker threads, so it is put back before the thread goes.
         before = torch.get_num_threads()
