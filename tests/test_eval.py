@@ -213,6 +213,7 @@ def test_eval_through_the_cli(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "held out 8 problems" in res.stdout
+    assert "heldout    8 problems, heldout_hash" in cli("run", "show", str(out)).stdout
     res = cli("eval", "--genesis", str(out), "--n", "2", "--samples", "2", "--out", str(tmp_path / "p.jsonl"))
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])

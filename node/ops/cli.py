@@ -294,6 +294,11 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"max_async  {g.max_async}   batch {g.prompts_per_batch} prompts x {g.group_size}")
     typer.echo(f"dataset_hash {g.dataset_hash.hex() or '(not pinned)'}")
     typer.echo(f"model_root   {g.model_root.hex() or '(built-in model, not pinned)'}")
+    from node.genesis_file import genesis_config
+
+    cfg = genesis_config(g)
+    if cfg.get("heldout_size"):
+        typer.echo(f"heldout    {cfg['heldout_size']} problems, heldout_hash {cfg.get('heldout_hash', '?')}")
 
 
 @dataset_app.command("make")
