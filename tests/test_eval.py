@@ -308,3 +308,32 @@ async def test_a_slow_evaluation_skips_to_the_newest_version_due(tmp_path):
         assert done == [] and evals.running
         release.set()
     assert done == [0, 6] and not evals.running
+
+
+def test_a_policy_that_learned_the_tiny_task_scores_higher_on_prompts_it_never_saw():
+    """20 GRPO steps of the single-process loop on target lengths 8, 16, 24, 32; then version 0
+    and the trained policy are scored by the evaluation code on targets 12, 20, 28, prompts the
+    loop never showed: the paired gain in mean reward is positive with its 95 % interval above 0.
+    (Seeded end to end: measured +0.39 [0.11, 0.67], v0 -0.25, trained 0.14.)"""
+    import torch
+
+    from node.engines.transformers_engine import TransformersEngine
+    from node.models import tiny_llama
+    from node.rl.demo import run_target_length_demo
+    from node.rl.evaluate import sample_problems
+    from node.rl.tasks import CharTokenizer, Problem, length_prompt
+    from protocol.messages import SamplingParams
+
+    torch.set_num_threads(1)
+    trained = run_target_length_demo(steps=20, seed=0, hidden_size=128, layers=2, heads=4).trainer.model
+    tok = CharTokenizer()
+    v0 = tiny_llama(vocab_size=tok.vocab_size, hidden_size=128, layers=2, heads=4, seed=0, eos_token_id=tok.EOS)
+    unseen = [Problem(f"t{t}-{i}", length_prompt(t), "length", target_length=t) for t in (12, 20, 28) for i in range(4)]
+    params = SamplingParams(temperature=1.0, max_tokens=48)
+    scores = []
+    for model in (v0, trained):
+        engine = TransformersEngine(model, eos_token_id=tok.EOS, pad_token_id=tok.PAD)
+        results = sample_problems(unseen, engine, lambda p: tok.encode(p.prompt), tok.decode, 4, params, seed=0)
+        scores.append([r.reward_mean for r in results])
+    gain, lo, _hi = paired_difference(scores[0], scores[1])
+    assert gain > 0.2 and lo > 0, (gain, lo)
