@@ -38,7 +38,8 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
     path = folder / "metrics.jsonl"
     if not path.exists():
         path = folder / "nodes" / "trainer" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind") != "eval"]  # held-out evaluations: not steps
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -53,6 +53,7 @@ def test_missing_home_is_a_clear_error(tmp_path):
         (["bootstrap"], ["--listen", "--genesis"]),
         (["join"], ["--role", "--bootstrap", "--max-upload-mbps", "--target-peers"]),
         (["status"], ["--json"]),
+        (["eval"], ["--genesis", "--home", "--version", "--model", "--split", "--samples", "--baseline"]),
     ],
 )
 def test_help_documents_options(cmd, options):

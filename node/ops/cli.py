@@ -199,6 +199,14 @@ def run_init(
         int | None,
         typer.Option("--dataset-size", help="Number of prompts (default: the whole dataset; 1024 for a builtin)."),
     ] = None,
+    heldout: Annotated[
+        int,
+        typer.Option(
+            "--heldout",
+            help="Hold out this many problems (whole prompts, by hash): never assigned to a worker; "
+            "scored by `primenode eval --split heldout` and the trainer's eval_every.",
+        ),
+    ] = 0,
     prompts_per_batch: Annotated[int, typer.Option("--prompts-per-batch", help="Prompts per worker batch.")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (GRPO group).")] = 8,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Checkpoint chunk size in bytes.")] = 4 << 20,
@@ -224,7 +232,8 @@ def run_init(
     if quorum is None:
         quorum = len(validator) // 2 + 1  # a majority: with two or more, no validator admits alone
     seed = cfg.get("seed", 0)
-    pins = _content_pins(model, dataset, dataset_size, chunk_size, seed if isinstance(seed, int) else 0)
+    pins, split = _content_pins(model, dataset, dataset_size, chunk_size, seed if isinstance(seed, int) else 0, heldout)
+    cfg.update(split)
     signed = make_genesis(
         owner,
         cfg,
@@ -244,32 +253,31 @@ def run_init(
     typer.echo(f"run id {g.run_id.hex()}")
     typer.echo(f"quorum {g.quorum} of {len(g.validators)} validators")
     typer.echo(f"dataset {g.dataset}: {g.dataset_size} problems, dataset_hash {g.dataset_hash.hex()}")
+    if split:
+        typer.echo(f"held out {split['heldout_size']} problems, heldout_hash {split['heldout_hash']}")
     if g.model_root:
         typer.echo(f"model {g.model}: model_root {g.model_root.hex()}")
 
 
-def _content_pins(model: str, dataset: str, size: int | None, chunk_size: int, seed: int) -> dict[str, object]:
+def _content_pins(
+    model: str, dataset: str, size: int | None, chunk_size: int, seed: int, heldout: int = 0
+) -> tuple[dict[str, object], dict[str, object]]:
     """Genesis fields that pin the run's data by content: the dataset's hash (every run) and,
-    for a Hugging Face model, the content root of its files (version 0). Reads every byte."""
+    for a Hugging Face model, the content root of its files (version 0); plus the [config]
+    keys of a held-out split (``node.roles.context.pin_problems``). Reads every byte."""
     from node.models import BUILTIN_MODELS, model_files, model_root_of, model_source_folder
-    from node.rl.tasks import dataset_hash, load_dataset
-    from node.roles.context import load_problems
+    from node.roles.context import pin_problems
 
-    builtin = dataset.startswith("builtin:")
-    try:
-        if size is None:
-            size = 1024 if builtin else len(load_dataset(dataset))
-        problems = load_problems(dataset, size, seed)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"dataset {dataset}: {exc}") from None
-    fields: dict[str, object] = {"dataset": dataset, "dataset_size": size, "dataset_hash": dataset_hash(problems)}
+    if heldout < 0:
+        raise ConfigError("--heldout must be >= 0")
+    fields, split = pin_problems(dataset, size, seed, heldout)
     if model in BUILTIN_MODELS:
         fields["model"] = model
     else:
         folder = model_source_folder(model)
         fields["model"] = model if model.startswith("hf:") else str(folder.resolve())
         fields["model_root"] = model_root_of(model_files(folder), chunk_size)
-    return fields
+    return fields, split
 
 
 @run_app.command("show")
@@ -286,6 +294,11 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"max_async  {g.max_async}   batch {g.prompts_per_batch} prompts x {g.group_size}")
     typer.echo(f"dataset_hash {g.dataset_hash.hex() or '(not pinned)'}")
     typer.echo(f"model_root   {g.model_root.hex() or '(built-in model, not pinned)'}")
+    from node.genesis_file import genesis_config
+
+    cfg = genesis_config(g)
+    if cfg.get("heldout_size"):
+        typer.echo(f"heldout    {cfg['heldout_size']} problems, heldout_hash {cfg.get('heldout_hash', '?')}")
 
 
 @dataset_app.command("make")
@@ -386,6 +399,74 @@ def dataset_filter(
         typer.echo(f"mean pass rate {sum(rates) / len(rates):.4f} over all {len(rates)} problems")
 
 
+@app.command("eval")
+def eval_cmd(
+    genesis: Annotated[
+        Path | None, typer.Option("--genesis", help="The run's genesis: its model, prompts, sampling, held-out split.")
+    ] = None,
+    home: Annotated[
+        Path | None, typer.Option("--home", help="A node home holding published versions (read only).")
+    ] = None,
+    version: Annotated[
+        int | None, typer.Option("--version", help="Policy version to score (default: the newest in --home).")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Score this model instead: tiny, smollm2, a HF folder or hf:owner/name@rev."),
+    ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            "--dataset", help="Problems: builtin:<task>, a .jsonl/.parquet file or folder, hf:owner/name@rev."
+        ),
+    ] = None,
+    split: Annotated[
+        str | None,
+        typer.Option("--split", help="heldout or train: the run's split (default: heldout when it has one)."),
+    ] = None,
+    n: Annotated[int | None, typer.Option("--n", help="Score the first N problems.")] = None,
+    samples: Annotated[
+        int, typer.Option("--samples", help="Seeded completions per problem (pass@1 and pass@K from them).")
+    ] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed (same seed, same score).")] = 0,
+    temperature: Annotated[float | None, typer.Option("--temperature", help="Override the run's.")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Override the run's.")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Override the run's.")] = None,
+    device: Annotated[str, typer.Option("--device", help="Torch device (cpu, cuda).")] = "cpu",
+    threads: Annotated[
+        int | None, typer.Option("--threads", help="CPU compute threads (default: torch's; 1 on a busy machine).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write one JSON line per problem here.")] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option("--baseline", help="An earlier eval's --out file: add the paired change and its interval."),
+    ] = None,
+) -> None:
+    """Score a policy on problems (pass@1, pass@K, mean reward, 95 % intervals); a table, then a JSON line."""
+    from node.ops.eval_cli import EvalOptions, run_eval_command
+
+    run_eval_command(
+        EvalOptions(
+            genesis=genesis,
+            home=home,
+            version=version,
+            model=model,
+            dataset=dataset,
+            split=split,
+            n=n,
+            samples=samples,
+            seed=seed,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            device=device,
+            out=out,
+            baseline=baseline,
+            threads=threads,
+        )
+    )
+
+
 @app.command()
 def devnet(
     out: Annotated[
@@ -443,6 +524,16 @@ def devnet(
     math_instruction: Annotated[
         str | None, typer.Option("--math-instruction", help="Instruction appended to a math problem.")
     ] = None,
+    heldout: Annotated[
+        int, typer.Option("--heldout", help="Hold out this many problems from training (run init --heldout).")
+    ] = 0,
+    eval_every: Annotated[
+        int, typer.Option("--eval-every", help="The trainer scores the held-out problems every N versions (0: off).")
+    ] = 0,
+    eval_problems: Annotated[
+        int, typer.Option("--eval-problems", help="Held-out problems each evaluation scores (0: all).")
+    ] = 0,
+    eval_samples: Annotated[int, typer.Option("--eval-samples", help="Completions per held-out problem.")] = 1,
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from node.ops.devnet import DevnetOptions, run_devnet
@@ -469,6 +560,10 @@ def devnet(
             policy_dtype=policy_dtype,
             system_prompt=system_prompt,
             math_instruction=math_instruction,
+            heldout=heldout,
+            eval_every=eval_every,
+            eval_problems=eval_problems,
+            eval_samples=eval_samples,
         )
     )
     if summary["interrupted"]:

@@ -10,14 +10,12 @@ rewards, hence zero advantages, hence no learning signal.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.engines.base import group_seeds
-from node.rl.filters import INTELLECT2_PASS_WINDOW, in_pass_window, pass_rate
-from node.rl.rewards import compute_reward
+from node.rl.evaluate import sample_problems
+from node.rl.filters import INTELLECT2_PASS_WINDOW, in_pass_window
 from node.rl.tasks import CharTokenizer, Problem, PromptStyle, load_dataset, prompt_token_ids, save_dataset
 
 if TYPE_CHECKING:
@@ -30,12 +28,6 @@ class FilterSummary:
     kept: int
     output: Path
     pass_rates: dict[str, float]
-
-
-def problem_seed(seed: int, problem_id: str) -> int:
-    """Sampling seed of one problem: fixed by (seed, id), so a rerun reproduces the rates."""
-    h = hashlib.sha256(f"{seed}|{problem_id}".encode()).digest()
-    return int.from_bytes(h[:8], "big") >> 1
 
 
 def load_model_for_sampling(
@@ -94,24 +86,15 @@ def pass_rates(
     batch_prompts: int = 8,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[float]:
-    """Fraction of ``k`` sampled completions that pass, per problem (``RewardResult.passed``)."""
+    """Fraction of ``k`` sampled completions that pass, per problem (``RewardResult.passed``),
+    sampled and scored as ``primenode eval`` does (``node.rl.evaluate.sample_problems``)."""
     from protocol.messages import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-    rates: list[float] = []
-    for start in range(0, len(problems), batch_prompts):
-        chunk = list(problems[start : start + batch_prompts])
-        out = engine.generate(
-            [prompt_ids(p) for p in chunk], k, params, group_seeds([problem_seed(seed, p.id) for p in chunk], k)
-        )
-        for prob, comps in zip(chunk, out):
-            passes = [
-                compute_reward(prob, decode(c.tokens), c.tokens, eos_token_id=engine.eos_token_id).passed for c in comps
-            ]
-            rates.append(pass_rate(passes))
-        if progress:
-            progress(len(rates), len(problems))
-    return rates
+    results = sample_problems(
+        problems, engine, prompt_ids, decode, k, params, seed=seed, batch_prompts=batch_prompts, progress=progress
+    )
+    return [r.pass_rate for r in results]
 
 
 def filter_dataset(

@@ -67,6 +67,13 @@ class DevnetOptions:
     duration_s: float = 0.0
     # inference engine of workers and validators: transformers, or vllm (needs vLLM installed)
     engine: str = "transformers"
+    # a held-out split of this many problems (never assigned to a worker) and the trainer's
+    # evaluation on it every eval_every versions (0: off): eval_problems of them (0: all),
+    # eval_samples completions each; the second curve of reward_curve.png
+    heldout: int = 0
+    eval_every: int = 0
+    eval_problems: int = 0
+    eval_samples: int = 1
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Node flavours for adversarial tests: name -> list of extra CLI args.
     node_args: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -138,6 +145,16 @@ class Devnet:
         validators = [home(f"validator-{i}") for i in range(o.validators)]
         quorum = o.quorum or max(1, (o.validators // 2) + 1 if o.validators > 2 else o.validators)
         dataset, size, pins = self._dataset()
+        split: dict[str, Any] = {}
+        if o.heldout:
+            from node.roles.context import pin_problems
+
+            fields, split = pin_problems(dataset, size if o.dataset is None else None, o.seed, o.heldout)
+            size, pins = fields["dataset_size"], {"dataset_hash": fields["dataset_hash"]}
+        if o.eval_every:
+            if not o.heldout:
+                raise ConfigError("--eval-every needs --heldout N: the trainer evaluates on held-out problems")
+            split.update(eval_every=o.eval_every, eval_problems=o.eval_problems, eval_samples=o.eval_samples)
         style = {"system_prompt": o.system_prompt, "math_instruction": o.math_instruction}
         config = {
             "task": o.task if o.dataset is None else "dataset",
@@ -152,6 +169,7 @@ class Devnet:
             "worker_batches_per_version": 1,
             "policy_dtype": o.policy_dtype,
             **{k: v for k, v in style.items() if v is not None},
+            **split,
             # every devnet worker and validator runs one engine in the policy's dtype on this
             # CPU: one numerics stack, so validators use its tight TOPLOC thresholds (docs/proofs.md)
             "numerics": f"{o.engine}-{POLICY_DTYPES.get(o.policy_dtype, o.policy_dtype)}-cpu",
@@ -312,6 +330,15 @@ class Devnet:
 
     # ----------------------------------------------------------- progress
     def trainer_metrics(self) -> list[dict[str, Any]]:
+        """The trainer's step lines of metrics.jsonl."""
+        return [r for r in self.metrics_rows() if r.get("kind") != "eval"]
+
+    def eval_metrics(self) -> list[dict[str, Any]]:
+        """The trainer's held-out evaluations (``"kind": "eval"`` lines of its metrics.jsonl)."""
+        return [r for r in self.metrics_rows() if r.get("kind") == "eval"]
+
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        """Every line of the trainer's metrics.jsonl: steps, then held-out evaluations among them."""
         path = self.node("trainer").home.metrics_path
         if not path.exists():
             return []
@@ -332,10 +359,19 @@ def render_table(devnet: Devnet, snap: dict[str, Any], started: float) -> Table:
     last = metrics[-1] if metrics else {}
     title = (
         f"devnet  step {last.get('step', 0)}/{devnet.opts.steps}  reward {last.get('reward_mean', float('nan')):.3f}"
-        f"  elapsed {time.monotonic() - started:.0f}s"
+        f"{eval_cell(devnet.eval_metrics())}  elapsed {time.monotonic() - started:.0f}s"
     )
     nodes = [(n.name, n.role, bool(n.proc and n.proc.poll() is None)) for n in devnet.nodes]
     return status_table(nodes, snap, title)
+
+
+def eval_cell(evals: list[dict[str, Any]]) -> str:
+    """The newest held-out evaluation for the live title, e.g. ``  held-out pass@1 0.41 [0.34, 0.48] (v10)``."""
+    if not evals:
+        return ""
+    e, v = evals[-1].get("eval") or {}, evals[-1].get("policy_version")
+    lo, hi = e.get("pass@1_ci95", [float("nan")] * 2)
+    return f"  held-out pass@1 {e.get('pass@1', float('nan')):.3f} [{lo:.3f}, {hi:.3f}] (v{v})"
 
 
 TABLE_COLUMNS = (
@@ -429,11 +465,16 @@ def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title
 
 
 def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
+    """The training reward per step and, when the trainer evaluated (``"kind": "eval"`` rows),
+    the held-out mean reward and pass@1 per evaluated version (version v is the policy after
+    step v, so both curves share the x axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    evals = [r for r in rows if r.get("kind") == "eval" and isinstance(r.get("eval"), dict)]
+    rows = [r for r in rows if r.get("kind") != "eval"]
     steps = [r["step"] for r in rows if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -445,6 +486,13 @@ def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
             for i in range(len(rewards))
         ]
         ax.plot(steps, smooth, label=f"moving average ({k})")
+    if evals:
+        xs = [r["policy_version"] for r in evals]
+        ax.plot(xs, [r["eval"]["reward_mean"] for r in evals], marker="o", label="held-out mean reward")
+        ax.plot(xs, [r["eval"]["pass@1"] for r in evals], marker="s", linestyle="--", label="held-out pass@1")
+        lo = [r["eval"]["pass@1_ci95"][0] for r in evals]
+        hi = [r["eval"]["pass@1_ci95"][1] for r in evals]
+        ax.fill_between(xs, lo, hi, alpha=0.15, label="held-out pass@1, 95 % interval")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")
     ax.set_title("primenode devnet")
@@ -453,6 +501,15 @@ def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def final_eval_done(devnet: Devnet) -> bool:
+    """Whether the held-out evaluation of the last version is in (or none is due): the devnet
+    waits for it, so the run ends with the score of the policy it made."""
+    o = devnet.opts
+    if not o.eval_every or o.steps % o.eval_every:
+        return True
+    return any(r.get("policy_version", -1) >= o.steps for r in devnet.eval_metrics())
 
 
 def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
@@ -473,7 +530,7 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
                 snap = devnet.snapshot()
                 view.update(render_table(devnet, snap, started))
                 rows = devnet.trainer_metrics()
-                if rows and rows[-1].get("step", 0) >= opts.steps:
+                if rows and rows[-1].get("step", 0) >= opts.steps and final_eval_done(devnet):
                     break
                 if opts.duration_s and time.monotonic() - started >= opts.duration_s:
                     break
@@ -490,10 +547,12 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
         interrupted = True
     finally:
         codes = devnet.stop_all()
-    rows = devnet.trainer_metrics()
-    atomic_write_text(devnet.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows), durable=False)
+    every = devnet.metrics_rows()
+    rows = [r for r in every if r.get("kind") != "eval"]
+    evals = [r for r in every if r.get("kind") == "eval"]
+    atomic_write_text(devnet.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in every), durable=False)
     if rows:
-        plot_rewards(rows, devnet.out / "reward_curve.png")
+        plot_rewards(every, devnet.out / "reward_curve.png")
     last10 = [r["reward_mean"] for r in rows[-10:] if "reward_mean" in r]
     summary = {
         "steps": rows[-1]["step"] if rows else 0,
@@ -502,6 +561,11 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
         "reward_last10": round(sum(last10) / len(last10), 4) if last10 else None,
         "batches_used": rows[-1].get("batches_used") if rows else None,
         "batches_discarded": rows[-1].get("batches_discarded") if rows else None,
+        "heldout": [
+            {"version": r["policy_version"], **{k: r["eval"][k] for k in ("pass@1", "pass@1_ci95", "reward_mean")}}
+            for r in evals
+        ]
+        or None,
         "seconds": round(time.monotonic() - started, 1),
         "exit_codes": codes,
         "interrupted": interrupted,

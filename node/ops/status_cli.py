@@ -257,6 +257,17 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list[RenderableType]:
             rows.append(("discarded batches", _reasons(discarded)))
             rows += [(f"discarded: {k}", v) for k, v in sorted(discarded.items(), key=lambda kv: -kv[1])]
         rows += [(k, rs.get(k)) for k in ("restored_after_crash", "dropped_announces")]
+        last_eval = rs.get("last_eval")
+        if isinstance(last_eval, dict):  # the trainer's newest held-out evaluation ([config] eval_every)
+            lo, hi = last_eval.get("pass@1_ci95") or ("?", "?")
+            rows.append(
+                (
+                    "held-out eval",
+                    f"v{last_eval.get('policy_version')}: pass@1 {last_eval.get('pass@1')} [{lo}, {hi}], "
+                    f"reward {last_eval.get('reward_mean')} over {last_eval.get('problems')} problems "
+                    f"x {last_eval.get('samples')}",
+                )
+            )
         for k, v in (rs.get("last_step") or {}).items():
             if k == "by_staleness":
                 rows += _staleness_rows(v)

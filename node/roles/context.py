@@ -201,18 +201,21 @@ class RunContext:
     cache_dir: Path
     model_dir: Path | None = None
     model_note: str = ""  # why a pinned model was not taken from this machine
+    # problems the genesis holds out ([config] heldout_size): never assigned to a worker (the
+    # assignment draws indices into ``problems`` only); scored by ``primenode eval --split
+    # heldout`` and the trainer's periodic evaluation ([config] eval_every)
+    heldout: list[Any] = dataclasses.field(default_factory=list)
     _rows: dict[Path, int] = dataclasses.field(default_factory=dict, repr=False)  # config.json vocab_size
 
     @classmethod
     def from_genesis(cls, genesis: RunGenesis, cache_dir: Path) -> RunContext:
         config = genesis_config(genesis)
-        problems = load_problems(genesis.dataset, genesis.dataset_size, int(config.get("seed", 0)))
-        check_dataset(genesis, problems)
+        problems, heldout = run_problems(genesis, config)
         proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
         replay_config_for(config)
         slot_rule_for(config)
         policy_dtype_for(config)
-        ctx = cls(genesis, config, problems, None, Path(cache_dir))
+        ctx = cls(genesis, config, problems, None, Path(cache_dir), heldout=heldout)
         if genesis.model_root:
             ctx._use_local_model()
         else:
@@ -412,9 +415,13 @@ class RunContext:
     def prompt_tokens(self, index: int) -> list[int]:
         """The prompt of problem ``index`` as token ids: through the model's chat template
         with the run's system prompt and math instruction (``node.rl.tasks.prompt_token_ids``)."""
+        return self.problem_tokens(self.problems[index])
+
+    def problem_tokens(self, problem: Any) -> list[int]:
+        """Any problem's prompt as the run's workers would put it (held-out ones included)."""
         from node.rl.tasks import PromptStyle, prompt_token_ids
 
-        return prompt_token_ids(self.tokenizer, self.problems[index], PromptStyle.from_config(self.config))
+        return prompt_token_ids(self.tokenizer, problem, PromptStyle.from_config(self.config))
 
     def decode(self, tokens: list[int]) -> str:
         try:
@@ -499,6 +506,79 @@ def check_dataset(genesis: RunGenesis, problems: list[Any]) -> None:
             f"the genesis pins dataset_hash {genesis.dataset_hash.hex()}: "
             "this node's copy of the dataset differs from the run's"
         )
+
+
+def heldout_size_of(config: dict[str, Any]) -> int:
+    """The genesis's ``[config] heldout_size`` (0: no held-out split)."""
+    value = config.get("heldout_size", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"genesis heldout_size must be a non-negative integer, got {value!r}")
+    return value
+
+
+def split_heldout(problems: list[Any], want: int, seed: int) -> tuple[list[Any], list[Any]]:
+    """(training problems in their order, held-out problems) by ``node.rl.scoring.heldout_indices``."""
+    from node.rl.scoring import heldout_indices
+
+    try:
+        held = set(heldout_indices([p.prompt for p in problems], want, seed))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return [p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held]
+
+
+def run_problems(genesis: RunGenesis, config: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """(training problems, held-out problems) of a run, each checked against its pinned hash.
+
+    The dataset spec names ``dataset_size + heldout_size`` problems; the held-out split takes
+    ``heldout_size`` of them by prompt hash (``split_heldout``); the training problems keep
+    their order and are what ``dataset_size``, ``dataset_hash`` and every prompt index mean,
+    so a held-out problem cannot be assigned: the assignment draws indices below
+    ``dataset_size`` into the training list (``protocol.assign_prompts``)."""
+    seed = int(config.get("seed", 0))
+    held_n = heldout_size_of(config)
+    problems = load_problems(genesis.dataset, genesis.dataset_size + held_n, seed)
+    train, heldout = split_heldout(problems, held_n, seed) if held_n else (problems, [])
+    if len(heldout) != held_n:
+        raise ConfigError(
+            f"dataset {genesis.dataset}: the held-out split gives {len(heldout)} problems, the genesis says {held_n}"
+        )
+    check_dataset(genesis, train)
+    want = str(config.get("heldout_hash", ""))
+    if held_n and want:
+        from node.rl.tasks import dataset_hash
+
+        have = dataset_hash(heldout).hex()
+        if have != want:
+            raise ConfigError(
+                f"the held-out problems of {genesis.dataset} hash to {have}, the genesis pins heldout_hash {want}"
+            )
+    return train, heldout
+
+
+def pin_problems(spec: str, size: int | None, seed: int, heldout: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(genesis fields, [config] keys) that pin a run's problems: ``dataset_size`` and
+    ``dataset_hash`` of the training problems and, with ``heldout`` > 0, ``heldout_size`` and
+    ``heldout_hash`` of the held-out split. ``size``: training problems of a built-in task
+    (default 1024; the held-out ones are generated on top), or the problems of a file to use
+    (default: all of them, held-out ones included). Reads every byte."""
+    from node.rl import tasks
+
+    builtin = spec.startswith("builtin:")
+    try:
+        if builtin:
+            total = (1024 if size is None else size) + heldout
+        else:
+            total = len(tasks.load_dataset(spec)) if size is None else size
+        problems = load_problems(spec, total, seed)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"dataset {spec}: {exc}") from None
+    train, held = split_heldout(problems, heldout, seed) if heldout else (problems, [])
+    fields: dict[str, Any] = {"dataset": spec, "dataset_size": len(train), "dataset_hash": tasks.dataset_hash(train)}
+    config: dict[str, Any] = {}
+    if heldout:
+        config = {"heldout_size": len(held), "heldout_hash": tasks.dataset_hash(held).hex()}
+    return fields, config
 
 
 def load_problems(spec: str, size: int, seed: int) -> list[Any]:

@@ -61,6 +61,20 @@ def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
     return engine
 
 
+def scoring_engine(ctx: RunContext, device: str = "cpu", state_dict: Any = None) -> Any:
+    """A transformers engine on the run's policy for scoring (``primenode eval``, the trainer's
+    held-out evaluation): version 0 in the run's engine dtype, as ``build_engine`` makes it, then
+    ``state_dict`` (a published version's weights) loaded as a worker loads a new version. No
+    numerics check: a score is not a proof, and an operator may score on another device."""
+    from node.engines.transformers_engine import TransformersEngine
+
+    model = ctx.initial_model().to(ctx.engine_dtype)
+    engine = TransformersEngine(model, device=device, eos_token_id=ctx.eos_token_id, pad_token_id=ctx.pad_token_id)
+    if state_dict is not None:
+        engine.load_weights(state_dict)
+    return engine
+
+
 def model_folder(ctx: RunContext) -> Path:
     """A HF folder holding version 0 of the run's policy (written once for the tiny model)."""
     g = ctx.genesis

@@ -47,6 +47,103 @@ from protocol import (
 
 log = logging.getLogger(__name__)
 
+
+class HeldoutEvaluator:
+    """The trainer's periodic held-out evaluation ([config] ``eval_every`` N: versions 0, N,
+    2N, ... are scored): ``eval_problems`` held-out problems (default: all), ``eval_samples``
+    seeded completions each (default 1), ``eval_seed`` (default 0), at the run's sampling
+    settings, by ``node.rl.evaluate``, the code behind ``primenode eval``, so a line of
+    metrics.jsonl and ``primenode eval --split heldout --n P --samples K --seed S`` of the
+    same version give the same numbers. One evaluation at a time, on an engine of its
+    own; a version that comes due while one runs replaces any still waiting (the newest
+    matters), so a slow evaluation never queues up work behind the trainer."""
+
+    def __init__(self, ctx: Any, every: int, problems: int, samples: int, seed: int) -> None:
+        self.ctx = ctx
+        self.every = every
+        self.problems = ctx.heldout[:problems] if problems else list(ctx.heldout)
+        self.samples = samples
+        self.seed = seed
+        self.engine: Any = None
+        self.threads = 1
+        self.running = False
+        self.waiting: int | None = None
+        self.last: dict[str, Any] | None = None
+
+    @classmethod
+    def from_config(cls, ctx: Any) -> HeldoutEvaluator | None:
+        cfg = ctx.config
+        values = {k: cfg.get(k, d) for k, d in (("eval_every", 0), ("eval_problems", 0), ("eval_samples", 1))}
+        values["eval_seed"] = cfg.get("eval_seed", 0)
+        for k, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "eval_samples" else 0):
+                raise ConfigError(
+                    f"genesis {k} must be a {'positive' if k == 'eval_samples' else 'non-negative'} integer, got {v!r}"
+                )
+        if not values["eval_every"]:
+            return None
+        if not ctx.heldout:
+            raise ConfigError(
+                "genesis eval_every needs a held-out split (heldout_size; `primenode run init --heldout N`)"
+            )
+        return cls(ctx, values["eval_every"], values["eval_problems"], values["eval_samples"], values["eval_seed"])
+
+    def prepare(self, device: str) -> None:
+        """Build the evaluation engine (blocking), before training starts: building a model
+        seeds torch's global RNG, which must not race the training state's RNG snapshot."""
+        from node.roles.engines import scoring_engine
+
+        self.engine = scoring_engine(self.ctx, device)
+
+    def due(self, nursery: trio.Nursery, version: int, evaluate: Any) -> None:
+        if version % self.every:
+            return
+        if self.running:
+            self.waiting = version
+            return
+        self.running = True  # now, not when the task starts: a second due() must wait behind it
+        nursery.start_soon(self._drain, version, evaluate)
+
+    async def _drain(self, version: int, evaluate: Any) -> None:
+        try:
+            next_version: int | None = version
+            while next_version is not None:
+                await evaluate(next_version)
+                next_version, self.waiting = self.waiting, None
+        finally:
+            self.running = False
+
+    def run(self, version: int, state: Any) -> dict[str, Any]:
+        """Load ``state`` into the engine and score it (blocking: a thread)."""
+        import torch
+
+        from node.rl.evaluate import sample_problems, summarize
+
+        t0 = time.monotonic()
+        # one compute thread: the evaluation shares the machine with the training step, and two
+        # pools of every core each ran SmolLM2's sampling 2-7x slower than one thread on a busy
+        # 2-core machine (docs/rl.md, "Evaluation"). OpenMP's thread count is per calling thread,
+        # and trio reuses its worker threads, so it is put back before the thread goes.
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self.engine.load_weights(state)
+            results = sample_problems(
+                self.problems,
+                self.engine,
+                self.ctx.problem_tokens,
+                self.ctx.decode,
+                self.samples,
+                self.ctx.sampling,
+                seed=self.seed,
+            )
+        finally:
+            torch.set_num_threads(before)
+        summary = {**summarize(results), "seed": self.seed, "seconds": round(time.monotonic() - t0, 2)}
+        self.last = {"policy_version": version, **summary}
+        return {"kind": "eval", "split": "heldout", "policy_version": version, "eval": summary, "time": time.time()}
+
+
 # Tokens (prompt + completion, all samples) one step trains on at most; the default devnet
 # brings ~3.5k per batch, so every fresh batch fits; a run with many workers caps its step here.
 STEP_TOKEN_BUDGET = 1 << 16
@@ -110,14 +207,22 @@ class TrainerRole(LearningRole):
         # announces queued or being fetched, keyed (announcer, batch id): protocol/batches.py
         self._queued: set[BatchKey] = set()
         self.stolen_announces = 0  # announces of a batch the ledger holds as another worker's
+        # held-out evaluation as the run goes ([config] eval_every; docs/rl.md "Evaluation")
+        self.evals = HeldoutEvaluator.from_config(self.ctx)
 
     # ------------------------------------------------------------ lifecycle
+    _nursery: trio.Nursery | None = None
+
     async def run(self, node) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             await self.start_common(node, nursery)
             await trio.to_thread.run_sync(self._load_or_init)
             self._check_store()
             await self._publish_current()
+            if self.evals is not None:
+                await trio.to_thread.run_sync(self.evals.prepare, self.device)
+                self.evals.due(nursery, self.version, self._evaluate)
             self._reevaluate_pending()
             node.gossip.on("rollout", self._on_announce)
             node.gossip.on("vote", self._on_vote)
@@ -221,6 +326,8 @@ class TrainerRole(LearningRole):
         crash_point("state.pruned", version)
         await self._publish_current()
         crash_point("published", version)
+        if self.evals is not None and self._nursery is not None:
+            self.evals.due(self._nursery, version, self._evaluate)
 
     async def _publish_current(self) -> None:
         """Announce the current version; after a restart, re-announce the manifest already in the store."""
@@ -489,6 +596,37 @@ class TrainerRole(LearningRole):
         log.info("reached %s steps; serving until stopped", self.steps)
         await trio.sleep_forever()
 
+    async def _evaluate(self, version: int) -> None:
+        """Score ``version`` (its published weights, read from the store) on the held-out
+        problems in a thread of its own: the train loop never waits for it. The result is a
+        ``"kind": "eval"`` line of metrics.jsonl and ``last_eval`` in the status."""
+        from node.roles.common import load_state_dict
+
+        assert self.checkpoints is not None and self.evals is not None
+        try:
+            with self.checkpoints.open_version(version) as files:
+                state = await trio.to_thread.run_sync(load_state_dict, files)
+        except (RuntimeError, KeyError, OSError) as exc:
+            log.warning("held-out evaluation of version %d skipped: its weights are not readable (%s)", version, exc)
+            return
+        run = functools.partial(self.evals.run, version, state)
+        try:
+            record = await trio.to_thread.run_sync(run, abandon_on_cancel=True)  # type: ignore[call-arg]
+        except Exception:  # a score is a report, never a reason to stop training
+            log.exception("held-out evaluation of version %d failed", version)
+            return
+        await trio.to_thread.run_sync(self._append_metrics, json.dumps(record))
+        e = record["eval"]
+        log.info(
+            "held-out eval of version %d: pass@1 %.3f [%.3f, %.3f], reward %.3f over %d problems (%.1f s)",
+            version,
+            e["pass@1"],
+            *e["pass@1_ci95"],
+            e["reward_mean"],
+            e["problems"],
+            e["seconds"],
+        )
+
     def _append_metrics(self, line: str) -> None:
         """One JSON line per step (blocking: runs in a thread)."""
         with open(self.metrics_path, "a") as f:
@@ -536,4 +674,5 @@ class TrainerRole(LearningRole):
                 if k in m
             },
             "distribution": self.checkpoints_status(),
+            "last_eval": self.evals.last if self.evals is not None else None,
         }
