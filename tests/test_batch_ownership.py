@@ -361,3 +361,52 @@ async def test_the_trainer_sheds_a_flooded_announce_without_forgetting_it_and_re
             assert len(node.requests) == before and node.policy.points(thief) > 0 and role.stolen_announces == 1
             assert node.policy.points(honest.peer_id) == 0
             nursery.cancel_scope.cancel()
+
+
+async def test_a_fetch_that_failed_is_retried_on_the_workers_next_announce(tmp_path):
+    """A validator's fetch of an honest batch times out (a loaded link): the worker is charged
+    for it, and its re-announce of the undecided batch is fetched again (the announce was kept
+    as seen, and the batch stayed pending at the trainer for good: a quorum needs this vote).
+    Control: a batch whose fetch succeeded is not fetched again when announced again."""
+    from node.home import NodeHome
+    from node.roles.validator import ValidatorRole
+    from tests.support.roles import tiny_context
+    from tests.test_ledger import _signed_batch
+
+    ctx = tiny_context(tmp_path / "ctx")
+    run_id = ctx.genesis.run_id
+    home = NodeHome(tmp_path / "home")
+    home.path.mkdir(parents=True)
+    role = ValidatorRole(home, ctx, fetchers=2, queue=8)
+    honest = NodeKey(b"\x72" * 32)
+    raw, ann = _signed_batch(honest, run_id, 0)
+    raw2, ann2 = _signed_batch(honest, run_id, 1)
+    node = role.node = _LaneNode({(honest.peer_id, ann2.batch_id): raw2})  # the first: not served yet
+    node.release.set()  # a request for what the worker does not serve fails at once ("timeout")
+    role.weights.held = lambda version: True  # the verify loop is not under test (see above)
+    seq = iter(range(1, 10_000))
+
+    def fetches(batch_id: bytes) -> int:
+        return sum(1 for p, b in node.requests if (p, b) == (honest.peer_id, batch_id))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            role._nursery = nursery
+            for _ in range(role.n_fetchers):
+                nursery.start_soon(role._fetch_loop)
+            role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))
+            role._on_announce(_announce_env(honest.peer_id, ann2, next(seq), run_id))
+            await wait_until(lambda: fetches(ann.batch_id) == 1 and fetches(ann2.batch_id) == 1, 20, poll=0.05)
+            await wait_until(lambda: role.fetch_failures == 1, 20, poll=0.05, what="the failed fetch")
+            assert node.policy.points(honest.peer_id) > 0  # unserved is charged, as ever
+            # the worker now serves it (the link recovered) and announces it again: fetched
+            node.batches[(honest.peer_id, ann.batch_id)] = raw
+            role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))
+            await wait_until(lambda: fetches(ann.batch_id) == 2, 20, poll=0.05, what="the re-announce fetched")
+            await wait_until(lambda: len(role.intake) == 0, 20, poll=0.05, what="the lane drained")
+            assert role.fetch_failures == 1
+            # control: the batch fetched the first time is not fetched again on a repeat announce
+            role._on_announce(_announce_env(honest.peer_id, ann2, next(seq), run_id))
+            await trio.testing.wait_all_tasks_blocked()
+            assert fetches(ann2.batch_id) == 1
+            nursery.cancel_scope.cancel()

@@ -135,6 +135,11 @@ class ValidatorRole(EngineRole):
             else:
                 self.fetch_failures += 1
                 self.charge_unserved(env.sender, exc)
+                # Not seen any more: the worker announces an undecided batch again, and a fetch
+                # that timed out on a loaded link must not leave its batch without this vote for
+                # good (with a quorum of every validator it stayed pending forever). Each failed
+                # fetch is charged, so an announcer that never serves pays for every retry.
+                self._unsee(env)
             return
         self._proved_signer(env.body.batch_id, env.sender)
         v = batch.policy_version
