@@ -9,6 +9,7 @@ argument (the daemon never reads it back from this module).
 from __future__ import annotations
 
 import enum
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -471,13 +472,16 @@ def devnet(
             math_instruction=math_instruction,
         )
     )
-    if summary["interrupted"]:
-        raise typer.Exit(130)
+    if summary["stopped_by"]:  # 128 + the signal, as a shell reports a process it stopped
+        raise typer.Exit(128 + int(signal.Signals[summary["stopped_by"]]))
 
 
 def main() -> None:
     """Console-script entry: one clear line per error, traceback only with --debug."""
     debug = "--debug" in sys.argv[1:]
+    from node.ops.lifeline import stop_with_parent
+
+    stop_with_parent()  # started by `primenode devnet`: stop when it dies, even by SIGKILL
     try:
         rc = app(standalone_mode=False)  # click returns a typer.Exit's code instead of raising it here
         if isinstance(rc, int) and rc:
