@@ -168,6 +168,43 @@ def status(
     show_status(home=home, as_json=as_json)
 
 
+@app.command()
+def doctor(
+    home: HomeOpt,
+    bootstrap: Annotated[
+        list[str] | None,
+        typer.Option("--bootstrap", help="A bootstrap address to check (repeatable; default: the home's config)."),
+    ] = None,
+    genesis: Annotated[
+        Path | None, typer.Option("--genesis", help="The run's genesis: sizes the disk check, names the run id.")
+    ] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="The run id the bootstraps must serve.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+) -> None:
+    """Check this machine for a run: engine, disk, sandbox, bootstraps, reachability, clock,
+    bandwidth. One line per check with its fix; exit 1 when a blocker fails."""
+    import json
+
+    from node.ops.doctor import DoctorOptions, exit_code, render, run_doctor
+
+    addrs = list(bootstrap or [])
+    if not addrs and home.exists():
+        try:
+            addrs = list(NodeHome(home).load_config().bootstrap)
+        except Exception:
+            addrs = []
+    checks = run_doctor(DoctorOptions(home=home, bootstrap=addrs, genesis=genesis, run_id=run_id))
+    rc = exit_code(checks)
+    if as_json:
+        print(json.dumps({"ok": rc == 0, "checks": [c.to_json() for c in checks]}))
+    else:
+        from rich.console import Console
+
+        Console().print(render(checks))
+    if rc:
+        raise typer.Exit(rc)
+
+
 @run_app.command("init")
 def run_init(
     home: Annotated[Path, typer.Option("--home", help="The run owner's node home (its key signs the genesis).")],
