@@ -199,3 +199,15 @@ def test_doctor_without_a_node_says_how_to_get_the_network_lines(tmp_path):
     assert (
         report["ok"] == (res.returncode == 0) == (not any(c["status"] == "fail" and c["blocker"] for c in by.values()))
     )
+
+
+def test_a_dataset_of_code_problems_makes_the_sandbox_a_blocker(tmp_path):
+    from node.rl.tasks import save_dataset
+
+    code = save_dataset(
+        [{"task": "code", "prompt": "print 42", "tests": '{"io": [{"stdin": "", "stdout": "42"}]}'}],
+        tmp_path / "code.jsonl",
+    )
+    math = save_dataset([{"task": "math", "prompt": "1+1", "answer": "2"}], tmp_path / "math.jsonl")
+    assert d.runs_code(str(code)) and not d.runs_code(str(math))
+    assert not d.runs_code("builtin:arithmetic") and not d.runs_code(str(tmp_path / "missing.jsonl"))

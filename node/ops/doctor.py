@@ -31,7 +31,6 @@ MIN_PYTHON = (3, 11)
 # float32 parameter bytes of the models a genesis can name (node/models.py); a checkpoint
 # version on disk is about that, and a node keeps the window of versions below
 MODEL_BYTES = {"tiny": 2 * (1 << 20), "tiny-llama": 2 * (1 << 20), "smollm2": 135_000_000 * 4}
-CODE_TASKS = ("code",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +345,19 @@ async def probe_bootstrap(addr: str, timeout: float = 10.0) -> BootstrapFacts:
         return BootstrapFacts(addr, True, True, run_id=g.run_id.hex(), run_name=g.name)
 
 
+def runs_code(dataset: str) -> bool:
+    """Whether the genesis's dataset holds code problems (scored in the sandbox): the built-in
+    tasks do not; a dataset file here is read (one the node cannot read yet counts as no)."""
+    if dataset.startswith("builtin:"):
+        return False
+    try:
+        from node.rl.tasks import load_dataset
+
+        return any(p.task == "code" for p in load_dataset(dataset))
+    except Exception:
+        return False
+
+
 def running_status(home: Path) -> dict[str, Any] | None:
     from node.ops.status_cli import fetch_status
 
@@ -371,18 +383,19 @@ def run_doctor(opts: DoctorOptions) -> list[Check]:
     checks = [check_python(sys.version_info[:3])]
     checks.append(check_torch(gather_torch()))
     checks.append(check_vllm(*gather_vllm()))
-    model, max_async, task = "unknown", 2, ""
+    model, max_async, code_run = "unknown", 2, False
     if opts.genesis is not None:
         from node.genesis_file import read_genesis
 
         g = read_genesis(opts.genesis).genesis
-        model, max_async, task = g.model, g.max_async, g.dataset
+        model, max_async = g.model, g.max_async
+        code_run = runs_code(g.dataset)
         opts.run_id = opts.run_id or g.run_id.hex()
     where = opts.home if opts.home.exists() else next(p for p in opts.home.parents if p.exists())
     free = shutil.disk_usage(where).free
     what = f"the checkpoint window ({max_async + 2} versions of {model})"
     checks.append(check_disk(where, free, checkpoint_window_bytes(model, max_async), what))
-    checks.append(check_sandbox(gather_sandbox(needed=any(t in task for t in CODE_TASKS))))
+    checks.append(check_sandbox(gather_sandbox(needed=code_run)))
     probes = [trio.run(probe_bootstrap, a, opts.timeout_s) for a in opts.bootstrap]
     any_ok = any(p.primenode and (not opts.run_id or p.run_id == opts.run_id) for p in probes)
     checks += [check_bootstrap(p, opts.run_id, any_ok) for p in probes]
