@@ -12,6 +12,10 @@ between fork and exec and is unsafe while the parent has threads (the devnet's l
 has one). The window before the ``prctl`` (the parent dying while the child starts) is
 closed by comparing ``getppid()`` with the named parent afterwards. Where ``prctl`` is
 missing (not Linux) a daemon thread watches ``getppid()`` once a second instead.
+
+Linux sends the signal when the parent *thread* that forked the child exits, so a parent
+must start such children from a thread that lives as long as it does (the devnet and its
+tests start nodes from the main thread).
 """
 
 from __future__ import annotations
