@@ -91,6 +91,8 @@ def test_bootstrap_verdicts():
     down = d.check_bootstrap(d.BootstrapFacts("a", False, error="no connection"))
     assert down.blocks and "unreachable" in down.detail
     assert not d.check_bootstrap(d.BootstrapFacts("a", False), others_ok=True).blocks  # another one answered
+    skewed = d.check_bootstrap(d.BootstrapFacts("a", True, True, clock="X says our clock is 23.0 s ahead of its"))
+    assert skewed.blocks and "refused our timestamp" in skewed.detail and "NTP" in skewed.fix
 
 
 def test_running_node_checks():
@@ -211,3 +213,18 @@ def test_a_dataset_of_code_problems_makes_the_sandbox_a_blocker(tmp_path):
     math = save_dataset([{"task": "math", "prompt": "1+1", "answer": "2"}], tmp_path / "math.jsonl")
     assert d.runs_code(str(code)) and not d.runs_code(str(math))
     assert not d.runs_code("builtin:arithmetic") and not d.runs_code(str(tmp_path / "missing.jsonl"))
+
+
+async def test_probe_of_a_bootstrap_whose_clock_disagrees_with_ours_says_so():
+    """The bootstrap answers a request whose timestamp it refuses with the offset it saw
+    (clock_skew); doctor names the clock, not "does not speak primenode"."""
+    from node.util import now_ms
+
+    async with trio.open_nursery() as nursery:
+        net = NodeFactory(nursery)
+        boot = await net.start(wall_ms=lambda: now_ms() - 30_000)  # its clock 30 s behind ours
+        facts = await d.probe_bootstrap(boot.full_addrs()[0], timeout=10)
+        nursery.cancel_scope.cancel()
+    assert facts.primenode and "our clock is 30" in facts.clock, facts
+    c = d.check_bootstrap(facts)
+    assert c.blocks and "refused our timestamp" in c.detail

@@ -150,6 +150,7 @@ class BootstrapFacts:
     run_id: str = ""
     run_name: str = ""
     error: str = ""
+    clock: str = ""  # the bootstrap refused our request's timestamp: what it said
 
 
 def check_bootstrap(f: BootstrapFacts, expected_run_id: str | None = None, others_ok: bool = False) -> Check:
@@ -162,6 +163,14 @@ def check_bootstrap(f: BootstrapFacts, expected_run_id: str | None = None, other
             f"{f.addr}: unreachable: {f.error}",
             "check the address and port, the firewall, and that the bootstrap runs",
             not others_ok,
+        )
+    if f.clock:
+        return Check(
+            name,
+            FAIL,
+            f"{f.addr}: primenode, but it refused our timestamp: {f.clock}",
+            "enable NTP: timedatectl set-ntp true (or install chrony)",
+            True,  # every peer would refuse us too
         )
     if not f.primenode:
         return Check(
@@ -337,6 +346,8 @@ async def probe_bootstrap(addr: str, timeout: float = 10.0) -> BootstrapFacts:
             env = await rr.request(pid, GenesisRequest(want=0), GenesisResponse, timeout=timeout)
             g = verify_genesis(env.body.genesis)
         except RequestError as exc:
+            if exc.code == "clock_skew":  # primenode, and our clock is off (protocol.reqresp)
+                return BootstrapFacts(addr, True, True, clock=exc.detail)
             if exc.code == "unsupported":
                 return BootstrapFacts(addr, True, False, error="no /primenode/rr/1.0.0")
             return BootstrapFacts(addr, True, False, error=str(exc)[:200])

@@ -229,7 +229,7 @@ class ReqResp:
             )
         except ProtocolError as exc:
             self.metrics.on_request(tname, "client", "bad_response")
-            if exc.rule == "timestamp" and self._clock_sample(raw, allowed, peer_id, now) is not None:
+            if exc.rule == "timestamp" and self._signed_by(raw, allowed, peer_id, now) is not None:
                 # signed by the peer, only its time is off: our clock or its, no charge
                 raise RequestError("bad_response", f"{exc.rule}: {exc.detail}") from None
             self.policy.penalise(peer_id, "bad_response")
@@ -251,25 +251,24 @@ class ReqResp:
                     self.clock_skew.sample(peer_id, ahead)
                 side = "ahead of" if ahead > 0 else "behind"
                 raise RequestError(
-                    frames.CLOCK_SKEW, f"{peer_id} says our clock is {abs(ahead) / 1000:.1f} s {side} its"
+                    frames.CLOCK_SKEW, f"{peer_id} says our clock is {abs(ahead) / 1000:.1f} s {side} its; enable NTP"
                 )
             raise RequestError(env.body.code, env.body.detail)
         self.metrics.on_request(tname, "client", "ok")
         return env
 
-    def _clock_sample(self, raw: bytes, allowed: set[int], peer: str, now: int) -> int | None:
-        """An envelope refused for its timestamp: if ``peer`` signed it, how far our clock is
-        ahead of ``peer``'s (a :class:`ClockSkew` sample); None if it is not ``peer``'s."""
+    def _signed_by(self, raw: bytes, allowed: set[int], peer: str, now: int) -> Envelope | None:
+        """An envelope refused for its timestamp, if ``peer`` signed it; how far our clock is
+        ahead of ``peer``'s is then a :class:`ClockSkew` sample."""
         try:
             env = protocol.open_envelope(raw, run_id=self.run_id, now_ms=now, guard=None, allowed_types=allowed)
         except ProtocolError:
             return None
         if env.sender != peer:
             return None
-        ahead = now - env.timestamp_ms
         if self.clock_skew is not None:
-            self.clock_skew.sample(peer, ahead)
-        return ahead
+            self.clock_skew.sample(peer, now - env.timestamp_ms)
+        return env
 
     # ---------------------------------------------------------------- server
     def _max_request_bytes(self) -> int:
@@ -363,11 +362,14 @@ class ReqResp:
             self.metrics.on_request(tname, "server", "bad_request")
             self.policy.penalise(peer, exc.rule)
             reply: Message = frames.bad_request(exc)
-            if exc.rule == "timestamp":  # tell the requester the offset we saw (protocol.reqresp)
-                ahead = self._clock_sample(raw, set(self._handlers), peer, now)
-                if ahead is not None:
-                    reply = frames.clock_skew(-ahead)
             run_id = self.run_id
+            if exc.rule == "timestamp":  # tell the requester the offset we saw (protocol.reqresp)
+                signed = self._signed_by(raw, set(self._handlers), peer, now)
+                if signed is not None:
+                    reply = frames.clock_skew(signed.timestamp_ms - now)
+                    # a pre-run request (a joiner's GenesisRequest) is answered in the zero run,
+                    # the only one its sender can open yet
+                    run_id = signed.run_id
         else:
             cls, handler = self._handlers[env.type_id]
             tname = cls.__name__
