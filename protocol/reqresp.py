@@ -19,6 +19,14 @@ of time) and ``internal`` (the handler failed; the detail is the exception's
 class name); handlers add their own codes (``no_genesis``, ``busy``, ...).
 Details are cut to ``MAX_ERROR_DETAIL`` characters.
 
+A request refused for its envelope timestamp (outside the responder's window)
+is answered ``clock_skew`` instead of ``bad_request``, its detail the decimal
+integer offset the responder saw: the request's signed timestamp minus the
+responder's clock at receipt, in milliseconds (positive: the requester's clock
+is ahead). It is sent only when the request's signature verified, so the
+offset is the named requester's own. The requester counts it as one peer's
+view of its clock (``node/p2p/clock.py``); one peer alone cannot make it warn.
+
 A request whose type is pre-run (``GenesisRequest``) travels with the zero run
 id and so does its answer, so a joiner can ask before it knows the run.
 """
@@ -40,6 +48,8 @@ MAX_ERROR_DETAIL = 256
 BAD_REQUEST = "bad_request"
 TIMEOUT = "timeout"
 INTERNAL = "internal"
+CLOCK_SKEW = "clock_skew"
+MAX_CLOCK_OFFSET_MS = 10**15  # ~31,000 years: any real offset; a bound on what is parsed
 
 
 def encode_frame(envelope: bytes) -> bytes:
@@ -86,3 +96,23 @@ def handler_timeout() -> ErrorResponse:
 def internal_error(exc: BaseException) -> ErrorResponse:
     """The answer when the handler failed: only the exception's class name leaves the node."""
     return ErrorResponse(code=INTERNAL, detail=f"{type(exc).__name__}"[:MAX_ERROR_DETAIL])
+
+
+def clock_skew(offset_ms: int) -> ErrorResponse:
+    """The answer to a request refused for its timestamp: the offset the responder saw
+    (request timestamp minus the responder's clock, ms; positive: the requester is ahead)."""
+    offset_ms = max(-MAX_CLOCK_OFFSET_MS, min(MAX_CLOCK_OFFSET_MS, int(offset_ms)))
+    return ErrorResponse(code=CLOCK_SKEW, detail=str(offset_ms))
+
+
+def clock_skew_offset(response: ErrorResponse) -> int | None:
+    """The offset a ``clock_skew`` answer carries; None for any other answer or a detail that
+    is not a decimal integer within ``MAX_CLOCK_OFFSET_MS``."""
+    if response.code != CLOCK_SKEW:
+        return None
+    text = response.detail
+    digits = text[1:] if text.startswith("-") else text
+    if not digits.isascii() or not digits.isdigit() or len(digits) > 16:
+        return None
+    value = int(text)
+    return value if abs(value) <= MAX_CLOCK_OFFSET_MS else None

@@ -9,24 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from tests.support.processes import default_sigint
-
-
-def _node_processes(out: Path) -> list[str]:
-    """Command lines of live processes started for this devnet (they name its folder)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if ("node.ops.cli join" in cmd or "node.ops.cli bootstrap" in cmd) and str(out) in cmd:
-            found.append(cmd)
-    return found
+from tests.support.processes import default_sigint, processes_naming
 
 
 def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
@@ -64,7 +48,7 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
             time.sleep(1.0)
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
         assert trainer_metrics.exists() and len(trainer_metrics.read_text().splitlines()) >= 2, "no two steps"
-        assert _node_processes(out), "the devnet's node processes were not found"
+        assert processes_naming(out), "the devnet's node processes were not found"
         proc.send_signal(signal.SIGINT)  # what Ctrl+C sends
         rc = proc.wait(timeout=120)
     finally:
@@ -73,7 +57,7 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
     output = log.read_text(errors="replace")
     assert rc == 130, output[-3000:]
     assert "Traceback" not in output
-    assert not _node_processes(out), "node processes outlived the devnet"
+    assert not processes_naming(out), "node processes outlived the devnet"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 2 and all("reward_mean" in r and "step" in r for r in rows)
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

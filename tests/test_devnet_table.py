@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from node.ops.devnet import TABLE_COLUMNS, staleness_cell, status_table
+from node.ops.devnet import COMPACT_COLUMNS, TABLE_COLUMNS, live_view, staleness_cell, status_table
 
 DIST = {"versions": [{"version": 3, "chunks_held": 2, "chunks_total": 2, "complete": True}]}
 SNAP = {
@@ -110,3 +110,37 @@ def test_a_narrow_terminal_folds_cells_instead_of_cutting_them():
     squeezed = "".join(ch for ch in text if ch.isalnum())
     for word in ("toploc3", "stale1", "unverifiable1"):
         assert word in squeezed, squeezed
+
+
+def test_an_80_column_terminal_gets_one_line_per_node_and_the_free_text_below():
+    """The live view at 80 columns (the full table folded every cell letter by letter there):
+    each node's short cells on one line of a table, ratios and reasons on a line of their own."""
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(live_view(NODES, SNAP, "devnet  step 3/40", 80))
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    table: dict[str, list[str]] = {}  # each node's first line: its table row (its notes line comes after)
+    for line in lines:
+        if line.split() and line.split()[0] in SNAP:
+            table.setdefault(line.split()[0], line.split())
+    heads = next(line.split() for line in lines if line.split()[:2] == ["node", "up"])
+    assert heads == list(COMPACT_COLUMNS.values())
+    assert table["trainer"][: heads.index("used") + 1] == [
+        "trainer",
+        "yes",
+        "4",
+        "3",
+        "3/40",
+        "0.457",
+        "-",
+        "17",
+        "5",
+        "3",
+    ]
+    assert table["worker-0"] == ["worker-0", "yes", "4", "2", "-", "-", "9", "6", "1", "-"]
+    assert table["validator-1"] == ["validator-1", "no", "-", "-", "-", "-", "-", "-", "-", "-"]
+    text = out.getvalue()
+    assert "ratios s0 1.000/0% s2 0.962/7%; reasons stale before training 2" in text
+    assert "reasons toploc 3, stale 1, unverifiable 1 (no vote)" in text
+    # where the whole table fits, the live view is the full table
+    assert isinstance(live_view(NODES, SNAP, "devnet", 200), type(status_table(NODES, SNAP)))

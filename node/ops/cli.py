@@ -9,6 +9,7 @@ argument (the daemon never reads it back from this module).
 from __future__ import annotations
 
 import enum
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -165,6 +166,43 @@ def status(
     from node.ops.status_cli import show_status
 
     show_status(home=home, as_json=as_json)
+
+
+@app.command()
+def doctor(
+    home: HomeOpt,
+    bootstrap: Annotated[
+        list[str] | None,
+        typer.Option("--bootstrap", help="A bootstrap address to check (repeatable; default: the home's config)."),
+    ] = None,
+    genesis: Annotated[
+        Path | None, typer.Option("--genesis", help="The run's genesis: sizes the disk check, names the run id.")
+    ] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="The run id the bootstraps must serve.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+) -> None:
+    """Check this machine for a run: engine, disk, sandbox, bootstraps, reachability, clock,
+    bandwidth. One line per check with its fix; exit 1 when a blocker fails."""
+    import json
+
+    from node.ops.doctor import DoctorOptions, exit_code, render, run_doctor
+
+    addrs = list(bootstrap or [])
+    if not addrs and home.exists():
+        try:
+            addrs = list(NodeHome(home).load_config().bootstrap)
+        except Exception:
+            addrs = []
+    checks = run_doctor(DoctorOptions(home=home, bootstrap=addrs, genesis=genesis, run_id=run_id))
+    rc = exit_code(checks)
+    if as_json:
+        print(json.dumps({"ok": rc == 0, "checks": [c.to_json() for c in checks]}))
+    else:
+        from rich.console import Console
+
+        Console().print(render(checks))
+    if rc:
+        raise typer.Exit(rc)
 
 
 @run_app.command("init")
@@ -566,13 +604,16 @@ def devnet(
             eval_samples=eval_samples,
         )
     )
-    if summary["interrupted"]:
-        raise typer.Exit(130)
+    if summary["stopped_by"]:  # 128 + the signal, as a shell reports a process it stopped
+        raise typer.Exit(128 + int(signal.Signals[summary["stopped_by"]]))
 
 
 def main() -> None:
     """Console-script entry: one clear line per error, traceback only with --debug."""
     debug = "--debug" in sys.argv[1:]
+    from node.ops.lifeline import stop_with_parent
+
+    stop_with_parent()  # started by `primenode devnet`: stop when it dies, even by SIGKILL
     try:
         rc = app(standalone_mode=False)  # click returns a typer.Exit's code instead of raising it here
         if isinstance(rc, int) and rc:

@@ -10,6 +10,7 @@ cleanly after the requested steps or on Ctrl+C.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,14 +20,18 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from node.errors import ConfigError, NodeError
 from node.home import NodeHome
+from node.ops.lifeline import parent_env
 from node.util import atomic_write_text
 
 if TYPE_CHECKING:
+    from rich.console import Group, RenderableType
     from rich.table import Table
 
 
@@ -118,6 +123,8 @@ class Devnet:
         self.nodes: list[NodeProc] = []
         self.genesis_path = self.out / "run.toml"
         self.bootstrap_addr = ""
+        # wraps each process start; run_devnet makes stop signals wait for it (StopSignals)
+        self.critical: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
     # ------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -283,9 +290,11 @@ class Devnet:
         # the other cores would idle.
         threads = str(os.cpu_count() or 1) if node.role == "trainer" else "1"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
-        node.proc = subprocess.Popen(
-            primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        env.update(parent_env())  # the node stops when this process dies, even by SIGKILL (lifeline.py)
+        with self.critical():  # a stop signal waits until the child is recorded: none goes untracked
+            node.proc = subprocess.Popen(
+                primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def start_all(self) -> None:
         for n in self.nodes:
@@ -302,20 +311,27 @@ class Devnet:
             n.proc.send_signal(sig)
             n.proc.wait(timeout=30)
 
-    def stop_all(self, grace_s: float = 20.0) -> dict[str, int | None]:
-        for n in self.nodes:
-            if n.proc and n.proc.poll() is None:
-                n.proc.send_signal(signal.SIGTERM)
+    def stop_all(self, grace_s: float = 20.0, hurry: Callable[[], bool] = lambda: False) -> dict[str, int | None]:
+        """SIGTERM every live node, SIGKILL those still running after ``grace_s`` (or as soon
+        as ``hurry()`` turns true: a second stop signal), and return only once every one has
+        exited: a node outliving the devnet would train on as an orphan."""
+        running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        for n in running:
+            assert n.proc is not None
+            n.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
+        # other processes: no event reaches us when they exit, so poll (a tenth of a second)
+        while time.monotonic() < deadline and not hurry():
+            if all(n.proc is None or n.proc.poll() is not None for n in running):
+                break
+            time.sleep(0.1)
         codes: dict[str, int | None] = {}
         for n in self.nodes:
             if n.proc is None:
                 continue
-            try:
-                codes[n.name] = n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if n.proc.poll() is None:
                 n.proc.kill()
-                codes[n.name] = n.proc.wait()
+            codes[n.name] = n.proc.wait()
             if n.log:
                 n.log.close()
         return codes
@@ -339,6 +355,8 @@ class Devnet:
 
     def metrics_rows(self) -> list[dict[str, Any]]:
         """Every line of the trainer's metrics.jsonl: steps, then held-out evaluations among them."""
+        if not any(n.name == "trainer" for n in self.nodes):
+            return []  # stopped before prepare() named the nodes
         path = self.node("trainer").home.metrics_path
         if not path.exists():
             return []
@@ -354,7 +372,9 @@ class Devnet:
         return {n.name: n.status() for n in self.nodes}
 
 
-def render_table(devnet: Devnet, snap: dict[str, Any], started: float) -> Table:
+def render_table(devnet: Devnet, snap: dict[str, Any], started: float, width: int = 200) -> RenderableType:
+    """The live view (:func:`live_view`): an 80-column terminal folded the full table's cells
+    letter by letter, so a narrow one gets :func:`compact_status`."""
     metrics = devnet.trainer_metrics()
     last = metrics[-1] if metrics else {}
     title = (
@@ -362,7 +382,17 @@ def render_table(devnet: Devnet, snap: dict[str, Any], started: float) -> Table:
         f"{eval_cell(devnet.eval_metrics())}  elapsed {time.monotonic() - started:.0f}s"
     )
     nodes = [(n.name, n.role, bool(n.proc and n.proc.poll() is None)) for n in devnet.nodes]
-    return status_table(nodes, snap, title)
+    return live_view(nodes, snap, title, width)
+
+
+def live_view(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str, width: int) -> RenderableType:
+    """:func:`status_table` where ``width`` columns hold it unfolded, else :func:`compact_status`."""
+    from rich.console import Console
+
+    full = status_table(nodes, snap, title)
+    if Console(width=100_000).measure(full).maximum <= width:  # its natural width, unbounded
+        return full
+    return compact_status(nodes, snap, title)
 
 
 def eval_cell(evals: list[dict[str, Any]]) -> str:
@@ -388,6 +418,20 @@ TABLE_COLUMNS = (
     "ratios",
     "reasons",
 )
+# the compact view's table: the short cells under short headings; "ratios" and "reasons"
+# (free text) go to one line per node below it
+COMPACT_COLUMNS = {
+    "node": "node",
+    "alive": "up",
+    "peers": "peers",
+    "version": "ver",
+    "step": "step",
+    "reward": "reward",
+    "produced": "made",
+    "accepted": "acc",
+    "rejected": "rej",
+    "used": "used",
+}
 
 
 def staleness_cell(by_staleness: Any) -> str:
@@ -407,26 +451,18 @@ def reasons_cell(reasons: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
 
 
-def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet") -> Table:
-    """One row per node (``nodes``: name, role, whether its process lives; devnet names
-    say the role, so it gets no column), from its status object (``snap[name]``; None
-    while it does not answer). Columns: the policy version each learning node holds; the
-    trainer's step and reward; batches accepted / rejected as each role sees them: the
-    trainer's ledger (admitted / rejected), a worker's own batches (a quorum of accept
-    votes / a quorum no longer possible) next to how many it produced, a validator's
+def status_cells(nodes: list[tuple[str, str, bool]], snap: dict[str, Any]) -> list[dict[str, str]]:
+    """One dict of :data:`TABLE_COLUMNS` cells per node (``nodes``: name, role, whether its
+    process lives; devnet names say the role, so it gets no column), from its status object
+    (``snap[name]``; None while it does not answer). Columns: the policy version each learning
+    node holds; the trainer's step and reward; batches accepted / rejected as each role sees
+    them: the trainer's ledger (admitted / rejected), a worker's own batches (a quorum of
+    accept votes / a quorum no longer possible) next to how many it produced, a validator's
     verdicts, with its rejection rules under "reasons". The trainer's "used" is how many
     admitted batches it trained on (and how many it discarded, by reason under "reasons");
     "ratios" its last step's importance ratios and clip fractions per staleness
     (:func:`staleness_cell`). "-" where a column does not apply."""
-    from rich.table import Table
-
-    t = Table(title=title)
-    longest = max((len(name) for name, _, _ in nodes), default=4)
-    for col in TABLE_COLUMNS:
-        if col == "node":  # node names stay whole (the other cells fold on a narrow terminal)
-            t.add_column(col, min_width=longest, no_wrap=True)
-        else:
-            t.add_column(col, overflow="fold")
+    rows = []
     for name, role, alive in nodes:
         s = snap.get(name) or {}
         rs = s.get("role_state") or {}
@@ -460,8 +496,48 @@ def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title
                 cells["reasons"] = ", ".join(
                     [*([cells["reasons"]] if reasons else []), f"unverifiable {verdicts['unverifiable']} (no vote)"]
                 )
+        rows.append(cells)
+    return rows
+
+
+def status_table(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet") -> Table:
+    """Every :func:`status_cells` column, one row per node."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    longest = max((len(name) for name, _, _ in nodes), default=4)
+    for col in TABLE_COLUMNS:
+        if col == "node":  # node names stay whole (the other cells fold on a narrow terminal)
+            t.add_column(col, min_width=longest, no_wrap=True)
+        else:
+            t.add_column(col, overflow="fold")
+    for cells in status_cells(nodes, snap):
         t.add_row(*(cells[c] for c in TABLE_COLUMNS))
     return t
+
+
+def compact_status(nodes: list[tuple[str, str, bool]], snap: dict[str, Any], title: str = "devnet") -> Group:
+    """The view for an 80-column terminal: the short cells in a table without vertical rules
+    (:data:`COMPACT_COLUMNS`, every cell on one line), then one line per node for the free text
+    ("ratios", "reasons"), wrapped at the terminal's edge under the node's name."""
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    for col, heading in COMPACT_COLUMNS.items():
+        t.add_column(heading, no_wrap=True, overflow="ellipsis" if col == "used" else "fold")
+    notes = Table.grid(padding=(0, 1))
+    notes.add_column(no_wrap=True)
+    notes.add_column(overflow="fold")
+    for cells in status_cells(nodes, snap):
+        row = {**cells, "used": cells["used"].replace(" discarded", "")}
+        t.add_row(*(row[c] for c in COMPACT_COLUMNS))
+        text = "; ".join(f"{c} {cells[c]}" for c in ("ratios", "reasons") if cells[c] != "-")
+        if text:
+            notes.add_row(cells["node"], Text(text))
+    return Group(t, notes)
 
 
 def plot_rewards(rows: list[dict[str, Any]], path: Path) -> None:
@@ -512,45 +588,133 @@ def final_eval_done(devnet: Devnet) -> bool:
     return any(r.get("policy_version", -1) >= o.steps for r in devnet.eval_metrics())
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class DevnetStopped(Exception):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) reached the devnet."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP stop the devnet the same way: the first raises
+    :class:`DevnetStopped` in the main thread, at once or, inside :meth:`critical` (a process
+    being started), right after it; once :meth:`stopping` began, a signal raises nothing
+    (the stop must finish, or nodes are orphaned) and only cuts the nodes' grace short.
+    A signal the devnet inherited ignored (``nohup``: SIGHUP; a shell's background job:
+    SIGINT) stays ignored. Python's default left SIGTERM and SIGHUP killing the devnet at
+    once, its nodes running on."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.hurry = False
+        self._depth = 0
+        self._stopping = False
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self._stopping:
+            self.hurry = True
+            return
+        if self.signum is None:
+            self.signum = signum
+        if self._depth == 0:
+            raise DevnetStopped(signum)
+
+    @contextlib.contextmanager
+    def critical(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self.signum is not None and not self._stopping:
+            raise DevnetStopped(self.signum)
+
+    def stop(self, devnet: Devnet) -> dict[str, int | None]:
+        """``devnet.stop_all``, never cut short: a signal landing before ``_stopping`` is set
+        still raises, so the call is simply made again (stopping twice is harmless)."""
+        while True:
+            try:
+                self._stopping = True
+                return devnet.stop_all(hurry=lambda: self.hurry)
+            except DevnetStopped:
+                continue
+
+    def __enter__(self) -> StopSignals:
+        for sig in STOP_SIGNALS:
+            current = signal.getsignal(sig)
+            if current is not signal.SIG_IGN:
+                self._previous[sig] = current
+                signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def _print_safely(console: Any, *args: Any, **kw: Any) -> None:
+    """After SIGHUP the terminal may be gone: writing to it must not turn a clean stop into
+    a traceback."""
+    try:
+        console.print(*args, **kw)
+    except OSError:
+        pass
+
+
 def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
-    """Run to completion (or Ctrl+C); returns a summary dict."""
+    """Run to completion or until a stop signal; returns a summary dict. Every node process
+    is gone when this returns, however it returns (``stop_all``)."""
     from rich.console import Console
     from rich.live import Live
 
     console = Console(stderr=False)
     devnet = Devnet(opts)
-    devnet.prepare()
-    console.print(f"devnet in {devnet.out}: bootstrap {devnet.bootstrap_addr}")
     started = time.monotonic()
-    interrupted = False
-    devnet.start_all()
-    try:
-        with Live(console=console, refresh_per_second=1, transient=not live) as view:
-            while True:
-                snap = devnet.snapshot()
-                view.update(render_table(devnet, snap, started))
-                rows = devnet.trainer_metrics()
-                if rows and rows[-1].get("step", 0) >= opts.steps and final_eval_done(devnet):
-                    break
-                if opts.duration_s and time.monotonic() - started >= opts.duration_s:
-                    break
-                trainer = devnet.node("trainer")
-                if trainer.proc and trainer.proc.poll() is not None:
-                    raise NodeError(
-                        f"the trainer exited with code {trainer.proc.returncode}; "
-                        f"see {devnet.out / 'logs' / 'trainer.log'}"
-                    )
-                if time.monotonic() - started > opts.timeout_s:
-                    raise NodeError(f"devnet did not reach {opts.steps} steps in {opts.timeout_s:.0f}s")
-                time.sleep(1.0)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        codes = devnet.stop_all()
+    stopped_by: str | None = None
+    with StopSignals() as stops:
+        devnet.critical = stops.critical
+        try:
+            devnet.prepare()
+            _print_safely(console, f"devnet in {devnet.out}: bootstrap {devnet.bootstrap_addr}")
+            devnet.start_all()
+            with Live(console=console, refresh_per_second=1, transient=not live) as view:
+                while True:
+                    snap = devnet.snapshot()
+                    view.update(render_table(devnet, snap, started, console.width))
+                    rows = devnet.trainer_metrics()
+                    if rows and rows[-1].get("step", 0) >= opts.steps and final_eval_done(devnet):
+                        break
+                    if opts.duration_s and time.monotonic() - started >= opts.duration_s:
+                        break
+                    trainer = devnet.node("trainer")
+                    if trainer.proc and trainer.proc.poll() is not None:
+                        raise NodeError(
+                            f"the trainer exited with code {trainer.proc.returncode}; "
+                            f"see {devnet.out / 'logs' / 'trainer.log'}"
+                        )
+                    if time.monotonic() - started > opts.timeout_s:
+                        raise NodeError(f"devnet did not reach {opts.steps} steps in {opts.timeout_s:.0f}s")
+                    time.sleep(1.0)
+        except DevnetStopped as exc:
+            stopped_by = signal.Signals(exc.signum).name
+        except OSError:  # the terminal went away (SIGHUP's usual cause) while the view drew
+            if stops.signum is None:
+                raise
+            stopped_by = signal.Signals(stops.signum).name
+        finally:
+            codes = stops.stop(devnet)
+        if stopped_by is None and stops.signum is not None:  # arrived while the view closed
+            stopped_by = signal.Signals(stops.signum).name
     every = devnet.metrics_rows()
     rows = [r for r in every if r.get("kind") != "eval"]
     evals = [r for r in every if r.get("kind") == "eval"]
-    atomic_write_text(devnet.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in every), durable=False)
+    if devnet.out.exists():
+        atomic_write_text(devnet.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in every), durable=False)
     if rows:
         plot_rewards(every, devnet.out / "reward_curve.png")
     last10 = [r["reward_mean"] for r in rows[-10:] if "reward_mean" in r]
@@ -568,10 +732,14 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
         or None,
         "seconds": round(time.monotonic() - started, 1),
         "exit_codes": codes,
-        "interrupted": interrupted,
+        "interrupted": stopped_by is not None,
+        "stopped_by": stopped_by,
         "out": str(devnet.out),
     }
-    if not console.is_terminal:
-        console.line()  # the live table leaves no newline behind when stdout is not a terminal
-    console.print(json.dumps(summary), soft_wrap=True, markup=False, highlight=False)  # one line, machine-readable
+    try:
+        if not console.is_terminal:
+            console.line()  # the live table leaves no newline behind when stdout is not a terminal
+    except OSError:
+        pass
+    _print_safely(console, json.dumps(summary), soft_wrap=True, markup=False, highlight=False)  # one line
     return summary

@@ -89,6 +89,17 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     return t
 
 
+def clock_cell(clock: dict[str, Any]) -> str:
+    """This node's clock against its peers' (node/p2p/clock.py): the warning when it is off,
+    else the median offset."""
+    if clock.get("warning"):
+        return f"[bold red]{clock['warning']}[/bold red]"
+    ahead, peers = clock.get("ahead_ms"), clock.get("peers", 0)
+    if ahead is None:
+        return "no peer timestamp seen yet"
+    return f"{ahead / 1000:+.1f} s against {peers} peer{'s' if peers != 1 else ''} (median; fine)"
+
+
 def _sandbox(sb: Any) -> str:
     """The code-reward sandbox line: isolation, bwrap binary and version, checked or not."""
     if not isinstance(sb, dict):
@@ -114,6 +125,7 @@ def render(st: dict[str, Any]) -> list[RenderableType]:
                 ("addrs", "\n".join(st.get("addrs") or []) or None),
                 ("peers", f"{len(st.get('peers') or [])} connected (target {st.get('target_peers', '-')})"),
                 *([("reachability", st["nat"].get("summary"))] if st.get("nat") else []),
+                *([("clock", clock_cell(st["clock"]))] if st.get("clock") else []),
                 *([("sandbox", _sandbox(st["sandbox"]))] if st.get("sandbox") else []),
                 *([("error", st["error"])] if st.get("error") else []),
             ],

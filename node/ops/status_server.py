@@ -1,4 +1,6 @@
-"""A tiny local HTTP server: ``GET /status`` (JSON) and ``GET /metrics`` (Prometheus).
+"""A tiny local HTTP server: ``GET /status`` (JSON), ``GET /metrics`` (Prometheus) and
+``GET /`` (the dashboard: ``dashboard.html`` beside this file, self-contained so that it
+works offline, polling ``/status``).
 
 Bound to 127.0.0.1 only: it tells whoever asks which peers this node talks to,
 so it is for the operator on the machine, not for the network. Every read has
@@ -8,8 +10,10 @@ in number), and every response closes its connection.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -89,18 +93,25 @@ def metrics_text(node: Node) -> bytes:
     return generate_latest(node.metrics.registry)
 
 
+@functools.cache
+def dashboard_html() -> bytes:
+    return (Path(__file__).with_name("dashboard.html")).read_bytes()
+
+
 def route(node: Node, method: str, path: str) -> bytes:
     path = path.split("?", 1)[0]
     if method not in ("GET", "HEAD"):
         return _response(405, "Method Not Allowed", b"GET only\n", "text/plain; charset=utf-8")
-    if path == "/status":
+    if path in ("/", "/index.html"):
+        out = _response(200, "OK", dashboard_html(), "text/html; charset=utf-8")
+    elif path == "/status":
         out = _response(200, "OK", status_json(node), "application/json")
     elif path == "/metrics":
         from prometheus_client import CONTENT_TYPE_LATEST
 
         out = _response(200, "OK", metrics_text(node), CONTENT_TYPE_LATEST)
     else:
-        return _response(404, "Not Found", b"try /status or /metrics\n", "text/plain; charset=utf-8")
+        return _response(404, "Not Found", b"try / (dashboard), /status or /metrics\n", "text/plain; charset=utf-8")
     if method == "HEAD":
         out = out.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
     return out

@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
 from libp2p.abc import IHost
 
 from node.errors import ConfigError, NetworkError
+from node.p2p.clock import ClockSkew
 from node.p2p.connlimits import connection_stats, register_connection_metrics, trio_task_count
 from node.p2p.connmgr import ConnectionManager
 from node.p2p.gossip import Gossip
@@ -33,6 +35,7 @@ from node.p2p.nat import NatConfig, NatService
 from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
 from node.p2p.swarm import SwarmView
+from node.util import now_ms
 from protocol import (
     ZERO_RUN_ID,
     Envelope,
@@ -79,6 +82,9 @@ class P2PConfig:
     data_port: int = 0
     # Reachability: AutoNAT, relay reservations while behind NAT, relay service while public.
     nat: NatConfig = dataclasses.field(default_factory=NatConfig)
+    # The wall clock (ms) envelopes are sealed and judged by; tests shift it to play a node
+    # whose clock is wrong (node/p2p/clock.py).
+    wall_ms: Callable[[], int] = now_ms
 
 
 class RoleHook:
@@ -141,6 +147,7 @@ class Node:
         )
         self.conns: ConnectionManager | None = None
         self.nat: NatService | None = None
+        self.clock_skew = ClockSkew()
         self.ready = trio.Event()
         self._cancel = trio.CancelScope()
 
@@ -183,8 +190,15 @@ class Node:
             register_connection_metrics(self.metrics.registry, host)
             async with closing_host(host, cfg.listen):
                 self.reqresp = ReqResp(
-                    host, self.key, self.run_id, policy=self.policy, metrics=self.metrics, seq=self.seq
+                    host,
+                    self.key,
+                    self.run_id,
+                    policy=self.policy,
+                    metrics=self.metrics,
+                    seq=self.seq,
+                    wall_ms=cfg.wall_ms,
                 )
+                self.reqresp.clock_skew = self.clock_skew
                 self.gossip = Gossip(
                     host,
                     self.key,
@@ -194,7 +208,9 @@ class Node:
                     seq=self.seq,
                     authorised=self._authorised_senders(),
                     is_known_origin=self._is_known_origin,
+                    wall_ms=cfg.wall_ms,
                 )
+                self.gossip.clock_skew = self.clock_skew
                 self.conns = ConnectionManager(
                     host,
                     self.peer_id,
@@ -227,6 +243,7 @@ class Node:
                     self.conns.protected = {self.genesis.trainer, *self.genesis.validators}
                 self.reqresp.register(GenesisRequest, self._serve_genesis)
                 self.gossip.on("heartbeat", self.swarm.on_heartbeat)
+                self.gossip.on("heartbeat", self._clock_from_heartbeat)
                 gossip = self.gossip
                 self.swarm.introducer = lambda: gossip.delivered_from.get("heartbeat")
                 if cfg.learn_addrs_from_heartbeats:
@@ -262,6 +279,12 @@ class Node:
                 self.host.get_peerstore().add_addrs(ID.from_base58(st.peer_id), addrs, 600)
         except Exception:
             log.debug("could not record addresses of %s", st.peer_id, exc_info=True)
+
+    def _clock_from_heartbeat(self, env: Envelope) -> None:
+        """A heartbeat its signer sent us itself (not relayed: relaying adds queueing delay)
+        is a clock sample: our clock at arrival minus its signed timestamp."""
+        if self.gossip is not None and self.gossip.delivered_from.get("heartbeat") == env.sender:
+            self.clock_skew.sample(env.sender, self.config.wall_ms() - env.timestamp_ms)
 
     async def _run_hook(self) -> None:
         await self.hook.run(self)
@@ -362,6 +385,8 @@ class Node:
             "nat": self.nat.status() if self.nat is not None else None,
             "connections": self._connection_status(),
             "bans": self.policy.banned(),
+            # how far our wall clock is from our peers' (node/p2p/clock.py)
+            "clock": self.clock_skew.status(),
             "requests": {k: dict(v) for k, v in self.metrics.req.items()},
             # inbound request streams and handler slots held, and what the per-peer caps refused
             "request_streams": {**self.reqresp.streams.sizes(), **self.reqresp.streams.counters}

@@ -90,6 +90,25 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60)
         raise AssertionError(f"process {proc.args} did not stop within {timeout}s of signal {sig}") from None
 
 
+def processes_naming(folder: Path) -> list[str]:
+    """Command lines of live ``primenode bootstrap`` / ``join`` processes whose arguments name
+    ``folder`` (a devnet's output folder): the nodes it started, counted from /proc."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state == "Z":  # exited, not yet reaped by its parent: gone for our purpose
+            continue
+        if ("node.ops.cli join" in cmd or "node.ops.cli bootstrap" in cmd) and str(folder) in cmd:
+            found.append(cmd)
+    return found
+
+
 def outgoing_ip() -> str | None:
     """A non-loopback address of this machine, if it has one."""
     try:
