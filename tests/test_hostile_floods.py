@@ -88,8 +88,13 @@ async def test_chunk_tickets_are_bounded_per_peer_and_in_total():
 # ------------------------------------------------------------------ gossip floods (network)
 
 
-async def _bare_attacker(target_addr: str, frames: list[bytes], sent: list[int], key: NodeKey | None = None) -> None:
-    """A fresh identity: connect, open a gossip stream, write ``frames`` until cut off."""
+async def _bare_attacker(
+    target_addr: str, frames: list[bytes], sent: list[int], key: NodeKey | None = None, *, at_once: bool = False
+) -> None:
+    """A fresh identity: connect, open a gossip stream, write ``frames`` until cut off.
+    ``at_once``: in writes of 64 frames, so the flood's rate is the node's reading speed, not
+    how fast a loaded machine schedules this task (one frame a write spread 600 frames over
+    seconds there, inside the rate limits under test)."""
     info = parse_peer_addr(target_addr)
     host = make_host(key or NodeKey.generate())
     try:
@@ -97,10 +102,12 @@ async def _bare_attacker(target_addr: str, frames: list[bytes], sent: list[int],
             with trio.fail_after(10):
                 await host.connect(info)
                 stream = await host.new_stream(info.peer_id, [GOSSIP_PROTOCOL])
-            for f in frames:
+            step = 64 if at_once else 1
+            for i in range(0, len(frames), step):
+                part = frames[i : i + step]
                 with trio.fail_after(5):
-                    await stream.write(encode_frame(f))
-                sent[0] += 1
+                    await stream.write(b"".join(encode_frame(f) for f in part))
+                sent[0] += len(part)
                 await trio.lowlevel.checkpoint()
             await trio.sleep(0.5)
     except Exception:
@@ -189,7 +196,8 @@ async def test_valid_but_useless_flood_is_rate_limited_then_banned():
                 for i in range(1000, 1600)
             ]
             sent = [0]
-            await _bare_attacker(entry.full_addrs()[0], frames, sent, key)
+            await _bare_attacker(entry.full_addrs()[0], frames, sent, key, at_once=True)
+            assert sent[0] >= 200, f"the flooder wrote only {sent[0]} frames (its dial failed?)"
             # a fresh identity: the unknown-origin burst (20) bites first, then the per-peer rate
             await wait_until(
                 lambda: entry.metrics.dropped["rate_limit"] + entry.metrics.dropped["origin_rate"] >= 100,
