@@ -591,8 +591,12 @@ def final_eval_done(devnet: Devnet) -> bool:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class DevnetStopped(Exception):
-    """A stop signal (SIGINT, SIGTERM, SIGHUP) reached the devnet."""
+class DevnetStopped(BaseException):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) reached the devnet.
+
+    A BaseException, as KeyboardInterrupt is: the signal lands wherever the main thread is,
+    and an ``except Exception`` there (a node's status request, ``NodeProc.status``) swallowed
+    it, leaving the devnet running on for good with the signal recorded and never acted on."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -623,6 +627,12 @@ class StopSignals:
             self.signum = signum
         if self._depth == 0:
             raise DevnetStopped(signum)
+
+    def check(self) -> None:
+        """Raise :class:`DevnetStopped` if a signal came and was lost on the way (belt and braces:
+        the loop acts on a recorded signal within a second, whatever caught the raise)."""
+        if self.signum is not None and not self._stopping:
+            raise DevnetStopped(self.signum)
 
     @contextlib.contextmanager
     def critical(self) -> Iterator[None]:
@@ -699,6 +709,7 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
                         )
                     if time.monotonic() - started > opts.timeout_s:
                         raise NodeError(f"devnet did not reach {opts.steps} steps in {opts.timeout_s:.0f}s")
+                    stops.check()
                     time.sleep(1.0)
         except DevnetStopped as exc:
             stopped_by = signal.Signals(exc.signum).name
