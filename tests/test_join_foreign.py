@@ -80,6 +80,19 @@ def kill(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
+def listening_bootstrap(home: Path, genesis: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``primenode bootstrap`` on a free loopback port, listening: its process and address."""
+    boot = spawn(
+        [*CLI, "bootstrap", "--home", str(home), "--genesis", str(genesis), "--listen", "/ip4/127.0.0.1/tcp/0"], log
+    )
+    boot_addr = boot.stdout.readline().decode().strip()
+    if not boot_addr.startswith("/ip4/"):
+        kill(boot)
+        raise AssertionError(log.read_text())
+    wait_for(lambda: "listening on" in log.read_text(), HANG_GUARD_S, "the bootstrap to listen", [log], [boot])
+    return boot, boot_addr
+
+
 def libp2p_noise(text: str) -> list[str]:
     """ERROR lines, and any line from py-libp2p's own loggers."""
     return [ln for ln in text.splitlines() if re.search(r" (ERROR +\S|[A-Z]+ +libp2p\.)", ln)]
@@ -132,13 +145,8 @@ def test_join_with_a_genesis_says_so_and_backs_off_instead_of_looping(tmp_path, 
 def test_a_foreign_connection_leaves_at_most_one_log_line(tmp_path, homes):
     home, genesis = homes
     log = tmp_path / "boot.log"
-    boot = spawn(
-        [*CLI, "bootstrap", "--home", str(home), "--genesis", str(genesis), "--listen", "/ip4/127.0.0.1/tcp/0"], log
-    )
+    boot, boot_addr = listening_bootstrap(home, genesis, log)
     try:
-        boot_addr = boot.stdout.readline().decode().strip()
-        assert boot_addr.startswith("/ip4/"), log.read_text()
-        wait_for(lambda: "listening on" in log.read_text(), HANG_GUARD_S, "the bootstrap to listen", [log], [boot])
         before = len(log.read_text().splitlines())
         peer, _ = foreign(tmp_path / "foreign.log", "--dial", boot_addr)
         try:
@@ -166,13 +174,8 @@ def test_an_autonat_dial_back_leaves_no_log_line(tmp_path, homes):
 
     home, genesis = homes
     log = tmp_path / "boot.log"
-    boot = spawn(
-        [*CLI, "bootstrap", "--home", str(home), "--genesis", str(genesis), "--listen", "/ip4/127.0.0.1/tcp/0"], log
-    )
+    boot, boot_addr = listening_bootstrap(home, genesis, log)
     try:
-        boot_addr = boot.stdout.readline().decode().strip()
-        assert boot_addr.startswith("/ip4/"), log.read_text()
-        wait_for(lambda: "listening on" in log.read_text(), HANG_GUARD_S, "the bootstrap to listen", [log], [boot])
         before = len(log.read_text().splitlines())
         info = parse_peer_addr(boot_addr)
 
