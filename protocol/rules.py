@@ -56,24 +56,36 @@ def quorum_outcome(
 
 @dataclasses.dataclass(frozen=True)
 class SlotRule:
-    """How many batches a worker may produce per policy version (genesis ``[config]``).
+    """How fast a worker may use batch counters (genesis ``[config]``).
 
-    An honest worker produces ``per_version`` batches for each version, then one more
-    each ``idle_s`` seconds that no newer version arrives (the trainer may be
-    restarting). ``slack`` covers clock skew between a validator and the trainer's
-    manifest timestamp."""
+    A worker's batches for one policy version carry counters 0, 1, 2, ... in order (the
+    ledger admits counter ``c`` only once it holds counter ``c - 1`` of the same worker and
+    version: :func:`counter_gap`). How many it makes per version is not fixed: an honest
+    worker generates continuously while its policy is inside the ``max_async`` window, so
+    the bound is a production rate, one counter per ``min_batch_s`` since the version's
+    manifest was published, plus ``slack`` (clock skew between a validator and the
+    trainer's manifest timestamp, and the first batch)."""
 
-    per_version: int
-    idle_s: float
+    min_batch_s: float
     slack: int
 
 
 def counter_limit(rule: SlotRule, elapsed_ms: int) -> int:
     """The number of batch counters (0 .. limit-1) a worker may have used for a version
-    published ``elapsed_ms`` ago. A counter at or past it is grinding: a worker that tries
-    counter after counter to pick the prompts it finds easiest."""
-    idle_ms = max(1, int(rule.idle_s * 1000))
-    return rule.per_version + rule.slack + max(0, elapsed_ms) // idle_ms
+    published ``elapsed_ms`` ago: faster than one batch per ``min_batch_s`` is not a worker
+    generating, it is one claiming slots it did not work for."""
+    period_ms = max(1, int(rule.min_batch_s * 1000))
+    return 1 + rule.slack + max(0, elapsed_ms) // period_ms
+
+
+def counter_gap(counter: int, held: Collection[int]) -> int | None:
+    """The lowest counter below ``counter`` that is not in ``held`` (the counters of the same
+    worker and version the ledger holds a batch for); None when all of them are (counter 0
+    waits for nothing). Counters are used in order, so a worker that computes several batches
+    and announces only the best cannot have it trained unless it is the lowest of them:
+    skipping a counter leaves every later counter of that version waiting until it falls out
+    of the window (docs/security.md, "choosing among slots")."""
+    return next((c for c in range(counter) if c not in held), None)
 
 
 def agreeing_validators(rewards: Mapping[str, Sequence[float]], tolerance: float) -> frozenset[str]:

@@ -69,7 +69,7 @@ def test_stale_batches_are_refused(tmp_path):
 def test_one_admission_per_slot(tmp_path):
     lg = ledger(tmp_path)
     for b in (b"x", b"y"):
-        lg.record_batch(b, "w", 0, 7, 1, b"env-" + b)
+        lg.record_batch(b, "w", 0, 0, 1, b"env-" + b)
         for v in V[:2]:
             lg.record_vote(b, v, True, "", [1.0], worker="w")
     assert lg.try_admit(b"x") == "admitted"
@@ -125,7 +125,7 @@ def test_rejected_batches_lose_their_bytes_but_keep_their_record(tmp_path):
     assert stored_bytes(lg, [b"bad"]) == 0 and not lg.needs_fetch(b"bad")
     # a duplicate slot: the second batch's bytes go too; the admitted one keeps its bytes
     for b in (b"x", b"y"):
-        lg.record_batch(b, "w", 1, 7, 1, b"env-" + b)
+        lg.record_batch(b, "w", 1, 0, 1, b"env-" + b)
         for v in V[:2]:
             lg.record_vote(b, v, True, "", [1.0], worker="w")
     assert [lg.try_admit(b) for b in (b"x", b"y")] == ["admitted", "rejected"]
@@ -443,7 +443,7 @@ def test_an_evicted_batch_is_fetched_again_only_for_an_agreeing_quorum(tmp_path)
 
 def test_a_slot_is_admitted_once_and_the_refusal_names_the_batch_that_holds_it(tmp_path):
     lg = ledger(tmp_path)
-    slots = {b"first": ("w", 0, 7), b"next-counter": ("w", 0, 8), b"other-worker": ("w2", 0, 7), b"again": ("w", 0, 7)}
+    slots = {b"first": ("w", 0, 0), b"next-counter": ("w", 0, 1), b"other-worker": ("w2", 0, 0), b"again": ("w", 0, 0)}
     for b, (worker, version, counter) in slots.items():
         lg.record_batch(b, worker, version, counter, 1, b"env-" + b)
         for v in V[:2]:
@@ -456,7 +456,7 @@ def test_a_slot_is_admitted_once_and_the_refusal_names_the_batch_that_holds_it(t
     # the rule holds across a restart of the trainer (the same ledger file, reopened)
     lg.close()
     lg = ledger(tmp_path)
-    lg.record_batch(b"third", "w", 0, 7, 1, b"env-third")
+    lg.record_batch(b"third", "w", 0, 0, 1, b"env-third")
     for v in V[:2]:
         lg.record_vote(b"third", v, True, "", [1.0], worker="w")
     assert lg.try_admit(b"third") == "rejected" and b"first".hex() in lg.batch(b"third").reason
@@ -544,3 +544,48 @@ def test_a_ledger_from_before_votes_named_their_worker_is_migrated(tmp_path):
     assert lg.try_admit(b"b1") == "admitted"
     lg.close()
     assert Ledger(path, V, 2, 2).try_admit(b"b1") == "admitted"  # reopening migrates nothing twice
+
+
+def _accept(lg, batch_id, worker="w", n=1, reward=1.0):
+    for v in V[:2]:
+        lg.record_vote(batch_id, v, True, "", [reward] * n, worker=worker)
+
+
+def test_counters_are_admitted_in_order_and_a_later_one_waits_for_the_gap(tmp_path):
+    """Counter c of a worker's version is admitted only once the ledger holds a batch at every
+    counter below it (protocol.rules.counter_gap): a worker that computes counters 0 and 1
+    and announces only 1 (its better one) gets nothing trained; announcing 0 unblocks 1."""
+    lg = ledger(tmp_path)
+    lg.record_batch(b"c1", "w", 0, 1, 1, b"env1")
+    _accept(lg, b"c1")
+    assert lg.try_admit(b"c1") == "pending"
+    assert lg.batch(b"c1").reason == "waiting for batch counter 0 of policy version 0"
+    assert lg.untrained() == []
+    # another worker's counter 0, or this worker's counter 0 of another version, is not the gap
+    lg.record_batch(b"o0", "other", 0, 0, 1, b"envo")
+    lg.record_batch(b"v1", "w", 1, 0, 1, b"envv")
+    assert lg.try_admit(b"c1") == "pending"
+    assert lg.waiting_after("w", 0, 0) == [b"c1"]
+    # the gap is filled by a batch that is then rejected: used is used, in order is all the rule asks
+    lg.record_batch(b"c0", "w", 0, 0, 1, b"env0")
+    lg.record_vote(b"c0", "val-a", False, "reward", [], worker="w")
+    lg.record_vote(b"c0", "val-b", False, "reward", [], worker="w")
+    assert lg.try_admit(b"c0") == "rejected"
+    assert lg.try_admit(b"c1") == "admitted"
+    assert [b.batch_id for b in lg.untrained()] == [b"c1"]
+
+
+def test_a_skipped_counter_strands_every_later_one_of_that_version_until_it_is_stale(tmp_path):
+    """Skipping counter 1 forfeits 2 and 3 of the same version: they wait, then go stale; the
+    worker's next version starts again at 0 and is admitted."""
+    lg = ledger(tmp_path, max_async=1)
+    for c in (0, 2, 3):
+        lg.record_batch(b"c%d" % c, "w", 0, c, 1, b"env")
+        _accept(lg, b"c%d" % c)
+    assert [lg.try_admit(b"c%d" % c) for c in (0, 2, 3)] == ["admitted", "pending", "pending"]
+    assert lg.batch(b"c3").reason == "waiting for batch counter 1 of policy version 0"
+    lg.commit_checkpoint(step=2, policy_version=2)
+    assert [lg.try_admit(b"c%d" % c) for c in (2, 3)] == ["rejected", "rejected"]
+    lg.record_batch(b"n0", "w", 2, 0, 1, b"env")
+    _accept(lg, b"n0")
+    assert lg.try_admit(b"n0") == "admitted"

@@ -192,11 +192,11 @@ def test_counter_grinding(setup):
     the version was published (a worker idling for a new version may produce more)."""
     ctx, engine = setup
     rule = ctx.slot_rule
-    first_out = rule.per_version + rule.slack
+    first_out = 1 + rule.slack
     v = check(ctx, engine, produce_batch(ctx, engine, W, policy(), first_out))
     assert not v.accept and v.rule == "counter", v.reason
     assert check(ctx, engine, produce_batch(ctx, engine, W, policy(), first_out - 1)).accept
-    later = policy(published_ms=now_ms() - int(rule.idle_s * 1000) - 1000)  # one idle period ago
+    later = policy(published_ms=now_ms() - int(rule.min_batch_s * 1000) - 1000)  # more than one batch time ago
     assert check(ctx, engine, produce_batch(ctx, engine, W, later, first_out), pol=later).accept
     far = produce_batch(ctx, engine, W, later, 50)
     assert check(ctx, engine, far, pol=later).rule == "counter"

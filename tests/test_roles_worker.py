@@ -7,6 +7,7 @@ import contextlib
 import types
 
 import trio
+import trio.lowlevel
 import trio.testing
 
 from node.home import NodeHome
@@ -200,3 +201,122 @@ async def test_an_undecided_batch_is_announced_again_a_few_times_then_left(tmp_p
         nursery.cancel_scope.cancel()
     assert published == [undecided] * REANNOUNCES
     assert w.stats["reannounced"] == REANNOUNCES and not w._announced
+
+
+class _Held:
+    """The versions a worker holds (assembled) as its checkpoint service reports them."""
+
+    def __init__(self, newest: int) -> None:
+        self.newest = newest
+        self.changed = trio.Event()
+
+    def newest_version(self) -> int:
+        return self.newest
+
+    async def wait_version(self, n: int = 0, timeout=None) -> int:
+        while self.newest < n:
+            await self.changed.wait()
+        return self.newest
+
+    def assemble(self, version: int) -> None:
+        self.newest = version
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+def pipeline_worker(tmp_path, held: int, known: int, **config):
+    """A worker whose generation is a stub that books (version, counter): its loop decides
+    what to generate when, which is what these tests are about."""
+    w = make_worker(tmp_path, tiny_genesis(**config))
+    w.weights = _FakeWeights()
+    facts = _Manifests()
+    w.store = types.SimpleNamespace(versions=_Manifests({v: facts[v] for v in range(known + 1)}))
+    w.engine = types.SimpleNamespace(load_weights=lambda state: None)
+    w.checkpoints = _Held(held)
+    w.made = []
+    w.after_made = lambda: None
+
+    async def produce(version: int) -> None:
+        w.made.append((version, w.produced[version]))
+        w.produced[version] += 1
+        w.after_made()
+        await trio.lowlevel.checkpoint()
+
+    w._produce = produce
+    return w
+
+
+async def run_until(w, done) -> None:
+    """Run the worker's loop until ``done()`` holds after a batch."""
+    async with trio.open_nursery() as nursery:
+        w.after_made = lambda: done() and nursery.cancel_scope.cancel()
+        nursery.start_soon(w._loop)
+
+
+async def test_a_worker_generates_continuously_without_waiting_for_a_version(mock_clock):
+    """Continuous by default: with no new version, batch follows batch (counters 0, 1, 2, ...
+    of the version held) and no (virtual) time passes waiting; the old pace made two batches
+    per version and then idled for worker_idle_s."""
+    import tempfile
+    from pathlib import Path
+
+    mock_clock.autojump_threshold = 0
+    with tempfile.TemporaryDirectory() as d:
+        w = pipeline_worker(Path(d), held=0, known=0, worker_batches_per_version=0)
+        start = trio.current_time()
+        await run_until(w, lambda: len(w.made) >= 6)
+        assert w.made[:6] == [(0, c) for c in range(6)]
+        assert trio.current_time() == start  # never waited
+        # a new version is swapped in between two batches, and its counters start at 0
+        w2 = pipeline_worker(Path(d) / "2", held=0, known=1, worker_batches_per_version=0)
+        await run_until(w2, lambda: len(w2.made) >= 2)
+        w2.checkpoints.assemble(1)
+        await run_until(w2, lambda: w2.loaded_version == 1 and w2.made[-1][0] == 1)
+        assert w2.made[-1] == (1, 0) and set(w2.made[:-1]) <= {(0, c) for c in range(10)}
+        assert w2.spent["load"] >= 0 and "pace" not in w2.spent
+
+
+async def test_a_worker_waits_only_when_its_policy_fell_out_of_the_window(mock_clock):
+    """Versions 0..5 are known (announced) but only 0..2 are held: version 2 is more than
+    max_async (2) behind 5, its batches would be refused as stale, so nothing is generated
+    until a version inside the window arrives; then generation resumes with it."""
+    import tempfile
+    from pathlib import Path
+
+    mock_clock.autojump_threshold = 0
+    with tempfile.TemporaryDirectory() as d:
+        w = pipeline_worker(Path(d), held=2, known=5, worker_batches_per_version=0)
+        loaded, made = trio.Event(), trio.Event()
+        load = w._load
+
+        async def load_and_tell(version: int) -> None:
+            await load(version)
+            loaded.set()
+
+        w._load = load_and_tell
+        w.after_made = made.set
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(w._loop)
+            await loaded.wait()  # loading runs in a thread
+            await trio.sleep(100)  # virtual
+            assert w.made == [] and w.loaded_version == 2
+            w.checkpoints.assemble(3)
+            await made.wait()
+            nursery.cancel_scope.cancel()
+        assert w.made[0] == (3, 0)
+        assert w.spent["window"] > 0
+
+
+async def test_a_run_may_cap_batches_per_version_the_lockstep_pace(mock_clock):
+    """worker_batches_per_version 2: two batches per version, then one more per worker_idle_s
+    with no newer version (a trainer restarting)."""
+    import tempfile
+    from pathlib import Path
+
+    mock_clock.autojump_threshold = 0
+    with tempfile.TemporaryDirectory() as d:
+        w = pipeline_worker(Path(d), held=0, known=0, worker_batches_per_version=2, worker_idle_s=20)
+        start = trio.current_time()
+        await run_until(w, lambda: len(w.made) >= 3)
+        assert w.made == [(0, 0), (0, 1), (0, 2)]
+        assert trio.current_time() - start == 20  # the third waited one idle period

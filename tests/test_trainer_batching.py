@@ -28,8 +28,9 @@ def admitted(lg: Ledger, batch_id: bytes, version: int, counter: int = 0) -> Non
 def test_oldest_first_order_and_discards_by_reason(tmp_path):
     lg = Ledger(tmp_path / "node.db", V, 2, 2)
     lg.commit_checkpoint(step=3, policy_version=3)
-    for i, version in enumerate((3, 1, 2, 1)):
-        admitted(lg, b"b%d" % i, version, counter=i)
+    versions = (3, 1, 2, 1)
+    for i, version in enumerate(versions):  # counters of a version in order (the in-order rule)
+        admitted(lg, b"b%d" % i, version, counter=versions[:i].count(version))
     # the trainer's order: closest to falling out of the window first; the default stays freshest first
     assert [b.batch_id for b in lg.untrained(oldest_first=True)] == [b"b1", b"b3", b"b2", b"b0"]
     assert [b.policy_version for b in lg.untrained()] == [3, 2, 1, 1]

@@ -220,7 +220,7 @@ def test_pending_batches_are_decided_again_after_a_restart(tmp_path):
     decides it (admits it) instead of leaving it pending forever."""
     seed(tmp_path)
     r = role(tmp_path)
-    r.ledger.record_batch(b"late", "worker", 0, 9, 1, b"signed batch bytes")
+    r.ledger.record_batch(b"late", "worker", 0, len(BATCHES), 1, b"signed batch bytes")  # the next counter
     for v in VALIDATORS:
         r.ledger.record_vote(b"late", v.peer_id, True, "", [0.5], worker="worker")  # try_admit never ran: "killed"
     r.ledger.close()

@@ -572,6 +572,14 @@ def devnet(
         int, typer.Option("--eval-problems", help="Held-out problems each evaluation scores (0: all).")
     ] = 0,
     eval_samples: Annotated[int, typer.Option("--eval-samples", help="Completions per held-out problem.")] = 1,
+    lockstep: Annotated[
+        bool,
+        typer.Option(
+            "--lockstep",
+            help="One batch per worker per version, then wait for the next (the old pipeline, for comparisons); "
+            "by default workers generate continuously inside the max_async window.",
+        ),
+    ] = False,
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from node.ops.devnet import DevnetOptions, run_devnet
@@ -586,6 +594,7 @@ def devnet(
             task=task,
             dataset=dataset,
             max_async=max_async,
+            lockstep=lockstep,
             timeout_s=timeout,
             duration_s=duration,
             engine=engine,

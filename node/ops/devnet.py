@@ -53,6 +53,9 @@ class DevnetOptions:
     math_instruction: str | None = None
     policy_dtype: str = "float32"
     max_async: int = 2
+    # workers make one batch per version and wait for the next ([config] worker_batches_per_version
+    # 1), instead of generating continuously inside the window (the default; docs/rl.md)
+    lockstep: bool = False
     # prompts each trainer step learns from, split across the workers' batches (16: 8 per
     # worker; 8 learned less by step 40, docs/benchmarks.md, issue 20); prompts_per_batch, when
     # set, overrides the split
@@ -171,9 +174,10 @@ class Devnet:
             "temperature": o.temperature,
             "seed": o.seed,
             "batches_per_step": o.batches_per_step or o.workers,
-            # one batch per worker per version: a step waits for each worker's batch of the
-            # version, then trains on every admitted batch still in the window (none goes stale)
-            "worker_batches_per_version": 1,
+            # a step learns from one batch per worker, as in lock-step: the workers make more
+            # (continuously), the surplus waits its turn or ages out of the window
+            "max_batches_per_step": o.batches_per_step or o.workers,
+            **({"worker_batches_per_version": 1} if o.lockstep else {}),
             "policy_dtype": o.policy_dtype,
             **{k: v for k, v in style.items() if v is not None},
             **split,
@@ -288,12 +292,27 @@ class Devnet:
         # trainer takes every core: its step runs while the workers and validators wait for the
         # version it makes (a step trains on the batches of the version before, issue 20), so
         # the other cores would idle.
-        threads = str(os.cpu_count() or 1) if node.role == "trainer" else "1"
+        # Lock-step only: with workers generating continuously (the default) the cores are never
+        # idle, and a trainer whose two OpenMP threads meet at a barrier thousands of times a
+        # step waits for whichever one a worker preempted (a 3 s step took 80 s); one thread
+        # keeps it on its own core.
+        lockstep = self.opts.lockstep or bool(self.opts.extra_config.get("worker_batches_per_version"))
+        threads = str(os.cpu_count() or 1) if node.role == "trainer" and lockstep else "1"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
         env.update(parent_env())  # the node stops when this process dies, even by SIGKILL (lifeline.py)
+        # Workers generate continuously (asynchronous pipeline): on a real network each node has
+        # its own hardware, here they share the cores, so a worker runs at a lower CPU priority
+        # and generates with what the trainer and the validators leave (a trainer step slowed
+        # by workers would be an artifact of the devnet, not of the pipeline). nice(1) execs
+        # the node in place: the pid is the node's.
+        nice = {"worker": ["nice", "-n", "10"], "validator": ["nice", "-n", "5"]}.get(node.role, [])
         with self.critical():  # a stop signal waits until the child is recorded: none goes untracked
             node.proc = subprocess.Popen(
-                primenode_cmd() + node.args, stdout=node.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                nice + primenode_cmd() + node.args,
+                stdout=node.log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
 
     def start_all(self) -> None:
@@ -412,6 +431,7 @@ TABLE_COLUMNS = (
     "step",
     "reward",
     "produced",
+    "busy",
     "accepted",
     "rejected",
     "used",
@@ -428,6 +448,7 @@ COMPACT_COLUMNS = {
     "step": "step",
     "reward": "reward",
     "produced": "made",
+    "busy": "busy",
     "accepted": "acc",
     "rejected": "rej",
     "used": "used",
@@ -460,6 +481,7 @@ def status_cells(nodes: list[tuple[str, str, bool]], snap: dict[str, Any]) -> li
     accept votes / a quorum no longer possible) next to how many it produced, a validator's
     verdicts, with its rejection rules under "reasons". The trainer's "used" is how many
     admitted batches it trained on (and how many it discarded, by reason under "reasons");
+    a worker's "busy" the share of wall time it spent generating (utilization, see its status);
     "ratios" its last step's importance ratios and clip fractions per staleness
     (:func:`staleness_cell`). "-" where a column does not apply."""
     rows = []
@@ -486,6 +508,8 @@ def status_cells(nodes: list[tuple[str, str, bool]], snap: dict[str, Any]) -> li
             cells["reasons"] = reasons_cell(discarded)
         elif role == "worker" and rs:
             cells["produced"] = str(rs.get("batches_produced", "-"))
+            busy = rs.get("utilization")
+            cells["busy"] = f"{100 * busy:.0f}%" if isinstance(busy, (int, float)) else "-"
             cells["accepted"] = str(rs.get("batches_accepted", "-"))
             cells["rejected"] = str(rs.get("batches_rejected", "-"))
         elif role == "validator" and rs:

@@ -172,19 +172,49 @@ def engine_dtype_for(config: dict[str, Any]) -> str:
 
 
 def slot_rule_for(config: dict[str, Any]) -> SlotRule:
-    """Batch slots per version: ``worker_batches_per_version`` (default 2), ``worker_idle_s``
-    (default 20) and ``counter_slack`` (default 1)."""
+    """The validators' bound on batch counters: one per ``worker_min_batch_s`` seconds
+    (default 1.0) since the version was published, plus ``counter_slack`` (default 1)."""
     try:
         rule = SlotRule(
-            per_version=int(config.get("worker_batches_per_version", 2)),
-            idle_s=float(config.get("worker_idle_s", 20.0)),
+            min_batch_s=float(config.get("worker_min_batch_s", 1.0)),
             slack=int(config.get("counter_slack", 1)),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"genesis batch slot settings: {exc}") from None
-    if rule.per_version < 1 or rule.idle_s <= 0 or rule.slack < 0:
-        raise ConfigError(f"genesis batch slot settings out of range: {rule}")
+    if not rule.min_batch_s > 0 or rule.slack < 0:
+        raise ConfigError(
+            f"genesis batch slot settings out of range: {rule} (worker_min_batch_s must be > 0, counter_slack >= 0)"
+        )
     return rule
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPace:
+    """How much a worker generates per version: by default (``batches_per_version`` 0) without
+    pause while its policy is inside the ``max_async`` window (docs/rl.md, "the pipeline").
+    A run may cap it (genesis ``worker_batches_per_version`` N: N batches per version, then
+    one more per ``worker_idle_s`` without a newer version), which makes the devnet
+    lock-step when N is 1 and keeps small test networks light. A worker-side choice only:
+    validators bound counters by :class:`SlotRule` either way."""
+
+    batches_per_version: int
+    idle_s: float
+
+
+def worker_pace_for(config: dict[str, Any]) -> WorkerPace:
+    try:
+        pace = WorkerPace(
+            batches_per_version=int(config.get("worker_batches_per_version", 0)),
+            idle_s=float(config.get("worker_idle_s", 20.0)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"genesis worker pace settings: {exc}") from None
+    if pace.batches_per_version < 0 or not pace.idle_s > 0:
+        raise ConfigError(
+            f"genesis worker pace settings out of range: {pace} "
+            "(worker_batches_per_version >= 0, 0 meaning continuous; worker_idle_s > 0)"
+        )
+    return pace
 
 
 @dataclasses.dataclass
@@ -214,6 +244,7 @@ class RunContext:
         proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
         replay_config_for(config)
         slot_rule_for(config)
+        worker_pace_for(config)
         policy_dtype_for(config)
         ctx = cls(genesis, config, problems, None, Path(cache_dir), heldout=heldout)
         if genesis.model_root:
@@ -345,6 +376,10 @@ class RunContext:
     @property
     def slot_rule(self) -> SlotRule:
         return slot_rule_for(self.config)
+
+    @property
+    def worker_pace(self) -> WorkerPace:
+        return worker_pace_for(self.config)
 
     @property
     def vocab_size(self) -> int:

@@ -52,7 +52,7 @@ from pathlib import Path
 import msgpack
 
 from node.util import now_ms
-from protocol.rules import Quorum, agreeing_validators, is_stale, quorum_outcome, window_floor
+from protocol.rules import Quorum, agreeing_validators, counter_gap, is_stale, quorum_outcome, window_floor
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ CREATE TABLE IF NOT EXISTS batches (
 CREATE UNIQUE INDEX IF NOT EXISTS admitted_slot
     ON batches(worker, policy_version, batch_counter) WHERE status = 'admitted';
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches(status);
+CREATE INDEX IF NOT EXISTS batches_by_slot ON batches(worker, policy_version, batch_counter);
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 SCHEMA += VOTES_TABLE + ";\n" + VOTES_INDEX + ";\n"
@@ -360,6 +361,12 @@ class Ledger:
             return self._disagreement(
                 batch_id, n, accepted, agreeing, outcome, self.validators - {v for v, _, _ in votes}
             )
+        gap = counter_gap(counter, self.counters_held(worker, version, below=counter))
+        if gap is not None:
+            # counters are used in order (protocol.rules.counter_gap): a later counter waits for
+            # the worker's batch at the gap, and is decided again when that batch is recorded
+            self._note_pending(batch_id, f"waiting for batch counter {gap} of policy version {version}")
+            return "pending"
         if envelope is None:
             return "pending"
         rewards = [statistics.median(col) for col in zip(*(accepted[v] for v in sorted(agreeing)))]
@@ -391,6 +398,33 @@ class Ledger:
             self.db.execute("ROLLBACK")
             raise
         return "admitted"
+
+    def counters_held(self, worker: str, version: int, *, below: int) -> set[int]:
+        """The batch counters below ``below`` of ``worker`` at ``version`` the ledger holds a row
+        for, whatever its status: a recorded batch was announced and fetched, which is all
+        the in-order rule asks (a rejected one is as used as an admitted one)."""
+        rows = self.db.execute(
+            "SELECT DISTINCT batch_counter FROM batches WHERE worker = ? AND policy_version = ? AND batch_counter < ?",
+            (worker, version, below),
+        )
+        return {c for (c,) in rows}
+
+    def waiting_after(self, worker: str, version: int, counter: int) -> list[bytes]:
+        """Pending batches of ``worker`` at ``version`` with a counter above ``counter``, lowest
+        first: the ones a newly recorded batch at ``counter`` may unblock."""
+        rows = self.db.execute(
+            "SELECT batch_id FROM batches WHERE worker = ? AND policy_version = ? AND batch_counter > ? "
+            "AND status = 'pending' ORDER BY batch_counter",
+            (worker, version, counter),
+        )
+        return [b for (b,) in rows]
+
+    def _note_pending(self, batch_id: bytes, reason: str) -> None:
+        """Say why a batch is still pending (shown by ``primenode status``), written only when it changes."""
+        self.db.execute(
+            "UPDATE batches SET reason = ? WHERE batch_id = ? AND status = 'pending' AND reason != ?",
+            (reason, batch_id, reason),
+        )
 
     def _accept_rewards(self, batch_id: bytes, worker: str) -> dict[str, list[float]]:
         """The rewards each genesis validator that accepts ``worker``'s batch recomputed."""

@@ -176,6 +176,10 @@ class TrainerRole(LearningRole):
         # prompt + completion tokens (always at least one batch): all honest work is used.
         self.batches_per_step = int(cfg.get("batches_per_step", 1))
         self.step_token_budget = int(cfg.get("step_token_budget", STEP_TOKEN_BUDGET))
+        # ... and at most this many batches (0: the token budget alone). Workers that generate
+        # continuously make more than a step needs; a fixed step size keeps each step's cost
+        # and learning rate per prompt what the run was tuned for (the devnet: one per worker).
+        self.max_batches_per_step = int(cfg.get("max_batches_per_step", 0))
         # Old log-probs need the weights of each batch's generating version: read back from the
         # store one version at a time (docs/rl.md: memory of one state dict, milliseconds a version).
         self.weights.capacity = 1
@@ -426,6 +430,9 @@ class TrainerRole(LearningRole):
                 ann.batch_id, env.sender, ann.policy_version, ann.batch_counter, ann.num_samples, raw
             )
             self._decide(ann.batch_id)
+            # later counters of the same worker and version waited for this one (in order)
+            for later in self.ledger.waiting_after(env.sender, ann.policy_version, ann.batch_counter):
+                self._decide(later)
             return
         self.fetch_failures += 1
         if last is not None and batch_key(env.sender, env.body) not in self._refetching:
@@ -490,7 +497,7 @@ class TrainerRole(LearningRole):
 
     def _select(self, candidates: list[AdmittedBatch]) -> tuple[list[AdmittedBatch], list[list[Any]], int, list[bytes]]:
         """The step's batches from the untrained ones (oldest policy first): every one that
-        fits in the token budget (the first always does). Returns the batches, their groups,
+        fits in the token budget (the first always does), at most ``max_batches_per_step``. Returns the batches, their groups,
         their tokens, and the batches whose generating weights are gone (to discard)."""
         chosen: list[AdmittedBatch] = []
         groups: list[list[Any]] = []
@@ -503,6 +510,8 @@ class TrainerRole(LearningRole):
             bg = self._batch_groups(b)
             n = sum(len(r.prompt_tokens) + len(r.completion_tokens) for g in bg for r in g)
             if chosen and tokens + n > self.step_token_budget:
+                break
+            if self.max_batches_per_step and len(chosen) >= self.max_batches_per_step:
                 break
             chosen.append(b)
             groups += bg

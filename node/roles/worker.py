@@ -4,10 +4,12 @@ announce, serve. Permissionless: it trusts only the trainer-signed manifest."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import trio
@@ -17,7 +19,7 @@ from node.roles.common import EngineRole
 from node.roles.rollouts import PolicyFacts, produce_batch
 from node.util import now_ms
 from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
-from protocol.rules import Quorum, is_stale, quorum_outcome
+from protocol.rules import Quorum, counter_limit, is_stale, quorum_outcome
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +28,9 @@ log = logging.getLogger(__name__)
 # policy version VERSION_LIE ahead of the one it holds; "grind": skip batch counters, looking
 # for easy prompts; "stale": stay on the first version it loads and keep producing for it
 # within its slots -- not cheating, just too slow, so its batches fall out of the max_async
-# window.
-TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "greedy", "version", "grind", "stale")
+# window; "choose": compute two counters at a time and announce only the one whose rewards
+# look better (choosing among one's slots, which the in-order rule answers).
+TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "greedy", "version", "grind", "stale", "choose")
 BATCH_TAMPERS = ("tokens", "prompts", "rewards", "greedy")  # applied by produce_batch
 # The "grind" mode uses counters 1000, 2000, ...: past the slot rule's bound however long a
 # version stays current in a test (the bound grows one counter per ``worker_idle_s``; with a
@@ -69,11 +72,12 @@ class WorkerRole(EngineRole):
         if tamper is not None and tamper not in TAMPER_MODES:
             raise ValueError(f"unknown tamper mode {tamper!r}")
         self.tamper = tamper
-        slots = self.ctx.slot_rule  # validators bound batch counters by the same rule
-        self.per_version = slots.per_version
-        # With no new version for this long (trainer restarting, batches lost with it), the
-        # worker produces one more batch for the version it holds instead of idling forever.
-        self.idle_s = slots.idle_s
+        # continuous by default; a run may cap batches per version (then, with no new version for
+        # idle_s -- trainer restarting, batches lost with it -- one more instead of idling forever)
+        self.pace = self.ctx.worker_pace
+        self.spent: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per activity
+        self.started_at: float | None = None  # time.monotonic() at run()
+        self.choices: list[tuple[int, float, float]] = []  # "choose" mode: (counter, its mean, the next's)
         self.allowance: collections.Counter[int] = collections.Counter()
         self.batches: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.keep_batches = 64
@@ -102,6 +106,9 @@ class WorkerRole(EngineRole):
         self.weights.capacity = 2
 
     async def run(self, node) -> None:
+        # the process clock, not trio's: /metrics reads this from the exporter's thread
+        self.started_at = time.monotonic()
+        self._register_metrics(node)
         async with trio.open_nursery() as nursery:
             await self.start_common(node, nursery)
             node.reqresp.register(BatchRequest, self._serve_batch)
@@ -109,6 +116,32 @@ class WorkerRole(EngineRole):
             nursery.start_soon(self._loop)
             nursery.start_soon(self._read_ahead_loop)
             nursery.start_soon(self._reannounce_loop)
+
+    def _register_metrics(self, node: Any) -> None:
+        """Worker utilization on ``/metrics``: the generating share of wall time, and the
+        seconds spent per activity (generate, load, window, rate, pace, first_version, other)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        worker = self
+
+        class _Collector:
+            def collect(self) -> Iterator[Any]:
+                u = worker.utilization()
+                yield GaugeMetricFamily(
+                    "primenode_worker_utilization",
+                    "Share of wall time since the first version spent generating",
+                    value=u["utilization"],
+                )
+                spent = CounterMetricFamily(
+                    "primenode_worker_seconds", "Worker wall seconds by activity", labels=["activity"]
+                )
+                for what, seconds in u["spent_s"].items():
+                    spent.add_metric([what], seconds)
+                yield spent
+
+        registry = getattr(getattr(node, "metrics", None), "registry", None)
+        if registry is not None:
+            registry.register(_Collector())
 
     def _serve_batch(self, env: Envelope, peer: str) -> BatchResponse:
         raw = self.batches.get(env.body.batch_id)
@@ -181,64 +214,138 @@ class WorkerRole(EngineRole):
                 del counter[v]
 
     async def _loop(self) -> None:
-        node = self.node
-        g = self.ctx.genesis
+        """Generate batch after batch (docs/rl.md, "the pipeline"): between two batches, swap in
+        the newest version held (read ahead meanwhile, never waited for); wait only when the
+        policy held fell out of the ``max_async`` window of the newest version known, when the
+        slot rule's rate bound has no counter open yet, or when the run caps batches per
+        version (``WorkerPace``). Every second is booked under what it was spent on."""
         checkpoints = self.checkpoints
         assert checkpoints is not None
+        with self._spending("first_version"):
+            await checkpoints.wait_version(0)
         while True:
-            newest = await checkpoints.wait_version(0)
+            newest = checkpoints.newest_version()
             if newest != self.loaded_version and not self._pinned():
-                # hot reload between batches; the weights were read ahead meanwhile, and the
-                # next version keeps fetching
-                await self._load(newest)
+                with self._spending("load"):
+                    await self._load(newest)  # the weights were read ahead; the next version keeps fetching
             version = self.loaded_version
-            budget = self.per_version + self.allowance[version]
-            if self.produced[version] >= budget:
-                with trio.move_on_after(self.idle_s) as idle:
+            known = max(self.store.versions, default=version)
+            if not self._pinned() and is_stale(version, known, self.ctx.genesis.max_async):
+                # batches of this policy would be refused as stale: wait for a newer one to arrive
+                with self._spending("window"):
+                    await checkpoints.wait_version(version + 1)
+                continue
+            pace = self.pace
+            if (
+                pace.batches_per_version
+                and self.produced[version] >= pace.batches_per_version + self.allowance[version]
+            ):
+                # the run caps batches per version: wait for the next (a trainer restarting
+                # may never send it: after idle_s, one more batch for this version)
+                with self._spending("pace"), trio.move_on_after(pace.idle_s) as idle:
                     await checkpoints.wait_version(newest + 1)
                 if idle.cancelled_caught:
                     self.allowance[version] += 1
                 continue
-            counter = (self.produced[version] + 1) * GRIND_STRIDE if self.tamper == "grind" else self.produced[version]
+            opens_in = self._rate_wait_s(version)
+            if opens_in > 0:
+                with self._spending("rate"), trio.move_on_after(opens_in):
+                    await checkpoints.wait_version(newest + 1)
+                continue
+            with self._spending("generate"):
+                await self._produce(version)
+
+    def _rate_wait_s(self, version: int) -> float:
+        """Seconds until the slot rule lets this worker use its next counter of ``version`` (0: now).
+        The rule bounds validators' work (one counter per ``worker_min_batch_s``); a worker
+        faster than that waits rather than have its batches refused."""
+        rule = self.ctx.slot_rule
+        used = self.produced[version]
+        elapsed = now_ms() - self.policy.published_ms
+        if used < counter_limit(rule, elapsed):
+            return 0.0
+        period_ms = max(1, int(rule.min_batch_s * 1000))
+        return max(0.05, ((used - rule.slack) * period_ms - elapsed) / 1000)
+
+    @contextlib.contextmanager
+    def _spending(self, what: str) -> Iterator[None]:
+        """Book the time spent inside under ``what`` (worker utilization, in status)."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.spent[what] += time.monotonic() - t0
+
+    def utilization(self) -> dict[str, Any]:
+        """The share of wall time since start spent generating, and where the rest went
+        (seconds per activity; "other" is sealing, announcing and the event loop)."""
+        if self.started_at is None:
+            return {"utilization": 0.0, "wall_s": 0.0, "spent_s": {}}
+        wall = max(1e-9, time.monotonic() - self.started_at)
+        spent = {k: round(v, 2) for k, v in sorted(self.spent.items())}
+        spent["other"] = round(max(0.0, wall - sum(self.spent.values())), 2)
+        busy = wall - self.spent.get("first_version", 0.0)  # before the first version there is nothing to run
+        return {
+            "utilization": round(self.spent.get("generate", 0.0) / busy, 3) if busy > 1e-6 else 0.0,
+            "wall_s": round(wall, 1),
+            "spent_s": spent,
+        }
+
+    async def _produce(self, version: int) -> None:
+        """Generate, sign, keep and announce the batch at this worker's next counter of ``version``."""
+        node = self.node
+        g = self.ctx.genesis
+        counter = (self.produced[version] + 1) * GRIND_STRIDE if self.tamper == "grind" else self.produced[version]
+        self.produced[version] += 1
+        claimed = version + VERSION_LIE if self.tamper == "version" else version
+        policy = self.policy
+        if claimed != version:  # nobody published that version: there is no root to seed with
+            policy = PolicyFacts(claimed, bytes(32), policy.published_ms)
+        t0 = time.perf_counter()
+        batch = await trio.to_thread.run_sync(
+            functools.partial(
+                produce_batch,
+                self.ctx,
+                self.engine,
+                node.peer_id,
+                policy,
+                counter,
+                tamper=self.tamper if self.tamper in BATCH_TAMPERS else None,
+            )
+        )
+        await trio.to_thread.run_sync(release_free_memory)  # generation's transient tensors
+        self.stats["generate_s"] = round(time.perf_counter() - t0, 2)
+        if self.tamper == "choose":
+            # computes this counter and the next, announces only the one its own rewards like
+            # better (the attack the in-order rule answers: docs/security.md)
+            other = await trio.to_thread.run_sync(
+                functools.partial(produce_batch, self.ctx, self.engine, node.peer_id, policy, counter + 1)
+            )
             self.produced[version] += 1
-            claimed = version + VERSION_LIE if self.tamper == "version" else version
-            policy = self.policy
-            if claimed != version:  # nobody published that version: there is no root to seed with
-                policy = PolicyFacts(claimed, bytes(32), policy.published_ms)
-            t0 = time.perf_counter()
-            batch = await trio.to_thread.run_sync(
-                functools.partial(
-                    produce_batch,
-                    self.ctx,
-                    self.engine,
-                    node.peer_id,
-                    policy,
-                    counter,
-                    tamper=self.tamper if self.tamper in BATCH_TAMPERS else None,
-                )
-            )
-            await trio.to_thread.run_sync(release_free_memory)  # generation's transient tensors
-            self.stats["generate_s"] = round(time.perf_counter() - t0, 2)
-            raw = seal(node.key, g.run_id, batch, now_ms(), node.seq.next())
-            batch_id = sha256(raw)
-            self.batches[batch_id] = raw
-            self._my_batches.add(batch_id)
-            while len(self.batches) > self.keep_batches:
-                old, _ = self.batches.popitem(last=False)
-                self._my_batches.discard(old)
-                self._tally.pop(old, None)
-                self._announced.pop(old, None)
-            self.stats["batches_produced"] += 1
-            announce = RolloutAnnounce(
-                batch_id=batch_id,
-                policy_version=claimed,
-                batch_counter=counter,
-                num_samples=len(batch.samples),
-                size_bytes=len(raw),
-            )
-            self._announced[batch_id] = _Announced(announce, trio.current_time())
-            await node.gossip.publish(announce)
-            log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], claimed, counter)
+            mine, theirs = _claimed_mean(batch), _claimed_mean(other)
+            self.choices.append((counter, mine, _claimed_mean(other)))
+            if theirs > mine:
+                batch = other
+        raw = seal(node.key, g.run_id, batch, now_ms(), node.seq.next())
+        batch_id = sha256(raw)
+        self.batches[batch_id] = raw
+        self._my_batches.add(batch_id)
+        while len(self.batches) > self.keep_batches:
+            old, _ = self.batches.popitem(last=False)
+            self._my_batches.discard(old)
+            self._tally.pop(old, None)
+            self._announced.pop(old, None)
+        self.stats["batches_produced"] += 1
+        announce = RolloutAnnounce(
+            batch_id=batch_id,
+            policy_version=claimed,
+            batch_counter=batch.batch_counter,
+            num_samples=len(batch.samples),
+            size_bytes=len(raw),
+        )
+        self._announced[batch_id] = _Announced(announce, trio.current_time())
+        await node.gossip.publish(announce)
+        log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], claimed, batch.batch_counter)
 
     async def _reannounce_loop(self) -> None:
         """Announce again each held batch that no quorum decided ``reannounce_s`` after its last
@@ -271,9 +378,15 @@ class WorkerRole(EngineRole):
         return {
             "policy_version": self.loaded_version,
             **self.stats,
+            **self.utilization(),
             "tamper": self.tamper,
             "distribution": self.checkpoints_status(),
         }
+
+
+def _claimed_mean(batch: Any) -> float:
+    """A batch's mean reward by the worker's own reckoning (what a chooser would rank by)."""
+    return sum(s.claimed_reward for s in batch.samples) / len(batch.samples)
 
 
 def _perturb(model, scale: float) -> None:

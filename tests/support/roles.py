@@ -27,6 +27,9 @@ def tiny_genesis(*, fields: dict | None = None, **config):
         "seed": 0,
         "tiny_hidden_size": 64,
         "tiny_layers": 2,
+        # in-process test networks share one interpreter: workers cap their batches per version
+        # (the lock-step pace) unless a test asks for continuous generation (0)
+        "worker_batches_per_version": 2,
     }
     cfg.update(config)
     run = {
