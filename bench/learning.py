@@ -1,7 +1,7 @@
 """Learning in the network vs one process: ``primenode devnet`` runs beside a synchronous one
 (``--max-async 0``) and the single-process GRPO loop on the same model, task and settings.
 
-    python bench/learning.py [--runs 3] [--steps 40] [--no-sync] [--demo-seeds 0] [--out DIR]
+    python bench/learning.py [--runs 3] [--lockstep-runs 1] [--steps 40] [--no-sync] [--demo-seeds 0] [--out DIR]
                              [--baseline-tree DIR]   # e.g. a git worktree of main before issue 20
     python bench/learning.py --summarise DIR [DIR ...]     # only read finished devnet folders
 
@@ -263,6 +263,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="default devnets")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--no-sync", action="store_true", help="skip the max_async 0 devnet")
+    ap.add_argument(
+        "--lockstep-runs",
+        type=int,
+        default=1,
+        help="devnets with --lockstep (one batch per worker per version, the pipeline before issue 35): the wall-time baseline",
+    )
     ap.add_argument("--demo-seeds", default="0", help="comma list of single-process seeds ('' for none)")
     ap.add_argument("--demo-prompts", type=int, default=8, help="prompts per single-process step (devnet batch: 8)")
     ap.add_argument("--out", type=Path, default=None)
@@ -290,6 +296,9 @@ def main() -> None:
         out = args.out or Path(tempfile.mkdtemp(prefix="learning-"))
         if args.baseline_tree:
             results.append(run_devnet(out / "devnet-baseline", args.steps, [], tree=args.baseline_tree.resolve()))
+            print(json.dumps(results[-1]), flush=True)
+        for i in range(args.lockstep_runs):
+            results.append(run_devnet(out / f"devnet-lockstep-{i}", args.steps, ["--lockstep"]))
             print(json.dumps(results[-1]), flush=True)
         for i in range(args.runs):
             results.append(run_devnet(out / f"devnet-{i}", args.steps, []))

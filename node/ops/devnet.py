@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -292,28 +293,27 @@ class Devnet:
         # trainer takes every core: its step runs while the workers and validators wait for the
         # version it makes (a step trains on the batches of the version before, issue 20), so
         # the other cores would idle.
-        # Lock-step only: with workers generating continuously (the default) the cores are never
-        # idle, and a trainer whose two OpenMP threads meet at a barrier thousands of times a
-        # step waits for whichever one a worker preempted (a 3 s step took 80 s); one thread
-        # keeps it on its own core.
-        lockstep = self.opts.lockstep or bool(self.opts.extra_config.get("worker_batches_per_version"))
-        threads = str(os.cpu_count() or 1) if node.role == "trainer" and lockstep else "1"
+        threads = str(os.cpu_count() or 1) if node.role == "trainer" else "1"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
         env.update(parent_env())  # the node stops when this process dies, even by SIGKILL (lifeline.py)
-        # Workers generate continuously (asynchronous pipeline): on a real network each node has
-        # its own hardware, here they share the cores, so a worker runs at a lower CPU priority
-        # and generates with what the trainer and the validators leave (a trainer step slowed
-        # by workers would be an artifact of the devnet, not of the pipeline). nice(1) execs
-        # the node in place: the pid is the node's.
-        nice = {"worker": ["nice", "-n", "10"], "validator": ["nice", "-n", "5"]}.get(node.role, [])
+        # Workers generate continuously (asynchronous pipeline). On a real network each node has
+        # its own hardware; here all share the cores, so workers and validators run in the
+        # background (:func:`background_priority`): they take only the CPU time the trainer
+        # leaves, and its step runs as fast as in lock-step. At equal priority the trainer's
+        # OpenMP threads, which meet at a barrier thousands of times a step, wait for whichever
+        # one another process preempted: a 3 s step took 45-80 s.
+        background = node.role in ("worker", "validator")
+        idle = ["chrt", "--idle", "0"] if background and shutil.which("chrt") else []
         with self.critical():  # a stop signal waits until the child is recorded: none goes untracked
             node.proc = subprocess.Popen(
-                nice + primenode_cmd() + node.args,
+                idle + primenode_cmd() + node.args,
                 stdout=node.log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
             )
+            if background:
+                background_priority(node.proc.pid)
 
     def start_all(self) -> None:
         for n in self.nodes:
@@ -470,6 +470,20 @@ def staleness_cell(by_staleness: Any) -> str:
 
 def reasons_cell(reasons: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
+
+
+def background_priority(pid: int) -> None:
+    """Let process ``pid`` run only on CPU time others leave. ``chrt --idle`` (SCHED_IDLE) does
+    that among the tasks of one scheduling group, but a devnet node is a session of its own
+    (start_new_session), and with the kernel's autogroups (sched_autogroup_enabled, on by
+    default on desktops and most distributions) every session is a group with a normal share
+    of the CPU whatever its tasks' policy: the group's own nice value is what counts, so it
+    goes to 19 (a weight of 15 against the trainer's 1024). Best effort: no autogroup, no
+    change."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text("19")
+    except OSError:
+        pass
 
 
 def status_cells(nodes: list[tuple[str, str, bool]], snap: dict[str, Any]) -> list[dict[str, str]]:
