@@ -69,7 +69,8 @@ GARBAGE_VALIDATOR = 1  # garbage: the node that runs the real validator
 # garbage: the run. A tiny Llama 384 wide and 6 layers deep, 96 tokens, so that a prefill is
 # what a validator spends its time on (on one idle core: a garbage batch ~0.1-0.15 s, one
 # group's prefill; an honest one ~0.3 s, every group's plus the sampling replay; producing
-# one ~1.5 s), and as many batch slots per version as the bench needs (one version throughout).
+# one ~1.5 s), and as many batch slots per version as the bench needs (one version throughout:
+# the slot rule's production rate is set out of the way).
 GARBAGE_RUN = {
     "task": "target-length",
     "max_tokens": 96,
@@ -78,6 +79,7 @@ GARBAGE_RUN = {
     "tiny_hidden_size": 384,
     "tiny_layers": 6,
     "worker_batches_per_version": 1_000_000,
+    "worker_min_batch_s": 0.001,  # the slot rule's rate: no bound the bench's honest workers meet
 }
 
 

@@ -4,6 +4,7 @@ counters, and reading the next version's weights ahead of the swap."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
 
 import trio
@@ -172,34 +173,49 @@ async def test_weight_cache_shares_one_read_between_concurrent_gets(monkeypatch)
     assert reads == [5, 6, 7] and list(cache._cache) == [6, 7]  # capacity bounds what it keeps
 
 
-async def test_an_undecided_batch_is_announced_again_a_few_times_then_left(tmp_path, autojump_clock):
+async def test_held_batches_are_announced_again_while_in_the_window(tmp_path, autojump_clock):
     """A validator or the trainer whose fetch lane was full sheds an announce without
-    remembering it: the worker announces a batch no quorum decided again, every
-    ``reannounce_s``, at most ``REANNOUNCES`` times; a decided batch (control) never."""
-    from node.roles.worker import REANNOUNCES, _Announced
+    remembering it: the worker announces a batch no quorum decided again every
+    ``reannounce_s``, ``REANNOUNCES`` times. After that, and for a decided batch from the
+    start, every ``KEEPALIVE_S``: a trainer that restarted may never have recorded a batch
+    the validators decided, and its later counters wait for it. Once the version falls out
+    of the window, never again."""
+    from node.roles.worker import KEEPALIVE_S, REANNOUNCES, _Announced
     from protocol import RolloutAnnounce
 
     w = make_worker(tmp_path, tiny_genesis())
-    published: list[bytes] = []
+    published: list[tuple[bytes, float]] = []
 
     async def publish(msg) -> None:
-        published.append(msg.batch_id)
+        published.append((msg.batch_id, trio.current_time()))
 
     w.node = types.SimpleNamespace(peer_id=W, gossip=types.SimpleNamespace(publish=publish))
+    w.store = types.SimpleNamespace(versions={0: None})
     undecided, decided = bytes([1]) * 32, bytes([2]) * 32
+    start = trio.current_time()
     for b in (undecided, decided):
         ann = RolloutAnnounce(batch_id=b, policy_version=0, batch_counter=b[0], num_samples=8, size_bytes=100)
-        w._announced[b] = _Announced(ann, trio.current_time())
+        w._announced[b] = _Announced(ann, start)
         w._my_batches.add(b)
     for v in VALIDATORS:  # a quorum accepts one of them
         w._on_vote(vote(decided, v, True))
+    horizon = w.reannounce_s * REANNOUNCES + 3 * KEEPALIVE_S
     async with trio.open_nursery() as nursery:
         nursery.start_soon(w._reannounce_loop)
-        await trio.sleep(w.reannounce_s * 0.9)
-        assert published == []  # not before reannounce_s
-        await trio.sleep(w.reannounce_s * (REANNOUNCES + 3))
+        await trio.sleep(horizon)
+        # version 3 arrives: version 0 falls out of the max_async (2) window
+        w.store.versions[3] = None
+        await trio.sleep(3 * KEEPALIVE_S)
         nursery.cancel_scope.cancel()
-    assert published == [undecided] * REANNOUNCES
+    times = {b: [t - start for bb, t in published if bb == b] for b in (undecided, decided)}
+    fast = times[undecided][:REANNOUNCES]
+    assert all(w.reannounce_s <= t <= w.reannounce_s * (k + 1) + w.reannounce_s / 4 for k, t in enumerate(fast))
+    slow = {undecided: times[undecided][REANNOUNCES - 1 :], decided: [0.0, *times[decided]]}
+    for b, ts in slow.items():
+        assert all(t2 - t1 >= KEEPALIVE_S for t1, t2 in itertools.pairwise(ts)), (b[0], times[b])
+        assert max(times[b]) <= horizon + w.reannounce_s / 4  # nothing once the version is stale
+    assert times[decided][0] >= KEEPALIVE_S  # a decided batch waits the longer period
+    assert len(times[decided]) >= 2 and len(times[undecided]) >= REANNOUNCES + 2
     assert w.stats["reannounced"] == REANNOUNCES and not w._announced
 
 

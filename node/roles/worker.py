@@ -44,6 +44,9 @@ VERSION_LIE = 50
 # and takes it when it comes again; nodes that queued it ignore the repeat.
 REANNOUNCE_S = 20.0
 REANNOUNCES = 2
+# ... and every held batch (decided or not) again this often while its version is in the window:
+# the trainer may have missed it (see _reannounce_loop), and later counters wait for it.
+KEEPALIVE_S = 30.0
 
 
 @dataclasses.dataclass
@@ -77,7 +80,8 @@ class WorkerRole(EngineRole):
         self.pace = self.ctx.worker_pace
         self.spent: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per activity
         self.started_at: float | None = None  # time.monotonic() at run()
-        self.choices: list[tuple[int, float, float]] = []  # "choose" mode: (counter, its mean, the next's)
+        # "choose" mode: (version, counter, its mean reward, the next counter's)
+        self.choices: list[tuple[int, int, float, float]] = []
         self.allowance: collections.Counter[int] = collections.Counter()
         self.batches: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.keep_batches = 64
@@ -91,6 +95,7 @@ class WorkerRole(EngineRole):
             "batches_rejected": 0,
             "batches_served": 0,
             "reannounced": 0,
+            "kept_announced": 0,
             "accept_votes": 0,
             "reject_votes": 0,
             "generate_s": 0.0,
@@ -323,7 +328,7 @@ class WorkerRole(EngineRole):
             )
             self.produced[version] += 1
             mine, theirs = _claimed_mean(batch), _claimed_mean(other)
-            self.choices.append((counter, mine, _claimed_mean(other)))
+            self.choices.append((version, counter, mine, theirs))
             if theirs > mine:
                 batch = other
         raw = seal(node.key, g.run_id, batch, now_ms(), node.seq.next())
@@ -348,28 +353,34 @@ class WorkerRole(EngineRole):
         log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], claimed, batch.batch_counter)
 
     async def _reannounce_loop(self) -> None:
-        """Announce again each held batch that no quorum decided ``reannounce_s`` after its last
-        announce, up to ``REANNOUNCES`` times, while its version is inside the window."""
+        """Announce each held batch again while its version is inside the window: an undecided
+        one every ``reannounce_s`` (up to ``REANNOUNCES`` times: a node whose fetch lane was
+        full shed it), then, like a decided one, every ``KEEPALIVE_S``. A quorum of validators
+        may have decided a batch the trainer never recorded (it was restarting, or shed the
+        announce): the trainer admits counters in order, so without this every later counter
+        of that version would wait for it, and a trainer that makes no new version meanwhile
+        would wait for ever. Nodes that hold the batch ignore the repeat (one ledger lookup)."""
         while True:
             await trio.sleep(self.reannounce_s / 4)
             now = trio.current_time()
             newest = max(self.store.versions, default=-1)
             for batch_id, a in list(self._announced.items()):
+                if is_stale(a.announce.policy_version, newest, self.ctx.genesis.max_async):
+                    del self._announced[batch_id]
+                    continue
                 tally = self._tally.get(batch_id)
-                version = a.announce.policy_version
-                if (tally is not None and tally.decided) or a.repeats >= REANNOUNCES:
-                    del self._announced[batch_id]
+                settled = (tally is not None and tally.decided) or a.repeats >= REANNOUNCES
+                if now - a.at < (KEEPALIVE_S if settled else self.reannounce_s):
                     continue
-                if is_stale(version, newest, self.ctx.genesis.max_async):
-                    del self._announced[batch_id]
-                    continue
-                if now - a.at < self.reannounce_s:
-                    continue
-                a.repeats += 1
                 a.at = now
-                self.stats["reannounced"] += 1
+                if settled:
+                    self.stats["kept_announced"] += 1
+                else:
+                    a.repeats += 1
+                    self.stats["reannounced"] += 1
                 await self.node.gossip.publish(a.announce)
-                log.info("announced batch %s again (no decision yet)", batch_id.hex()[:12])
+                if not settled:
+                    log.info("announced batch %s again (no decision yet)", batch_id.hex()[:12])
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {**super().heartbeat_fields(), "batches": self.stats["batches_produced"]}
