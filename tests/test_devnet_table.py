@@ -41,6 +41,7 @@ SNAP = {
         "role_state": {
             "policy_version": 2,
             "batches_produced": 9,
+            "utilization": 0.934,
             "batches_accepted": 6,
             "batches_rejected": 1,
             "batches_served": 12,
@@ -97,6 +98,7 @@ def test_each_role_fills_its_own_columns():
     assert staleness_cell(by_staleness) == "s0 1.000/0% s2 0.962/7%"  # mean ratio / clipped, per staleness
     assert (wk[col["used"]], wk[col["ratios"]], va[col["ratios"]]) == ("-", "-", "-")
     assert (wk[col["version"]], wk[col["produced"]], wk[col["accepted"]], wk[col["rejected"]]) == ("2", "9", "6", "1")
+    assert (wk[col["busy"]], tr[col["busy"]]) == ("93%", "-")  # a worker's share of wall time generating
     assert (va[col["version"]], va[col["accepted"]], va[col["rejected"]]) == ("3", "11", "4")  # its verdicts
     assert va[col["reasons"]] == "toploc 3, stale 1, unverifiable 1 (no vote)"
     assert (dead[col["alive"]], dead[col["peers"]], dead[col["version"]], dead[col["reasons"]]) == ("no", "-", "-", "-")
@@ -133,12 +135,13 @@ def test_an_80_column_terminal_gets_one_line_per_node_and_the_free_text_below():
         "3/40",
         "0.457",
         "-",
+        "-",
         "17",
         "5",
         "3",
     ]
-    assert table["worker-0"] == ["worker-0", "yes", "4", "2", "-", "-", "9", "6", "1", "-"]
-    assert table["validator-1"] == ["validator-1", "no", "-", "-", "-", "-", "-", "-", "-", "-"]
+    assert table["worker-0"] == ["worker-0", "yes", "4", "2", "-", "-", "9", "93%", "6", "1", "-"]
+    assert table["validator-1"] == ["validator-1", "no", "-", "-", "-", "-", "-", "-", "-", "-", "-"]
     text = out.getvalue()
     assert "ratios s0 1.000/0% s2 0.962/7%; reasons stale before training 2" in text
     assert "reasons toploc 3, stale 1, unverifiable 1 (no vote)" in text
