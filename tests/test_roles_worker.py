@@ -336,3 +336,27 @@ async def test_a_run_may_cap_batches_per_version_the_lockstep_pace(mock_clock):
         await run_until(w, lambda: len(w.made) >= 3)
         assert w.made == [(0, 0), (0, 1), (0, 2)]
         assert trio.current_time() - start == 20  # the third waited one idle period
+
+
+def test_status_says_how_busy_the_worker_was_and_where_the_rest_went(tmp_path):
+    """utilization: the generating share of wall time after the first version; spent_s: seconds
+    per activity, the remainder as "other"; `primenode status` prints them."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from node.ops.status_cli import render_role_state
+
+    w = make_worker(tmp_path, tiny_genesis())
+    w.checkpoints_status = lambda: {}
+    assert w.status()["utilization"] == 0.0  # not started
+    w.started_at = time.monotonic() - 100.0
+    w.spent.update(first_version=20.0, generate=72.0, load=4.0)
+    st = w.status()
+    assert st["utilization"] == 0.9  # 72 of the 80 s after the first version
+    assert st["spent_s"]["other"] >= 4.0 and set(st["spent_s"]) == {"first_version", "generate", "load", "other"}
+    out = io.StringIO()
+    for r in render_role_state("worker", st):
+        Console(file=out, width=200, color_system=None).print(r)
+    assert "utilization" in out.getvalue() and "time spent" in out.getvalue() and "generate 72 s" in out.getvalue()

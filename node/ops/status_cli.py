@@ -290,6 +290,11 @@ def render_role_state(role: str, rs: dict[str, Any]) -> list[RenderableType]:
         keys = ["policy_version"] + [k for k in rs if k.startswith("batches")] + ["tamper"]
         rows = [(k, rs.get(k)) for k in keys if k in rs]
         rows += [(k, v) for k, v in rs.items() if k not in keys and not isinstance(v, (dict, list))]
+        spent = rs.get("spent_s")
+        if isinstance(spent, dict) and spent:  # where the wall time went (utilization = generate's share)
+            rows.append(
+                ("time spent", ", ".join(f"{k} {v:.0f} s" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])))
+            )
         out.append(_kv_table("worker", rows))
     elif role == "validator":
         verdicts = rs.get("verdicts") or {}
