@@ -197,7 +197,9 @@ async def test_valid_but_useless_flood_is_rate_limited_then_banned():
             ]
             sent = [0]
             await _bare_attacker(entry.full_addrs()[0], frames, sent, key, at_once=True)
-            assert sent[0] >= 200, f"the flooder wrote only {sent[0]} frames (its dial failed?)"
+            # the guard is that the dial worked and writes went through: frames leave 64 per write,
+            # and the node may cut the connection after the third (192 written in one CI run)
+            assert sent[0] >= 128, f"the flooder wrote only {sent[0]} frames (its dial failed?)"
             # a fresh identity: the unknown-origin burst (20) bites first, then the per-peer rate
             await wait_until(
                 lambda: entry.metrics.dropped["rate_limit"] + entry.metrics.dropped["origin_rate"] >= 100,
