@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,14 @@ def test_a_stop_signal_stops_every_node_before_the_devnet_exits(tmp_path, sig):
     try:
         _wait_until_serving(out, proc, log)
         proc.send_signal(sig)
-        rc = proc.wait(timeout=HANG_GUARD_S)
+        try:
+            rc = proc.wait(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the devnet prints its threads' stacks (faulthandler)
+            time.sleep(2)  # the stacks reach the log
+            raise AssertionError(
+                f"the devnet did not exit; its log ends:\n{log.read_text(errors='replace')[-6000:]}"
+            ) from None
         left = processes_naming(out)  # counted the moment the devnet is gone
     finally:
         if proc.poll() is None:

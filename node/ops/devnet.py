@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import shutil
@@ -720,6 +721,9 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
     from rich.console import Console
     from rich.live import Live
 
+    # SIGUSR1 prints every thread's stack to stderr and the devnet runs on: how to see where a
+    # devnet that does not stop is stuck (tests send it before they give up on one)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     console = Console(stderr=False)
     devnet = Devnet(opts)
     started = time.monotonic()
