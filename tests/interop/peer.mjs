@@ -11,9 +11,11 @@
 // a few ms), so a test module starts this once.
 //
 // Ops:
-//   create   {name, security: "noise" | "plaintext" | "spoof", claim?, relay_server?, listen?}
-//            -> {peer_id, addrs}. "spoof": plaintext that presents `claim`'s public key,
-//            i.e. claims another peer's id without holding its key (the attack of issue 30).
+//   create   {name, security: "noise" | "plaintext" | "spoof", claim?, relay_server?, listen?,
+//            seed_hex?} -> {peer_id, addrs}. "spoof": plaintext that presents `claim`'s public
+//            key, i.e. claims another peer's id without holding its key (the attack of issue 30).
+//            `seed_hex`: the node's ed25519 key from this 32-byte seed (the test signs
+//            primenode envelopes with the same key, so they are this node's own messages).
 //   addrs    {name, contains?, timeout_ms?} -> {addrs}, waiting until one contains `contains`.
 //   dial     {name, addr} -> {peer, remote_addr, limited}
 //   ping     {name, peer? | addr?} -> {rtt_ms}
@@ -21,6 +23,8 @@
 //            `peer` (on a relayed connection if `relayed`), waiting for it.
 //   request  {name, addr? | peer?, protocol, data_hex, timeout_ms?} -> {response_hex}: open a
 //            stream, write the bytes, close our side, read to the end.
+//   send     {name, addr? | peer?, protocol, data_hex, timeout_ms?} -> {}: open a stream, write
+//            the bytes, close our side (a gossip frame pushed at a node, expecting no answer).
 //   cycle    {name, addr, n} -> {ok, failed, errors}: dial `addr` and hang up, `n` times in a row.
 //   hold     {name, addr, protocol, n} -> {opened, refused, errors}: open `n` streams of
 //            `protocol` at once and write nothing on them (a peer that holds its allowance).
@@ -36,6 +40,7 @@ import { yamux } from '@chainsafe/libp2p-yamux'
 import { circuitRelayServer, circuitRelayTransport } from '@libp2p/circuit-relay-v2'
 import { identify } from '@libp2p/identify'
 import { peerIdFromString } from '@libp2p/peer-id'
+import { generateKeyPairFromSeed } from '@libp2p/crypto/keys'
 import { ping } from '@libp2p/ping'
 import { plaintext } from '@libp2p/plaintext'
 import { tcp } from '@libp2p/tcp'
@@ -99,7 +104,11 @@ const ops = {
     if (msg.relay_server) {
       services.relay = circuitRelayServer()
     }
+    const privateKey = msg.seed_hex == null
+      ? undefined
+      : await generateKeyPairFromSeed('Ed25519', Buffer.from(msg.seed_hex, 'hex'))
     const node = await createLibp2p({
+      privateKey,
       addresses: { listen: msg.listen ?? ['/ip4/127.0.0.1/tcp/0'] },
       transports: [tcp(), circuitRelayTransport()],
       connectionEncrypters: encrypters,
@@ -172,6 +181,15 @@ const ops = {
       chunks.push(Buffer.from(chunk.subarray()))
     }
     return { response_hex: Buffer.concat(chunks).toString('hex') }
+  },
+
+  async send (msg) {
+    const { node } = nodeOf(msg)
+    const signal = AbortSignal.timeout(msg.timeout_ms ?? 10000)
+    const stream = await node.dialProtocol(target(msg), msg.protocol, { signal, runOnLimitedConnection: true })
+    stream.send(Buffer.from(msg.data_hex, 'hex'))
+    await stream.close({ signal })
+    return {}
   },
 
   async cycle (msg) {

@@ -18,6 +18,11 @@ the other side js-libp2p in one Node.js process for the module (peer.mjs, driven
 * issue 30 point 3: a js peer holds far more request streams than its allowance, writing
   nothing; the node refuses the excess at once (node/p2p/rrlimits.py) and an honest peer's
   genesis request is answered meanwhile.
+* issue 30 point 4: a js peer front-runs an honest worker's batch announce (the same id,
+  signed with the js node's own key, pushed as a primenode gossip frame to the trainer and
+  every validator before the worker's announce), then announces it again after admission,
+  and announces an id that exists nowhere: it is charged at every deciding node each time,
+  and the worker's batch is admitted under its name with no charge to the worker.
 
 A js peer speaks no primenode gossip, and a node drops such a connection after a grace
 (``ConnectionManager.gossip_grace``, issue 30 point 6): where a test keeps a js peer
@@ -27,6 +32,7 @@ interop only.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 
 import multiaddr
@@ -45,10 +51,16 @@ from node.p2p.host import parse_peer_addr
 from node.p2p.nat import NatConfig, conn_is_relayed
 from node.p2p.node import Node, fetch_genesis
 from node.p2p.testing import NodeFactory, wait_until
-from protocol import GenesisRequest, GenesisResponse, NodeKey
+from node.util import now_ms
+from protocol import GenesisRequest, GenesisResponse, NodeKey, RolloutAnnounce, seal
+from protocol import gossip as gossip_frames
 from protocol import reqresp as frames
+from protocol.topics import topic
 from tests.interop.jspeer import JsError, JsPeer
+from tests.support.roles import tiny_genesis
+from tests.test_batch_ownership import record_charges
 from tests.test_p2p_conn_slots import StepClock, pace_accepts_of
+from tests.test_roles_network import start_network
 
 PING = "/ipfs/ping/1.0.0"
 IDENTIFY = "/ipfs/id/1.0.0"
@@ -323,3 +335,106 @@ async def test_js_peer_holding_many_request_streams_is_capped_and_an_honest_peer
     assert env.sender == boot.peer_id
     await js.call("release", name="hog")
     await js.stop("hog")
+
+
+# ----------------------------------------------------------------- issue 30 point 4, from js
+async def test_js_thief_front_running_an_honest_announce_pays_and_the_batch_is_admitted(js: JsPeer, tmp_path) -> None:
+    """The thief is a js-libp2p node whose key the test also holds, so the primenode gossip
+    frames it pushes carry envelopes signed by the js node itself (what a thief running any
+    libp2p stack and our ~100-line envelope format would send). It serves nothing (js speaks
+    no primenode request/response), so each fetch from it fails."""
+    genesis = tiny_genesis(steps=2, batches_per_step=1)
+    run_id = genesis.genesis.run_id
+    thief_key = NodeKey(b"\x54" * 32)
+    rollout_topic = topic(run_id, "rollout")
+    seq = iter(range(1, 1000))
+    with trio.fail_after(480):
+        async with trio.open_nursery() as nursery:
+            _net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis, worker_tamper=(None,))
+            (honest,) = workers
+            deciders = [trainer.node, *(v.node for v in validators)]
+            for n in deciders:
+                hold_foreign_peers(n)
+            thief = await js.create("thief", security="noise", seed_hex=thief_key.seed.hex())
+            assert thief["peer_id"] == thief_key.peer_id  # the js node's id is the envelopes' signer
+            charges = record_charges(deciders)
+            handled: dict[str, set[tuple[str, bytes]]] = {n.peer_id: set() for n in deciders}
+            for n in deciders:
+                n.gossip.on("rollout", lambda env, _me=n.peer_id: handled[_me].add((env.sender, env.body.batch_id)))
+
+            def everywhere(batch_id: bytes) -> bool:
+                return all((thief_key.peer_id, batch_id) in handled[n.peer_id] for n in deciders)
+
+            async def js_announce(ann: RolloutAnnounce) -> None:
+                """Push the announce, signed by the js node, straight at every deciding node."""
+                env = seal(thief_key, run_id, ann, now_ms(), next(seq))
+                frame = gossip_frames.encode_frame(gossip_frames.encode_message(rollout_topic, env))
+                for n in deciders:
+                    await js.call(
+                        "send",
+                        name="thief",
+                        addr=n.full_addrs()[0],
+                        protocol=gossip_frames.PROTOCOL_ID,
+                        data_hex=frame.hex(),
+                    )
+                await wait_until(lambda: everywhere(ann.batch_id), 30, poll=0.05, what="the js announce handled")
+
+            front_run: list[RolloutAnnounce] = []
+            real_publish = honest.node.gossip.publish
+
+            async def publish(msg):
+                if isinstance(msg, RolloutAnnounce) and not front_run:
+                    front_run.append(msg)
+                    await js_announce(msg)  # every deciding node has the thief's announce first
+                await real_publish(msg)
+
+            honest.node.gossip.publish = publish
+            me = honest.node.peer_id
+
+            def admitted_of(worker: str) -> list[bytes]:
+                return [b for b in trainer.ledger.admitted_ids() if trainer.ledger.batch(b).worker == worker]
+
+            await wait_until(
+                lambda: front_run and front_run[0].batch_id in admitted_of(me),
+                300,
+                poll=0.5,
+                what="the copied batch admitted",
+            )
+            stolen = front_run[0].batch_id
+            rec = trainer.ledger.batch(stolen)
+            assert (rec.worker, rec.status) == (me, "admitted")
+            assert trainer.ledger.accept_voters(stolen) == {v.node.peer_id for v in validators}
+            assert {r.accept for r in trainer.ledger.votes(stolen, worker=me)} == {True}
+
+            def charged(reason: str) -> bool:
+                return all((n.peer_id, thief_key.peer_id, reason) in charges for n in deciders)
+
+            # the front-run: every deciding node tried the js node for "its" batch and charged it
+            await wait_until(lambda: charged("batch_unserved"), 60, poll=0.2, what="the js thief charged as unserved")
+            assert not any(r.accept for r in trainer.ledger.votes(stolen) if r.worker == thief_key.peer_id)
+
+            # re-announcing the admitted batch later: refused without a fetch, charged everywhere
+            await js_announce(front_run[0])
+            assert charged("batch_stolen")
+            assert trainer.ledger.batch(stolen).status == "admitted"
+
+            # an id nobody holds: charged as unserved once more at every node (points add up)
+            before = {n.peer_id: n.policy.points(thief_key.peer_id) for n in deciders}
+            await js_announce(dataclasses.replace(front_run[0], batch_id=bytes(32)))
+            await wait_until(
+                lambda: all(
+                    n.policy.is_banned(thief_key.peer_id) or n.policy.points(thief_key.peer_id) > before[n.peer_id]
+                    for n in deciders
+                ),
+                60,
+                poll=0.2,
+                what="the js thief charged for an id it cannot serve",
+            )
+
+            # the owner pays nothing anywhere
+            assert not [c for c in charges if c[1] == me], charges
+            for v in validators:
+                assert v.strikes[me] == 0 and not v.node.policy.is_banned(me)
+            assert honest.stats["reject_votes"] == 0 and honest.stats["batches_rejected"] == 0
+            await js.stop("thief")
+            nursery.cancel_scope.cancel()
