@@ -79,7 +79,6 @@ GARBAGE_RUN = {
     "tiny_hidden_size": 384,
     "tiny_layers": 6,
     "worker_batches_per_version": 1_000_000,
-    "worker_min_batch_s": 0.001,  # the slot rule's rate: no bound the bench's honest workers meet
 }
 
 
@@ -200,7 +199,7 @@ def make_batch(node, counter: int) -> tuple[bytes, RolloutAnnounce]:
 
 def garbage_batch(ctx, worker: str, policy, counter: int, hidden_size: int, rnd: random.Random) -> RolloutBatch:
     """A batch of ``worker`` that breaks only rules a prefill checks (scenario ``garbage``):
-    the owed prompts at (version, counter), ``group_size`` completions each of ``max_tokens``
+    the owed prompts at its counter, ``group_size`` completions each of ``max_tokens``
     random tokens and no EOS (a proper ending, and the longest prefill the rules allow), and
     random proof bytes of exactly the length the shape implies, so every rule that needs no
     model passes (``rollouts.check_batch_rules``) and the validator must prefill a group to
@@ -211,7 +210,7 @@ def garbage_batch(ctx, worker: str, policy, counter: int, hidden_size: int, rnd:
     g = ctx.genesis
     eos, vocab, max_tokens = ctx.eos_token_id, ctx.vocab_size, ctx.sampling.max_tokens
     samples = []
-    for i in owed_prompts(ctx, worker, policy.version, counter):
+    for i in owed_prompts(ctx, worker, counter):
         prompt_len = len(ctx.prompt_tokens(i))
         for _ in range(g.group_size):
             toks = [rnd.randrange(vocab) for _ in range(max_tokens)]

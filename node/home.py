@@ -34,6 +34,7 @@ CACHE_DIR = "cache"
 LEDGER_FILE = "node.db"
 METRICS_FILE = "metrics.jsonl"
 TRAINER_DIR = "trainer"
+WORKER_BATCHES_DIR = "worker/batches"
 
 
 class NodeHome:
@@ -79,6 +80,11 @@ class NodeHome:
     @property
     def trainer_export_dir(self) -> Path:
         return self.path / TRAINER_DIR / "export"
+
+    def worker_batches_dir(self, run_id: bytes) -> Path:
+        """A worker's latest signed batches of one run, one file per batch counter: its chain
+        position survives a restart (docs/rl.md, "The pipeline")."""
+        return self.path / WORKER_BATCHES_DIR / run_id.hex()[:16]
 
     def exists(self) -> bool:
         return self.key_path.exists()

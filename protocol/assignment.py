@@ -1,9 +1,12 @@
 """Deterministic prompt assignment.
 
-A worker's prompts for (policy version, batch counter) are drawn from a seed
-that hashes the run id, the worker's peer id, the version and the counter, so
-a worker cannot pick easy prompts and any validator can recompute what was
-owed.  The draw is a partial Fisher-Yates shuffle driven by SHA-256 in counter
+A worker's prompts for its batch counter are drawn from a seed that hashes the
+run id, the worker's peer id and the counter, so a worker cannot pick easy
+prompts and any validator can recompute what was owed. The counter numbers the
+worker's batches across the whole run, whatever policy version made each one
+(``protocol.rules.counter_gap``): the version is not hashed, so generating one
+counter with two versions gives the same prompts (and seeds: ``protocol.seeds``),
+and there is nothing to shop for among slots.  The draw is a partial Fisher-Yates shuffle driven by SHA-256 in counter
 mode with rejection sampling (no modulo bias), independent of any RNG library
 version.
 """
@@ -12,12 +15,12 @@ from __future__ import annotations
 
 import hashlib
 
-_DOMAIN = b"primenode/assign/v1"
+_DOMAIN = b"primenode/assign/v2"
 
 
-def assignment_seed(run_id: bytes, worker: str, policy_version: int, batch_counter: int) -> bytes:
+def assignment_seed(run_id: bytes, worker: str, batch_counter: int) -> bytes:
     h = hashlib.sha256()
-    for part in (_DOMAIN, run_id, worker.encode(), policy_version.to_bytes(8, "big"), batch_counter.to_bytes(8, "big")):
+    for part in (_DOMAIN, run_id, worker.encode(), batch_counter.to_bytes(8, "big")):
         h.update(len(part).to_bytes(4, "big"))
         h.update(part)
     return h.digest()
@@ -40,9 +43,7 @@ class _HashStream:
                     return v % n
 
 
-def assign_prompts(
-    run_id: bytes, worker: str, policy_version: int, batch_counter: int, dataset_size: int, count: int
-) -> list[int]:
+def assign_prompts(run_id: bytes, worker: str, batch_counter: int, dataset_size: int, count: int) -> list[int]:
     """The ``count`` distinct prompt indices (in draw order) owed by ``worker``.
 
     If ``count`` exceeds ``dataset_size`` every index is returned once.
@@ -52,7 +53,7 @@ def assign_prompts(
     if count <= 0:
         raise ValueError("count must be positive")
     count = min(count, dataset_size)
-    stream = _HashStream(assignment_seed(run_id, worker, policy_version, batch_counter))
+    stream = _HashStream(assignment_seed(run_id, worker, batch_counter))
     swapped: dict[int, int] = {}  # sparse Fisher-Yates over range(dataset_size)
     out = []
     for i in range(count):

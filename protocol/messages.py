@@ -313,8 +313,9 @@ class Sample(Message):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch(Message):
-    """A worker's signed batch: the prompts it owed at ``(policy_version, batch_counter)``,
-    ``group_size`` completions each, with proofs. Fetched by request, never gossiped.
+    """A worker's signed batch: the prompts it owed at ``batch_counter`` (its batches' number
+    in the run, one chain across versions), ``group_size`` completions each, generated with
+    ``policy_version``, with proofs. Fetched by request, never gossiped.
     """
 
     TYPE_ID: ClassVar[int] = 5

@@ -7,7 +7,6 @@ a batch and on how many batch slots a worker has; writing the comparison once ke
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import operator
@@ -54,38 +53,27 @@ def quorum_outcome(
     return Quorum.PENDING
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotRule:
-    """How fast a worker may use batch counters (genesis ``[config]``).
+def counter_gap(counter: int, head: int) -> int | None:
+    """The counter batch ``counter`` waits for, or None. ``head`` is the length of the run of
+    the worker's counters the ledger holds a batch for from 0 (0 .. head-1 all held, whatever
+    each batch's version or outcome).
 
-    A worker's batches for one policy version carry counters 0, 1, 2, ... in order (the
-    ledger admits counter ``c`` only once it holds counter ``c - 1`` of the same worker and
-    version: :func:`counter_gap`). How many it makes per version is not fixed: an honest
-    worker generates continuously while its policy is inside the ``max_async`` window, so
-    the bound is a production rate, one counter per ``min_batch_s`` since the version's
-    manifest was published, plus ``slack`` (clock skew between a validator and the
-    trainer's manifest timestamp, and the first batch)."""
-
-    min_batch_s: float
-    slack: int
-
-
-def counter_limit(rule: SlotRule, elapsed_ms: int) -> int:
-    """The number of batch counters (0 .. limit-1) a worker may have used for a version
-    published ``elapsed_ms`` ago: faster than one batch per ``min_batch_s`` is not a worker
-    generating, it is one claiming slots it did not work for."""
-    period_ms = max(1, int(rule.min_batch_s * 1000))
-    return 1 + rule.slack + max(0, elapsed_ms) // period_ms
+    A worker's batches form one chain over the run: counters 0, 1, 2, ... in order, each made
+    with any policy version inside the window, none skipped. A batch is trained only once
+    every lower counter was announced and fetched, so a worker that computes several batches
+    and announces only the best cannot have anything trained after the one it dropped, ever
+    (docs/security.md, "Choosing among slots"). Its prompts and seeds hash the counter alone
+    (``protocol.assign_prompts``, ``protocol.sample_seed``): computing one counter with two
+    versions is the only choice left, and it is between two policies on the same noise."""
+    return head if counter > head else None
 
 
-def counter_gap(counter: int, held: Collection[int]) -> int | None:
-    """The lowest counter below ``counter`` that is not in ``held`` (the counters of the same
-    worker and version the ledger holds a batch for); None when all of them are (counter 0
-    waits for nothing). Counters are used in order, so a worker that computes several batches
-    and announces only the best cannot have it trained unless it is the lowest of them:
-    skipping a counter leaves every later counter of that version waiting until it falls out
-    of the window (docs/security.md, "choosing among slots")."""
-    return next((c for c in range(counter) if c not in held), None)
+def version_regression(previous: int, version: int) -> bool:
+    """Whether a batch at ``version`` goes back behind the version of the worker's previous
+    counter (``previous``): a chain never does (the worker swaps a newer version in between
+    batches and never an older one), so a worker that holds several versions cannot go back
+    to an older one for a batch that looks better with it."""
+    return version < previous
 
 
 def agreeing_validators(rewards: Mapping[str, Sequence[float]], tolerance: float) -> frozenset[str]:

@@ -5,13 +5,15 @@ Version history: 1, the first network; 2, seeded Gumbel-max sampling (the sample
 seed hashes the member and the manifest root; ``SamplingParams.top_k``; the rules
 ``sampling``, ``termination``, ``counter``, ``slot``); 3, content-pinned runs and sparse
 deltas (``RunGenesis.model_root`` / ``dataset_hash``, ``CheckpointManifest.delta``,
-``ManifestRequest`` / ``ManifestResponse``)."""
+``ManifestRequest`` / ``ManifestResponse``); 4, one batch chain per worker (the batch
+counter numbers a worker's batches across the run; prompts and sample seeds hash the
+counter, not the version or its manifest root)."""
 
 from __future__ import annotations
 
 from .messages import BanNotice, CheckpointAnnounce, Heartbeat, RolloutAnnounce, Vote
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 TOPIC_TYPES = {
     "heartbeat": Heartbeat.TYPE_ID,

@@ -94,7 +94,7 @@ def addition_genesis(fields: dict, split: dict, **config):
 
 def test_heldout_problems_are_never_assigned(tmp_path):
     """The real assignment code (``owed_prompts``: what a worker produces and a validator
-    checks) over many workers, versions and counters reaches every training problem and no
+    checks) over many workers and counters reaches every training problem and no
     held-out one. Control: the same problems without the split are all reachable."""
     fields, split = addition_split()
     ctx = RunContext.from_genesis(addition_genesis(fields, split).genesis, tmp_path / "a")
@@ -106,11 +106,10 @@ def test_heldout_problems_are_never_assigned(tmp_path):
     workers = [w.peer_id for w in WORKERS] + [f"peer-{rng.getrandbits(64):x}" for _ in range(6)]
     seen: set[int] = set()
     for worker in workers:
-        for version in range(12):
-            for counter in range(4):
-                for i in owed_prompts(ctx, worker, version, counter):
-                    assert ctx.problems[i].prompt not in held
-                    seen.add(i)
+        for counter in range(48):
+            for i in owed_prompts(ctx, worker, counter):
+                assert ctx.problems[i].prompt not in held
+                seen.add(i)
     assert seen == set(range(64))  # the draw covered the whole training list
 
     total = 64 + split["heldout_size"]
@@ -119,9 +118,8 @@ def test_heldout_problems_are_never_assigned(tmp_path):
     reached = {
         control.problems[i].prompt
         for worker in workers
-        for version in range(12)
-        for counter in range(4)
-        for i in owed_prompts(control, worker, version, counter)
+        for counter in range(48)
+        for i in owed_prompts(control, worker, counter)
     }
     assert held <= reached
 

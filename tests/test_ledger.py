@@ -13,8 +13,8 @@ from node.util import now_ms
 V = ["val-a", "val-b", "val-c"]
 
 
-def ledger(tmp_path, quorum=2, max_async=2):
-    return Ledger(tmp_path / "node.db", V, quorum, max_async)
+def ledger(tmp_path, quorum=2, max_async=2, **kw):
+    return Ledger(tmp_path / "node.db", V, quorum, max_async, **kw)
 
 
 def test_admits_only_with_quorum_of_genesis_validators(tmp_path):
@@ -167,7 +167,7 @@ def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tm
     lg = Ledger(tmp_path / "node.db", V, 2, 1, max_unadmitted_rows=10, orphan_vote_ttl_s=60)
     for i in range(6):  # admitted batches at versions 0..5: one trained, one aged out, the rest waiting
         b = b"adm%d" % i
-        lg.record_batch(b, "w", i, 0, 1, b"A" * 50)
+        lg.record_batch(b, "w", i, i, 1, b"A" * 50)
         for v in V[:2]:
             lg.record_vote(b, v, True, "", [1.0], worker="w")
         assert lg.try_admit(b) == "admitted"
@@ -178,8 +178,8 @@ def test_prune_rejects_stale_pending_caps_metadata_and_never_touches_admitted(tm
         for v in V[:2]:
             lg.record_vote(b, v, False, "assignment", [], worker=f"fresh-{i}")
         assert lg.try_admit(b) == "rejected"
-    lg.record_batch(b"pend-old", "w", 1, 1, 1, b"P" * 50)
-    lg.record_batch(b"pend-new", "w", 5, 1, 1, b"P" * 50)
+    lg.record_batch(b"pend-old", "w", 1, 6, 1, b"P" * 50)
+    lg.record_batch(b"pend-new", "w", 5, 7, 1, b"P" * 50)
     lg.commit_checkpoint(step=5, policy_version=5)  # max_async 1: versions below 4 are stale
     assert lg.drop_stale() == 4  # adm0..adm3 admitted but never trained: aged out (they keep their bytes)
     now = now_ms()
@@ -552,22 +552,24 @@ def _accept(lg, batch_id, worker="w", n=1, reward=1.0):
 
 
 def test_counters_are_admitted_in_order_and_a_later_one_waits_for_the_gap(tmp_path):
-    """Counter c of a worker's version is admitted only once the ledger holds a batch at every
-    counter below it (protocol.rules.counter_gap): a worker that computes counters 0 and 1
-    and announces only 1 (its better one) gets nothing trained; announcing 0 unblocks 1."""
+    """A worker's counters form one chain over the run (protocol.rules.counter_gap): counter c
+    is admitted only once the ledger holds a batch at every lower counter of that worker,
+    whatever their versions. A worker that computes counters 0 and 1 and announces only 1
+    (its better one) gets nothing trained; announcing 0 unblocks 1."""
     lg = ledger(tmp_path)
     lg.record_batch(b"c1", "w", 0, 1, 1, b"env1")
     _accept(lg, b"c1")
     assert lg.try_admit(b"c1") == "pending"
-    assert lg.batch(b"c1").reason == "waiting for batch counter 0 of policy version 0"
+    assert lg.batch(b"c1").reason == "waiting for the worker's batch counter 0"
     assert lg.untrained() == []
-    # another worker's counter 0, or this worker's counter 0 of another version, is not the gap
+    # another worker's counter 0 is not the gap
     lg.record_batch(b"o0", "other", 0, 0, 1, b"envo")
-    lg.record_batch(b"v1", "w", 1, 0, 1, b"envv")
     assert lg.try_admit(b"c1") == "pending"
-    assert lg.waiting_after("w", 0, 0) == [b"c1"]
+    assert lg.waiting_after("w", 0) == [b"c1"]
+    assert (lg.chain_head("w"), lg.chain_head("other")) == (0, 1)
     # the gap is filled by a batch that is then rejected: used is used, in order is all the rule asks
     lg.record_batch(b"c0", "w", 0, 0, 1, b"env0")
+    assert lg.chain_head("w") == 2
     lg.record_vote(b"c0", "val-a", False, "reward", [], worker="w")
     lg.record_vote(b"c0", "val-b", False, "reward", [], worker="w")
     assert lg.try_admit(b"c0") == "rejected"
@@ -575,17 +577,62 @@ def test_counters_are_admitted_in_order_and_a_later_one_waits_for_the_gap(tmp_pa
     assert [b.batch_id for b in lg.untrained()] == [b"c1"]
 
 
-def test_a_skipped_counter_strands_every_later_one_of_that_version_until_it_is_stale(tmp_path):
-    """Skipping counter 1 forfeits 2 and 3 of the same version: they wait, then go stale; the
-    worker's next version starts again at 0 and is admitted."""
+def test_the_chain_crosses_versions_and_a_skipped_counter_strands_it_for_good(tmp_path):
+    """One chain per worker, not per version: counter 2 at version 1 follows counter 1 at
+    version 0. Skipping counter 3 strands every later counter, also at newer versions, also
+    once the skipped one would have been stale: a version change is no way out. Control: the
+    worker's counter 3 arrives late (stale, rejected) and the chain moves on."""
     lg = ledger(tmp_path, max_async=1)
-    for c in (0, 2, 3):
-        lg.record_batch(b"c%d" % c, "w", 0, c, 1, b"env")
+    for c, v in ((0, 0), (1, 0), (2, 1), (4, 1)):
+        lg.record_batch(b"c%d" % c, "w", v, c, 1, b"env")
         _accept(lg, b"c%d" % c)
-    assert [lg.try_admit(b"c%d" % c) for c in (0, 2, 3)] == ["admitted", "pending", "pending"]
-    assert lg.batch(b"c3").reason == "waiting for batch counter 1 of policy version 0"
+    assert [lg.try_admit(b"c%d" % c) for c in (0, 1, 2, 4)] == ["admitted"] * 3 + ["pending"]
+    assert lg.batch(b"c4").reason == "waiting for the worker's batch counter 3"
+    lg.commit_checkpoint(step=1, policy_version=2)
+    for c, v in ((5, 2), (6, 2)):
+        lg.record_batch(b"c%d" % c, "w", v, c, 1, b"env")
+        _accept(lg, b"c%d" % c)
+        assert lg.try_admit(b"c%d" % c) == "pending"
+    assert lg.batch(b"c6").reason == "waiting for the worker's batch counter 3"
+    # counter 3 (version 0) arrives now: stale, rejected, but held: 4, 5 and 6 are admitted
+    lg.record_batch(b"c3", "w", 0, 3, 1, b"env")
+    _accept(lg, b"c3")
+    assert lg.try_admit(b"c3") == "rejected" and "stale" in lg.batch(b"c3").reason
+    assert lg.waiting_after("w", 3) == [b"c4", b"c5", b"c6"]
+    assert [lg.try_admit(b"c%d" % c) for c in (4, 5, 6)] == ["admitted"] * 3
+    assert lg.chain_head("w") == 7
+
+
+def test_a_chain_never_goes_back_to_an_older_version(tmp_path):
+    """A worker holding versions 1 and 2 that made counter 4 with 2 cannot make counter 5
+    with 1 (a batch that looked better with the older policy): rejected, and the chain goes
+    on (the rejected batch is held). A second batch for a used counter, with another
+    version, is a duplicate slot."""
+    lg = ledger(tmp_path, max_async=2)
     lg.commit_checkpoint(step=2, policy_version=2)
-    assert [lg.try_admit(b"c%d" % c) for c in (2, 3)] == ["rejected", "rejected"]
-    lg.record_batch(b"n0", "w", 2, 0, 1, b"env")
-    _accept(lg, b"n0")
-    assert lg.try_admit(b"n0") == "admitted"
+    for bid, v, c in ((b"a", 1, 0), (b"b", 2, 1), (b"back", 1, 2), (b"next", 2, 3)):
+        lg.record_batch(bid, "w", v, c, 1, b"env")
+        _accept(lg, bid)
+    assert lg.try_admit(b"a") == "admitted" and lg.try_admit(b"b") == "admitted"
+    assert lg.try_admit(b"back") == "rejected"
+    assert "version regression" in lg.batch(b"back").reason
+    assert lg.try_admit(b"next") == "admitted"
+    lg.record_batch(b"again", "w", 1, 0, 1, b"env")  # counter 0 once more, another version
+    _accept(lg, b"again")
+    assert lg.try_admit(b"again") == "rejected" and "duplicate slot" in lg.batch(b"again").reason
+
+
+def test_the_chain_head_survives_retention_deleting_old_rows(tmp_path):
+    """Retention may delete rejected rows; the chain keeps its head, so later counters are
+    not stranded by a deleted row."""
+    lg = ledger(tmp_path, max_unadmitted_rows=1)
+    for c in range(3):
+        lg.record_batch(b"r%d" % c, "w", 0, c, 1, b"env")
+        lg.record_vote(b"r%d" % c, "val-a", False, "reward", [], worker="w")
+        lg.record_vote(b"r%d" % c, "val-b", False, "reward", [], worker="w")
+        assert lg.try_admit(b"r%d" % c) == "rejected"
+    assert lg.prune()["rows_deleted"] == 2
+    assert lg.chain_head("w") == 3
+    lg.record_batch(b"ok", "w", 0, 3, 1, b"env")
+    _accept(lg, b"ok")
+    assert lg.try_admit(b"ok") == "admitted"

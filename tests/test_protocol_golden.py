@@ -233,39 +233,42 @@ def test_pinned_envelope_opens():
 
 
 def test_fixed_assignment_seed():
-    seed = assignment_seed(RUN_ID, TRAINER_ID, 3, 7)
-    assert seed.hex() == "54dbe4f765022a014ee301d5bd8eb2008d6235dbf46c40f992a56eef6c5bc5bc"
+    """Protocol 4: the worker's batch counter alone (one chain over the run), no version."""
+    seed = assignment_seed(RUN_ID, TRAINER_ID, 7)
+    assert seed.hex() == "fa66711e3fd57bc99ea297d7e75ec116fba966c5f09ac1a01f6b8f337e937e15"
 
 
 @pytest.mark.parametrize(
-    "worker, version, counter, size, count, expected",
+    "worker, counter, size, count, expected",
     [
-        (TRAINER_ID, 3, 7, 1000, 8, [290, 976, 397, 265, 802, 553, 451, 803]),
-        (VALIDATOR_ID, 3, 7, 1000, 8, [904, 115, 642, 416, 90, 443, 147, 733]),
-        (TRAINER_ID, 0, 0, 5, 10, [3, 0, 2, 1, 4]),  # count > dataset: a permutation of all of it
+        (TRAINER_ID, 7, 1000, 8, [137, 5, 910, 277, 705, 831, 142, 556]),
+        (VALIDATOR_ID, 7, 1000, 8, [718, 49, 866, 327, 385, 908, 53, 30]),
+        (TRAINER_ID, 0, 5, 10, [0, 1, 3, 4, 2]),  # count > dataset: a permutation of all of it
     ],
     ids=["worker-a", "worker-b", "count-over-dataset"],
 )
-def test_fixed_inputs_give_fixed_prompts(worker, version, counter, size, count, expected):
-    assert assign_prompts(RUN_ID, worker, version, counter, size, count) == expected
+def test_fixed_inputs_give_fixed_prompts(worker, counter, size, count, expected):
+    assert assign_prompts(RUN_ID, worker, counter, size, count) == expected
 
 
 # ------------------------------------------------------------------ sample seeds
 
 
 @pytest.mark.parametrize(
-    "run_id, worker, version, counter, prompt_index, member, root, expected",
+    "run_id, worker, counter, prompt_index, member, expected",
     [
-        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 0, b"\x02" * 32, 1452858699267749763),
-        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 1, b"\x02" * 32, 8149341757765004815),
-        (b"\x01" * 32, "12D3KooWworker", 7, 3, 42, 0, b"\x03" * 32, 3794216918674568705),
-        (b"", "", 0, 0, 0, 0, b"", 5020637130966879035),
+        (b"\x01" * 32, "12D3KooWworker", 3, 42, 0, 3377041653643834038),
+        (b"\x01" * 32, "12D3KooWworker", 3, 42, 1, 5393011109364373478),
+        (b"\x01" * 32, "12D3KooWworker", 4, 42, 0, 8056624659961645016),
+        (b"", "", 0, 0, 0, 8370586266486320253),
     ],
-    ids=["typical", "next-member", "other-manifest-root", "empty"],
+    ids=["typical", "next-member", "next-counter", "empty"],
 )
-def test_fixed_inputs_give_fixed_sample_seed(run_id, worker, version, counter, prompt_index, member, root, expected):
-    """Protocol 2: the seed hashes the group member and the checkpoint's manifest root too."""
-    assert sample_seed(run_id, worker, version, counter, prompt_index, member, root) == expected
+def test_fixed_inputs_give_fixed_sample_seed(run_id, worker, counter, prompt_index, member, expected):
+    """Protocol 4: the seed hashes the run, worker, batch counter, prompt and group member;
+    not the policy version nor its manifest root (one seed per completion whatever version
+    makes it, so computing a counter with two versions draws the same noise twice)."""
+    assert sample_seed(run_id, worker, counter, prompt_index, member) == expected
 
 
 def test_fixed_seed_gives_fixed_gumbel_noise():
@@ -288,8 +291,8 @@ def test_fixed_seed_gives_fixed_gumbel_noise():
 # length prefix, then fixarray(2) [str8 topic, bin8 ENVELOPE]
 GOSSIP_FRAME = (
     bytes.fromhex(
-        "000000fe92d9252f7072696d656e6f64652f396261633532346434353730376237382f726f6c6c6f75742f33c4d4"
-    )  # .../rollout/3: protocol 3
+        "000000fe92d9252f7072696d656e6f64652f396261633532346434353730376237382f726f6c6c6f75742f34c4d4"
+    )  # .../rollout/4: protocol 4
     + ENVELOPE
 )
 # length prefix, then fixarray(2) [kind, fixarray(1) [bin8 ENVELOPE_ID]]
@@ -303,7 +306,7 @@ def test_fixed_gossip_message_frame():
     assert gossip.frame_header(len(body)) + body == GOSSIP_FRAME
     assert gossip.frame_size(GOSSIP_FRAME[:4]) == len(body)
     assert gossip.decode_frame(GOSSIP_FRAME[4:]) == gossip.GossipMessage(
-        "/primenode/9bac524d45707b78/rollout/3", ENVELOPE
+        "/primenode/9bac524d45707b78/rollout/4", ENVELOPE
     )
     assert gossip.message_id(ENVELOPE) == ENVELOPE_ID
 

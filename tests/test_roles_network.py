@@ -72,8 +72,10 @@ CHEAT_RULES = {
     # token off the seeded sample is an EOS (greedy stopped, or the seeded sample stops), the
     # replay names it "termination" (node/roles/rollouts.py), a chance per batch
     "greedy": {"sampling", "termination"},
-    "grind": {"counter"},  # skips batch counters looking for easy prompts
 }
+# "grind" skips batch counters looking for easy prompts: its batches are real work that
+# validators accept, but a worker's counters form one chain (protocol.rules.counter_gap),
+# so the trainer's ledger never trains one: they wait for counter 0 for good.
 
 
 def votes_on(trainer, batch_ids):
@@ -100,7 +102,9 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
                 w = WorkerRole(homes(tmp_path, f"cheat-{mode}"), ctx, tamper=mode)
                 cheats[mode] = (key.peer_id, w)
                 await net.start(hook=w, key=key)
-            banned_modes = ["weights", "tokens", "prompts", "version", "greedy", "grind"]
+            grinder = WorkerRole(homes(tmp_path, "cheat-grind"), ctx, tamper="grind")
+            await net.start(hook=grinder, key=NodeKey(bytes([0x40 + len(CHEAT_RULES)]) * 32))
+            banned_modes = ["weights", "tokens", "prompts", "version", "greedy"]
 
             def unbanned() -> dict[str, list[int]]:
                 """Each cheat some validator has not banned yet: its strikes at each validator."""
@@ -135,9 +139,16 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
                 poll=0.2,
                 what="the ban notices at the trainer",
             )
+
+            # the grinder's batches reach the ledger and wait there for the counter it skipped
+            def grinder_waits() -> bool:
+                recs = [trainer.ledger.batch(b) for b in grinder.batches]
+                return any(r is not None and r.reason == "waiting for the worker's batch counter 0" for r in recs)
+
+            await wait_until(grinder_waits, 120, poll=0.5, what="a grinder batch waiting for counter 0")
             # Banned cheats would keep generating for nobody, on the two cores the honest
             # nodes share: stop them, then training must go on.
-            for mode, (_pid, w) in cheats.items():
+            for mode, (_pid, w) in [*cheats.items(), ("grind", (None, grinder))]:
                 assert w.stats["batches_produced"] >= 1, mode
                 net.kill(w.node)
             await wait_until(lambda: trainer.version >= 3, 240, poll=0.5, what="three honest trainer steps")
@@ -150,7 +161,7 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
                 rules = {rule for *_, rule in votes}
                 assert rules <= CHEAT_RULES[mode] | {"stale"}, (mode, rules)
             # the validators' own books say the same
-            for rule in ("toploc", "prompts", "reward", "version", "sampling", "counter"):
+            for rule in ("toploc", "prompts", "reward", "version", "sampling"):
                 assert sum(v.reasons[rule] for v in validators) >= 1, (rule, [dict(v.reasons) for v in validators])
             assert all(v.verdicts["accept"] >= 1 for v in validators)  # honest batches still pass
             nursery.cancel_scope.cancel()

@@ -136,8 +136,8 @@ def test_best_of_n_groups(setup):
 def _find_slot(ctx, engine, want):
     """A (counter, prompt index, member, honest tokens) whose honest tokens satisfy ``want``."""
     for counter in range(3):
-        indices = owed_prompts(ctx, W, 0, counter)
-        for i, group in zip(indices, owed_seeds(ctx, W, policy(), counter, indices)):
+        indices = owed_prompts(ctx, W, counter)
+        for i, group in zip(indices, owed_seeds(ctx, W, counter, indices)):
             for m, seed in enumerate(group):
                 toks = generated(engine, ctx.sampling, ctx.prompt_tokens(i), seed)
                 if want(toks):
@@ -187,19 +187,19 @@ def test_running_past_the_sampled_eos(setup):
     assert not v.accept and v.rule == "termination" and "is EOS" in v.detail, v.reason
 
 
-def test_counter_grinding(setup):
-    """Counters past the run's production rate are refused; the slots grow with time since
-    the version was published (a worker idling for a new version may produce more)."""
+def test_one_counter_made_with_two_versions_draws_the_same_prompts_and_noise(setup):
+    """Protocol 4: a counter's prompts and seeds do not depend on the version that makes it
+    (nor on its manifest root), so computing one counter with two versions draws the same
+    noise twice: with equal weights the two batches are the same tokens, and each verifies
+    as its own version. What a chooser can pick between is only where the policies differ."""
     ctx, engine = setup
-    rule = ctx.slot_rule
-    first_out = 1 + rule.slack
-    v = check(ctx, engine, produce_batch(ctx, engine, W, policy(), first_out))
-    assert not v.accept and v.rule == "counter", v.reason
-    assert check(ctx, engine, produce_batch(ctx, engine, W, policy(), first_out - 1)).accept
-    later = policy(published_ms=now_ms() - int(rule.min_batch_s * 1000) - 1000)  # more than one batch time ago
-    assert check(ctx, engine, produce_batch(ctx, engine, W, later, first_out), pol=later).accept
-    far = produce_batch(ctx, engine, W, later, 50)
-    assert check(ctx, engine, far, pol=later).rule == "counter"
+    old, new = policy(version=0, root=ROOT), policy(version=1, root=b"\x01" * 32)
+    a, b = produce_batch(ctx, engine, W, old, 3), produce_batch(ctx, engine, W, new, 3)
+    assert [s.prompt_index for s in a.samples] == [s.prompt_index for s in b.samples]
+    assert [s.completion for s in a.samples] == [s.completion for s in b.samples]
+    assert check(ctx, engine, a, pol=old).accept and check(ctx, engine, b, pol=new).accept
+    other = produce_batch(ctx, engine, W, old, 4)  # the next counter: other prompts, other noise
+    assert [s.prompt_index for s in other.samples] != [s.prompt_index for s in a.samples]
 
 
 def test_relabelled_theft_of_another_workers_completions(setup):
@@ -207,7 +207,7 @@ def test_relabelled_theft_of_another_workers_completions(setup):
     ctx, engine = setup
 
     def stolen(i, m, prompt, seed):
-        w_seed = owed_seeds(ctx, W, policy(), 0, [i])[0][m]  # what W owed for this prompt and member
+        w_seed = owed_seeds(ctx, W, 0, [i])[0][m]  # what W owed for this prompt and member
         return generated(engine, ctx.sampling, prompt, w_seed)
 
     v = check(ctx, engine, forged_batch(ctx, engine, THIEF, policy(), 0, stolen), worker=THIEF)
@@ -216,26 +216,16 @@ def test_relabelled_theft_of_another_workers_completions(setup):
 
 
 def test_self_replay_of_earlier_completions(setup):
-    """W resubmits its own completions of a prompt from an earlier slot or version."""
+    """W resubmits its own completions of a prompt from an earlier counter (whatever version)."""
     ctx, engine = setup
-    for earlier in (policy(version=0), policy(version=0, root=b"\x01" * 32)):
 
-        def replayed(i, m, prompt, seed, earlier=earlier):
-            old_seed = owed_seeds(ctx, W, earlier, 0, [i])[0][m]
-            return generated(engine, ctx.sampling, prompt, old_seed)
+    def replayed(i, m, prompt, seed):
+        old_seed = owed_seeds(ctx, W, 0, [i])[0][m]
+        return generated(engine, ctx.sampling, prompt, old_seed)
 
-        v = check(ctx, engine, forged_batch(ctx, engine, W, policy(), 1, replayed))
+    for now in (policy(), policy(version=1, root=b"\x01" * 32)):
+        v = check(ctx, engine, forged_batch(ctx, engine, W, now, 1, replayed), pol=now)
         assert not v.accept and v.rule in REPLAY, v.reason
-
-
-def test_precomputing_before_the_manifest_is_published(setup):
-    """The seed includes the manifest root: guessing it (zeros) gives the wrong samples."""
-    ctx, engine = setup
-    guessed = policy(root=bytes(32))
-    batch = produce_batch(ctx, engine, W, guessed, 0)
-    assert check(ctx, engine, batch, pol=guessed).accept  # had the root been zeros, fine
-    v = check(ctx, engine, batch)  # but the published root is ROOT
-    assert not v.accept and v.rule in REPLAY, v.reason
 
 
 def test_a_seed_field_that_lies(setup):

@@ -179,8 +179,10 @@ async def test_held_batches_are_announced_again_while_in_the_window(tmp_path, au
     ``reannounce_s``, ``REANNOUNCES`` times. After that, and for a decided batch from the
     start, every ``KEEPALIVE_S``: a trainer that restarted may never have recorded a batch
     the validators decided, and its later counters wait for it. Once the version falls out
-    of the window, never again."""
-    from node.roles.worker import KEEPALIVE_S, REANNOUNCES, _Announced
+    of the window, a batch the trainer fetched is never announced again; one it did not is
+    announced every ``KEEPALIVE_S``, ``STALE_KEEPALIVES`` times (the trainer records a stale
+    batch too, and the worker's chain waits for that), then dropped."""
+    from node.roles.worker import KEEPALIVE_S, REANNOUNCES, STALE_KEEPALIVES, _Announced
     from protocol import RolloutAnnounce
 
     w = make_worker(tmp_path, tiny_genesis())
@@ -199,13 +201,14 @@ async def test_held_batches_are_announced_again_while_in_the_window(tmp_path, au
         w._my_batches.add(b)
     for v in VALIDATORS:  # a quorum accepts one of them
         w._on_vote(vote(decided, v, True))
+    w.trainer_fetched.add(decided)  # ... and the trainer fetched it
     horizon = w.reannounce_s * REANNOUNCES + 3 * KEEPALIVE_S
     async with trio.open_nursery() as nursery:
         nursery.start_soon(w._reannounce_loop)
-        await trio.sleep(horizon)
+        await trio.sleep(horizon + 1)  # (off the loop's beat: the announce at the horizon is in the window)
         # version 3 arrives: version 0 falls out of the max_async (2) window
         w.store.versions[3] = None
-        await trio.sleep(3 * KEEPALIVE_S)
+        await trio.sleep((STALE_KEEPALIVES + 3) * KEEPALIVE_S)
         nursery.cancel_scope.cancel()
     times = {b: [t - start for bb, t in published if bb == b] for b in (undecided, decided)}
     fast = times[undecided][:REANNOUNCES]
@@ -213,7 +216,9 @@ async def test_held_batches_are_announced_again_while_in_the_window(tmp_path, au
     slow = {undecided: times[undecided][REANNOUNCES - 1 :], decided: [0.0, *times[decided]]}
     for b, ts in slow.items():
         assert all(t2 - t1 >= KEEPALIVE_S for t1, t2 in itertools.pairwise(ts)), (b[0], times[b])
-        assert max(times[b]) <= horizon + w.reannounce_s / 4  # nothing once the version is stale
+    assert max(times[decided]) <= horizon + w.reannounce_s / 4  # fetched by the trainer: nothing once stale
+    late = [t for t in times[undecided] if t > horizon + 1]
+    assert len(late) == STALE_KEEPALIVES, times[undecided]  # not fetched: kept up while stale, then dropped
     assert times[decided][0] >= KEEPALIVE_S  # a decided batch waits the longer period
     assert len(times[decided]) >= 2 and len(times[undecided]) >= REANNOUNCES + 2
     assert w.stats["reannounced"] == REANNOUNCES and not w._announced
@@ -360,3 +365,62 @@ def test_status_says_how_busy_the_worker_was_and_where_the_rest_went(tmp_path):
     for r in render_role_state("worker", st):
         Console(file=out, width=200, color_system=None).print(r)
     assert "utilization" in out.getvalue() and "time spent" in out.getvalue() and "generate 72 s" in out.getvalue()
+
+
+async def test_a_restarted_worker_resumes_its_chain_and_announces_what_it_kept(tmp_path, autojump_clock):
+    """Every batch is written to the home before it is announced: a worker started again on
+    the same home continues at the counter after its last batch (a counter used twice would
+    be a duplicate slot; one skipped would strand every later batch at the trainer), holds
+    its kept batches again (served on request) and announces them at once. A batch signed
+    by another key in the directory is skipped. Control: a fresh home starts at counter 0."""
+    from protocol import RolloutBatch, Sample, SamplingParams, SequenceCounter, seal
+
+    genesis = tiny_genesis()
+    key = WORKERS[0]
+    w = make_worker(tmp_path, genesis)
+    published: list = []
+
+    async def publish(msg) -> None:
+        published.append(msg)
+
+    def fake_node():
+        return types.SimpleNamespace(
+            peer_id=key.peer_id, key=key, seq=SequenceCounter(1), gossip=types.SimpleNamespace(publish=publish)
+        )
+
+    def batch(counter: int, version: int, worker: str = key.peer_id) -> RolloutBatch:
+        return RolloutBatch(
+            run_id=genesis.genesis.run_id,
+            worker=worker,
+            policy_version=version,
+            batch_counter=counter,
+            sampling=SamplingParams(),
+            samples=(Sample(prompt_index=0, completion=b"\x01\x00\x00\x00", seed=1, proof=b"", claimed_reward=0.0),),
+            created_ms=1,
+        )
+
+    w.node = fake_node()
+    w._restore_chain(key.peer_id)
+    assert w.next_counter == 0  # the control: nothing kept yet
+    for version in (0, 0, 1):
+        await w._publish(batch(w._take_counter(), version))
+    assert [a.batch_counter for a in published] == [0, 1, 2] and w.next_counter == 3
+    kept = dict(w.batches)
+    # a foreign batch in the directory (a copied home, a bug) is not ours to announce
+    other = WORKERS[1]
+    (w.batch_dir / "0000000099.batch").write_bytes(
+        seal(other, genesis.genesis.run_id, batch(99, 1, other.peer_id), 1, 1)
+    )
+
+    again = make_worker(tmp_path, genesis)  # the same home: the process restarted
+    again.node = fake_node()
+    again._restore_chain(key.peer_id)
+    assert again.next_counter == 3
+    assert dict(again.batches) == kept
+    assert {a.announce.batch_counter for a in again._announced.values()} == {0, 1, 2}
+    served = again._serve_batch(types.SimpleNamespace(body=types.SimpleNamespace(batch_id=next(iter(kept)))), "x")
+    assert served.found
+    published.clear()
+    with trio.move_on_after(again.reannounce_s):
+        await again._reannounce_loop()
+    assert sorted(a.batch_counter for a in published) == [0, 1, 2]  # announced at once after the restart

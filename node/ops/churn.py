@@ -47,7 +47,7 @@ class LedgerAudit:
                 rows = con.execute("SELECT batch_id, status, reason, trained_step FROM batches").fetchall()
                 dups = con.execute(
                     "SELECT COUNT(*) FROM (SELECT 1 FROM batches WHERE status = 'admitted' "
-                    "GROUP BY worker, policy_version, batch_counter HAVING COUNT(*) > 1)"
+                    "GROUP BY worker, batch_counter HAVING COUNT(*) > 1)"
                 ).fetchone()[0]
             finally:
                 con.close()
@@ -55,6 +55,21 @@ class LedgerAudit:
             return None  # e.g. the database is being created; try again next sample
         self.duplicate_slots = max(self.duplicate_slots, dups)
         return {b: (s, r, t) for b, s, r, t in rows}
+
+    def counters(self, worker: str) -> list[tuple[int, str, str]]:
+        """(batch counter, status, reason) of every batch of ``worker`` the ledger holds, in
+        counter order: its chain as the trainer sees it ([] when the ledger cannot be read)."""
+        try:
+            con = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
+            try:
+                return con.execute(
+                    "SELECT batch_counter, status, reason FROM batches WHERE worker = ? ORDER BY batch_counter",
+                    (worker,),
+                ).fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            return []
 
     def sample(self) -> bool:
         """Read the ledger once; returns False if it could not be read."""

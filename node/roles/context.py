@@ -20,7 +20,6 @@ from node.errors import ConfigError, ModelError, RoleError
 from node.genesis_file import genesis_config
 from proofs import ProofConfig
 from protocol import RunGenesis, SamplingParams
-from protocol.rules import SlotRule
 
 log = logging.getLogger(__name__)
 
@@ -171,23 +170,6 @@ def engine_dtype_for(config: dict[str, Any]) -> str:
     return policy
 
 
-def slot_rule_for(config: dict[str, Any]) -> SlotRule:
-    """The validators' bound on batch counters: one per ``worker_min_batch_s`` seconds
-    (default 1.0) since the version was published, plus ``counter_slack`` (default 1)."""
-    try:
-        rule = SlotRule(
-            min_batch_s=float(config.get("worker_min_batch_s", 1.0)),
-            slack=int(config.get("counter_slack", 1)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"genesis batch slot settings: {exc}") from None
-    if not rule.min_batch_s > 0 or rule.slack < 0:
-        raise ConfigError(
-            f"genesis batch slot settings out of range: {rule} (worker_min_batch_s must be > 0, counter_slack >= 0)"
-        )
-    return rule
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerPace:
     """How much a worker generates per version: by default (``batches_per_version`` 0) without
@@ -195,7 +177,7 @@ class WorkerPace:
     A run may cap it (genesis ``worker_batches_per_version`` N: N batches per version, then
     one more per ``worker_idle_s`` without a newer version), which makes the devnet
     lock-step when N is 1 and keeps small test networks light. A worker-side choice only:
-    validators bound counters by :class:`SlotRule` either way."""
+    nobody else checks it (a worker's counters form one chain whatever its pace)."""
 
     batches_per_version: int
     idle_s: float
@@ -243,7 +225,6 @@ class RunContext:
         problems, heldout = run_problems(genesis, config)
         proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
         replay_config_for(config)
-        slot_rule_for(config)
         worker_pace_for(config)
         policy_dtype_for(config)
         ctx = cls(genesis, config, problems, None, Path(cache_dir), heldout=heldout)
@@ -372,10 +353,6 @@ class RunContext:
     @property
     def replay_config(self) -> ReplayConfig:
         return replay_config_for(self.config)
-
-    @property
-    def slot_rule(self) -> SlotRule:
-        return slot_rule_for(self.config)
 
     @property
     def worker_pace(self) -> WorkerPace:

@@ -14,10 +14,13 @@ longer complete an agreeing quorum (at the latest when every genesis validator
 has voted), it is rejected. A vote is on one announce, (worker, batch id), and
 counts only where that worker signed the batch (protocol/batches.py): a vote on
 another peer's announce of the same id (a thief's copy, rejected) is about a batch
-that does not exist. Each (worker, policy version, batch counter) slot is
-admitted at most once, so a worker cannot get the same owed prompts counted
-twice. Rewards come from the agreeing validators (median per sample), never from
-the worker.
+that does not exist. Each (worker, batch counter) slot is admitted at most once,
+so a worker cannot get the same owed prompts counted twice. A worker's counters
+form one chain over the run (``protocol.rules.counter_gap``): a batch is admitted
+only once the ledger holds a batch at every lower counter of its worker (the
+``chains`` table keeps each worker's held prefix, so retention never breaks it),
+and never at a version older than its previous counter's. Rewards come from the
+agreeing validators (median per sample), never from the worker.
 
 Retention (identities are free, so batches from announcers nobody vouches for
 must not fill the disk). Nothing admitted is ever deleted, and an
@@ -52,7 +55,15 @@ from pathlib import Path
 import msgpack
 
 from node.util import now_ms
-from protocol.rules import Quorum, agreeing_validators, counter_gap, is_stale, quorum_outcome, window_floor
+from protocol.rules import (
+    Quorum,
+    agreeing_validators,
+    counter_gap,
+    is_stale,
+    quorum_outcome,
+    version_regression,
+    window_floor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +98,14 @@ CREATE TABLE IF NOT EXISTS batches (
     admitted_ms INTEGER,
     trained_step INTEGER                       -- step that consumed it (NULL = not yet)
 );
-CREATE UNIQUE INDEX IF NOT EXISTS admitted_slot
-    ON batches(worker, policy_version, batch_counter) WHERE status = 'admitted';
+CREATE UNIQUE INDEX IF NOT EXISTS admitted_chain_slot
+    ON batches(worker, batch_counter) WHERE status = 'admitted';
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches(status);
-CREATE INDEX IF NOT EXISTS batches_by_slot ON batches(worker, policy_version, batch_counter);
+CREATE INDEX IF NOT EXISTS batches_by_chain_slot ON batches(worker, batch_counter);
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- per worker: counters 0 .. head-1 all have a batch row (or had: retention may delete a
+-- rejected row, never the fact that its counter was used)
+CREATE TABLE IF NOT EXISTS chains (worker TEXT PRIMARY KEY, head INTEGER NOT NULL);
 """
 SCHEMA += VOTES_TABLE + ";\n" + VOTES_INDEX + ";\n"
 
@@ -246,12 +260,32 @@ class Ledger:
                 "ELSE batches.envelope END WHERE batches.worker = excluded.worker",
                 (batch_id, worker, policy_version, batch_counter, num_samples, envelope),
             )
+            self._advance_chain(worker)
             if envelope is not None:
                 self._evict_pending(keep=batch_id)
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
+
+    def _advance_chain(self, worker: str) -> None:
+        """Move ``worker``'s chain head past every counter now held (inside the caller's transaction)."""
+        row = self.db.execute("SELECT head FROM chains WHERE worker = ?", (worker,)).fetchone()
+        head = start = row[0] if row else 0
+        while self.db.execute(
+            "SELECT 1 FROM batches WHERE worker = ? AND batch_counter = ? LIMIT 1", (worker, head)
+        ).fetchone():
+            head += 1
+        if head != start:
+            self.db.execute(
+                "INSERT INTO chains(worker, head) VALUES(?, ?) ON CONFLICT(worker) DO UPDATE SET head = excluded.head",
+                (worker, head),
+            )
+
+    def chain_head(self, worker: str) -> int:
+        """How many of ``worker``'s counters, from 0, the ledger holds a batch for."""
+        row = self.db.execute("SELECT head FROM chains WHERE worker = ?", (worker,)).fetchone()
+        return row[0] if row else 0
 
     def _evict_pending(self, keep: bytes) -> None:
         """Drop envelopes of pending batches (not ``keep``) until the caps hold: batches no
@@ -361,12 +395,19 @@ class Ledger:
             return self._disagreement(
                 batch_id, n, accepted, agreeing, outcome, self.validators - {v for v, _, _ in votes}
             )
-        gap = counter_gap(counter, self.counters_held(worker, version, below=counter))
+        gap = counter_gap(counter, self.chain_head(worker))
         if gap is not None:
-            # counters are used in order (protocol.rules.counter_gap): a later counter waits for
-            # the worker's batch at the gap, and is decided again when that batch is recorded
-            self._note_pending(batch_id, f"waiting for batch counter {gap} of policy version {version}")
+            # one chain per worker (protocol.rules.counter_gap): a later counter waits for the
+            # worker's batch at the gap, and is decided again when that batch is recorded
+            self._note_pending(batch_id, f"waiting for the worker's batch counter {gap}")
             return "pending"
+        previous = self._previous_version(worker, counter)
+        if previous is not None and version_regression(previous, version):
+            return self._reject(
+                batch_id,
+                f"version regression: batch counter {counter} at policy version {version}, "
+                f"counter {counter - 1} at {previous} (a worker's chain never goes back to an older version)",
+            )
         if envelope is None:
             return "pending"
         rewards = [statistics.median(col) for col in zip(*(accepted[v] for v in sorted(agreeing)))]
@@ -374,16 +415,16 @@ class Ledger:
         try:
             # the slot is taken by a batch admitted before (also one that aged out untrained since)
             holder = self.db.execute(
-                f"SELECT batch_id FROM batches WHERE worker = ? AND policy_version = ? AND batch_counter = ? "
+                f"SELECT batch_id FROM batches WHERE worker = ? AND batch_counter = ? "
                 f"AND batch_id != ? AND {_EVER_ADMITTED} LIMIT 1",
-                (worker, version, counter, batch_id),
+                (worker, counter, batch_id),
             ).fetchone()
             if holder:
                 self.db.execute(
                     "UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
                     (
-                        f"duplicate slot: batch {holder[0].hex()} holds this worker's slot "
-                        f"(policy version {version}, batch counter {counter}) and was admitted",
+                        f"duplicate slot: batch {holder[0].hex()} holds this worker's batch counter "
+                        f"{counter} and was admitted",
                         batch_id,
                     ),
                 )
@@ -399,23 +440,24 @@ class Ledger:
             raise
         return "admitted"
 
-    def counters_held(self, worker: str, version: int, *, below: int) -> set[int]:
-        """The batch counters below ``below`` of ``worker`` at ``version`` the ledger holds a row
-        for, whatever its status: a recorded batch was announced and fetched, which is all
-        the in-order rule asks (a rejected one is as used as an admitted one)."""
-        rows = self.db.execute(
-            "SELECT DISTINCT batch_counter FROM batches WHERE worker = ? AND policy_version = ? AND batch_counter < ?",
-            (worker, version, below),
-        )
-        return {c for (c,) in rows}
+    def _previous_version(self, worker: str, counter: int) -> int | None:
+        """The newest version of ``worker``'s batches at ``counter - 1`` (None: counter 0, or
+        that row was deleted by retention)."""
+        if counter == 0:
+            return None
+        row = self.db.execute(
+            "SELECT MAX(policy_version) FROM batches WHERE worker = ? AND batch_counter = ?", (worker, counter - 1)
+        ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
 
-    def waiting_after(self, worker: str, version: int, counter: int) -> list[bytes]:
-        """Pending batches of ``worker`` at ``version`` with a counter above ``counter``, lowest
-        first: the ones a newly recorded batch at ``counter`` may unblock."""
+    def waiting_after(self, worker: str, counter: int) -> list[bytes]:
+        """Pending batches of ``worker`` with a counter above ``counter``, lowest first: the
+        ones a newly recorded batch at ``counter`` may unblock (a held counter is held whatever
+        the batch's outcome: it was announced and fetched, which is all the chain asks)."""
         rows = self.db.execute(
-            "SELECT batch_id FROM batches WHERE worker = ? AND policy_version = ? AND batch_counter > ? "
+            "SELECT batch_id FROM batches WHERE worker = ? AND batch_counter > ? "
             "AND status = 'pending' ORDER BY batch_counter",
-            (worker, version, counter),
+            (worker, counter),
         )
         return [b for (b,) in rows]
 

@@ -8,27 +8,25 @@ the first rule that failed in its vote. The rules that need no model run first,
 so a malformed batch costs no prefill:
 
 1. ``run``, ``worker``, ``sampling``: run, worker and sampling parameters are the run's;
-2. ``counter``: the batch counter is inside the slots the run's production rate
-   allows for that version so far (``protocol.rules.counter_limit``);
-3. ``prompts``: the prompts are exactly the ones the deterministic assignment owed
-   the worker at (policy version, batch counter), each ``group_size`` times;
-4. ``tokens``: every completion is well-formed (token ids below the model's output
+2. ``prompts``: the prompts are exactly the ones the deterministic assignment owed
+   the worker at its batch counter, each ``group_size`` times;
+3. ``tokens``: every completion is well-formed (token ids below the model's output
    rows, length within ``max_tokens``);
-5. ``termination``: a completion ends at its first EOS or at ``max_tokens``;
-6. ``proof``: each sample carries exactly the proof bytes its shape implies.
+4. ``termination``: a completion ends at its first EOS or at ``max_tokens``;
+5. ``proof``: each sample carries exactly the proof bytes its shape implies.
 
 Then, one prompt's group at a time (a prefill of the group, stopping at the first
 sample that fails):
 
-7. ``toploc``: every TOPLOC proof verifies against the validator's own prefill of
+6. ``toploc``: every TOPLOC proof verifies against the validator's own prefill of
    prompt + claimed tokens with the weights of the claimed policy version, under
    the run's thresholds (``RunContext.proof_config``);
-8. ``sampling`` / ``termination``: every token is the seeded Gumbel-max sample
+7. ``sampling`` / ``termination``: every token is the seeded Gumbel-max sample
    (``proofs.sampling``) of the validator's own logits, with the seed the validator
    derives itself (``protocol.sample_seed``: never the batch's ``seed`` field), up to
    the run's ``delta`` and near-tie budget (``RunContext.replay_config``); a
    mismatch at an EOS (claimed or owed) is a ``termination`` failure;
-9. ``reward``: the rewards the worker claims equal the rules' rewards (a reward
+8. ``reward``: the rewards the worker claims equal the rules' rewards (a reward
    whose computation timed out is not deterministic and is not held against it).
 """
 
@@ -46,7 +44,6 @@ from node.util import now_ms
 from proofs import ProofConfig, ProofError, build_many, verify_sequence
 from proofs.sampling import ReplayResult, completion_logits, replay_many
 from protocol import RolloutBatch, Sample, assign_prompts, expected_chunks, sample_seed, split_proofs
-from protocol.rules import counter_limit
 
 PROOF = ProofConfig()  # chunking (the wire format); the thresholds come from the run (ctx.proof_config)
 REWARD_TOLERANCE = 1e-6
@@ -82,20 +79,16 @@ class PolicyFacts:
         return cls(int(manifest.version), bytes(manifest.root), int(manifest.created_ms))
 
 
-def owed_prompts(ctx: RunContext, worker: str, version: int, counter: int) -> list[int]:
+def owed_prompts(ctx: RunContext, worker: str, counter: int) -> list[int]:
+    """The prompt indices ``worker`` owes at batch ``counter`` (whatever version makes it)."""
     g = ctx.genesis
-    return assign_prompts(g.run_id, worker, version, counter, g.dataset_size, g.prompts_per_batch)
+    return assign_prompts(g.run_id, worker, counter, g.dataset_size, g.prompts_per_batch)
 
 
-def owed_seeds(
-    ctx: RunContext, worker: str, policy: PolicyFacts, counter: int, indices: Sequence[int]
-) -> list[list[int]]:
-    """The seed of every completion a batch owes: ``[prompt][member]``."""
+def owed_seeds(ctx: RunContext, worker: str, counter: int, indices: Sequence[int]) -> list[list[int]]:
+    """The seed of every completion a batch owes: ``[prompt][member]`` (whatever version makes it)."""
     g = ctx.genesis
-    return [
-        [sample_seed(g.run_id, worker, policy.version, counter, i, m, policy.root) for m in range(g.group_size)]
-        for i in indices
-    ]
+    return [[sample_seed(g.run_id, worker, counter, i, m) for m in range(g.group_size)] for i in indices]
 
 
 def produce_batch(
@@ -112,8 +105,8 @@ def produce_batch(
     (answer other prompts), "rewards" (claim reward 1), "greedy" (decode at temperature 0
     and claim the run's temperature); "weights" is applied to the engine by the caller."""
     g = ctx.genesis
-    indices = owed_prompts(ctx, worker, policy.version, counter)
-    seeds = owed_seeds(ctx, worker, policy, counter, indices)
+    indices = owed_prompts(ctx, worker, counter)
+    seeds = owed_seeds(ctx, worker, counter, indices)
     if tamper == "prompts":  # answer prompts it was not assigned
         indices = [(i + 1) % g.dataset_size for i in indices]
     prompts = [ctx.prompt_tokens(i) for i in indices]
@@ -202,9 +195,8 @@ def check_batch_rules(
     vocab_size: int,
     eos_ids: Collection[int],
     hidden_size: int | None = None,
-    now: int | None = None,
 ) -> BatchVerdict | None:
-    """The rules that need no model (1-6 of the module docstring). Returns None or the
+    """The rules that need no model (1-5 of the module docstring). Returns None or the
     rejection. ``hidden_size`` None skips the proof-size rule (the caller has no model)."""
     g = ctx.genesis
     if batch.run_id != g.run_id:
@@ -215,19 +207,11 @@ def check_batch_rules(
         return BatchVerdict.reject("sampling", f"parameters {batch.sampling} differ from the run's {ctx.sampling}")
     if batch.policy_version != policy.version:
         raise ValueError(f"policy facts of version {policy.version} for a batch of version {batch.policy_version}")
-    elapsed = (now_ms() if now is None else now) - policy.published_ms
-    limit = counter_limit(ctx.slot_rule, elapsed)
-    if batch.batch_counter >= limit:
-        return BatchVerdict.reject(
-            "counter",
-            f"batch counter {batch.batch_counter} of version {policy.version}: only {limit} slots "
-            f"{max(0, elapsed) // 1000} s after it was published",
-        )
-    owed = owed_prompts(ctx, batch.worker, batch.policy_version, batch.batch_counter)
+    owed = owed_prompts(ctx, batch.worker, batch.batch_counter)
     expected = [i for i in owed for _ in range(g.group_size)]
     got = [s.prompt_index for s in batch.samples]
     if got != expected:
-        return BatchVerdict.reject("prompts", "not the prompts owed at this version and counter")
+        return BatchVerdict.reject("prompts", "not the prompts owed at this batch counter")
     max_tokens = ctx.sampling.max_tokens
     for k, s in enumerate(batch.samples):
         toks = s.token_ids()
@@ -256,14 +240,13 @@ def verify_batch(
     announcer: str,
     policy: PolicyFacts,
     *,
-    now: int | None = None,
     replay_sampling: bool = True,
     on_replay: Callable[[int, ReplayResult], None] | None = None,
 ) -> BatchVerdict:
     """All the rules. ``engine`` holds the weights of ``batch.policy_version``; ``policy``
     is that version's manifest facts. One prompt's group is prefilled at a time and the
     check stops at the first sample that fails, so a bad batch costs at most one group.
-    ``replay_sampling`` False skips rule 8 (only bench/verify.py's baseline does);
+    ``replay_sampling`` False skips rule 7 (only bench/verify.py's baseline does);
     ``on_replay(sample index, result)`` sees every replay (the bench's gap statistics)."""
     t0 = time.perf_counter()
 
@@ -274,14 +257,14 @@ def verify_batch(
     eos_ids = engine.eos_token_ids
     hidden_size = int(lm_head.shape[1])
     broken = check_batch_rules(
-        ctx, batch, announcer, policy, vocab_size=engine.vocab_size, eos_ids=eos_ids, hidden_size=hidden_size, now=now
+        ctx, batch, announcer, policy, vocab_size=engine.vocab_size, eos_ids=eos_ids, hidden_size=hidden_size
     )
     if broken is not None:
         return dataclasses.replace(broken, seconds=time.perf_counter() - t0)
     g = ctx.genesis
     config, replay_config, params = ctx.proof_config, ctx.replay_config, ctx.sampling
     indices = [s.prompt_index for s in batch.samples[:: g.group_size]]
-    seeds = [seed for group in owed_seeds(ctx, batch.worker, policy, batch.batch_counter, indices) for seed in group]
+    seeds = [seed for group in owed_seeds(ctx, batch.worker, batch.batch_counter, indices) for seed in group]
     for start in range(0, len(batch.samples), g.group_size):
         members = list(range(start, start + g.group_size))
         pairs = [(ctx.prompt_tokens(batch.samples[k].prompt_index), batch.samples[k].token_ids()) for k in members]

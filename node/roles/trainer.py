@@ -430,8 +430,8 @@ class TrainerRole(LearningRole):
                 ann.batch_id, env.sender, ann.policy_version, ann.batch_counter, ann.num_samples, raw
             )
             self._decide(ann.batch_id)
-            # later counters of the same worker and version waited for this one (in order)
-            for later in self.ledger.waiting_after(env.sender, ann.policy_version, ann.batch_counter):
+            # later counters of the same worker waited for this one (one chain per worker)
+            for later in self.ledger.waiting_after(env.sender, ann.batch_counter):
                 self._decide(later)
             return
         self.fetch_failures += 1

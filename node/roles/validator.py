@@ -40,13 +40,12 @@ CHEATING_RULES = {
     "reward",
     "worker",
     "sampling",
-    "counter",
     "slot",
     "run",
     "version",
 }
-# Accepted slots (worker, version, batch counter) remembered, so a second batch for one slot
-# is refused: a slot is worth one batch, not a choice among several.
+# Accepted slots (worker, batch counter) remembered, so a second batch for one slot (the same
+# counter made with another version, say) is refused: a slot is worth one batch, not a choice.
 MAX_SLOTS = 100_000
 # Announces queued for a fetch, remembered (worker, batch id) so a repeat is not fetched again.
 MAX_SEEN = 10_000
@@ -82,7 +81,7 @@ class ValidatorRole(EngineRole):
         self._seen: collections.OrderedDict[BatchKey, None] = collections.OrderedDict()
         self._signers: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.stolen_announces = 0  # announces of a batch another peer signed, refused unfetched
-        self._slots: collections.OrderedDict[tuple[str, int, int], bytes] = collections.OrderedDict()
+        self._slots: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
         self._parking = trio.Semaphore(MAX_PARKED)
         self._nursery: trio.Nursery | None = None
 
@@ -185,11 +184,10 @@ class ValidatorRole(EngineRole):
 
     def _slot_verdict(self, env: Envelope, batch: RolloutBatch) -> BatchVerdict | None:
         """The "slot" rejection when another batch was accepted for this batch's slot."""
-        v = batch.policy_version
-        used = self._slots.get((batch.worker, v, batch.batch_counter))
+        used = self._slots.get((batch.worker, batch.batch_counter))
         if used is not None and used != env.body.batch_id:
             return BatchVerdict.reject(
-                "slot", f"version {v} counter {batch.batch_counter} was used by batch {used.hex()[:12]}"
+                "slot", f"batch counter {batch.batch_counter} was used by batch {used.hex()[:12]}"
             )
         return None
 
@@ -267,7 +265,7 @@ class ValidatorRole(EngineRole):
             if not self.weights.held(v):
                 self.verdicts["unverifiable"] += 1  # collected since it was queued
                 continue
-            slot = (batch.worker, v, batch.batch_counter)
+            slot = (batch.worker, batch.batch_counter)
             used_slot = self._slot_verdict(env, batch)  # another batch of the slot accepted while it waited
             if used_slot is not None:
                 await self._vote(env, used_slot)

@@ -17,25 +17,32 @@ import trio
 from node.memory import release_free_memory
 from node.roles.common import EngineRole
 from node.roles.rollouts import PolicyFacts, produce_batch
-from node.util import now_ms
-from protocol import BatchRequest, BatchResponse, Envelope, RolloutAnnounce, seal, sha256
-from protocol.rules import Quorum, counter_limit, is_stale, quorum_outcome
+from node.util import atomic_write_bytes, now_ms
+from protocol import (
+    BatchRequest,
+    BatchResponse,
+    Envelope,
+    ProtocolError,
+    RolloutAnnounce,
+    RolloutBatch,
+    open_envelope,
+    seal,
+    sha256,
+)
+from protocol.rules import Quorum, is_stale, quorum_outcome
 
 log = logging.getLogger(__name__)
 
 # Adversarial test modes. "weights": generate with perturbed weights; "tokens", "prompts",
 # "rewards", "greedy": lie in the batch (rollouts.produce_batch); "version": sign batches as a
 # policy version VERSION_LIE ahead of the one it holds; "grind": skip batch counters, looking
-# for easy prompts; "stale": stay on the first version it loads and keep producing for it
-# within its slots -- not cheating, just too slow, so its batches fall out of the max_async
-# window; "choose": compute two counters at a time and announce only the one whose rewards
-# look better (choosing among one's slots, which the in-order rule answers).
+# for easy prompts (counters 1000, 2000, ...: the chain waits at the first one skipped, for
+# ever); "stale": stay on the first version it loads and keep producing for it -- not
+# cheating, just too slow, so its batches fall out of the max_async window; "choose": when a
+# new version arrives, compute the next counter with the old and the new one and announce
+# only the one whose rewards look better (the choice the chain leaves: docs/security.md).
 TAMPER_MODES = ("weights", "tokens", "prompts", "rewards", "greedy", "version", "grind", "stale", "choose")
 BATCH_TAMPERS = ("tokens", "prompts", "rewards", "greedy")  # applied by produce_batch
-# The "grind" mode uses counters 1000, 2000, ...: past the slot rule's bound however long a
-# version stays current in a test (the bound grows one counter per ``worker_idle_s``; with a
-# stride of 7 a version current for 80 s on a loaded machine let a grinder's batch pass).
-# A grinder choosing among a few counters inside the bound is issue 35's, not this rule's.
 GRIND_STRIDE = 1000
 VERSION_LIE = 50
 # A batch the validators have not decided this long after its announce is announced again
@@ -44,9 +51,12 @@ VERSION_LIE = 50
 # and takes it when it comes again; nodes that queued it ignore the repeat.
 REANNOUNCE_S = 20.0
 REANNOUNCES = 2
-# ... and every held batch (decided or not) again this often while its version is in the window:
-# the trainer may have missed it (see _reannounce_loop), and later counters wait for it.
+# ... and every held batch (decided or not) again this often while its version is in the window,
+# or until the trainer fetched it: the trainer may have missed it (see _reannounce_loop), and
+# every later counter of the chain waits for it, even when it is stale (at most
+# STALE_KEEPALIVES times after it fell out of the window, for a trainer that held it already).
 KEEPALIVE_S = 30.0
+STALE_KEEPALIVES = 10
 
 
 @dataclasses.dataclass
@@ -65,6 +75,7 @@ class _Announced:
     announce: RolloutAnnounce
     at: float  # trio clock of the last announce
     repeats: int = 0
+    stale_repeats: int = 0
 
 
 class WorkerRole(EngineRole):
@@ -80,12 +91,20 @@ class WorkerRole(EngineRole):
         self.pace = self.ctx.worker_pace
         self.spent: collections.defaultdict[str, float] = collections.defaultdict(float)  # seconds per activity
         self.started_at: float | None = None  # time.monotonic() at run()
-        # "choose" mode: (version, counter, its mean reward, the next counter's)
-        self.choices: list[tuple[int, int, float, float]] = []
+        # "choose" mode, per choice: (old version, new version, counter, the old version's mean
+        # reward, the new one's, the next counter's with the old version: an independent draw)
+        self.choices: list[tuple[int, int, int, float, float, float]] = []
+        self.choice_differs: list[int] = []  # per choice: completions that differ between the versions
         self.allowance: collections.Counter[int] = collections.Counter()
         self.batches: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.keep_batches = 64
-        self.produced: collections.Counter[int] = collections.Counter()
+        self.produced: collections.Counter[int] = collections.Counter()  # batches per version
+        # The worker's chain (protocol.rules.counter_gap): its next batch counter, over the whole
+        # run. Every batch is written to the home before it is announced, so a restarted worker
+        # resumes after its last one and announces the ones the trainer may not hold.
+        self.next_counter = 0
+        self.batch_dir = self.home.worker_batches_dir(self.ctx.genesis.run_id)
+        self.trainer_fetched: set[bytes] = set()  # our batches the trainer has fetched
         # batches_accepted: our batches with accept votes from a quorum of genesis validators;
         # batches_rejected: ours with so many reject votes that no quorum of accepts is possible
         # (with quorum == validators, one reject). accept_votes / reject_votes count single votes.
@@ -114,6 +133,7 @@ class WorkerRole(EngineRole):
         # the process clock, not trio's: /metrics reads this from the exporter's thread
         self.started_at = time.monotonic()
         self._register_metrics(node)
+        self._restore_chain(node.peer_id)
         async with trio.open_nursery() as nursery:
             await self.start_common(node, nursery)
             node.reqresp.register(BatchRequest, self._serve_batch)
@@ -148,10 +168,57 @@ class WorkerRole(EngineRole):
         if registry is not None:
             registry.register(_Collector())
 
+    def _restore_chain(self, me: str) -> None:
+        """Resume the chain after the last batch in the home; the batches kept there are held
+        again (served, and announced until the trainer fetched them: a batch lost with the
+        process would hold back every later counter). A file that does not open is skipped
+        with a warning (the counter after the newest readable one is used next)."""
+        g = self.ctx.genesis
+        if not self.batch_dir.is_dir():
+            return
+        for path in sorted(self.batch_dir.glob("*.batch")):
+            raw = path.read_bytes()
+            try:
+                env = open_envelope(raw, run_id=g.run_id, now_ms=0, guard=None, allowed_types={RolloutBatch.TYPE_ID})
+            except ProtocolError as exc:
+                log.warning("skipping stored batch %s: %s", path.name, exc)
+                continue
+            batch = env.body
+            if not isinstance(batch, RolloutBatch) or env.sender != me or batch.worker != me:
+                log.warning("skipping stored batch %s: signed by %s, not this node", path.name, env.sender)
+                continue
+            batch_id = sha256(raw)
+            self.batches[batch_id] = raw
+            self._my_batches.add(batch_id)
+            announce = RolloutAnnounce(
+                batch_id=batch_id,
+                policy_version=batch.policy_version,
+                batch_counter=batch.batch_counter,
+                num_samples=len(batch.samples),
+                size_bytes=len(raw),
+            )
+            self._announced[batch_id] = _Announced(announce, float("-inf"))
+            self.next_counter = max(self.next_counter, batch.batch_counter + 1)
+        if self.batches:
+            log.info(
+                "worker resumes its batch chain at counter %d (%d batches kept)", self.next_counter, len(self.batches)
+            )
+
+    def _keep(self, counter: int, raw: bytes) -> None:
+        """Write a batch to the home (before it is announced) and drop the oldest beyond
+        ``keep_batches``."""
+        self.batch_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.batch_dir / f"{counter:010d}.batch", raw)
+        kept = sorted(self.batch_dir.glob("*.batch"))
+        for old in kept[: max(0, len(kept) - self.keep_batches)]:
+            old.unlink(missing_ok=True)
+
     def _serve_batch(self, env: Envelope, peer: str) -> BatchResponse:
         raw = self.batches.get(env.body.batch_id)
         if raw is not None:
             self.stats["batches_served"] += 1
+            if peer == self.ctx.genesis.trainer:
+                self.trainer_fetched.add(env.body.batch_id)
         return BatchResponse(found=raw is not None, envelope=raw or b"")
 
     def _on_vote(self, env: Envelope) -> None:
@@ -199,8 +266,8 @@ class WorkerRole(EngineRole):
 
     async def _load(self, version: int) -> None:
         t0 = time.perf_counter()
-        # the seeds of every batch for this version hash its manifest root: keep the facts, the
-        # store may collect the manifest once the version ages out (a stuck worker still uses it)
+        # keep the manifest's facts: the store may collect the manifest once the version ages
+        # out (a stuck worker still signs batches for it)
         policy = PolicyFacts.of(self.store.versions[version].manifest)
         await self.load_policy(version)
         if self.tamper == "weights":
@@ -221,15 +288,23 @@ class WorkerRole(EngineRole):
     async def _loop(self) -> None:
         """Generate batch after batch (docs/rl.md, "the pipeline"): between two batches, swap in
         the newest version held (read ahead meanwhile, never waited for); wait only when the
-        policy held fell out of the ``max_async`` window of the newest version known, when the
-        slot rule's rate bound has no counter open yet, or when the run caps batches per
-        version (``WorkerPace``). Every second is booked under what it was spent on."""
+        policy held fell out of the ``max_async`` window of the newest version known, or when
+        the run caps batches per version (``WorkerPace``). Every second is booked under what
+        it was spent on."""
         checkpoints = self.checkpoints
         assert checkpoints is not None
         with self._spending("first_version"):
             await checkpoints.wait_version(0)
         while True:
             newest = checkpoints.newest_version()
+            if (
+                self.tamper == "choose"
+                and newest > self.loaded_version >= 0
+                and not is_stale(self.loaded_version, newest, self.ctx.genesis.max_async)
+            ):
+                with self._spending("generate"):
+                    await self._produce_choosing(newest)
+                continue
             if newest != self.loaded_version and not self._pinned():
                 with self._spending("load"):
                     await self._load(newest)  # the weights were read ahead; the next version keeps fetching
@@ -252,25 +327,8 @@ class WorkerRole(EngineRole):
                 if idle.cancelled_caught:
                     self.allowance[version] += 1
                 continue
-            opens_in = self._rate_wait_s(version)
-            if opens_in > 0:
-                with self._spending("rate"), trio.move_on_after(opens_in):
-                    await checkpoints.wait_version(newest + 1)
-                continue
             with self._spending("generate"):
                 await self._produce(version)
-
-    def _rate_wait_s(self, version: int) -> float:
-        """Seconds until the slot rule lets this worker use its next counter of ``version`` (0: now).
-        The rule bounds validators' work (one counter per ``worker_min_batch_s``); a worker
-        faster than that waits rather than have its batches refused."""
-        rule = self.ctx.slot_rule
-        used = self.produced[version]
-        elapsed = now_ms() - self.policy.published_ms
-        if used < counter_limit(rule, elapsed):
-            return 0.0
-        period_ms = max(1, int(rule.min_batch_s * 1000))
-        return max(0.05, ((used - rule.slack) * period_ms - elapsed) / 1000)
 
     @contextlib.contextmanager
     def _spending(self, what: str) -> Iterator[None]:
@@ -283,7 +341,7 @@ class WorkerRole(EngineRole):
 
     def utilization(self) -> dict[str, Any]:
         """The share of wall time since start spent generating, and where the rest went
-        (seconds per activity; "other" is sealing, announcing and the event loop)."""
+        (seconds per activity; "other" is sealing, keeping, announcing and the event loop)."""
         if self.started_at is None:
             return {"utilization": 0.0, "wall_s": 0.0, "spent_s": {}}
         wall = max(1e-9, time.monotonic() - self.started_at)
@@ -296,43 +354,60 @@ class WorkerRole(EngineRole):
             "spent_s": spent,
         }
 
-    async def _produce(self, version: int) -> None:
-        """Generate, sign, keep and announce the batch at this worker's next counter of ``version``."""
-        node = self.node
-        g = self.ctx.genesis
-        counter = (self.produced[version] + 1) * GRIND_STRIDE if self.tamper == "grind" else self.produced[version]
-        self.produced[version] += 1
-        claimed = version + VERSION_LIE if self.tamper == "version" else version
-        policy = self.policy
-        if claimed != version:  # nobody published that version: there is no root to seed with
-            policy = PolicyFacts(claimed, bytes(32), policy.published_ms)
+    def _take_counter(self) -> int:
+        """The chain's next counter (the "grind" test mode skips GRIND_STRIDE - 1 of them)."""
+        counter = self.next_counter + (GRIND_STRIDE - 1 if self.tamper == "grind" else 0)
+        self.next_counter = counter + 1
+        return counter
+
+    async def _generate(self, policy: PolicyFacts, counter: int, tamper: str | None = None) -> RolloutBatch:
+        """One batch at ``counter`` with the loaded weights (``policy`` their manifest facts)."""
         t0 = time.perf_counter()
         batch = await trio.to_thread.run_sync(
-            functools.partial(
-                produce_batch,
-                self.ctx,
-                self.engine,
-                node.peer_id,
-                policy,
-                counter,
-                tamper=self.tamper if self.tamper in BATCH_TAMPERS else None,
-            )
+            functools.partial(produce_batch, self.ctx, self.engine, self.node.peer_id, policy, counter, tamper=tamper)
         )
         await trio.to_thread.run_sync(release_free_memory)  # generation's transient tensors
         self.stats["generate_s"] = round(time.perf_counter() - t0, 2)
-        if self.tamper == "choose":
-            # computes this counter and the next, announces only the one its own rewards like
-            # better (the attack the in-order rule answers: docs/security.md)
-            other = await trio.to_thread.run_sync(
-                functools.partial(produce_batch, self.ctx, self.engine, node.peer_id, policy, counter + 1)
-            )
-            self.produced[version] += 1
-            mine, theirs = _claimed_mean(batch), _claimed_mean(other)
-            self.choices.append((version, counter, mine, theirs))
-            if theirs > mine:
-                batch = other
-        raw = seal(node.key, g.run_id, batch, now_ms(), node.seq.next())
+        return batch
+
+    async def _produce(self, version: int) -> None:
+        """Generate, sign, keep and announce the batch at this worker's next counter, with ``version``."""
+        claimed = version + VERSION_LIE if self.tamper == "version" else version
+        policy = self.policy
+        if claimed != version:  # a version nobody published
+            policy = PolicyFacts(claimed, bytes(32), policy.published_ms)
+        counter = self._take_counter()
+        self.produced[version] += 1
+        batch = await self._generate(policy, counter, self.tamper if self.tamper in BATCH_TAMPERS else None)
+        await self._publish(batch)
+
+    async def _produce_choosing(self, newest: int) -> None:
+        """The "choose" test mode at a version change: the next counter with the old version,
+        then with the new one, and the better by its own rewards is announced; the next
+        counter with the old version is computed too, unannounced (what choosing between two
+        independent draws would have been worth: the measure of what the chain removed)."""
+        old_version, old_policy = self.loaded_version, self.policy
+        counter = self._take_counter()
+        with_old = await self._generate(old_policy, counter)
+        independent = await self._generate(old_policy, counter + 1)
+        assert self.checkpoints is not None
+        newest = self.checkpoints.newest_version()  # (the one seen before may be collected by now)
+        await self._load(newest)
+        with_new = await self._generate(self.policy, counter)
+        self.produced[newest] += 1
+        a, b = _claimed_mean(with_old), _claimed_mean(with_new)
+        self.choices.append((old_version, newest, counter, a, b, _claimed_mean(independent)))
+        self.choice_differs.append(
+            sum(x.completion != y.completion for x, y in zip(with_old.samples, with_new.samples, strict=True))
+        )
+        await self._publish(with_old if a > b else with_new)
+
+    async def _publish(self, batch: RolloutBatch) -> None:
+        """Sign, keep (memory and home) and announce one of our batches."""
+        node = self.node
+        raw = seal(node.key, self.ctx.genesis.run_id, batch, now_ms(), node.seq.next())
         batch_id = sha256(raw)
+        await trio.to_thread.run_sync(self._keep, batch.batch_counter, raw)
         self.batches[batch_id] = raw
         self._my_batches.add(batch_id)
         while len(self.batches) > self.keep_batches:
@@ -340,33 +415,49 @@ class WorkerRole(EngineRole):
             self._my_batches.discard(old)
             self._tally.pop(old, None)
             self._announced.pop(old, None)
+            self.trainer_fetched.discard(old)
         self.stats["batches_produced"] += 1
         announce = RolloutAnnounce(
             batch_id=batch_id,
-            policy_version=claimed,
+            policy_version=batch.policy_version,
             batch_counter=batch.batch_counter,
             num_samples=len(batch.samples),
             size_bytes=len(raw),
         )
         self._announced[batch_id] = _Announced(announce, trio.current_time())
         await node.gossip.publish(announce)
-        log.info("announced batch %s (version %d, counter %d)", batch_id.hex()[:12], claimed, batch.batch_counter)
+        log.info(
+            "announced batch %s (version %d, counter %d)",
+            batch_id.hex()[:12],
+            batch.policy_version,
+            batch.batch_counter,
+        )
 
     async def _reannounce_loop(self) -> None:
         """Announce each held batch again while its version is inside the window: an undecided
         one every ``reannounce_s`` (up to ``REANNOUNCES`` times: a node whose fetch lane was
         full shed it), then, like a decided one, every ``KEEPALIVE_S``. A quorum of validators
         may have decided a batch the trainer never recorded (it was restarting, or shed the
-        announce): the trainer admits counters in order, so without this every later counter
-        of that version would wait for it, and a trainer that makes no new version meanwhile
-        would wait for ever. Nodes that hold the batch ignore the repeat (one ledger lookup)."""
+        announce): the trainer admits a worker's counters in order, so without this every
+        later counter would wait for it for ever. For the same reason a batch the trainer has
+        not fetched is announced even once stale (the trainer records a stale batch too, which
+        moves the chain on), up to ``STALE_KEEPALIVES`` times. Nodes that hold the batch ignore
+        the repeat (one ledger lookup)."""
         while True:
             await trio.sleep(self.reannounce_s / 4)
             now = trio.current_time()
             newest = max(self.store.versions, default=-1)
             for batch_id, a in list(self._announced.items()):
                 if is_stale(a.announce.policy_version, newest, self.ctx.genesis.max_async):
-                    del self._announced[batch_id]
+                    if batch_id in self.trainer_fetched or a.stale_repeats >= STALE_KEEPALIVES:
+                        del self._announced[batch_id]
+                        continue
+                    if now - a.at < KEEPALIVE_S:
+                        continue
+                    a.at = now
+                    a.stale_repeats += 1
+                    self.stats["kept_announced"] += 1
+                    await self.node.gossip.publish(a.announce)
                     continue
                 tally = self._tally.get(batch_id)
                 settled = (tally is not None and tally.decided) or a.repeats >= REANNOUNCES
@@ -388,6 +479,7 @@ class WorkerRole(EngineRole):
     def status(self) -> dict[str, Any]:
         return {
             "policy_version": self.loaded_version,
+            "next_batch_counter": self.next_counter,
             **self.stats,
             **self.utilization(),
             "tamper": self.tamper,

@@ -26,12 +26,12 @@ def forged_batch(
     *,
     seed_field: Callable[[int], int] | None = None,
 ) -> RolloutBatch:
-    """A batch for the owed prompts of (worker, version, counter) whose tokens ``choose``
+    """A batch for the owed prompts of (worker, counter) whose tokens ``choose``
     picks, with proofs computed honestly from ``engine`` (the true policy) and the rules'
     rewards; ``seed_field`` rewrites the diagnostic ``Sample.seed`` (default: the owed seed)."""
     g = ctx.genesis
-    indices = owed_prompts(ctx, worker, policy.version, counter)
-    seeds = owed_seeds(ctx, worker, policy, counter, indices)
+    indices = owed_prompts(ctx, worker, counter)
+    seeds = owed_seeds(ctx, worker, counter, indices)
     rows = []
     for i, group in zip(indices, seeds):
         prompt = ctx.prompt_tokens(i)
