@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tests.support.processes import default_sigint, processes_naming
+from tests.support.processes import processes_naming, terminal_signals
 
 
 def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
@@ -37,7 +37,7 @@ def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
             stdout=sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, "COLUMNS": "200"},
-            preexec_fn=default_sigint,  # Ctrl+C as in a terminal, however the test run was started
+            preexec_fn=terminal_signals,  # Ctrl+C as in a terminal, however the test run was started
         )
     trainer_metrics = out / "nodes" / "trainer" / "metrics.jsonl"
     try:

@@ -25,7 +25,7 @@ import pytest
 from node.home import NodeHome
 from node.ops.devnet import Devnet, DevnetOptions, NodeProc
 from node.ops.lifeline import PARENT_ENV
-from tests.support.processes import HANG_GUARD_S, default_sigint, processes_naming, wait_for
+from tests.support.processes import HANG_GUARD_S, processes_naming, terminal_signals, wait_for
 
 NODES = ("bootstrap", "trainer", "validator-0", "worker-0")
 
@@ -43,7 +43,7 @@ def _start_devnet(out: Path, log: Path) -> subprocess.Popen:
             stdout=sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, "COLUMNS": "80"},
-            preexec_fn=default_sigint,  # Ctrl+C as in a terminal, however the test run was started
+            preexec_fn=terminal_signals,  # Ctrl+C as in a terminal, however the test run was started
         )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import HANG_GUARD_S, default_sigint, stop, wait_for
+from tests.support.processes import HANG_GUARD_S, stop, terminal_signals, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 # this checkout's code, whatever `primenode` on PATH points at
@@ -47,7 +47,7 @@ def spawn(argv: list[str], log: Path) -> subprocess.Popen:
             env=ENV,
             cwd=REPO,
             start_new_session=True,
-            preexec_fn=default_sigint,
+            preexec_fn=terminal_signals,
         )
 
 

@@ -18,10 +18,10 @@ from tests.test_roles_network import start_network
 V = ["val-a", "val-b"]
 
 
-def admitted(lg: Ledger, batch_id: bytes, version: int, counter: int = 0) -> None:
-    lg.record_batch(batch_id, "w", version, counter, 1, b"env-" + batch_id)
+def admitted(lg: Ledger, batch_id: bytes, version: int, counter: int = 0, worker: str = "w") -> None:
+    lg.record_batch(batch_id, worker, version, counter, 1, b"env-" + batch_id)
     for v in V:
-        lg.record_vote(batch_id, v, True, "", [1.0], worker="w")
+        lg.record_vote(batch_id, v, True, "", [1.0], worker=worker)
     assert lg.try_admit(batch_id) == "admitted"
 
 
@@ -29,8 +29,8 @@ def test_oldest_first_order_and_discards_by_reason(tmp_path):
     lg = Ledger(tmp_path / "node.db", V, 2, 2)
     lg.commit_checkpoint(step=3, policy_version=3)
     versions = (3, 1, 2, 1)
-    for i, version in enumerate(versions):  # counters of a version in order (the in-order rule)
-        admitted(lg, b"b%d" % i, version, counter=versions[:i].count(version))
+    for i, version in enumerate(versions):  # one worker each (a worker's chain never goes back a version)
+        admitted(lg, b"b%d" % i, version, worker=f"w{i}")
     # the trainer's order: closest to falling out of the window first; the default stays freshest first
     assert [b.batch_id for b in lg.untrained(oldest_first=True)] == [b"b1", b"b3", b"b2", b"b0"]
     assert [b.policy_version for b in lg.untrained()] == [3, 2, 1, 1]

@@ -28,11 +28,14 @@ def cli(*args: str, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProces
     return subprocess.run([*BASE, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-def default_sigint() -> None:
-    """Ctrl+C as in a terminal, for a child started from a test run that itself runs in the
-    background of a shell without job control (SIGINT inherited ignored: Python would
-    install no handler, and the SIGINT tests would wait forever)."""
+def terminal_signals() -> None:
+    """Ctrl+C and a closed terminal as in a terminal session, for a child started from a test
+    run that itself runs in the background of a shell without job control (SIGINT inherited
+    ignored) or under ``nohup`` (SIGHUP inherited ignored): the devnet keeps an inherited
+    ignore, by design, and the SIGINT and SIGHUP tests would wait forever (a CI run started
+    with ``nohup bash .ci/run`` hung the SIGHUP stop test exactly so)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def start(*args: str, log: Path) -> subprocess.Popen:
@@ -43,7 +46,7 @@ def start(*args: str, log: Path) -> subprocess.Popen:
             stderr=f,
             env=ENV,
             start_new_session=True,
-            preexec_fn=default_sigint,
+            preexec_fn=terminal_signals,
         )
 
 
