@@ -50,9 +50,9 @@ def tiny_genesis(*, fields: dict | None = None, **config):
     return make_genesis(OWNER, cfg, **run)
 
 
-def tiny_context(tmp_path: Path, **config) -> RunContext:
+def tiny_context(tmp_path: Path, *, fields: dict | None = None, **config) -> RunContext:
     torch.set_num_threads(1)
-    return RunContext.from_genesis(tiny_genesis(**config).genesis, tmp_path)
+    return RunContext.from_genesis(tiny_genesis(fields=fields, **config).genesis, tmp_path)
 
 
 def engine_for(ctx: RunContext, model=None):
