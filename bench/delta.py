@@ -51,6 +51,8 @@ import trio
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from node.ops.emulation import DilatedClock, own_cores_dilation  # noqa: E402
+
 RUN_ID = hashlib.sha256(b"bench-delta").digest()
 CHUNK = 4 * 1024 * 1024
 
@@ -214,36 +216,6 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
     return out
 
 
-class DilatedClock(trio.abc.Clock):
-    """A trio clock running ``dilation`` times slower than real time: time dilation
-    (Gupta et al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006).
-    Every timer, timeout and token bucket of the nodes runs on trio's clock, so under this
-    one a 100 Mbit/s cap passes 100 Mbit per *emulated* second and every protocol timer
-    keeps its emulated length, while the CPU work (applying, hashing, writing: threads)
-    takes real time: each node gets ``dilation`` times more CPU per emulated second than
-    its share of this machine. Nodes sharing 2 cores then behave as nodes with cores of
-    their own, which is what they have on the internet."""
-
-    def __init__(self, dilation: float) -> None:
-        self.dilation = dilation
-        self.t0 = time.perf_counter()
-
-    def start_clock(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def current_time(self) -> float:
-        return (time.perf_counter() - self.t0) / self.dilation
-
-    def deadline_to_sleep_time(self, deadline: float) -> float:
-        return max(0.0, (deadline - self.current_time()) * self.dilation)
-
-
-def own_cores_dilation(fetchers: int, cores_per_fetcher: float) -> float:
-    """The time dilation that gives each of ``fetchers`` nodes ``cores_per_fetcher`` cores'
-    worth of CPU per byte of network on this machine (1: it has them already)."""
-    return max(1.0, fetchers * cores_per_fetcher / (os.cpu_count() or 1))
-
-
 def delivery(anchor_src: Path, delta_src: Path, args, work: Path) -> list[dict]:
     """Every delivery setting of the run, one after the other on the same exports:
     loopback (uncapped) to ``--fetchers`` nodes; every node capped at ``--capped-mbps`` to
@@ -254,7 +226,7 @@ def delivery(anchor_src: Path, delta_src: Path, args, work: Path) -> list[dict]:
     settings = [(args.fetchers, 0.0, 1.0)]
     if args.capped_mbps > 0:
         settings.append((args.fetchers, args.capped_mbps, 1.0))
-        dil = own_cores_dilation(args.fetchers, args.cores_per_fetcher)
+        dil = own_cores_dilation(args.fetchers * args.cores_per_fetcher)
         if args.cores_per_fetcher > 0 and dil > 1.0:
             settings.append((args.fetchers, args.capped_mbps, dil))
         settings.append((1, args.capped_mbps, 1.0))

@@ -16,8 +16,12 @@ def test_a_step_takes_one_batch_per_worker_and_the_step_prompts_are_split_among_
     g = read_genesis(net.genesis_path).genesis
     assert g.prompts_per_batch == per_batch  # ceil(16 / workers): every step learns from >= 16 prompts
     assert genesis_config(g)["batches_per_step"] == workers
-    # no cap on batches per version: workers generate continuously (issue 35, the devnet is asynchronous)
-    assert "worker_batches_per_version" not in genesis_config(g)
+    # paced one version ahead (issue 35, the devnet is asynchronous): one batch per worker per
+    # version, generated while the trainer trains on the one before; --lockstep waits instead
+    assert (genesis_config(g)["worker_batches_per_version"], genesis_config(g)["worker_lead_versions"]) == (1, 1)
+    lock = Devnet(DevnetOptions(out=tmp_path / "lock", workers=workers, validators=1, lockstep=True))
+    lock.prepare()
+    assert genesis_config(read_genesis(lock.genesis_path).genesis)["worker_lead_versions"] == 0
 
 
 def test_an_explicit_batch_size_overrides_the_split(tmp_path):

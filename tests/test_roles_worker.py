@@ -108,9 +108,7 @@ async def test_per_version_counters_stay_within_the_max_async_window(tmp_path):
     for v in range(200):
         await w._load(v)
         w.produced[v] += 2
-        w.allowance[v] += 1
-        for counter in (w.produced, w.allowance):
-            assert set(counter) <= set(range(v - window, v + 1)), (v, sorted(counter))
+        assert set(w.produced) <= set(range(v - window, v + 1)), (v, sorted(w.produced))
     assert len(w.produced) == window + 1 and w.produced[199] == 2
 
 
@@ -341,6 +339,88 @@ async def test_a_run_may_cap_batches_per_version_the_lockstep_pace(mock_clock):
         await run_until(w, lambda: len(w.made) >= 3)
         assert w.made == [(0, 0), (0, 1), (0, 2)]
         assert trio.current_time() - start == 20  # the third waited one idle period
+
+
+async def test_a_paced_worker_runs_ahead_of_the_trainer_by_its_lead_and_no_further(mock_clock):
+    """worker_batches_per_version 1, worker_lead_versions 1 (the devnet's pace): one batch per
+    version plus one version's worth of lead, so the worker generates the next step's batch
+    while the trainer trains, and waits only when that far ahead. A worker far behind its
+    credit (versions came in a burst) makes at most (lead + 1) batches before it waits again:
+    no burst. Control: the same worker without the lead is lock-step (one batch per version)."""
+    import tempfile
+    from pathlib import Path
+
+    mock_clock.autojump_threshold = 0
+    with tempfile.TemporaryDirectory() as d:
+        for lead, first in ((1, [(0, 0), (0, 1)]), (0, [(0, 0)])):
+            w = pipeline_worker(
+                Path(d) / str(lead), held=0, known=0, worker_batches_per_version=1, worker_lead_versions=lead
+            )
+            waits, paused = _count_pace_waits(w)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(w._loop)
+                await paused(1)
+                assert w.made == first, lead
+                for k, version in enumerate((1, 2, 9), start=2):  # 9: seven versions at once
+                    w.store.versions[version] = _Manifests()[version]  # announced (known)
+                    w.checkpoints.assemble(version)  # and assembled (held)
+                    await paused(k)
+                    if version < 9:  # the trainer's next versions: one batch each
+                        assert len(w.made) == len(first) + version and w.made[-1][0] == version, w.made
+                assert [v for v, _ in w.made[len(first) + 2 :]] == [9] * (lead + 1), w.made
+                nursery.cancel_scope.cancel()
+            assert "pace" in w.spent and "window" not in w.spent and waits == [1, 2, 3, 10]
+
+
+def _count_pace_waits(w):
+    """Record each time ``w`` starts waiting for a newer version (its pace), and a way to wait
+    (in virtual time) until it has done so k times: loads run in threads, so a fixed virtual
+    sleep could end before the worker got there."""
+    waits: list[int] = []
+    counted = [trio.Event()]
+    wait_version = w.checkpoints.wait_version
+
+    async def wait_and_count(n: int = 0, timeout=None) -> int:
+        if n > 0:
+            waits.append(n)
+            counted[0].set()
+            counted[0] = trio.Event()
+        return await wait_version(n, timeout)
+
+    async def paused(k: int) -> None:
+        while len(waits) < k:
+            await counted[0].wait()
+
+    w.checkpoints.wait_version = wait_and_count
+    return waits, paused
+
+
+async def test_the_idle_allowance_is_an_advance_that_lapses_with_the_next_version(mock_clock):
+    """A paced worker with no new version for worker_idle_s makes one more batch (a rejected
+    batch may leave the trainer short, and it would wait for ever); that batch is an advance
+    on the next version's credit, not a permanent step ahead: after one slow step the worker
+    is back to one batch per version (else every later step would train a batch one version
+    older, for the rest of the run)."""
+    import tempfile
+    from pathlib import Path
+
+    mock_clock.autojump_threshold = 0
+    with tempfile.TemporaryDirectory() as d:
+        w = pipeline_worker(Path(d), held=0, known=0, worker_batches_per_version=1, worker_idle_s=20)
+        _, paused = _count_pace_waits(w)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(w._loop)
+            await paused(1)
+            assert w.made == [(0, 0)]
+            await paused(2)  # one idle period (20 s, virtual) without a version: one more
+            assert w.made == [(0, 0), (0, 1)]
+            for version, k in ((1, 3), (2, 4)):
+                w.store.versions[version] = _Manifests()[version]
+                w.checkpoints.assemble(version)
+                await paused(k)
+            # version 1 was paid for in advance; version 2 gets its one batch
+            assert w.made == [(0, 0), (0, 1), (2, 0)], w.made
+            nursery.cancel_scope.cancel()
 
 
 def test_status_says_how_busy_the_worker_was_and_where_the_rest_went(tmp_path):

@@ -12,7 +12,7 @@ import enum
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -253,19 +253,9 @@ def run_init(
     ] = None,
 ) -> None:
     """Write a signed run genesis; its hash is the run id."""
-    import tomllib
-
     from node.genesis_file import make_genesis, write_genesis
 
-    cfg: dict[str, object] = {}
-    for item in config or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            cfg[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            cfg[key.strip()] = value
+    cfg = _set_values(config)
     owner = NodeHome(home).load_key()
     if quorum is None:
         quorum = len(validator) // 2 + 1  # a majority: with two or more, no validator admits alone
@@ -577,12 +567,38 @@ def devnet(
         typer.Option(
             "--lockstep",
             help="One batch per worker per version, then wait for the next (the old pipeline, for comparisons); "
-            "by default workers generate continuously inside the max_async window.",
+            "by default each worker runs one version ahead of the trainer, generating the next step's batch "
+            "while the trainer trains.",
         ),
     ] = False,
+    node_cores: Annotated[
+        str,
+        typer.Option(
+            "--node-cores",
+            help="Benchmarks: cap every node process at this many CPUs (a cgroup CPU quota, needs root), "
+            "as if each had cores of its own: one number for all, or per role (trainer=2,worker=0.5,validator=1); "
+            "0: no cap.",
+        ),
+    ] = "0",
+    time_dilation: Annotated[
+        float,
+        typer.Option(
+            "--time-dilation",
+            help="Benchmarks: run every node's clock this many times slower than real time "
+            "(with --node-cores: nodes x cores / this machine's cores); 1: real time.",
+        ),
+    ] = 1.0,
+    max_upload_mbps: Annotated[
+        float, typer.Option("--max-upload-mbps", help="Cap every node's checkpoint uploads (Mbit/s); 0: none.")
+    ] = 0.0,
+    config: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Genesis [config] KEY=VALUE (TOML value) over the devnet's own, repeatable."),
+    ] = None,
 ) -> None:
     """Start a whole local network (bootstrap, trainer, workers, validators) as processes and train."""
     from node.ops.devnet import DevnetOptions, run_devnet
+    from node.ops.emulation import parse_node_cores
 
     summary = run_devnet(
         DevnetOptions(
@@ -595,6 +611,10 @@ def devnet(
             dataset=dataset,
             max_async=max_async,
             lockstep=lockstep,
+            node_cores=parse_node_cores(node_cores),
+            extra_config=_set_values(config),
+            time_dilation=time_dilation,
+            max_upload_mbps=max_upload_mbps,
             timeout_s=timeout,
             duration_s=duration,
             engine=engine,
@@ -649,6 +669,23 @@ def main() -> None:
             raise
         typer.echo(f"error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", err=True)
         sys.exit(1)
+
+
+def _set_values(items: list[str] | None) -> dict[str, Any]:
+    """``--set KEY=VALUE`` options as genesis ``[config]`` entries (VALUE read as a TOML value,
+    else kept as a string)."""
+    import tomllib
+
+    cfg: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            cfg[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            cfg[key.strip()] = value
+    return cfg
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import trio
 from node.errors import ConfigError, NodeError
 from node.home import NodeHome
 from node.memory import limit_malloc_arenas
+from node.ops.emulation import clock_from_env
 from node.util import atomic_write_text, exit_if_abandoned
 from protocol import NodeKey
 
@@ -202,8 +203,9 @@ def run_trio(fn: Callable[[trio.Nursery], Awaitable[Any]]) -> tuple[Any, bool]:
             return result
 
     limit_malloc_arenas()  # before any worker thread exists: keeps RSS flat (node/memory.py)
+    clock = clock_from_env()  # a benchmark's time dilation (node/ops/emulation.py), else None
     try:
-        result = trio.run(main, strict_exception_groups=True)
+        result = trio.run(main, clock=clock, strict_exception_groups=True)
     except BaseException as exc:
         err = _first_node_error(exc)
         if err is not None:

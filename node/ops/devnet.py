@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import json
+import math
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from node.errors import ConfigError, NodeError
 from node.home import NodeHome
+from node.ops.emulation import DILATION_ENV, NodeCores
 from node.ops.lifeline import parent_env
 from node.util import atomic_write_text
 
@@ -55,8 +57,8 @@ class DevnetOptions:
     math_instruction: str | None = None
     policy_dtype: str = "float32"
     max_async: int = 2
-    # workers make one batch per version and wait for the next ([config] worker_batches_per_version
-    # 1), instead of generating continuously inside the window (the default; docs/rl.md)
+    # workers make one batch per version and wait for the next ([config] worker_lead_versions
+    # 0), instead of running one version ahead of the trainer (the default; docs/rl.md)
     lockstep: bool = False
     # prompts each trainer step learns from, split across the workers' batches (16: 8 per
     # worker; 8 learned less by step 40, docs/benchmarks.md, issue 20); prompts_per_batch, when
@@ -85,6 +87,13 @@ class DevnetOptions:
     eval_problems: int = 0
     eval_samples: int = 1
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Benchmarks (node/ops/emulation.py): each node capped at its role's CPUs (empty: no cap;
+    # the workers and validators then run in the background), every node's trio clock
+    # time_dilation times slower than real time (1: real time), checkpoint uploads capped
+    # at max_upload_mbps (0: none)
+    node_cores: dict[str, float] = dataclasses.field(default_factory=dict)
+    time_dilation: float = 1.0
+    max_upload_mbps: float = 0.0
     # Node flavours for adversarial tests: name -> list of extra CLI args.
     node_args: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
@@ -130,6 +139,10 @@ class Devnet:
         self.bootstrap_addr = ""
         # wraps each process start; run_devnet makes stop signals wait for it (StopSignals)
         self.critical: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+        # per-node CPU quotas (benchmarks: node/ops/emulation.py); checked before any start
+        if not opts.time_dilation >= 1.0:
+            raise ConfigError(f"--time-dilation must be >= 1 (1: real time), got {opts.time_dilation}")
+        self.cores = NodeCores(str(os.getpid())) if opts.node_cores else None
 
     # ------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -176,10 +189,14 @@ class Devnet:
             "temperature": o.temperature,
             "seed": o.seed,
             "batches_per_step": o.batches_per_step or o.workers,
-            # a step learns from one batch per worker, as in lock-step: the workers make more
-            # (continuously), the surplus waits its turn or ages out of the window
+            # a step learns from one batch per worker, as in lock-step
             "max_batches_per_step": o.batches_per_step or o.workers,
-            **({"worker_batches_per_version": 1} if o.lockstep else {}),
+            # and each worker makes one batch per version: lock-step waits for each version;
+            # the asynchronous devnet runs one version ahead, so the batch of the next step
+            # generates while the trainer trains (all six nodes share this machine's cores:
+            # batches beyond what the trainer takes would only be work it throws away)
+            "worker_batches_per_version": 1,
+            "worker_lead_versions": 0 if o.lockstep else 1,
             "policy_dtype": o.policy_dtype,
             **{k: v for k, v in style.items() if v is not None},
             **split,
@@ -222,6 +239,8 @@ class Devnet:
             )
         )
         join = ["--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0", *common]
+        if o.max_upload_mbps:
+            join += ["--max-upload-mbps", f"{o.max_upload_mbps:g}"]
         engine = ["--engine", o.engine]
         self.nodes.append(
             NodeProc("trainer", "trainer", trainer, ["join", "--role", "trainer", "--home", str(trainer.path), *join])
@@ -294,16 +313,22 @@ class Devnet:
         # trainer takes every core: its step runs while the workers and validators wait for the
         # version it makes (a step trains on the batches of the version before, issue 20), so
         # the other cores would idle.
+        o = self.opts
         threads = str(os.cpu_count() or 1) if node.role == "trainer" else "1"
+        if o.node_cores:  # as many threads as the node's own cores
+            threads = str(max(1, math.ceil(o.node_cores[node.role])))
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
         env.update(parent_env())  # the node stops when this process dies, even by SIGKILL (lifeline.py)
+        if o.time_dilation > 1.0:
+            env[DILATION_ENV] = f"{o.time_dilation:g}"
         # Workers generate continuously (asynchronous pipeline). On a real network each node has
         # its own hardware; here all share the cores, so workers and validators run in the
         # background (:func:`background_priority`): they take only the CPU time the trainer
         # leaves, and its step runs as fast as in lock-step. At equal priority the trainer's
         # OpenMP threads, which meet at a barrier thousands of times a step, wait for whichever
         # one another process preempted: a 3 s step took 45-80 s.
-        background = node.role in ("worker", "validator")
+        # With CPU quotas each node has cores of its own (node/ops/emulation.py): all at one priority.
+        background = node.role in ("worker", "validator") and not o.node_cores
         idle = ["chrt", "--idle", "0"] if background and shutil.which("chrt") else []
         with self.critical():  # a stop signal waits until the child is recorded: none goes untracked
             node.proc = subprocess.Popen(
@@ -315,6 +340,8 @@ class Devnet:
             )
             if background:
                 background_priority(node.proc.pid)
+            if self.cores is not None:
+                self.cores.place(node.name, node.proc.pid, o.node_cores[node.role])
 
     def start_all(self) -> None:
         for n in self.nodes:
@@ -354,6 +381,8 @@ class Devnet:
             codes[n.name] = n.proc.wait()
             if n.log:
                 n.log.close()
+        if self.cores is not None:
+            self.cores.close()
         return codes
 
     def __enter__(self) -> Devnet:
@@ -728,6 +757,7 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
     devnet = Devnet(opts)
     started = time.monotonic()
     stopped_by: str | None = None
+    last_snap: dict[str, Any] = {}
     with StopSignals() as stops:
         devnet.critical = stops.critical
         try:
@@ -736,7 +766,7 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
             devnet.start_all()
             with Live(console=console, refresh_per_second=1, transient=not live) as view:
                 while True:
-                    snap = devnet.snapshot()
+                    snap = last_snap = devnet.snapshot()
                     view.update(render_table(devnet, snap, started, console.width))
                     rows = devnet.trainer_metrics()
                     if rows and rows[-1].get("step", 0) >= opts.steps and final_eval_done(devnet):
@@ -784,6 +814,17 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
         ]
         or None,
         "seconds": round(time.monotonic() - started, 1),
+        # each worker's share of wall time spent generating, as last seen (its status)
+        "workers_busy": {
+            name: (st or {}).get("role_state", {}).get("utilization")
+            for name, st in sorted(last_snap.items())
+            if name.startswith("worker-")
+        },
+        **(
+            {"time_dilation": opts.time_dilation, "node_cores": opts.node_cores}
+            if opts.time_dilation > 1.0 or opts.node_cores
+            else {}
+        ),
         "exit_codes": codes,
         "interrupted": stopped_by is not None,
         "stopped_by": stopped_by,

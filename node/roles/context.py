@@ -172,15 +172,23 @@ def engine_dtype_for(config: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerPace:
-    """How much a worker generates per version: by default (``batches_per_version`` 0) without
-    pause while its policy is inside the ``max_async`` window (docs/rl.md, "the pipeline").
-    A run may cap it (genesis ``worker_batches_per_version`` N: N batches per version, then
-    one more per ``worker_idle_s`` without a newer version), which makes the devnet
-    lock-step when N is 1 and keeps small test networks light. A worker-side choice only:
-    nobody else checks it (a worker's counters form one chain whatever its pace)."""
+    """How much a worker generates: by default (``batches_per_version`` 0) without pause while
+    its policy is inside the ``max_async`` window (docs/rl.md, "the pipeline").
+
+    A run may pace it (genesis ``worker_batches_per_version`` N, ``worker_lead_versions`` L):
+    N batches for each version the worker learns of, and up to L versions' worth ahead of
+    that, so it may be N x L batches ahead of the trainer's versions and generates while the
+    trainer trains; it waits only when that far ahead. L 0 is lock-step (N batches per
+    version, then wait for the next); the devnet runs L 1, where generating more than the
+    trainer takes would only be work the trainer throws away, on cores the trainer needs
+    (docs/benchmarks.md, "Asynchronous pipeline"). With no new version for ``idle_s`` (a
+    trainer restarting; batches lost with it) one more batch is made instead of idling for
+    ever. A worker-side choice only: nobody else checks it (a worker's counters form one chain
+    whatever its pace)."""
 
     batches_per_version: int
     idle_s: float
+    lead_versions: int = 0
 
 
 def worker_pace_for(config: dict[str, Any]) -> WorkerPace:
@@ -188,13 +196,15 @@ def worker_pace_for(config: dict[str, Any]) -> WorkerPace:
         pace = WorkerPace(
             batches_per_version=int(config.get("worker_batches_per_version", 0)),
             idle_s=float(config.get("worker_idle_s", 20.0)),
+            lead_versions=int(config.get("worker_lead_versions", 0)),
         )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"genesis worker pace settings: {exc}") from None
-    if pace.batches_per_version < 0 or not pace.idle_s > 0:
+    if pace.batches_per_version < 0 or not pace.idle_s > 0 or pace.lead_versions < 0:
         raise ConfigError(
             f"genesis worker pace settings out of range: {pace} "
-            "(worker_batches_per_version >= 0, 0 meaning continuous; worker_idle_s > 0)"
+            "(worker_batches_per_version >= 0, 0 meaning continuous; worker_idle_s > 0; "
+            "worker_lead_versions >= 0)"
         )
     return pace
 

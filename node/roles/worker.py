@@ -95,10 +95,16 @@ class WorkerRole(EngineRole):
         # reward, the new one's, the next counter's with the old version: an independent draw)
         self.choices: list[tuple[int, int, int, float, float, float]] = []
         self.choice_differs: list[int] = []  # per choice: completions that differ between the versions
-        self.allowance: collections.Counter[int] = collections.Counter()
+        # batches the pace allowed after idle_s without a new version: an advance on the next
+        # version's credit, so it lapses once a newer version is known (a slow step must not
+        # leave a paced worker one batch further ahead for the rest of the run)
+        self.allowance = 0
+        self.allowance_version = -1  # the newest version known when the allowance was given
         self.batches: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self.keep_batches = 64
         self.produced: collections.Counter[int] = collections.Counter()  # batches per version
+        self.paced = 0  # batches counted against the pace's credit (_paced_allows)
+        self.paced_from: int | None = None  # the first version the pace counted from
         # The worker's chain (protocol.rules.counter_gap): its next batch counter, over the whole
         # run. Every batch is written to the home before it is announced, so a restarted worker
         # resumes after its last one and announces the ones the trainer may not hold.
@@ -281,7 +287,7 @@ class WorkerRole(EngineRole):
     def _trim_counters(self) -> None:
         """Versions more than max_async behind the loaded one are never produced for again."""
         max_async = self.ctx.genesis.max_async
-        for counter in (self.produced, self.allowance):
+        for counter in (self.produced,):
             for v in [v for v in counter if is_stale(v, self.loaded_version, max_async)]:
                 del counter[v]
 
@@ -302,6 +308,7 @@ class WorkerRole(EngineRole):
                 and newest > self.loaded_version >= 0
                 and not is_stale(self.loaded_version, newest, self.ctx.genesis.max_async)
             ):
+                self.paced += 1
                 with self._spending("generate"):
                     await self._produce_choosing(newest)
                 continue
@@ -315,20 +322,36 @@ class WorkerRole(EngineRole):
                 with self._spending("window"):
                     await checkpoints.wait_version(version + 1)
                 continue
-            pace = self.pace
-            if (
-                pace.batches_per_version
-                and self.produced[version] >= pace.batches_per_version + self.allowance[version]
-            ):
-                # the run caps batches per version: wait for the next (a trainer restarting
-                # may never send it: after idle_s, one more batch for this version)
-                with self._spending("pace"), trio.move_on_after(pace.idle_s) as idle:
+            if self.pace.batches_per_version and not self._paced_allows(newest):
+                # the run paces its workers and this one is as far ahead as it may be: wait for
+                # the next version (a trainer restarting may never send it: after idle_s, one
+                # more batch)
+                with self._spending("pace"), trio.move_on_after(self.pace.idle_s) as idle:
                     await checkpoints.wait_version(newest + 1)
                 if idle.cancelled_caught:
-                    self.allowance[version] += 1
+                    if self.allowance_version != newest:
+                        self.allowance_version, self.allowance = newest, 0
+                    self.allowance += 1
                 continue
+            self.paced += 1
             with self._spending("generate"):
                 await self._produce(version)
+
+    def _paced_allows(self, newest: int) -> bool:
+        """Whether a paced worker (``WorkerPace``) may start a batch now that ``newest`` is the
+        newest version it knows of. Its credit is N batches per version since its first one,
+        plus L versions' worth of lead, plus the idle allowance while no newer version is
+        known; a worker more than (L + 1) x N behind its credit (slow, or versions came in a
+        burst) catches up no further than that, so it never bursts. With L 0 this is N batches
+        per newest version: lock-step."""
+        pace = self.pace
+        n, lead = pace.batches_per_version, pace.lead_versions
+        if self.paced_from is None:
+            self.paced_from = newest
+        allowance = self.allowance if self.allowance_version == newest else 0
+        credit = n * (newest - self.paced_from + 1 + lead) + allowance
+        self.paced = max(self.paced, credit - n * (lead + 1))
+        return self.paced < credit
 
     @contextlib.contextmanager
     def _spending(self, what: str) -> Iterator[None]:

@@ -166,6 +166,7 @@ def small_options(tmp_path, **kw) -> DevnetOptions:
             "tiny_layers": 2,
             "batches_per_step": 1,
             "worker_batches_per_version": 2,
+            "worker_lead_versions": 0,  # two per version, then wait: light on a shared machine
             "worker_idle_s": 5.0,
         },
     )

@@ -1,0 +1,159 @@
+"""Where the asynchronous pipeline pays: lock-step and asynchronous devnets with each node on
+cores of its own and 100 Mbit/s uploads (issue 35 point 5).
+
+    python bench/pipeline.py [--steps 40] [--node-cores trainer=2,worker=0.25,validator=1]
+                             [--upload-mbps 100] [--out DIR]
+
+On this machine all six devnet processes share its cores, where on the internet each node
+has its own: a lock-step phase running alone takes every core, overlapping phases share
+them, and neither is what a swarm sees (docs/benchmarks.md, "Asynchronous pipeline"). Here
+every node process is capped at its role's ``--node-cores`` CPUs (a cgroup CPU quota) and
+runs on a trio clock dilated by the quotas' sum / this machine's cores
+(``node/ops/emulation.py``), so per emulated second each node has its quota's worth of CPU
+whatever the others do, and checkpoint uploads pass ``--upload-mbps`` per emulated second.
+The default swarm is sized as an operator would size one, its workers generating about what
+the trainer learns from: a trainer of 2 CPUs (a step of two batches takes it about 1.3
+emulated seconds), two workers of a quarter CPU (a batch takes one about 2 s), two
+validators of one CPU. (With workers of half a CPU, continuous generation made twice what
+the trainer took and the validators, verifying all of it, fell ever further behind.) Lock-step
+(``--lockstep``: one batch per worker per version, then wait) against the asynchronous
+pipeline as a real run has it by default (``--set worker_batches_per_version=0``: workers
+generate without pause inside the window), both through the CLI (``primenode devnet
+--node-cores ... --time-dilation D --max-upload-mbps M``), one after the other, nothing
+else running.
+
+Reported per mode: emulated seconds per trainer step (from the second step's metrics line
+to the last: start-up excluded) and steps per emulated minute, the workers' utilization
+(share of wall time generating), mean reward over steps 31-40, the staleness mix, clip
+fractions, wall seconds. Needs root (the quotas). The last line of output is one JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.learning import read_metrics, summarise  # noqa: E402
+from node.ops.emulation import own_cores_dilation, parse_node_cores  # noqa: E402
+
+BUSY = {"trainer": 1, "worker": 2, "validator": 2}  # the bootstrap only answers joins
+
+
+def run_mode(out: Path, lockstep: bool, args: argparse.Namespace, dilation: float) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "node.ops.cli",
+        "devnet",
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--node-cores",
+        args.node_cores,
+        "--time-dilation",
+        f"{dilation:g}",
+        "--max-upload-mbps",
+        f"{args.upload_mbps:g}",
+        "--timeout",
+        str(args.timeout),
+        *(["--lockstep"] if lockstep else ["--set", "worker_batches_per_version=0"]),
+    ]
+    load = os.getloadavg()[0]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = read_metrics(out)
+    timed = [r for r in rows if "time" in r and r.get("step", 0) >= 2]
+    real_per_step = (timed[-1]["time"] - timed[0]["time"]) / max(1, timed[-1]["step"] - timed[0]["step"])
+    busy = [u for u in summary.get("workers_busy", {}).values() if isinstance(u, (int, float))]
+    return {
+        "mode": "lock-step" if lockstep else "asynchronous",
+        "wall_s": round(wall, 1),
+        "step_s": round(real_per_step / dilation, 3),  # emulated seconds per trainer step
+        "steps_per_min": round(60.0 * dilation / real_per_step, 2),
+        "worker_utilization": round(sum(busy) / len(busy), 3) if busy else None,
+        "workers_busy": summary.get("workers_busy"),
+        "load_before": round(load, 2),
+        **summarise(rows),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument(
+        "--node-cores", default="trainer=2,worker=0.25,validator=1", help="CPUs of each node's own, per role"
+    )
+    ap.add_argument("--upload-mbps", type=float, default=100.0)
+    ap.add_argument("--timeout", type=float, default=5400.0, help="per devnet, real seconds")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    cores = parse_node_cores(args.node_cores)
+    dilation = round(own_cores_dilation(sum(cores[role] * n for role, n in BUSY.items())), 3)
+    print(
+        f"nodes' CPUs {args.node_cores} on {os.cpu_count()} cores: time dilation x{dilation:g}, "
+        f"uploads {args.upload_mbps:g} Mbit/s per emulated second; {args.steps} steps per mode; out {out}",
+        flush=True,
+    )
+    results = []
+    for lockstep in (True, False):
+        r = run_mode(out / ("lockstep" if lockstep else "async"), lockstep, args, dilation)
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
+    lock, asy = results
+    print()
+    print(
+        "| mode | s per step (emulated) | steps per emulated min | worker utilization | reward 31-40 | staleness mix | clip by staleness | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        clip = ", ".join(f"{s}: {v['clip_fraction']:.1%}" for s, v in r["ratio_by_staleness"].items()) or "-"
+        mix = " / ".join(f"{s}: {n}" for s, n in r["staleness_mix"].items())
+        print(
+            f"| {r['mode']} | {r['step_s']} | {r['steps_per_min']} | {r['worker_utilization']} | "
+            f"{r['reward_31_40']} | {mix} | {clip} | {r['wall_s']} |"
+        )
+    speedup = round(asy["steps_per_min"] / lock["steps_per_min"], 3)
+    gap = (
+        round(abs(asy["reward_31_40"] - lock["reward_31_40"]), 4)
+        if asy["reward_31_40"] is not None and lock["reward_31_40"] is not None
+        else None
+    )
+    print(
+        f"\nasynchronous / lock-step steps per minute: {speedup}x (goal >= 1.5); worker utilization "
+        f"{asy['worker_utilization']} (goal >= 0.8); reward 31-40 gap {gap} (goal <= 0.05)"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "pipeline",
+                "dilation": dilation,
+                "node_cores": args.node_cores,
+                "upload_mbps": args.upload_mbps,
+                "steps": args.steps,
+                "speedup": speedup,
+                "reward_gap": gap,
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
