@@ -575,9 +575,9 @@ def devnet(
         str,
         typer.Option(
             "--node-cores",
-            help="Benchmarks: cap every node process at this many CPUs (a cgroup CPU quota, needs root), "
-            "as if each had cores of its own: one number for all, or per role (trainer=2,worker=0.5,validator=1); "
-            "0: no cap.",
+            help="Benchmarks: give every node process this many CPUs of its own per emulated second (a cgroup "
+            "CPU quota of CPUs / --time-dilation, needs root): one number for all, or per role "
+            "(trainer=2,worker=0.5,validator=1); 0: no cap.",
         ),
     ] = "0",
     time_dilation: Annotated[

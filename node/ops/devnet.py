@@ -341,7 +341,8 @@ class Devnet:
             if background:
                 background_priority(node.proc.pid)
             if self.cores is not None:
-                self.cores.place(node.name, node.proc.pid, o.node_cores[node.role])
+                # CPUs per emulated second: an emulated second lasts time_dilation real ones
+                self.cores.place(node.name, node.proc.pid, o.node_cores[node.role] / o.time_dilation)
 
     def start_all(self) -> None:
         for n in self.nodes:

@@ -11,9 +11,11 @@ a real swarm sees. Two tools undo that, together:
 * **time dilation** (``DilatedClock``): every trio timer, timeout and token bucket of a
   node runs ``dilation`` times slower than real time, while its CPU work takes real time
   (Gupta et al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006). With
-  ``dilation`` = the nodes' quotas together / this machine's cores the quotas fit the
-  machine, and per emulated second each node gets its quota's worth of CPU, beside a
-  100 Mbit/s upload cap that passes 100 Mbit per emulated second.
+  ``dilation`` = the nodes' CPUs together / this machine's cores, each node's quota is
+  its CPUs / ``dilation`` real CPUs: the quotas fill the machine, and per emulated second
+  each node gets its own CPUs' worth of work, never more (a lone phase cannot borrow an
+  idle neighbour's share, as it could not on the internet), beside a 100 Mbit/s upload
+  cap that passes 100 Mbit per emulated second.
 
 Child processes learn the dilation from ``PRIMENODE_TIME_DILATION`` (the daemon's trio
 clock). Wall-clock message timestamps stay real: freshness checks only get stricter.
