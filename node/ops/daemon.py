@@ -98,7 +98,14 @@ class _StreamOpenNoise(logging.Filter):
         if record.name.startswith("libp2p.network.swarm"):
             # an AutoNAT dial-back (ours or a peer's) proves reachability with the security
             # handshake and hangs up: the dialled side then fails to negotiate a muxer
-            return not msg.startswith("fail to upgrade mux")
+            if msg.startswith("fail to upgrade mux"):
+                return False
+            # a connection still being added when we cancel its task (a dial we gave up, a
+            # bootstrap found foreign): py-libp2p logs the cancellation's whole traceback in
+            # the message, 20 lines for a routine event
+            if msg.startswith("[ADDCONN_FAIL]"):
+                args = record.args if isinstance(record.args, tuple) else ()
+                return not (len(args) >= 2 and isinstance(args[1], trio.Cancelled))
         return True
 
 
