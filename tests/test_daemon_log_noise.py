@@ -40,3 +40,17 @@ def test_a_connection_add_cancelled_by_us_is_not_logged_but_a_failed_one_is():
 
     assert not noise.filter(_addconn_fail(trio.run(cancelled)))
     assert noise.filter(_addconn_fail(OSError("connection reset")))  # a real failure stays
+
+
+def _yamux(msg: str) -> logging.LogRecord:
+    return logging.LogRecord("libp2p.stream_muxer.yamux.yamux", logging.ERROR, __file__, 1, msg, (), None)
+
+
+def test_a_connection_closed_under_the_muxer_is_not_logged_but_a_protocol_error_is():
+    """Seen in CI: a join that finds its bootstrap foreign hangs up, and py-libp2p's yamux read
+    loop logged "Error in handle_incoming ...: ClosedResourceError: " as an ERROR."""
+    noise = _StreamOpenNoise()
+    assert not noise.filter(_yamux("Error in handle_incoming for peer 12D3KooW...: ClosedResourceError: "))
+    assert not noise.filter(_yamux("Error in handle_incoming for peer 12D3KooW...: BrokenResourceError: "))
+    assert noise.filter(_yamux("Error in handle_incoming for peer 12D3KooW...: YamuxError: bad frame"))
+    assert noise.filter(_yamux("some other yamux ERROR"))

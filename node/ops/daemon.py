@@ -106,6 +106,12 @@ class _StreamOpenNoise(logging.Filter):
             if msg.startswith("[ADDCONN_FAIL]"):
                 args = record.args if isinstance(record.args, tuple) else ()
                 return not (len(args) >= 2 and isinstance(args[1], trio.Cancelled))
+        if record.name.startswith("libp2p.stream_muxer.yamux"):
+            # the muxer's read loop finds the connection closed under it (we hung up on a
+            # foreign bootstrap, a peer we dropped): py-libp2p logs that ERROR and then
+            # cleans up exactly as for a clean close
+            closed = ("ClosedResourceError", "BrokenResourceError")
+            return not (msg.startswith("Error in handle_incoming") and any(f": {c}:" in msg for c in closed))
         return True
 
 
