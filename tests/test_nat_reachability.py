@@ -42,3 +42,16 @@ def test_a_success_or_silence_between_bad_rounds():
 def test_a_private_node_becomes_public_on_one_success():
     assert next_reachability(PRIVATE, {"a": "ok"}, 5, 3) == (PUBLIC, 0)
     assert next_reachability(PRIVATE, FAILED, 5, 3) == (PRIVATE, 6)
+
+
+def test_one_side_of_a_relayed_pair_starts_the_hole_punch_and_the_other_answers():
+    """Both sides starting DCUtR at once made their dials collide (errno 99) and no attempt
+    succeeded on a loaded machine; the peer ids' order picks one, the other only answers
+    until it has waited ``defer_s`` (the peer may be one that never starts)."""
+    from node.p2p.nat import drives_hole_punch
+
+    low, high = b"\x00\x24\x08\x01" + b"\x01" * 32, b"\x00\x24\x08\x01" + b"\x02" * 32
+    assert drives_hole_punch(low, high, 0.0, 20.0)
+    assert not drives_hole_punch(high, low, 0.0, 20.0)  # exactly one of the pair, no message needed
+    assert not drives_hole_punch(high, low, 19.9, 20.0)
+    assert drives_hole_punch(high, low, 20.0, 20.0)  # the other never started: go ahead

@@ -55,15 +55,53 @@ async def test_duplicates_stop_once_the_eager_links_form_a_tree():
             nursery.cancel_scope.cancel()
 
 
+async def silence_heartbeats(nodes) -> None:
+    """Until no node publishes heartbeats and no gossip is in flight. Why: any message the
+    victim misses is repaired by GRAFT, and a GRAFT makes the victim eager again at that
+    neighbour (Plumtree's repair); with heartbeats flowing every 2 s the "pruned everywhere"
+    state lasts a moment (CI once waited 20 s for it in vain)."""
+    published = {n.peer_id: 0 for n in nodes}
+
+    def counting(n):
+        make = n.make_heartbeat
+
+        def made():
+            published[n.peer_id] += 1
+            return make()
+
+        return made
+
+    for n in nodes:
+        n.config.heartbeat_interval_s = 3600.0  # read by the loop after its current sleep
+        n.make_heartbeat = counting(n)
+    # each loop published once more after the change and now sleeps the long sleep
+    await wait_until(lambda: all(published.values()), 30, what="a last heartbeat from every node")
+
+    last = [-1]
+
+    def quiet() -> bool:
+        """Nothing missing or queued anywhere, and no frame moved since the previous poll (a
+        frame still in a socket is in neither)."""
+        moved = sum(n.gossip.relayed_frames + n.gossip.duplicates + sum(n.gossip.counters.values()) for n in nodes)
+        still, last[0] = moved == last[0], moved
+        return still and all(not n.gossip._missing and not any(n.gossip._ihave_out.values()) for n in nodes)
+
+    # polled at the IHAVE interval, so a queued IHAVE has gone out between two polls
+    await wait_until(quiet, 30, poll=0.5, what="no gossip in flight")
+
+
 async def test_a_node_whose_eager_links_were_all_pruned_still_gets_everything_by_graft():
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            net = NodeFactory(nursery, target_peers=3, heartbeat_interval_s=2.0)
+            net = NodeFactory(nursery, target_peers=3, heartbeat_interval_s=2.0, forget_after_s=600.0)
             nodes = [await net.start() for _ in range(5)]
             await net.wait_connected(nodes, min_peers=2)
+            await silence_heartbeats(nodes)
             got = collect(nodes)
             victim = nodes[-1]
             # Every neighbour is told to stop pushing to the victim: only IHAVE reaches it now.
+            # (Links of connections the victim's link loop has not picked up yet are taken first.)
+            victim.gossip._sync_links()
             for pid in list(victim.gossip._links):
                 victim.gossip._send(pid, encode_control(PRUNE))
             await wait_until(

@@ -101,6 +101,9 @@ class NatConfig:
     # apart (a loaded machine), so the budget is renewed this often while a peer stays relayed.
     hole_punch: bool = True
     hole_punch_retry_s: float = 30.0
+    # Only one side of a pair starts DCUtR (the smaller peer id); the other waits this long for
+    # it before starting its own (a foreign peer may only ever answer). See drives_hole_punch.
+    hole_punch_defer_s: float = 20.0
 
 
 def conn_is_relayed(conn: Any) -> bool:
@@ -131,6 +134,42 @@ def next_reachability(current: str, verdicts: dict[str, str], misses: int, demot
     if current == PUBLIC and misses < demote_after:
         return PUBLIC, misses
     return PRIVATE, misses
+
+
+def drives_hole_punch(ours: bytes, theirs: bytes, relayed_for_s: float, defer_s: float) -> bool:
+    """Whether we start DCUtR towards a peer we reach only over a relay, or leave it to them.
+
+    Why: py-libp2p 0.8.1 lets both sides of a relayed pair start a session, and runs both.
+    Each session dials the other side from the listen port, so the two sessions of one node
+    dial the same address from the same port at once: the second ``connect`` fails with
+    EADDRNOTAVAIL (errno 99), and the simultaneous opens pair dials of different sessions
+    whose handshake roles do not match. On a loaded machine both sides started together and
+    no attempt ever succeeded (tests/test_nat_netns.py: one CI run in two, and beside two busy
+    cores; 4 of 4 passed there after this).
+    So one side starts, chosen by the peer ids' byte order (both sides agree without a
+    message); the other answers its session, and starts its own only after ``defer_s`` still
+    relayed, for a peer that never starts one (libp2p allows answer-only peers)."""
+    return ours < theirs or relayed_for_s >= defer_s
+
+
+class _OrderedDCUtR(DCUtRProtocol):
+    """The library's DCUtR with :func:`drives_hole_punch` deciding who starts a session."""
+
+    def __init__(self, host: IHost, defer_s: float) -> None:
+        super().__init__(host)
+        self.defer_s = defer_s
+        self._relayed_since: dict[ID, float] = {}  # peers its loop found relayed, first seen
+
+    async def initiate_hole_punch(self, peer_id: ID) -> bool:
+        now = trio.current_time()
+        since = self._relayed_since.setdefault(peer_id, now)
+        if not drives_hole_punch(self.host.get_id().to_bytes(), peer_id.to_bytes(), now - since, self.defer_s):
+            return False
+        return await super().initiate_hole_punch(peer_id)
+
+    def on_peer_disconnected(self, peer_id: ID) -> None:
+        super().on_peer_disconnected(peer_id)
+        self._relayed_since.pop(peer_id, None)
 
 
 class DialBackAutoNAT(AutoNATService):
@@ -348,7 +387,7 @@ class NatService:
         # transport accept circuits, no CLIENT role so a dial does not reserve on the way.
         self.transport = CircuitV2Transport(host, self.relay, RelayConfig(roles=RelayRole.STOP, limits=limits))
         self.autonat = DialBackAutoNAT(host, timeout=config.dial_back_timeout_s)
-        self.dcutr = DCUtRProtocol(host) if config.hole_punch else None
+        self.dcutr = _OrderedDCUtR(host, config.hole_punch_defer_s) if config.hole_punch else None
         self.relay_dials = {"ok": 0, "failed": 0}
         # Peers whose relayed connection was joined by a direct one (a hole punch, or the
         # NAT'd side dialling a public peer). Kept here, not read from DCUtR: the library
