@@ -28,6 +28,7 @@ import tomli_w
 from node.errors import ConfigError
 from node.util import atomic_write_text, now_ms
 from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
+from protocol.run_config import check_run_config
 
 _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
 _HEX_FIELDS = ("model_root", "dataset_hash")  # bytes in the genesis, hex text in the file (TOML has no bytes)
@@ -49,14 +50,31 @@ def make_genesis(owner: NodeKey, config: dict[str, Any], **fields: Any) -> Signe
         fields["validators"] = tuple(fields["validators"])
     genesis = RunGenesis(config_toml=tomli_w.dumps(config), **fields)
     try:
+        check_run_config(config)  # a typo would be signed in for good: refuse it now
         RunGenesis.decode(genesis.encode())  # run every protocol rule now, with a clear error
     except ProtocolError as exc:
+        if exc.rule.startswith("config:"):
+            raise ConfigError(f"{exc.detail} (docs/operating.md lists every [config] key)") from None
         raise ConfigError(f"invalid genesis: {exc}") from None
     return sign_genesis(owner, genesis)
 
 
 def genesis_config(genesis: RunGenesis) -> dict[str, Any]:
-    return tomllib.loads(genesis.config_toml)
+    """The genesis ``[config]`` table, checked against ``protocol/run_config.py`` (a genesis
+    from a file or from the swarm: one whose table a node cannot read is not run with
+    silently ignored keys)."""
+    try:
+        config = tomllib.loads(genesis.config_toml)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"genesis [config] is not valid TOML: {exc}") from None
+    try:
+        check_run_config(config)
+    except ProtocolError as exc:
+        raise ConfigError(
+            f"genesis {genesis.name!r}: {exc.detail} (a genesis is signed: fix it with `primenode run init`, "
+            "which makes a new run)"
+        ) from None
+    return config
 
 
 def write_genesis(signed: SignedGenesis, path: Path) -> None:
@@ -65,7 +83,7 @@ def write_genesis(signed: SignedGenesis, path: Path) -> None:
         "run_id": g.run_id.hex(),
         "signature": signed.signature.hex(),
         "run": {name: _file_value(getattr(g, name)) for name in _RUN_FIELDS},
-        "config": genesis_config(g),
+        "config": tomllib.loads(g.config_toml),  # as signed, checked or not
     }
     atomic_write_text(path, tomli_w.dumps(doc))
 
@@ -96,6 +114,7 @@ def read_genesis(path: Path) -> SignedGenesis:
         signed = SignedGenesis(genesis=genesis, signature=bytes.fromhex(doc["signature"]))
         signed = SignedGenesis.decode(signed.encode())  # every field rule
         verify_genesis(signed, bytes.fromhex(doc["run_id"]))
+        check_run_config(doc.get("config", {}))
     except KeyError as exc:
         raise ConfigError(f"{path}: missing {exc.args[0]!r}") from None
     except (
