@@ -1,7 +1,7 @@
 """Where the asynchronous pipeline pays: lock-step and asynchronous devnets with each node on
 cores of its own and 100 Mbit/s uploads (issue 35 point 5).
 
-    python bench/pipeline.py [--steps 40] [--node-cores trainer=2,worker=0.25,validator=1]
+    python bench/pipeline.py [--steps 40] [--node-cores trainer=2,worker=0.25,validator=1] [--modes lock-step,continuous,paced]
                              [--upload-mbps 100] [--out DIR]
 
 On this machine all six devnet processes share its cores, where on the internet each node
@@ -50,7 +50,16 @@ from node.ops.emulation import own_cores_dilation, parse_node_cores  # noqa: E40
 BUSY = {"trainer": 1, "worker": 2, "validator": 2}  # the bootstrap only answers joins
 
 
-def run_mode(out: Path, lockstep: bool, args: argparse.Namespace, dilation: float) -> dict[str, Any]:
+# mode -> the devnet flags that make it. "paced" is the devnet's own default (one batch per worker
+# per version, one version ahead); "continuous" is a real run's default (no pace at all).
+MODES = {
+    "lock-step": ["--lockstep"],
+    "continuous": ["--set", "worker_batches_per_version=0"],
+    "paced": [],
+}
+
+
+def run_mode(out: Path, mode: str, args: argparse.Namespace, dilation: float) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
@@ -68,7 +77,7 @@ def run_mode(out: Path, lockstep: bool, args: argparse.Namespace, dilation: floa
         f"{args.upload_mbps:g}",
         "--timeout",
         str(args.timeout),
-        *(["--lockstep"] if lockstep else ["--set", "worker_batches_per_version=0"]),
+        *MODES[mode],
     ]
     load = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -82,7 +91,7 @@ def run_mode(out: Path, lockstep: bool, args: argparse.Namespace, dilation: floa
     real_per_step = (timed[-1]["time"] - timed[0]["time"]) / max(1, timed[-1]["step"] - timed[0]["step"])
     busy = [u for u in summary.get("workers_busy", {}).values() if isinstance(u, (int, float))]
     return {
-        "mode": "lock-step" if lockstep else "asynchronous",
+        "mode": mode,
         "wall_s": round(wall, 1),
         "step_s": round(real_per_step / dilation, 3),  # emulated seconds per trainer step
         "steps_per_min": round(60.0 * dilation / real_per_step, 2),
@@ -102,6 +111,9 @@ def main() -> None:
     ap.add_argument("--upload-mbps", type=float, default=100.0)
     ap.add_argument("--timeout", type=float, default=5400.0, help="per devnet, real seconds")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--modes", default="lock-step,continuous", help=f"comma-separated, the baseline first: {', '.join(MODES)}"
+    )
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     cores = parse_node_cores(args.node_cores)
@@ -111,12 +123,14 @@ def main() -> None:
         f"uploads {args.upload_mbps:g} Mbit/s per emulated second; {args.steps} steps per mode; out {out}",
         flush=True,
     )
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
     results = []
-    for lockstep in (True, False):
-        r = run_mode(out / ("lockstep" if lockstep else "async"), lockstep, args, dilation)
+    for mode in modes:
+        r = run_mode(out / mode, mode, args, dilation)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "rewards"}), flush=True)
-    lock, asy = results
     print()
     print(
         "| mode | s per step (emulated) | steps per emulated min | worker utilization | reward 31-40 | staleness mix | clip by staleness | wall s |"
@@ -129,16 +143,20 @@ def main() -> None:
             f"| {r['mode']} | {r['step_s']} | {r['steps_per_min']} | {r['worker_utilization']} | "
             f"{r['reward_31_40']} | {mix} | {clip} | {r['wall_s']} |"
         )
-    speedup = round(asy["steps_per_min"] / lock["steps_per_min"], 3)
-    gap = (
-        round(abs(asy["reward_31_40"] - lock["reward_31_40"]), 4)
-        if asy["reward_31_40"] is not None and lock["reward_31_40"] is not None
-        else None
-    )
-    print(
-        f"\nasynchronous / lock-step steps per minute: {speedup}x (goal >= 1.5); worker utilization "
-        f"{asy['worker_utilization']} (goal >= 0.8); reward 31-40 gap {gap} (goal <= 0.05)"
-    )
+    base = results[0]
+    compared = {}
+    for r in results[1:]:
+        speedup = round(r["steps_per_min"] / base["steps_per_min"], 3)
+        gap = (
+            round(abs(r["reward_31_40"] - base["reward_31_40"]), 4)
+            if r["reward_31_40"] is not None and base["reward_31_40"] is not None
+            else None
+        )
+        compared[r["mode"]] = {"speedup": speedup, "reward_gap": gap}
+        print(
+            f"\n{r['mode']} / {base['mode']} steps per minute: {speedup}x (goal >= 1.5); worker utilization "
+            f"{r['worker_utilization']} (goal >= 0.8); reward 31-40 gap {gap} (goal <= 0.05)"
+        )
     print(
         json.dumps(
             {
@@ -147,8 +165,8 @@ def main() -> None:
                 "node_cores": args.node_cores,
                 "upload_mbps": args.upload_mbps,
                 "steps": args.steps,
-                "speedup": speedup,
-                "reward_gap": gap,
+                "baseline": base["mode"],
+                "compared": compared,
                 "results": results,
             }
         )
