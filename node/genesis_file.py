@@ -42,19 +42,26 @@ def _file_value(value: Any) -> Any:
     return value
 
 
+def check_config(config: dict[str, Any]) -> None:
+    """``ConfigError`` unless every ``[config]`` key is known and its value fits
+    (``protocol/run_config.py``): before anything slow (hashing a model) and before signing."""
+    try:
+        check_run_config(config)
+    except ProtocolError as exc:
+        raise ConfigError(f"{exc.detail} (docs/operating.md lists every [config] key)") from None
+
+
 def make_genesis(owner: NodeKey, config: dict[str, Any], **fields: Any) -> SignedGenesis:
     """Build and sign a genesis. ``fields`` are RunGenesis fields (owner/created_ms filled in)."""
     fields.setdefault("owner", owner.peer_id)
     fields.setdefault("created_ms", now_ms())
     if "validators" in fields:
         fields["validators"] = tuple(fields["validators"])
+    check_config(config)  # a typo would be signed in for good: refuse it now
     genesis = RunGenesis(config_toml=tomli_w.dumps(config), **fields)
     try:
-        check_run_config(config)  # a typo would be signed in for good: refuse it now
         RunGenesis.decode(genesis.encode())  # run every protocol rule now, with a clear error
     except ProtocolError as exc:
-        if exc.rule.startswith("config:"):
-            raise ConfigError(f"{exc.detail} (docs/operating.md lists every [config] key)") from None
         raise ConfigError(f"invalid genesis: {exc}") from None
     return sign_genesis(owner, genesis)
 

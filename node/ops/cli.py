@@ -253,9 +253,10 @@ def run_init(
     ] = None,
 ) -> None:
     """Write a signed run genesis; its hash is the run id."""
-    from node.genesis_file import make_genesis, write_genesis
+    from node.genesis_file import check_config, make_genesis, write_genesis
 
     cfg = _set_values(config)
+    check_config(cfg)  # a typo is named before the model and dataset are hashed
     owner = NodeHome(home).load_key()
     if quorum is None:
         quorum = len(validator) // 2 + 1  # a majority: with two or more, no validator admits alone
