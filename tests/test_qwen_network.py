@@ -31,9 +31,10 @@ CHUNK = 64 * 1024  # the genesis minimum: version 0 spans several chunks, fetche
 ROWS = 448  # tests/support/qwen.py pads the embedding to a multiple of 64 past the tokenizer's 403 ids
 
 
-def qwen_genesis(folder, **config):
+def qwen_genesis(folder, max_async: int = 2, **config):
     files = model_files(folder)
     fields = {
+        "max_async": max_async,
         "model": str(folder),
         "model_root": model_root_of(files, CHUNK),
         "dataset": "builtin:target-length",
@@ -49,7 +50,9 @@ async def test_a_qwen_style_model_travels_as_version_0_and_trains(tmp_path):
     folder = tmp_path / "qwen-src"
     tok = qwen_folder(folder)
     # max_async 0: once version 1 exists, version 0 is outside every node's window, so the
-    # late worker below gets it only because nodes of a pinned run keep and re-announce it
+    # late worker below gets it only because nodes of a pinned run keep and re-announce it.
+    # (A [run] field: given as a [config] key, as this test once did, it was ignored and the
+    # window was 2; protocol/run_config.py now refuses it there.)
     genesis = qwen_genesis(folder, steps=2, batches_per_step=1, max_async=0)
     g = genesis.genesis
     assert "README.md" not in model_files(folder)  # only the model's own files are pinned
