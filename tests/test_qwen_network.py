@@ -86,7 +86,13 @@ async def test_a_qwen_style_model_travels_as_version_0_and_trains(tmp_path):
             # a worker joining now, with version 0 outside the window, still gets the model
             late = WorkerRole(homes(tmp_path, "node-3"), contexts[3])
             await net.start(hook=late, key=WORKERS[1])
-            await wait_until(lambda: contexts[3].model_ready, 120, poll=0.2, what="version 0 at the late worker")
+            try:
+                await wait_until(lambda: contexts[3].model_ready, 120, poll=0.2, what="version 0 at the late worker")
+            except trio.TooSlowError:
+                # CI once timed out here (window 2 then) and said nothing more: say what the late
+                # worker knew (versions announced, fetches, peers) next time
+                status = {"late": late.checkpoints_status(), "peers": len(late.node.conns.connected())}
+                raise AssertionError(f"version 0 never reached the late worker: {status}") from None
             await wait_until(lambda: trainer.version >= 2, 200, poll=0.2, what="a second GRPO step")
             await wait_until(
                 lambda: late.stats["batches_accepted"] >= 1, 120, poll=0.2, what="a quorum accepting a late batch"
