@@ -22,6 +22,13 @@ with a step budget it never reaches, then churns for ``--duration`` minutes, sta
   at a time, so quorum holds) is stopped and started again, and succeeds when it is
   connected to the bootstrap again.
 
+Churn starts once the trainer made its first step (the devnet is up; ``--ready-timeout-min``),
+and ``--duration`` counts from there. A joiner runs at the priority the devnet gives its own
+workers and validators (node/ops/devnet.py ``background_priority``): at a normal priority the
+joiners' process starts took every CPU cycle from the devnet's workers and validators, which
+then did not even print their first log line for 4.5 minutes (2-core machine, 2026-11-28).
+The CPU seconds each worker join used (its process, until it left) are reported.
+
 A join that does not succeed within ``--join-timeout-s`` or whose process exits first fails
 the run. Every ``--interval-s`` seconds it samples every devnet process's RSS and open fds
 (psutil when installed, else /proc), the bootstrap's trio task count and connections (its
@@ -50,6 +57,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -63,7 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from node.ops.churn import trainer_step  # noqa: E402
-from node.ops.devnet import Devnet, DevnetOptions, NodeProc, primenode_cmd  # noqa: E402
+from node.ops.devnet import Devnet, DevnetOptions, NodeProc, background_priority, primenode_cmd  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -89,6 +97,15 @@ def proc_sample(pid: int) -> dict | None:
                 threads = int(line.split()[1])
         return {"rss": rss, "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
     except OSError:
+        return None
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` used so far (None if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
         return None
 
 
@@ -221,6 +238,7 @@ class Join:
     joined_s: float | None = None
     leaving_since: float | None = None
     log: object = None
+    cpu_s: float | None = None  # user + system CPU seconds of the joiner, read as it leaves
 
 
 class Churn:
@@ -252,6 +270,7 @@ class Churn:
         self.next_t = 0.0
         self.closing = False
         self.every_s = args.duration * 60 / args.joins if args.joins else float("inf")
+        self.join_cpu_s: list[float] = []
 
     def _worker_cmd(self, home) -> list[str]:
         return primenode_cmd() + [
@@ -277,9 +296,11 @@ class Churn:
             slot = self.free.pop(0)
             home = self.pool[slot]
             log = open(self.out / "logs" / f"churn-{slot}.log", "ab")
+            idle = ["chrt", "--idle", "0"] if shutil.which("chrt") else []
             proc = subprocess.Popen(
-                self._worker_cmd(home), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                idle + self._worker_cmd(home), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+            background_priority(proc.pid)  # as the devnet's own workers run
             kind = "relayed-worker" if slot == 0 else "worker"
             self.active.append(Join(n, kind, f"churn-{slot}", proc, t, log=log))
         self.kinds[self.active[-1].kind] = self.kinds.get(self.active[-1].kind, 0) + 1
@@ -332,6 +353,10 @@ class Churn:
                         self._done(j)
             elif j.leaving_since is None:
                 if t - j.started - j.joined_s >= a.dwell_s:
+                    if j.kind != "validator":
+                        j.cpu_s = proc_cpu_s(j.proc.pid)
+                        if j.cpu_s is not None:
+                            self.join_cpu_s.append(j.cpu_s)
                     j.proc.send_signal(signal.SIGKILL if j.n % 3 == 0 else signal.SIGTERM)
                     j.leaving_since = t
             elif j.proc.poll() is not None:
@@ -363,6 +388,9 @@ class Churn:
             "relayed_joins_ok": self.relayed_ok,
             "join_s_median": round(js[len(js) // 2], 1) if js else None,
             "join_s_max": round(js[-1], 1) if js else None,
+            "join_cpu_s_median": round(sorted(self.join_cpu_s)[len(self.join_cpu_s) // 2], 1)
+            if self.join_cpu_s
+            else None,
             "failures": self.failures[:20],
         }
 
@@ -387,6 +415,9 @@ def main() -> None:
     ap.add_argument("--max-joining", type=int, default=6, help="joins in progress at once")
     ap.add_argument("--dwell-s", type=float, default=4.0, help="a joined worker leaves this long after joining")
     ap.add_argument("--join-timeout-s", type=float, default=180.0)
+    ap.add_argument(
+        "--ready-timeout-min", type=float, default=15.0, help="the devnet's first step must come within this"
+    )
     ap.add_argument("--out", type=Path, default=None, help="devnet folder (default: a fresh temporary one)")
     ap.add_argument("--rss-tolerance-mib", type=float, default=8.0)
     ap.add_argument("--rss-tolerance-pct", type=float, default=5.0)
@@ -416,7 +447,11 @@ def main() -> None:
 
     out = args.out or Path(tempfile.mkdtemp(prefix="primenode-soak-"))
     opts = DevnetOptions(
-        out=out, workers=args.workers, validators=args.validators, steps=10**9, timeout_s=args.duration * 60 + 600
+        out=out,
+        workers=args.workers,
+        validators=args.validators,
+        steps=10**9,
+        timeout_s=(args.duration + args.ready_timeout_min) * 60 + 600,
     )
     devnet = Devnet(opts)
     devnet.prepare()
@@ -433,14 +468,24 @@ def main() -> None:
     died: dict[str, int] = {}
     boot_home = devnet.node("bootstrap").home
     step_at_churn: int | None = None
+    began = 0.0 if churn is None else None  # when the measured window (and the churn) began
+    not_ready = False
     try:
         next_sample = 0.0
         while True:
             t = time.monotonic() - t0
             if churn is not None:
-                if step_at_churn is None:
-                    step_at_churn = trainer_step(devnet)
-                churn.tick(t)
+                if began is None:
+                    step = trainer_step(devnet) or 0
+                    if step >= 1:  # the devnet is up: churn from now on
+                        began, step_at_churn = t, step
+                        print(f"[{t / 60:5.1f} min] the trainer made its first step: churn begins", flush=True)
+                    elif t > args.ready_timeout_min * 60:
+                        not_ready = True
+                        print(f"the trainer made no step in {args.ready_timeout_min:g} min: giving up", flush=True)
+                        break
+                else:
+                    churn.tick(t - began)
             if t >= next_sample:
                 procs = {}
                 for n in devnet.nodes:
@@ -474,7 +519,7 @@ def main() -> None:
                     flush=True,
                 )
                 next_sample += args.interval_s
-            if t >= args.duration * 60:
+            if began is not None and t - began >= args.duration * 60:
                 # joins in progress finish (or time out) before the end; none is started now
                 if churn is None or not any(j.joined_s is None for j in churn.active):
                     break
@@ -489,10 +534,11 @@ def main() -> None:
         log.close()
         (out / "status_end.json").write_text(json.dumps(status_end, indent=1, default=str))
 
-    nodes = summarise(samples, names, args.warmup_min * 60, args)
+    warm_from = (began or 0.0) + args.warmup_min * 60
+    nodes = summarise(samples, names, warm_from, args)
     print()
     print_table(nodes)
-    warm = [s for s in samples if s["t"] >= args.warmup_min * 60] or samples
+    warm = [s for s in samples if s["t"] >= warm_from] or samples
     tasks = [s.get("boot_tasks") for s in warm]
     task_growth = floor_growth(tasks)
     boot = nodes.get("bootstrap", {})
@@ -515,6 +561,8 @@ def main() -> None:
         "samples": len(samples),
         "interval_s": args.interval_s,
         "warmup_min": args.warmup_min,
+        "churn_began_min": None if began is None else round(began / 60, 1),
+        "churn_minutes": None if began is None else round((samples[-1]["t"] - began) / 60, 1),
         "steps": samples[-1]["step"],
         "steps_during_churn": steps_during,
         "admitted": samples[-1]["admitted"],
@@ -524,7 +572,7 @@ def main() -> None:
         "bootstrap_flat": boot_flat,
         "all_flat": flat and not died,
         # the churn's verdict: every join, training went on, the bootstrap flat, nobody died
-        "pass": bool(boot_flat and not died and joins_pass and steps_during > 0),
+        "pass": bool(boot_flat and not died and joins_pass and steps_during > 0 and not not_ready),
         "nodes": nodes,
         "out": str(out),
     }

@@ -42,6 +42,17 @@ def test_a_connection_add_cancelled_by_us_is_not_logged_but_a_failed_one_is():
     assert noise.filter(_addconn_fail(OSError("connection reset")))  # a real failure stays
 
 
+def test_a_connection_dialled_in_while_we_stop_is_not_logged():
+    """Seen in the churn soak (bench/soak.py): every peer that dialled a worker during its
+    SIGTERM shutdown got a 10-line WARNING, LifecycleError('Cannot schedule task after
+    service has stopped'), a dozen per leaving worker. Another LifecycleError stays."""
+    from libp2p.tools.anyio_service.exceptions import LifecycleError
+
+    noise = _StreamOpenNoise()
+    assert not noise.filter(_addconn_fail(LifecycleError("Cannot schedule task after service has stopped")))
+    assert noise.filter(_addconn_fail(LifecycleError("Cannot start a service twice")))
+
+
 def _yamux(msg: str) -> logging.LogRecord:
     return logging.LogRecord("libp2p.stream_muxer.yamux.yamux", logging.ERROR, __file__, 1, msg, (), None)
 

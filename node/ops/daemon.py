@@ -103,9 +103,13 @@ class _StreamOpenNoise(logging.Filter):
             # a connection still being added when we cancel its task (a dial we gave up, a
             # bootstrap found foreign): py-libp2p logs the cancellation's whole traceback in
             # the message, 20 lines for a routine event
+            # and one a peer dialled in while we stop (the swarm's service has stopped: its
+            # LifecycleError, 10 lines for each inbound connection of a node shutting down)
             if msg.startswith("[ADDCONN_FAIL]"):
                 args = record.args if isinstance(record.args, tuple) else ()
-                return not (len(args) >= 2 and isinstance(args[1], trio.Cancelled))
+                exc = args[1] if len(args) >= 2 else None
+                stopping = type(exc).__name__ == "LifecycleError" and "service has stopped" in str(exc)
+                return not (isinstance(exc, trio.Cancelled) or stopping)
         if record.name.startswith("libp2p.stream_muxer.yamux"):
             # the muxer's read loop finds the connection closed under it (we hung up on a
             # foreign bootstrap, a peer we dropped): py-libp2p logs that ERROR and then

@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from node.rl.ranks import launched_rank, under_torchrun
+from node.rl.torchrun import launched_rank, under_torchrun
 
 
 def without_nproc(argv: Sequence[str]) -> list[str]:

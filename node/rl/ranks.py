@@ -25,6 +25,7 @@ import torch.distributed as dist
 from node.rl.distributed import DistributedGRPOTrainer, init_distributed, leave_group, meta_model
 from node.rl.grpo import BehaviourWeights, Group, GRPOConfig
 from node.rl.metrics import StepMetrics
+from node.rl.torchrun import launched_rank, under_torchrun
 
 
 def _order(*order: Any) -> tuple[Any, ...]:
@@ -157,16 +158,6 @@ def follow(device: str = "cpu") -> NoReturn:
             else:
                 raise ValueError(f"unknown order {kind!r}")
     leave_group(0)
-
-
-def under_torchrun() -> bool:
-    """Launched by torchrun as one rank of a group (its environment names rank and size)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def launched_rank() -> int:
-    """This process's rank as torchrun set it (0 outside torchrun)."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def is_group_checkpoint(path: Path) -> bool:

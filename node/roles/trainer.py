@@ -242,7 +242,8 @@ class TrainerRole(LearningRole):
         torchrun (``join --nproc N``) this process is rank 0 and the trainer is the rank group
         (node/rl/ranks.py), with group (DCP) state folders; one kind never resumes the other's."""
         from node.rl.grpo import GRPOTrainer
-        from node.rl.ranks import RankGroup, is_group_checkpoint, under_torchrun
+        from node.rl.ranks import RankGroup, is_group_checkpoint
+        from node.rl.torchrun import under_torchrun
 
         group = under_torchrun()
         if group:
