@@ -84,9 +84,13 @@ async def test_unlimited_and_mbps_conversion(autojump_clock):
     assert trio.current_time() == t0
 
 
-async def test_capped_chunk_server_serves_at_the_cap_across_connections(tmp_path, autojump_clock):
+async def test_capped_chunk_server_serves_at_the_cap_across_connections(tmp_path, mock_clock):
     """Two fetchers pull from one capped server over real sockets, pipelining GETs: the
     bytes the server sends, in sum, follow the cap (1 MB/s here), not twice the cap."""
+    # the clock jumps to the next deadline once every task has waited 20 ms of real time, not
+    # at once: over real sockets a reply still in flight (a loaded machine) would otherwise let
+    # it jump to a connect, handshake or stall timeout while no bucket wait was due
+    mock_clock.autojump_threshold = 0.02
     src = make_checkpoint(tmp_path / "ckpt", 6, seed=31)
     trainer, a, b = keys(3)
     store = ChunkStore(tmp_path / "seed", RUN_ID, trainer.peer_id)

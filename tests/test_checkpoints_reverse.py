@@ -164,7 +164,11 @@ async def test_guessed_and_replayed_tickets_are_refused_an_honest_one_is_taken(t
             assert await refused(await dial(os.urandom(32)))
             # honest control: the holder's connection is handed to the fetcher waiting for it
             honest = await dial(tok)
-            await trio.testing.wait_all_tasks_blocked()  # it arrives before the fetcher waits for it
+            # it arrives before the fetcher waits for it: the server accepted it and read its
+            # HELLO (real I/O; waiting for quiet alone did not say so on a loaded machine)
+            with trio.fail_after(60):
+                while srv.reverse["accepted"] < 1:
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.01)
             assert srv.reverse["accepted"] == 1
             got = await srv.accept_reverse(tok, 5)
             await got.send_all(b"x")

@@ -58,6 +58,22 @@ async def _get(conn: DataConnection, idx: int) -> tuple[int, bytes]:
         return status, bytes(buf)
 
 
+async def _send_started(server: ChunkServer, st, idx: int) -> None:
+    """Wait (real time, clock standing still) until the server has begun sending chunk ``idx``:
+    its send's start time is recorded. ``wait_all_tasks_blocked`` alone does not say the GET
+    arrived: on a loaded machine a request over loopback can take longer than its cushion,
+    and a clock jump made before the send starts is not counted in the send's time."""
+    guard = time.monotonic() + 120
+    while time.monotonic() < guard:
+        sl = server._seed_log(st)
+        if sl is not None and idx in sl.running:
+            break
+        await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+    sl = server._seed_log(st)
+    assert sl is not None and idx in sl.running, f"the server never began sending chunk {idx}"
+    await trio.testing.wait_all_tasks_blocked(cushion=0.01)  # and is now blocked mid-send
+
+
 async def test_seed_refuses_a_second_peer_then_serves_after_the_hold_off(tmp_path, mock_clock):
     _, _, store, st, _ = await _seeded_store(tmp_path)
     a, b = (k.peer_id for k in keys(3)[1:])
@@ -200,6 +216,9 @@ async def test_a_peer_that_never_reads_pins_no_chunk_beyond_the_hold_off(tmp_pat
         for i in range(n):
             await ch.send(F.OP_GET, i)  # never read
         # the server gets stuck mid-send on the hoarder's full socket
+        guard = time.monotonic() + 120
+        while (server.bytes_served == 0 or server._sending == 0) and time.monotonic() < guard:
+            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
         await trio.testing.wait_all_tasks_blocked(cushion=0.2)
         assert 0 < server.bytes_served < st.manifest.total_bytes
         mock_clock.jump(1.0)
@@ -230,7 +249,7 @@ async def test_a_copy_sent_to_a_slow_recipient_holds_nothing_off(tmp_path, mock_
             """GET ``idx`` and read it only ``seconds`` (trio clock) after the server blocked
             on the full socket: the send takes that long."""
             await conn.send(F.OP_GET, idx)
-            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            await _send_started(server, st, idx)
             mock_clock.jump(seconds)
             op, status, ridx, length = await conn.read_header()
             assert (op, status, ridx) == (F.OP_GET, F.OK, idx)
@@ -238,7 +257,7 @@ async def test_a_copy_sent_to_a_slow_recipient_holds_nothing_off(tmp_path, mock_
 
         await send_blocked_then_read(cf, 1, 0.1)  # the fastest send: 24 MiB in 0.1-0.2 s
         await cs.send(F.OP_GET, 0)  # the slow peer's send of chunk 0 starts and blocks
-        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        await _send_started(server, st, 0)
         mock_clock.jump(0.2)  # within 3x the fast time: a normal pace, held off
         assert (await _get(co, 0))[0] == F.ELSEWHERE
         mock_clock.jump(1.8)  # 2 s: far over 3x what the fastest send needed: a slow recipient
@@ -264,7 +283,9 @@ async def test_chunks_inside_the_caps_burst_make_no_later_send_look_slow(tmp_pat
     RATE_MIN_BYTES are neither timed nor judged slow. Control: chunk 0, sent in the burst,
     is held off too; a slow recipient of a bigger chunk still holds nothing off
     (test_a_copy_sent_to_a_slow_recipient_holds_nothing_off)."""
-    mock_clock.autojump_threshold = 0  # the cap's waits pass as soon as every task waits
+    # the cap's waits pass once every task has waited 20 ms of real time (at 0, a reply still
+    # in flight over loopback on a loaded machine let the clock jump to a stall timeout)
+    mock_clock.autojump_threshold = 0.02
     _, _, store, st, _ = await _seeded_store(tmp_path, size_mib=2, chunk=256 * 1024)
     a, b, other = (k.peer_id for k in keys(4)[1:])
     server = ChunkServer(store, max_upload_mbps=8)  # 1 MB/s, bursts of 512 KiB; hold-off 10 s
@@ -302,7 +323,7 @@ async def test_a_chunk_queued_in_the_send_buffer_is_not_counted_as_delivered(tmp
         status, _ = await _get(cf, 1)  # a fast send: the server's idea of a normal pace
         assert status == F.OK
         await cs.send(F.OP_GET, 0)  # never read (until the end)
-        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        await _send_started(server, st, 0)
         mock_clock.jump(1.0)
         status, data = await _get(co, 0)
         assert status == F.OK, "a chunk sitting in the slow recipient's send queue was held off"

@@ -41,10 +41,12 @@ async def test_a_node_with_a_shifted_clock_is_told_and_says_so_once(shift_ms, ca
         )
         clock = skewed.status()["clock"]
         side = "ahead of" if shift_ms > 0 else "behind"
-        # "your clock is 23 s ahead of 3 peers; enable NTP": the seconds less the delays the
-        # samples carry (a request's seal to its arrival) on a loaded machine
+        # "your clock is 23 s ahead of 3 peers; enable NTP": a sample is the shift plus the
+        # delay it carried (a request's seal to its arrival), so on a loaded machine a clock
+        # ahead reads a few seconds more and one behind a few seconds less
         said = re.fullmatch(rf"your clock is (\d+) s {side} {HONEST} peers; enable NTP .*", clock["warning"] or "")
-        assert said and 20 <= int(said[1]) <= 23, clock
+        low, high = (23, 26) if shift_ms > 0 else (20, 23)
+        assert said and low <= int(said[1]) <= high, clock
         assert abs(clock["ahead_ms"] - shift_ms) < 5_000, clock  # sign and size (network delay aside)
         # one line (with the peers heard by then), not one per refused message; the honest
         # nodes in this process log none
@@ -61,7 +63,7 @@ async def test_a_node_with_a_shifted_clock_is_told_and_says_so_once(shift_ms, ca
             assert err.value.code == frames.CLOCK_SKEW, err.value
             said = re.search(r"says our clock is ([0-9.]+) s ahead of its", err.value.detail)
             assert said and abs(float(said[1]) * 1000 - shift_ms) < 5_000, err.value.detail
-            assert f"{SHIFT_MS // 1000} s ahead of" in skewed.clock_skew.warning()
+            assert re.search(r"\b2[3-6] s ahead of", skewed.clock_skew.warning() or ""), skewed.clock_skew.warning()
 
         # the control: honest nodes see one odd peer among several and do not warn
         for n in honest:
