@@ -28,7 +28,7 @@ import tomli_w
 from node.errors import ConfigError
 from node.util import atomic_write_text, now_ms
 from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
-from protocol.run_config import check_run_config
+from protocol.run_config import RunConfig, check_run_config
 
 _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
 _HEX_FIELDS = ("model_root", "dataset_hash")  # bytes in the genesis, hex text in the file (TOML has no bytes)
@@ -82,6 +82,12 @@ def genesis_config(genesis: RunGenesis) -> dict[str, Any]:
             "which makes a new run)"
         ) from None
     return config
+
+
+def run_config(genesis: RunGenesis) -> RunConfig:
+    """The genesis ``[config]`` decoded into :class:`RunConfig` (checked as
+    :func:`genesis_config` checks it): what a node runs with, read by attribute."""
+    return RunConfig.decode(genesis_config(genesis))
 
 
 def write_genesis(signed: SignedGenesis, path: Path) -> None:

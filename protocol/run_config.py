@@ -8,8 +8,9 @@ devnet and every reader of a genesis (a genesis file, one received from the swar
 the table here and refuse an unknown key, naming the nearest known one, or a value of the
 wrong type or out of its bounds.
 
-Defaults are stated for readers (docs/operating.md's table is checked against this one by
-``tests/test_run_config.py``); an absent key keeps its meaning in the room that reads it.
+:class:`RunConfig` is the table decoded, typed, with every default: nodes read it by
+attribute (``RunContext.config``), never by string. docs/operating.md's table is checked
+against it by ``tests/test_run_config.py``.
 """
 
 from __future__ import annotations
@@ -92,109 +93,156 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _k(name: str, kind: str, default: Any, meaning: str, **bounds: Any) -> ConfigKey:
-    return ConfigKey(name, kind, default, meaning, **bounds)
-
-
 _DTYPES = ("float32", "bfloat16")
 
-KEYS: dict[str, ConfigKey] = {
-    k.name: k
-    for k in (
-        # ------------------------------------------------------------ the run
-        _k("task", "str", "", "the built-in task the run was made for (informational)"),
-        _k("steps", "int", 0, "training steps, then the trainer stops (0: train for ever)", lo=0),
-        _k("seed", "int", 0, "seed of version 0's weights and of problem pinning", lo=0, hi=2**63 - 1),
-        _k("numerics", "str", "", "the one numerics stack every node computes on, e.g. transformers-fp32-cpu"),
-        _k("policy_dtype", "str", "float32", "dtype of the published weights", choices=_DTYPES),
-        _k("system_prompt", "str", "(built in)", "system prompt of math problems (empty: none)"),
-        _k("math_instruction", "str", "(built in)", "instruction appended to a math problem"),
-        _k("tiny_hidden_size", "int", 256, "the tiny model's hidden size", lo=8, hi=65536),
-        _k("tiny_layers", "int", 4, "the tiny model's layers", lo=1, hi=256),
-        _k("tiny_heads", "int", 4, "the tiny model's attention heads", lo=1, hi=256),
-        # ------------------------------------------------------------ sampling
-        _k("temperature", "float", 1.0, "sampling temperature (workers, validators, trainer)", lo=0.0, hi=10.0),
-        _k("top_p", "float", 1.0, "nucleus sampling mass", lo=0.0, hi=1.0, lo_open=True),
-        _k("top_k", "int", 0, "top-k cut (0: none)", lo=0, hi=1 << 20),
-        _k("max_tokens", "int", 48, "most tokens per completion", lo=1, hi=1 << 20),
-        # ------------------------------------------------------------ workers
-        _k("worker_batches_per_version", "int", 0, "batches per version a worker makes (0: continuous)", lo=0),
-        _k("worker_lead_versions", "int", 0, "versions a paced worker may run ahead", lo=0),
-        _k("worker_idle_s", "float", 20.0, "seconds with no new version before one more batch", lo=0, lo_open=True),
-        # ------------------------------------------------------------ validation
-        _k(
-            "toploc_thresholds",
-            "str",
-            "tight / cross-stack",
-            "TOPLOC preset (tight when numerics is set)",
-            choices=("paper", "cross-stack", "tight"),
-        ),
-        _k("toploc_max_exp_mismatches", "int", "(preset)", "TOPLOC: exponent mismatches per chunk", lo=0),
-        _k("toploc_max_mant_err_mean", "float", "(preset)", "TOPLOC: mean mantissa error", lo=0),
-        _k("toploc_max_mant_err_median", "float", "(preset)", "TOPLOC: median mantissa error", lo=0),
-        _k(
-            "sampling_tolerance",
-            "str",
-            "same / mixed",
-            "seeded-sampling replay preset (same for one fp32 stack)",
-            choices=("same", "mixed"),
-        ),
-        _k("sampling_delta", "float", "(preset)", "largest near-tie score gap accepted", lo=0, hi=100),
-        _k("sampling_max_near_ties", "int", "(preset)", "near ties allowed per completion", lo=0),
-        _k("sampling_near_tie_rate", "float", "(preset)", "more near ties allowed per token", lo=0, hi=1),
-        _k("ban_after_rejections", "int", 2, "a validator bans a worker after this many rejected batches", lo=1),
-        # ------------------------------------------------------------ the trainer's intake
-        _k("batches_per_step", "int", 1, "batches a step waits for", lo=1),
-        _k("max_batches_per_step", "int", 0, "most batches a step trains (0: no cap)", lo=0),
-        _k("step_token_budget", "int", 65536, "most completion tokens a step trains", lo=1),
-        _k("reward_agreement", "float", 1e-6, "largest gap between validators' rewards that still agree", lo=0),
-        _k("ledger_prune_interval_s", "float", 30.0, "seconds between ledger prunes", lo=0, lo_open=True),
-        _k("ledger_max_pending", "int", 256, "pending batches whose envelopes the trainer keeps", lo=1),
-        _k("ledger_max_pending_bytes", "int", 1 << 30, "bytes of pending envelopes kept", lo=1),
-        _k("ledger_max_unadmitted_rows", "int", 100000, "rows of never-admitted batches kept", lo=1),
-        _k("ledger_orphan_vote_ttl_s", "float", 3600.0, "seconds a vote for an unknown batch is kept", lo=0),
-        # ------------------------------------------------------------ checkpoints
-        _k("anchor_every", "int", 10, "a full checkpoint every this many versions, deltas between", lo=1),
-        _k(
-            "delta_max_fraction",
-            "float",
-            0.5,
-            "a delta larger than this share of the full one is not sent",
-            lo=0,
-            hi=1,
-            lo_open=True,
-        ),
-        # ------------------------------------------------------------ held-out evaluation
-        _k("heldout_size", "int", 0, "problems held out of training (run init --heldout)", lo=0),
-        _k("heldout_hash", "str", "", "hash of the held-out problems (written by run init)"),
-        _k("eval_every", "int", 0, "the trainer scores the held-out split every N versions (0: never)", lo=0),
-        _k("eval_problems", "int", 0, "held-out problems per evaluation (0: all)", lo=0),
-        _k("eval_samples", "int", 1, "samples per problem in an evaluation", lo=1),
-        _k("eval_seed", "int", 0, "seed of the evaluation's samples", lo=0),
-        # ------------------------------------------------------------ GRPO (node/rl/grpo.py GRPOConfig)
-        _k("lr", "float", 1e-4, "learning rate (INTELLECT-2: 3e-7)", lo=0, hi=1, lo_open=True),
-        _k("weight_decay", "float", 0.0, "AdamW weight decay", lo=0, hi=1),
-        _k("betas", "floats", [0.9, 0.99], "AdamW betas", lo=0, hi=1, size=2),
-        _k("adam_eps", "float", 1e-8, "AdamW epsilon", lo=0, lo_open=True),
-        _k("warmup_steps", "int", 0, "linear learning-rate warm-up steps", lo=0),
-        _k("max_grad_norm", "float", 1.0, "gradient clipping norm", lo=0, lo_open=True),
-        _k("clip_eps", "float", 0.2, "importance-ratio clip 1 +/- eps", lo=0),
-        _k("delta", "float", 4.0, "cap on the importance ratio (two-sided clipping)", lo=1),
-        _k("entropy_coef", "float", 0.0, "entropy bonus", lo=0),
-        _k("kl_coef", "float", 0.0, "KL penalty", lo=0),
-        _k("group_size", "int", "(genesis)", "completions per prompt (informational to the trainer)", lo=1),
-        _k("prompts_per_step", "int", 256, "prompts per step (informational)", lo=1),
-        _k("mini_batches", "int", 1, "optimizer steps per batch", lo=1),
-        _k("micro_batch_size", "int", 32, "rollouts per forward/backward (memory only)", lo=1),
-        _k("micro_batch_tokens", "int", 0, "padded tokens per forward/backward (0: no cap)", lo=0),
-        _k("logprob_chunk_tokens", "int", "(by model)", "completion rows per lm_head chunk (0: full)", lo=0),
-        _k("gradient_checkpointing", "bool", False, "recompute activations in backward"),
-        _k("malloc_mmap_threshold", "int", 1 << 20, "glibc mmap threshold in the trainer (0: glibc's)", lo=0),
-        _k("param_dtype", "str", "(policy_dtype)", "dtype the trainer keeps parameters in", choices=_DTYPES),
-        _k("adv_eps", "float", 1e-6, "advantage normaliser epsilon", lo=0, lo_open=True),
-        _k("pass_threshold", "float", 1.0, "a rollout passes at this reward (metrics only)"),
+
+def _f(default: Any, kind: str, meaning: str, *, shown: str | None = None, **bounds: Any) -> Any:
+    """A :class:`RunConfig` field: its default, and the :class:`ConfigKey` that checks it
+    (``shown``: the default as docs state it, for a key whose default the rooms derive)."""
+    return dataclasses.field(default=default, metadata={"key": (kind, meaning, shown, bounds)})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A genesis ``[config]`` table, decoded once (:meth:`decode`) when the genesis is read:
+    one typed field per key, with its default, bounds and meaning. ``None`` stands for a
+    default the rooms derive from other settings (a preset, the model, the genesis), as the
+    ``shown`` text says. ``explicit`` names the keys the table set: the trainer's GRPO
+    settings start from its own demo values and only keys a run sets override them."""
+
+    # ------------------------------------------------------------ the run
+    task: str = _f("", "str", "the built-in task the run was made for (informational)")
+    steps: int = _f(0, "int", "training steps, then the trainer stops (0: train for ever)", lo=0)
+    seed: int = _f(0, "int", "seed of version 0's weights and of problem pinning", lo=0, hi=9223372036854775807)
+    numerics: str = _f("", "str", "the one numerics stack every node computes on, e.g. transformers-fp32-cpu")
+    policy_dtype: str = _f("float32", "str", "dtype of the published weights", choices=_DTYPES)
+    system_prompt: str | None = _f(None, "str", "system prompt of math problems (empty: none)", shown="(built in)")
+    math_instruction: str | None = _f(None, "str", "instruction appended to a math problem", shown="(built in)")
+    tiny_hidden_size: int = _f(256, "int", "the tiny model's hidden size", lo=8, hi=65536)
+    tiny_layers: int = _f(4, "int", "the tiny model's layers", lo=1, hi=256)
+    tiny_heads: int = _f(4, "int", "the tiny model's attention heads", lo=1, hi=256)
+    # ------------------------------------------------------------ sampling
+    temperature: float = _f(1.0, "float", "sampling temperature (workers, validators, trainer)", lo=0.0, hi=10.0)
+    top_p: float = _f(1.0, "float", "nucleus sampling mass", lo=0.0, hi=1.0, lo_open=True)
+    top_k: int = _f(0, "int", "top-k cut (0: none)", lo=0, hi=1048576)
+    max_tokens: int = _f(48, "int", "most tokens per completion", lo=1, hi=1048576)
+    # ------------------------------------------------------------ workers
+    worker_batches_per_version: int = _f(0, "int", "batches per version a worker makes (0: continuous)", lo=0)
+    worker_lead_versions: int = _f(0, "int", "versions a paced worker may run ahead", lo=0)
+    worker_idle_s: float = _f(20.0, "float", "seconds with no new version before one more batch", lo=0, lo_open=True)
+    # ------------------------------------------------------------ validation
+    toploc_thresholds: str | None = _f(
+        None,
+        "str",
+        "TOPLOC preset (tight when numerics is set)",
+        shown="tight / cross-stack",
+        choices=("paper", "cross-stack", "tight"),
     )
-}
+    toploc_max_exp_mismatches: int | None = _f(
+        None, "int", "TOPLOC: exponent mismatches per chunk", shown="(preset)", lo=0
+    )
+    toploc_max_mant_err_mean: float | None = _f(None, "float", "TOPLOC: mean mantissa error", shown="(preset)", lo=0)
+    toploc_max_mant_err_median: float | None = _f(
+        None, "float", "TOPLOC: median mantissa error", shown="(preset)", lo=0
+    )
+    sampling_tolerance: str | None = _f(
+        None,
+        "str",
+        "seeded-sampling replay preset (same for one fp32 stack)",
+        shown="same / mixed",
+        choices=("same", "mixed"),
+    )
+    sampling_delta: float | None = _f(
+        None, "float", "largest near-tie score gap accepted", shown="(preset)", lo=0, hi=100
+    )
+    sampling_max_near_ties: int | None = _f(None, "int", "near ties allowed per completion", shown="(preset)", lo=0)
+    sampling_near_tie_rate: float | None = _f(
+        None, "float", "more near ties allowed per token", shown="(preset)", lo=0, hi=1
+    )
+    ban_after_rejections: int = _f(2, "int", "a validator bans a worker after this many rejected batches", lo=1)
+    # ------------------------------------------------------------ the trainer's intake
+    batches_per_step: int = _f(1, "int", "batches a step waits for", lo=1)
+    max_batches_per_step: int = _f(0, "int", "most batches a step trains (0: no cap)", lo=0)
+    step_token_budget: int = _f(65536, "int", "most completion tokens a step trains", lo=1)
+    reward_agreement: float = _f(1e-06, "float", "largest gap between validators' rewards that still agree", lo=0)
+    ledger_prune_interval_s: float = _f(30.0, "float", "seconds between ledger prunes", lo=0, lo_open=True)
+    ledger_max_pending: int = _f(256, "int", "pending batches whose envelopes the trainer keeps", lo=1)
+    ledger_max_pending_bytes: int = _f(1073741824, "int", "bytes of pending envelopes kept", lo=1)
+    ledger_max_unadmitted_rows: int = _f(100000, "int", "rows of never-admitted batches kept", lo=1)
+    ledger_orphan_vote_ttl_s: float = _f(3600.0, "float", "seconds a vote for an unknown batch is kept", lo=0)
+    # ------------------------------------------------------------ checkpoints
+    anchor_every: int = _f(10, "int", "a full checkpoint every this many versions, deltas between", lo=1)
+    delta_max_fraction: float = _f(
+        0.5, "float", "a delta larger than this share of the full one is not sent", lo=0, hi=1, lo_open=True
+    )
+    # ------------------------------------------------------------ held-out evaluation
+    heldout_size: int = _f(0, "int", "problems held out of training (run init --heldout)", lo=0)
+    heldout_hash: str = _f("", "str", "hash of the held-out problems (written by run init)")
+    eval_every: int = _f(0, "int", "the trainer scores the held-out split every N versions (0: never)", lo=0)
+    eval_problems: int = _f(0, "int", "held-out problems per evaluation (0: all)", lo=0)
+    eval_samples: int = _f(1, "int", "samples per problem in an evaluation", lo=1)
+    eval_seed: int = _f(0, "int", "seed of the evaluation's samples", lo=0)
+    # ------------------------------------------------------------ GRPO (node/rl/grpo.py GRPOConfig; the trainer starts from its own demo values for lr, weight_decay, warmup_steps, max_grad_norm, entropy_coef and micro_batch_size, which these defaults state)
+    lr: float = _f(0.0001, "float", "learning rate (INTELLECT-2: 3e-7)", lo=0, hi=1, lo_open=True)
+    weight_decay: float = _f(0.0, "float", "AdamW weight decay", lo=0, hi=1)
+    betas: tuple[float, ...] = _f((0.9, 0.99), "floats", "AdamW betas", lo=0, hi=1, size=2)
+    adam_eps: float = _f(1e-08, "float", "AdamW epsilon", lo=0, lo_open=True)
+    warmup_steps: int = _f(0, "int", "linear learning-rate warm-up steps", lo=0)
+    max_grad_norm: float = _f(1.0, "float", "gradient clipping norm", lo=0, lo_open=True)
+    clip_eps: float = _f(0.2, "float", "importance-ratio clip 1 +/- eps", lo=0)
+    delta: float = _f(4.0, "float", "cap on the importance ratio (two-sided clipping)", lo=1)
+    entropy_coef: float = _f(0.0, "float", "entropy bonus", lo=0)
+    kl_coef: float = _f(0.0, "float", "KL penalty", lo=0)
+    group_size: int | None = _f(
+        None, "int", "completions per prompt (informational to the trainer)", shown="(genesis)", lo=1
+    )
+    prompts_per_step: int = _f(256, "int", "prompts per step (informational)", lo=1)
+    mini_batches: int = _f(1, "int", "optimizer steps per batch", lo=1)
+    micro_batch_size: int = _f(32, "int", "rollouts per forward/backward (memory only)", lo=1)
+    micro_batch_tokens: int = _f(0, "int", "padded tokens per forward/backward (0: no cap)", lo=0)
+    logprob_chunk_tokens: int | None = _f(
+        None, "int", "completion rows per lm_head chunk (0: full)", shown="(by model)", lo=0
+    )
+    gradient_checkpointing: bool = _f(False, "bool", "recompute activations in backward")
+    malloc_mmap_threshold: int = _f(1048576, "int", "glibc mmap threshold in the trainer (0: glibc's)", lo=0)
+    param_dtype: str | None = _f(
+        None, "str", "dtype the trainer keeps parameters in", shown="(policy_dtype)", choices=_DTYPES
+    )
+    adv_eps: float = _f(1e-06, "float", "advantage normaliser epsilon", lo=0, lo_open=True)
+    pass_threshold: float = _f(1.0, "float", "a rollout passes at this reward (metrics only)")
+    explicit: frozenset[str] = frozenset()
+
+    @classmethod
+    def decode(cls, table: Mapping[str, Any]) -> RunConfig:
+        """The typed config of a ``[config]`` table; ``ProtocolError("config:<key>", ...)``
+        for an unknown key (naming the nearest known one) or a value of the wrong type or out
+        of bounds (:func:`check_run_config`). Integers given for a float key become floats."""
+        check_run_config(table)
+        values: dict[str, Any] = {}
+        for name, value in table.items():
+            kind = KEYS[name].kind
+            if kind == "float":
+                value = float(value)
+            elif kind == "floats":
+                value = tuple(float(v) for v in value)
+            values[name] = value
+        return cls(**values, explicit=frozenset(table))
+
+
+def _keys() -> dict[str, ConfigKey]:
+    keys = {}
+    for f in dataclasses.fields(RunConfig):
+        if "key" not in f.metadata:
+            continue
+        kind, meaning, shown, bounds = f.metadata["key"]
+        value: Any = f.default
+        default = shown if shown is not None else (list(value) if kind == "floats" else value)
+        keys[f.name] = ConfigKey(f.name, kind, default, meaning, **bounds)
+    return keys
+
+
+# Every key, in the order of RunConfig's fields: what check_run_config and docs/operating.md use.
+KEYS: dict[str, ConfigKey] = _keys()
 
 # Keys a [config] table may not hold because they live elsewhere; refused with where they go.
 MISPLACED = {

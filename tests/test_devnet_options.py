@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from node.genesis_file import read_genesis
+from node.genesis_file import genesis_config, read_genesis
 from node.ops.devnet import Devnet, DevnetOptions
-from node.roles.context import genesis_config
 
 
 @pytest.mark.parametrize(("workers", "per_batch"), [(1, 16), (2, 8), (3, 6)])
@@ -85,8 +84,12 @@ def test_a_bf16_stack_replays_sampling_with_the_mixed_tolerance():
     batched prefill (a bf16 devnet on the 1e-3 "same" tolerance rejected honest workers), so
     a declared bf16 stack defaults to "mixed"; a declared fp32 stack keeps "same"."""
     from node.roles.context import REPLAY_PRESETS, replay_config_for
+    from protocol.run_config import RunConfig
 
-    assert replay_config_for({"numerics": "transformers-fp32-cpu"}) == REPLAY_PRESETS["same"]
+    def replay(table):
+        return replay_config_for(RunConfig.decode(table))
+
+    assert replay({"numerics": "transformers-fp32-cpu"}) == REPLAY_PRESETS["same"]
     bf16 = {"numerics": "transformers-bf16-cpu", "policy_dtype": "bfloat16"}
-    assert replay_config_for(bf16) == REPLAY_PRESETS["mixed"]
-    assert replay_config_for({**bf16, "sampling_tolerance": "same"}) == REPLAY_PRESETS["same"]
+    assert replay(bf16) == REPLAY_PRESETS["mixed"]
+    assert replay({**bf16, "sampling_tolerance": "same"}) == REPLAY_PRESETS["same"]

@@ -16,6 +16,7 @@ from node.models import load_smollm2, smollm2_available
 from node.roles.context import proof_config_for
 from proofs import ProofConfig, build_many, build_sequence_proofs, verify_sequence
 from protocol.messages import SamplingParams
+from protocol.run_config import RunConfig
 from tests.support.engines import model_cache
 
 pytestmark = [
@@ -32,7 +33,7 @@ OTHER_QUESTIONS = [
     "Write a haiku about the sea, then explain its imagery line by line in plain words.",
 ]
 # What a node uses in a run whose genesis declares one numerics stack (the devnet's).
-DECLARED = proof_config_for({"numerics": "transformers-fp32-cpu"})
+DECLARED = proof_config_for(RunConfig.decode({"numerics": "transformers-fp32-cpu"}))
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ from node.rl.tasks import (
     save_dataset,
 )
 from node.roles.context import RunContext
+from protocol.run_config import RunConfig
 from tests.support.qwen import qwen_folder
 from tests.support.roles import tiny_genesis
 
@@ -116,7 +117,7 @@ def test_prompts_go_through_the_chat_template_with_system_prompt_and_boxed_instr
     # a prompt that already asks for \boxed{} gets no second instruction; the run can change both
     boxed = Problem(id="b", prompt="Put 5 in \\boxed{}.", answer="5")
     assert MATH_INSTRUCTION not in tok.decode(prompt_token_ids(tok, boxed))
-    plain = PromptStyle.from_config({"system_prompt": "", "math_instruction": "Answer in \\boxed{}."})
+    plain = PromptStyle.from_config(RunConfig.decode({"system_prompt": "", "math_instruction": "Answer in \\boxed{}."}))
     assert tok.decode(prompt_token_ids(tok, math, plain)) == (
         "<|im_start|>user\nWhat is 2 + 3?\n\nAnswer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
     )

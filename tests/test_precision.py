@@ -15,22 +15,28 @@ from node.errors import ConfigError
 from node.rl.grpo import GRPOConfig, GRPOTrainer
 from node.roles.common import export_weights
 from node.roles.context import policy_dtype_for
+from protocol import ProtocolError
+from protocol.run_config import RunConfig
 from tests.support.rl import char_llama, fake_groups
 from tests.support.roles import tiny_context
 
 CFG = dict(lr=1e-2, warmup_steps=0, max_tokens=8, temperature=1.0, micro_batch_size=4)
 
 
+def _policy_dtype(table) -> str:
+    return policy_dtype_for(RunConfig.decode(table))
+
+
 def test_the_genesis_names_the_policy_dtype(tmp_path):
-    assert policy_dtype_for({}) == "float32"  # geneses without the key keep their meaning
-    assert policy_dtype_for({"policy_dtype": "bfloat16", "numerics": "transformers-bf16-cpu"}) == "bfloat16"
-    assert policy_dtype_for({"numerics": "transformers-fp32-cpu"}) == "float32"
-    with pytest.raises(ConfigError, match="policy_dtype must be one of"):
-        policy_dtype_for({"policy_dtype": "float16"})
+    assert _policy_dtype({}) == "float32"  # geneses without the key keep their meaning
+    assert _policy_dtype({"policy_dtype": "bfloat16", "numerics": "transformers-bf16-cpu"}) == "bfloat16"
+    assert _policy_dtype({"numerics": "transformers-fp32-cpu"}) == "float32"
+    with pytest.raises(ProtocolError, match="policy_dtype must be one of"):
+        _policy_dtype({"policy_dtype": "float16"})
     # a numerics stack names the dtype its engines compute in (CPU workers may run bf16 weights in fp32)
-    assert policy_dtype_for({"policy_dtype": "bfloat16", "numerics": "transformers-fp32-cpu"}) == "bfloat16"
+    assert _policy_dtype({"policy_dtype": "bfloat16", "numerics": "transformers-fp32-cpu"}) == "bfloat16"
     with pytest.raises(ConfigError, match="must name its compute dtype"):
-        policy_dtype_for({"numerics": "transformers-cpu"})
+        _policy_dtype({"numerics": "transformers-cpu"})
     ctx = tiny_context(tmp_path / "bf16", policy_dtype="bfloat16")
     assert ctx.policy_dtype is torch.bfloat16 and ctx.grpo_config().compute_dtype == "bfloat16"
     assert tiny_context(tmp_path / "default").policy_dtype is torch.float32

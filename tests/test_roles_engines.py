@@ -115,9 +115,8 @@ def test_vllm_worker_batch_verifies_on_vllm_and_transformers_validators(tmp_path
 
 
 def test_devnet_engine_option_sets_the_stack_and_the_node_flags(tmp_path):
-    from node.genesis_file import read_genesis
+    from node.genesis_file import genesis_config, read_genesis
     from node.ops.devnet import Devnet, DevnetOptions
-    from node.roles.context import genesis_config
 
     with pytest.raises(NodeError, match="unknown engine"):
         Devnet(DevnetOptions(out=tmp_path / "bad", engine="onnx")).prepare()

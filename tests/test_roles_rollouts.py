@@ -90,11 +90,16 @@ def test_genesis_picks_the_toploc_thresholds(tmp_path):
     from node.errors import NodeError
     from node.roles.context import proof_config_for
     from proofs import ProofConfig
+    from protocol import ProtocolError
+    from protocol.run_config import RunConfig
 
-    assert proof_config_for({}) == ProofConfig()  # mixed hardware: the paper's thresholds
-    assert proof_config_for({"numerics": "transformers-fp32-cpu"}) == ProofConfig.tight()
-    assert proof_config_for({"numerics": "transformers-fp32-cpu", "toploc_thresholds": "paper"}) == ProofConfig()
-    assert proof_config_for({"toploc_thresholds": "tight", "toploc_max_exp_mismatches": 5}) == ProofConfig.tight(
+    def thresholds(table):
+        return proof_config_for(RunConfig.decode(table))
+
+    assert thresholds({}) == ProofConfig()  # mixed hardware: the paper's thresholds
+    assert thresholds({"numerics": "transformers-fp32-cpu"}) == ProofConfig.tight()
+    assert thresholds({"numerics": "transformers-fp32-cpu", "toploc_thresholds": "paper"}) == ProofConfig()
+    assert thresholds({"toploc_thresholds": "tight", "toploc_max_exp_mismatches": 5}) == ProofConfig.tight(
         max_exp_mismatches=5
     )
     for bad in (
@@ -103,8 +108,8 @@ def test_genesis_picks_the_toploc_thresholds(tmp_path):
         {"toploc_max_mant_err_mean": -1},
         {"toploc_max_mant_err_median": "8"},
     ):
-        with pytest.raises(NodeError):
-            proof_config_for(bad)
+        with pytest.raises(ProtocolError):  # refused when the [config] table is decoded
+            thresholds(bad)
     with pytest.raises(NodeError):
         tiny_context(tmp_path, toploc_thresholds="loose")  # refused when the node joins
 

@@ -4,6 +4,7 @@ read (a file, one from the swarm), naming the key and the nearest known one."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -111,3 +112,43 @@ def test_the_operating_guide_lists_every_key():
     section = text.split("### Every `[config]` key", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `([a-z_0-9]+)` \|", section, re.M))
     assert documented == set(KEYS), (sorted(set(KEYS) - documented), sorted(documented - set(KEYS)))
+
+
+def test_the_table_decodes_once_into_a_typed_config():
+    """``RunConfig.decode``: every key a typed attribute, ints given for floats become floats,
+    a list of numbers a tuple, an absent key its default; ``explicit`` says which the table set."""
+    from protocol.run_config import RunConfig
+
+    c = RunConfig.decode({"lr": 1, "betas": [0.9, 0.95], "numerics": "transformers-fp32-cpu"})
+    assert c.lr == 1.0 and isinstance(c.lr, float) and c.betas == (0.9, 0.95)
+    assert c.explicit == {"lr", "betas", "numerics"} and c.temperature == 1.0 and c.max_tokens == 48
+    assert RunConfig.decode({}) == RunConfig()
+    assert {f.name for f in dataclasses.fields(RunConfig)} == set(KEYS) | {"explicit"}
+    with pytest.raises(ProtocolError, match="did you mean 'lr'"):
+        RunConfig.decode({"learning_rate": 1e-3})
+
+
+def test_the_config_defaults_are_the_ones_the_rooms_use():
+    """The defaults RunConfig states are what the rooms did with an absent key before it
+    existed (old geneses keep their meaning): the trainer's intake and ledger limits, the
+    checkpoint deltas, the tiny model, and the GRPO settings (the trainer's demo values for
+    the keys it sets itself, GRPOConfig's own for the rest)."""
+    from node.rl.grpo import GRPOConfig
+    from node.roles import trainer as trainer_module
+    from node.roles.context import GRPO_DEMO, TINY_MODEL
+    from node.roles.ledger import REWARD_AGREEMENT
+    from protocol.run_config import RunConfig
+
+    d = RunConfig()
+    assert d.step_token_budget == trainer_module.STEP_TOKEN_BUDGET and d.reward_agreement == REWARD_AGREEMENT
+    for k, v in trainer_module.LEDGER_LIMITS.items():
+        assert getattr(d, f"ledger_{k}") == v, k
+    assert (d.tiny_hidden_size, d.tiny_layers, d.tiny_heads) == tuple(TINY_MODEL.values())
+    grpo = GRPOConfig()
+    for name in KEYS:
+        if name not in GRPOConfig.__dataclass_fields__ or getattr(d, name) is None:
+            continue
+        if name in ("temperature", "max_tokens"):  # the run's sampling settings, not GRPO's
+            continue
+        want = GRPO_DEMO.get(name, getattr(grpo, name))
+        assert getattr(d, name) == want, (name, getattr(d, name), want)

@@ -40,14 +40,13 @@ from protocol import (
     ReverseChunkAnswer,
     ReverseChunkRequest,
 )
+from protocol.run_config import RunConfig
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
-ANCHOR_EVERY = 10  # genesis [config] anchor_every (grail's choice; docs/checkpoints.md)
-DELTA_MAX_FRACTION = 0.5  # genesis [config] delta_max_fraction
 
 # Misbehaviour points per data-plane reason (the policy's budget is ~20).
 POINTS = {
@@ -176,8 +175,8 @@ def delta_settings(config_toml: str) -> tuple[int, float]:
     """The genesis ``[config]`` keys of delta publishing: ``anchor_every`` (a full anchor
     every K versions; 0 or 1: every version is an anchor) and ``delta_max_fraction``
     (publish an anchor when the delta is not smaller than this share of the full files)."""
-    cfg = tomllib.loads(config_toml) if config_toml else {}
-    return int(cfg.get("anchor_every", ANCHOR_EVERY)), float(cfg.get("delta_max_fraction", DELTA_MAX_FRACTION))
+    cfg = RunConfig.decode(tomllib.loads(config_toml) if config_toml else {})
+    return cfg.anchor_every, cfg.delta_max_fraction
 
 
 def delta_base_for(checkpoints: Checkpoints, version: int, anchor_every: int) -> int | None:

@@ -254,14 +254,14 @@ def run_init(
 ) -> None:
     """Write a signed run genesis; its hash is the run id."""
     from node.genesis_file import check_config, make_genesis, write_genesis
+    from protocol.run_config import RunConfig
 
     cfg = _set_values(config)
     check_config(cfg)  # a typo is named before the model and dataset are hashed
     owner = NodeHome(home).load_key()
     if quorum is None:
         quorum = len(validator) // 2 + 1  # a majority: with two or more, no validator admits alone
-    seed = cfg.get("seed", 0)
-    pins, split = _content_pins(model, dataset, dataset_size, chunk_size, seed if isinstance(seed, int) else 0, heldout)
+    pins, split = _content_pins(model, dataset, dataset_size, chunk_size, RunConfig.decode(cfg).seed, heldout)
     cfg.update(split)
     signed = make_genesis(
         owner,
@@ -323,11 +323,11 @@ def run_show(path: Annotated[Path, typer.Argument(help="Genesis TOML file.")]) -
     typer.echo(f"max_async  {g.max_async}   batch {g.prompts_per_batch} prompts x {g.group_size}")
     typer.echo(f"dataset_hash {g.dataset_hash.hex() or '(not pinned)'}")
     typer.echo(f"model_root   {g.model_root.hex() or '(built-in model, not pinned)'}")
-    from node.genesis_file import genesis_config
+    from node.genesis_file import run_config
 
-    cfg = genesis_config(g)
-    if cfg.get("heldout_size"):
-        typer.echo(f"heldout    {cfg['heldout_size']} problems, heldout_hash {cfg.get('heldout_hash', '?')}")
+    cfg = run_config(g)
+    if cfg.heldout_size:
+        typer.echo(f"heldout    {cfg.heldout_size} problems, heldout_hash {cfg.heldout_hash or '?'}")
 
 
 @dataset_app.command("make")
@@ -398,9 +398,10 @@ def dataset_filter(
     sets its own."""
     from node.ops.dataset_cli import filter_dataset
     from node.rl.tasks import PromptStyle
+    from protocol.run_config import RunConfig
 
     overrides = {"system_prompt": system_prompt, "math_instruction": math_instruction}
-    style = PromptStyle.from_config({k: v for k, v in overrides.items() if v is not None})
+    style = PromptStyle.from_config(RunConfig.decode({k: v for k, v in overrides.items() if v is not None}))
 
     try:
         summary = filter_dataset(

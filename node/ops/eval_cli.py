@@ -34,6 +34,7 @@ from typing import Any
 from node.errors import ConfigError, ModelError
 from node.home import NodeHome
 from node.rl.evaluate import ProblemResult, sample_problems, summarize
+from protocol.run_config import RunConfig
 
 DEFAULT_CACHE = Path.home() / ".cache" / "primenode"
 
@@ -212,7 +213,7 @@ def evaluate(
 
         if opts.version is not None:
             raise ConfigError("give --model or --version, not both")
-        style = PromptStyle.from_config(ctx.config if ctx is not None else {})
+        style = PromptStyle.from_config(ctx.config if ctx is not None else RunConfig())
         policy = model_policy(opts.model, opts.device, style, cache)
         if ctx is not None and ctx.genesis.model == opts.model:  # the run's own prompts, exactly
             policy.prompt_ids, policy.decode = ctx.problem_tokens, ctx.decode

@@ -39,6 +39,7 @@ from typing import Any
 from node.models import cached_hf_snapshot as _cached_snapshot
 from node.models import parse_hf_spec
 from node.util import atomic_write_bytes, atomic_write_text
+from protocol.run_config import RunConfig
 
 TASK_TYPES = ("math", "code", "length")
 
@@ -277,10 +278,11 @@ class PromptStyle:
     math_instruction: str = MATH_INSTRUCTION
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> PromptStyle:
+    def from_config(cls, config: RunConfig) -> PromptStyle:
+        """The run's style: its ``system_prompt`` and ``math_instruction``, else the built-in ones."""
         return cls(
-            system=str(config.get("system_prompt", MATH_SYSTEM_PROMPT)),
-            math_instruction=str(config.get("math_instruction", MATH_INSTRUCTION)),
+            system=MATH_SYSTEM_PROMPT if config.system_prompt is None else config.system_prompt,
+            math_instruction=MATH_INSTRUCTION if config.math_instruction is None else config.math_instruction,
         )
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:

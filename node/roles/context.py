@@ -17,15 +17,23 @@ from pathlib import Path
 from typing import Any
 
 from node.errors import ConfigError, ModelError, RoleError
-from node.genesis_file import genesis_config
+from node.genesis_file import run_config
 from proofs import ProofConfig
 from protocol import RunGenesis, SamplingParams
+from protocol.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
 # The devnet's tiny model (genesis [config] tiny_hidden_size / tiny_layers / tiny_heads override): big enough to learn the target-length task in minutes on 2 cores.
 TINY_MODEL = dict(hidden_size=256, layers=4, heads=4)
 
+
+# Tiny-model demo values of GRPO settings (what trained the devnet's tiny model on two CPU
+# cores), overridable by the genesis [config] (RunConfig states them as its defaults);
+# GRPOConfig's own defaults are INTELLECT-2's.
+GRPO_DEMO: dict[str, Any] = dict(
+    lr=1e-4, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0, entropy_coef=0.0, micro_batch_size=32
+)
 
 # TOPLOC thresholds a genesis can name ([config] toploc_thresholds). "paper": the
 # defaults calibrated across GPUs (mixed hardware). "tight": for a run whose nodes all
@@ -42,30 +50,19 @@ _THRESHOLD_KEYS = {
 }
 
 
-def proof_config_for(config: dict[str, Any]) -> ProofConfig:
+def proof_config_for(config: RunConfig) -> ProofConfig:
     """The run's TOPLOC thresholds from its genesis [config]: ``toploc_thresholds``
     ("paper", "cross-stack": the same numbers, or "tight"; default "tight" when the genesis
     declares one ``numerics`` stack for every node, else "cross-stack"), then any explicit
-    ``toploc_max_*`` values.
+    ``toploc_max_*`` values (their types and bounds were checked when the config was decoded).
     Chunking (32 tokens, top-128, prefill included) is the wire format and fixed."""
-    default = "tight" if config.get("numerics") else "cross-stack"
-    name = config.get("toploc_thresholds", default)
-    if name not in TOPLOC_PRESETS:
-        raise ConfigError(f"genesis toploc_thresholds must be one of {sorted(TOPLOC_PRESETS)}, got {name!r}")
-    base = TOPLOC_PRESETS[name]
+    name = config.toploc_thresholds or ("tight" if config.numerics else "cross-stack")
     overrides: dict[str, Any] = {}
     for key, kind in _THRESHOLD_KEYS.items():
-        if key in config:
-            value = config[key]
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or value < 0
-                or (kind is int and not isinstance(value, int))
-            ):
-                raise ConfigError(f"genesis {key} must be a non-negative {kind.__name__}, got {value!r}")
+        value = getattr(config, key)
+        if value is not None:
             overrides[key.removeprefix("toploc_")] = kind(value)
-    return dataclasses.replace(base, **overrides)
+    return dataclasses.replace(TOPLOC_PRESETS[name], **overrides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,32 +98,19 @@ REPLAY_PRESETS = {
 }
 
 
-def _number(config: dict[str, Any], key: str, default: float, hi: float) -> float:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < hi:
-        raise ConfigError(f"genesis {key} must be a number in [0, {hi:g}), got {value!r}")
-    return float(value)
-
-
-def replay_config_for(config: dict[str, Any]) -> ReplayConfig:
+def replay_config_for(config: RunConfig) -> ReplayConfig:
     """The run's replay tolerance from its genesis [config]: ``sampling_tolerance`` ("same"
     or "mixed"), then explicit ``sampling_delta`` / ``sampling_max_near_ties`` /
     ``sampling_near_tie_rate``."""
     # "same" only for a declared fp32 stack: bf16 engines are not batch-invariant at 1e-3 (a
     # worker's cached decode and a validator's batched prefill round differently; a bf16 devnet
     # on "same" rejected honest workers by score gaps of ~0.005), so a bf16 stack gets "mixed"
-    same = config.get("numerics") and engine_dtype_for(config) == "float32"
-    name = config.get("sampling_tolerance", "same" if same else "mixed")
-    if name not in REPLAY_PRESETS:
-        raise ConfigError(f"genesis sampling_tolerance must be one of {sorted(REPLAY_PRESETS)}, got {name!r}")
-    base = REPLAY_PRESETS[name]
-    ties = config.get("sampling_max_near_ties", base.max_near_ties)
-    if isinstance(ties, bool) or not isinstance(ties, int) or ties < 0:
-        raise ConfigError(f"genesis sampling_max_near_ties must be a non-negative integer, got {ties!r}")
+    same = bool(config.numerics) and engine_dtype_for(config) == "float32"
+    base = REPLAY_PRESETS[config.sampling_tolerance or ("same" if same else "mixed")]
     return ReplayConfig(
-        _number(config, "sampling_delta", base.delta, 100.0),
-        ties,
-        _number(config, "sampling_near_tie_rate", base.near_tie_rate, 1.0),
+        base.delta if config.sampling_delta is None else config.sampling_delta,
+        base.max_near_ties if config.sampling_max_near_ties is None else config.sampling_max_near_ties,
+        base.near_tie_rate if config.sampling_near_tie_rate is None else config.sampling_near_tie_rate,
         base.relative,
     )
 
@@ -138,15 +122,13 @@ def replay_config_for(config: dict[str, Any]) -> ReplayConfig:
 POLICY_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def policy_dtype_for(config: dict[str, Any]) -> str:
+def policy_dtype_for(config: RunConfig) -> str:
     """The run's policy dtype name from its genesis [config] (``policy_dtype``, default
     "float32"). A declared ``numerics`` stack must name the dtype its engines compute in
     ("transformers-bf16-cpu"), so tight TOPLOC thresholds stay per stack *and* precision. That
     may differ from the policy dtype: CPU workers may run bf16 weights in fp32."""
-    name = config.get("policy_dtype", "float32")
-    if name not in POLICY_DTYPES:
-        raise ConfigError(f"genesis policy_dtype must be one of {sorted(POLICY_DTYPES)}, got {name!r}")
-    numerics = config.get("numerics")
+    name = config.policy_dtype
+    numerics = config.numerics
     if numerics and len([p for p in str(numerics).split("-") if p in POLICY_DTYPES.values()]) != 1:
         raise ConfigError(
             f"genesis numerics {numerics!r} must name its compute dtype once "
@@ -155,13 +137,13 @@ def policy_dtype_for(config: dict[str, Any]) -> str:
     return str(name)
 
 
-def engine_dtype_for(config: dict[str, Any]) -> str:
+def engine_dtype_for(config: RunConfig) -> str:
     """The dtype workers' and validators' engines compute in: the one the genesis's
     ``numerics`` stack names ("transformers-bf16-cpu" -> "bfloat16"), else the policy dtype.
     A bf16 policy is thus sampled and re-prefilled in bf16 (as INTELLECT-2's vLLM workers
     did), not upcast to fp32; a run may still declare an fp32 stack over bf16 weights."""
     policy = policy_dtype_for(config)
-    numerics = config.get("numerics")
+    numerics = config.numerics
     if numerics:
         by_short = {short: name for name, short in POLICY_DTYPES.items()}
         for part in str(numerics).split("-"):
@@ -191,22 +173,12 @@ class WorkerPace:
     lead_versions: int = 0
 
 
-def worker_pace_for(config: dict[str, Any]) -> WorkerPace:
-    try:
-        pace = WorkerPace(
-            batches_per_version=int(config.get("worker_batches_per_version", 0)),
-            idle_s=float(config.get("worker_idle_s", 20.0)),
-            lead_versions=int(config.get("worker_lead_versions", 0)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"genesis worker pace settings: {exc}") from None
-    if pace.batches_per_version < 0 or not pace.idle_s > 0 or pace.lead_versions < 0:
-        raise ConfigError(
-            f"genesis worker pace settings out of range: {pace} "
-            "(worker_batches_per_version >= 0, 0 meaning continuous; worker_idle_s > 0; "
-            "worker_lead_versions >= 0)"
-        )
-    return pace
+def worker_pace_for(config: RunConfig) -> WorkerPace:
+    return WorkerPace(
+        batches_per_version=config.worker_batches_per_version,
+        idle_s=config.worker_idle_s,
+        lead_versions=config.worker_lead_versions,
+    )
 
 
 @dataclasses.dataclass
@@ -217,7 +189,7 @@ class RunContext:
     tokenizer is unknown, and asking for it is an error (roles fetch version 0 first)."""
 
     genesis: RunGenesis
-    config: dict[str, Any]
+    config: RunConfig  # the genesis [config], decoded once (protocol/run_config.py)
     problems: list[Any]
     _tokenizer: Any
     cache_dir: Path
@@ -231,12 +203,9 @@ class RunContext:
 
     @classmethod
     def from_genesis(cls, genesis: RunGenesis, cache_dir: Path) -> RunContext:
-        config = genesis_config(genesis)
+        config = run_config(genesis)
         problems, heldout = run_problems(genesis, config)
-        proof_config_for(config)  # a bad threshold setting fails at join, not at the first batch
-        replay_config_for(config)
-        worker_pace_for(config)
-        policy_dtype_for(config)
+        policy_dtype_for(config)  # a numerics stack naming no dtype fails at join, not at the first batch
         ctx = cls(genesis, config, problems, None, Path(cache_dir), heldout=heldout)
         if genesis.model_root:
             ctx._use_local_model()
@@ -324,18 +293,17 @@ class RunContext:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(
-            temperature=float(self.config.get("temperature", 1.0)),
-            top_p=float(self.config.get("top_p", 1.0)),
-            max_tokens=int(self.config.get("max_tokens", 48)),
-            top_k=int(self.config.get("top_k", 0)),
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            max_tokens=self.config.max_tokens,
+            top_k=self.config.top_k,
         )
 
     @property
     def numerics(self) -> str | None:
         """The numerics stack the genesis requires of every worker and validator
         (e.g. "transformers-fp32-cpu"), or None for a mixed-hardware run."""
-        value = self.config.get("numerics")
-        return str(value) if value else None
+        return self.config.numerics or None
 
     @property
     def policy_dtype(self) -> Any:
@@ -414,21 +382,15 @@ class RunContext:
     def grpo_config(self):
         from node.rl.grpo import GRPOConfig
 
-        # Tiny-model demo values (what trained the devnet's tiny model on two CPU cores),
-        # overridable by the genesis [config]; GRPOConfig's own defaults are INTELLECT-2's.
         base = dict(
-            lr=1e-4,
-            weight_decay=0.0,
-            warmup_steps=0,
-            max_grad_norm=1.0,
+            GRPO_DEMO,
             temperature=self.sampling.temperature,
             max_tokens=self.sampling.max_tokens,
             group_size=self.genesis.group_size,
             max_async=self.genesis.max_async,
-            entropy_coef=0.0,
-            micro_batch_size=32,
         )
-        base.update({k: v for k, v in self.config.items() if k in GRPOConfig.__dataclass_fields__})
+        # only what the run set overrides the demo values (RunConfig.explicit)
+        base.update({k: getattr(self.config, k) for k in self.config.explicit if k in GRPOConfig.__dataclass_fields__})
         base["max_async"] = self.genesis.max_async
         base["compute_dtype"] = policy_dtype_for(self.config)
         return GRPOConfig.from_dict(base)
@@ -465,12 +427,12 @@ class RunContext:
     # ------------------------------------------------------------ models
     def initial_model(self):
         """Version 0 of the policy: the same weights on every node that builds it."""
-        seed = int(self.config.get("seed", 0))
+        seed = self.config.seed
         if self.genesis.model == "tiny":
             from node.models import tiny_llama
 
             tok = self.tokenizer
-            size = {k: int(self.config.get(f"tiny_{k}", v)) for k, v in TINY_MODEL.items()}
+            size = {k: int(getattr(self.config, f"tiny_{k}")) for k in TINY_MODEL}
             return tiny_llama(
                 vocab_size=tok.vocab_size,
                 hidden_size=size["hidden_size"],
@@ -530,14 +492,6 @@ def check_dataset(genesis: RunGenesis, problems: list[Any]) -> None:
         )
 
 
-def heldout_size_of(config: dict[str, Any]) -> int:
-    """The genesis's ``[config] heldout_size`` (0: no held-out split)."""
-    value = config.get("heldout_size", 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"genesis heldout_size must be a non-negative integer, got {value!r}")
-    return value
-
-
 def split_heldout(problems: list[Any], want: int, seed: int) -> tuple[list[Any], list[Any]]:
     """(training problems in their order, held-out problems) by ``node.rl.scoring.heldout_indices``."""
     from node.rl.scoring import heldout_indices
@@ -549,7 +503,7 @@ def split_heldout(problems: list[Any], want: int, seed: int) -> tuple[list[Any],
     return [p for i, p in enumerate(problems) if i not in held], [p for i, p in enumerate(problems) if i in held]
 
 
-def run_problems(genesis: RunGenesis, config: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+def run_problems(genesis: RunGenesis, config: RunConfig) -> tuple[list[Any], list[Any]]:
     """(training problems, held-out problems) of a run, each checked against its pinned hash.
 
     The dataset spec names ``dataset_size + heldout_size`` problems; the held-out split takes
@@ -557,8 +511,8 @@ def run_problems(genesis: RunGenesis, config: dict[str, Any]) -> tuple[list[Any]
     their order and are what ``dataset_size``, ``dataset_hash`` and every prompt index mean,
     so a held-out problem cannot be assigned: the assignment draws indices below
     ``dataset_size`` into the training list (``protocol.assign_prompts``)."""
-    seed = int(config.get("seed", 0))
-    held_n = heldout_size_of(config)
+    seed = config.seed
+    held_n = config.heldout_size
     problems = load_problems(genesis.dataset, genesis.dataset_size + held_n, seed)
     train, heldout = split_heldout(problems, held_n, seed) if held_n else (problems, [])
     if len(heldout) != held_n:
@@ -566,7 +520,7 @@ def run_problems(genesis: RunGenesis, config: dict[str, Any]) -> tuple[list[Any]
             f"dataset {genesis.dataset}: the held-out split gives {len(heldout)} problems, the genesis says {held_n}"
         )
     check_dataset(genesis, train)
-    want = str(config.get("heldout_hash", ""))
+    want = config.heldout_hash
     if held_n and want:
         from node.rl.tasks import dataset_hash
 

@@ -27,7 +27,6 @@ from node.roles.ledger import (
     MAX_UNADMITTED_ROWS,
     NO_POLICY_WEIGHTS,
     ORPHAN_VOTE_TTL_S,
-    REWARD_AGREEMENT,
     STALE_BEFORE_TRAINING,
     AdmittedBatch,
     Ledger,
@@ -72,21 +71,14 @@ class HeldoutEvaluator:
 
     @classmethod
     def from_config(cls, ctx: Any) -> HeldoutEvaluator | None:
-        cfg = ctx.config
-        values = {k: cfg.get(k, d) for k, d in (("eval_every", 0), ("eval_problems", 0), ("eval_samples", 1))}
-        values["eval_seed"] = cfg.get("eval_seed", 0)
-        for k, v in values.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "eval_samples" else 0):
-                raise ConfigError(
-                    f"genesis {k} must be a {'positive' if k == 'eval_samples' else 'non-negative'} integer, got {v!r}"
-                )
-        if not values["eval_every"]:
+        cfg = ctx.config  # types and bounds checked when the genesis was read
+        if not cfg.eval_every:
             return None
         if not ctx.heldout:
             raise ConfigError(
                 "genesis eval_every needs a held-out split (heldout_size; `primenode run init --heldout N`)"
             )
-        return cls(ctx, values["eval_every"], values["eval_problems"], values["eval_samples"], values["eval_seed"])
+        return cls(ctx, cfg.eval_every, cfg.eval_problems, cfg.eval_samples, cfg.eval_seed)
 
     def prepare(self, device: str) -> None:
         """Build the evaluation engine (blocking), before training starts: building a model
@@ -169,17 +161,17 @@ class TrainerRole(LearningRole):
                 f"{self.ctx.model_note}"
             )
         self.device = device
-        self.steps = int(self.ctx.config.get("steps", 0)) or None  # None: train forever
+        self.steps = self.ctx.config.steps or None  # None: train forever
         cfg = self.ctx.config
         # A step starts once this many admitted batches wait, then takes every admitted batch
         # still inside the max_async window, oldest policy first, up to step_token_budget
         # prompt + completion tokens (always at least one batch): all honest work is used.
-        self.batches_per_step = int(cfg.get("batches_per_step", 1))
-        self.step_token_budget = int(cfg.get("step_token_budget", STEP_TOKEN_BUDGET))
+        self.batches_per_step = cfg.batches_per_step
+        self.step_token_budget = cfg.step_token_budget
         # ... and at most this many batches (0: the token budget alone). Workers that generate
         # continuously make more than a step needs; a fixed step size keeps each step's cost
         # and learning rate per prompt what the run was tuned for (the devnet: one per worker).
-        self.max_batches_per_step = int(cfg.get("max_batches_per_step", 0))
+        self.max_batches_per_step = cfg.max_batches_per_step
         # Old log-probs need the weights of each batch's generating version: read back from the
         # store one version at a time (docs/rl.md: memory of one state dict, milliseconds a version).
         self.weights.capacity = 1
@@ -190,10 +182,10 @@ class TrainerRole(LearningRole):
             g.validators,
             g.quorum,
             g.max_async,
-            reward_agreement=float(cfg.get("reward_agreement", REWARD_AGREEMENT)),
-            **{k: type(v)(cfg[f"ledger_{k}"]) for k, v in LEDGER_LIMITS.items() if f"ledger_{k}" in cfg},
+            reward_agreement=cfg.reward_agreement,
+            **{k: type(v)(getattr(cfg, f"ledger_{k}")) for k, v in LEDGER_LIMITS.items()},
         )
-        self.prune_interval_s = float(cfg.get("ledger_prune_interval_s", 30.0))
+        self.prune_interval_s = cfg.ledger_prune_interval_s
         self.refetches = 0
         self._refetching: set[BatchKey] = set()  # queued second fetches (bounded like the queue)
         self.states = TrainerStates(self.home.trainer_states_dir, legacy=self.home.trainer_checkpoint_dir)

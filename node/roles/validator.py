@@ -65,7 +65,7 @@ class ValidatorRole(EngineRole):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.n_fetchers = fetchers
-        self.ban_after = int(self.ctx.config.get("ban_after_rejections", 2))
+        self.ban_after = self.ctx.config.ban_after_rejections
         self.intake = AnnounceIntake(queue, unproven_slots=max(1, fetchers // 2), on_evicted=self._unsee)
         # fetched batches that passed every rule needing no model, waiting for a prefill:
         # announcers this validator accepted a batch of go first (see verify_queue.py)
