@@ -182,7 +182,10 @@ class RunConfig:
     eval_problems: int = _f(0, "int", "held-out problems per evaluation (0: all)", lo=0)
     eval_samples: int = _f(1, "int", "samples per problem in an evaluation", lo=1)
     eval_seed: int = _f(0, "int", "seed of the evaluation's samples", lo=0)
-    # ------------------------------------------------------------ GRPO (node/rl/grpo.py GRPOConfig; the trainer starts from its own demo values for lr, weight_decay, warmup_steps, max_grad_norm, entropy_coef and micro_batch_size, which these defaults state)
+    # ------------------------------------------------------------ GRPO (node/rl/grpo.py GRPOConfig)
+    # The trainer starts from its own demo values for lr, weight_decay, warmup_steps,
+    # max_grad_norm, entropy_coef and micro_batch_size (node/roles/context.py GRPO_DEMO),
+    # which these defaults state; GRPOConfig's own for the rest.
     lr: float = _f(0.0001, "float", "learning rate (INTELLECT-2: 3e-7)", lo=0, hi=1, lo_open=True)
     weight_decay: float = _f(0.0, "float", "AdamW weight decay", lo=0, hi=1)
     betas: tuple[float, ...] = _f((0.9, 0.99), "floats", "AdamW betas", lo=0, hi=1, size=2)
