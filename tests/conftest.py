@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +19,14 @@ import trio
 from node.home import NodeHome
 from node.p2p.testing import NodeFactory
 from node.roles.context import RunContext
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # Parallel workers (README's fast tier, ``-n``) share the cores: torch's default of one
+    # compute thread per core in each would oversubscribe them, and its threads, which meet at a
+    # barrier many times an operation, then wait for each other's preempted ones.
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture

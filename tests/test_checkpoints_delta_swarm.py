@@ -6,6 +6,7 @@ delta after it from them over the data plane and applies the chain to the exact 
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from node.checkpoints import Checkpoints, ChunkStore
@@ -37,6 +38,7 @@ class CheckpointsHook(RoleHook):
         return checkpoint_heartbeat_fields(self.checkpoints) if self.checkpoints is not None else {}
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 async def test_late_joiner_fetches_anchor_and_delta_chain_from_peers_not_the_trainer(tmp_path):
     srcs = make_versions(tmp_path / "src", 4, seed=11)
     trainer_key = keys(1)[0]

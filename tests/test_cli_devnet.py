@@ -10,9 +10,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.support.processes import processes_naming, terminal_signals
 
 
+@pytest.mark.slow  # ~50-60 s on two quiet cores: the slow tier (README)
 def test_devnet_trains_writes_metrics_and_stops_on_ctrl_c(tmp_path):
     out = tmp_path / "devnet-out"
     log = tmp_path / "devnet.log"  # a file, not a pipe: the live table would fill a pipe nobody reads

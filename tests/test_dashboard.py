@@ -50,6 +50,7 @@ def _browser(url: str, *args: str) -> str:
     return res.stdout
 
 
+@pytest.mark.slow  # ~35 s on two quiet cores: the slow tier (README)
 def test_a_browser_shows_the_live_values_of_a_devnet_trainer(tmp_path):
     if CHROMIUM is None:
         if os.environ.get("PRIMENODE_REQUIRE_BROWSER") == "1":

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from node.ops.churn import LedgerAudit, trainer_step
 from node.ops.devnet import Devnet
 from tests.support.processes import small_options
 from tests.support.processes import wait_for_devnet as wait_for
 
 
+@pytest.mark.slow  # ~100-135 s on two quiet cores: the slow tier (README)
 def test_kill9_worker_validator_and_trainer(tmp_path):
     devnet = Devnet(small_options(tmp_path))
     devnet.prepare()

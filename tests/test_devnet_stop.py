@@ -55,6 +55,7 @@ def _wait_until_serving(out: Path, proc: subprocess.Popen, log: Path) -> None:
     assert len(processes_naming(out)) == len(NODES), processes_naming(out)
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_stop_signal_stops_every_node_before_the_devnet_exits(tmp_path, sig):
     out, log = tmp_path / "devnet", tmp_path / "devnet.log"
@@ -84,6 +85,7 @@ def test_a_stop_signal_stops_every_node_before_the_devnet_exits(tmp_path, sig):
     assert summary["exit_codes"] == dict.fromkeys(NODES, 0), summary["exit_codes"]
 
 
+@pytest.mark.slow  # ~17 s on two quiet cores: the slow tier (README)
 def test_nodes_stop_by_themselves_when_the_devnet_is_killed(tmp_path):
     out, log = tmp_path / "devnet", tmp_path / "devnet.log"
     proc = _start_devnet(out, log)

@@ -191,6 +191,7 @@ def test_eval_reads_a_published_version_from_a_home(tmp_path):
         evaluate(EvalOptions(**{**base.__dict__, "version": 5}))
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 def test_eval_through_the_cli(tmp_path):
     """``run init --heldout`` then ``eval --genesis --split heldout`` as a user runs them:
     a table, then one JSON line; the per-problem file holds the held-out problems."""
@@ -308,6 +309,7 @@ async def test_a_slow_evaluation_skips_to_the_newest_version_due(tmp_path):
     assert done == [0, 6] and not evals.running
 
 
+@pytest.mark.slow  # ~17 s on two quiet cores: the slow tier (README)
 def test_a_policy_that_learned_the_tiny_task_scores_higher_on_prompts_it_never_saw():
     """20 GRPO steps of the single-process loop on target lengths 8, 16, 24, 32; then version 0
     and the trained policy are scored by the evaluation code on targets 12, 20, 28, prompts the

@@ -75,6 +75,7 @@ def assert_same(
         torch.testing.assert_close(weights[k], w, rtol=rtol, atol=atol, msg=k)
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 def test_two_ranks_take_the_single_process_steps_and_one_rank_resumes(tmp_path: Path) -> None:
     """2 ranks: two GRPO steps (the second with a stale group, whose old log-probs come from
     the published weights of the version before, broadcast by rank 0), a DCP checkpoint;
@@ -94,6 +95,7 @@ def test_two_ranks_take_the_single_process_steps_and_one_rank_resumes(tmp_path: 
     assert ref[1][0]["num_groups"] == 4 and ref[1][0]["missing_policy_groups"] == 0
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 def test_rank_group_drives_followers_as_the_trainer_role_does(tmp_path: Path) -> None:
     """RankGroup (rank 0, the network node's trainer) orders steps, exports and checkpoints;
     rank 1 runs ``follow``; the published weights equal one process's. Untied head."""
@@ -126,6 +128,7 @@ def test_one_rank_checkpoint_resumes_on_two_untied(tmp_path: Path) -> None:
     assert_same(out, 3, ref[2])
 
 
+@pytest.mark.slow  # ~25 s on two quiet cores: the slow tier (README)
 def test_kill_9_of_one_rank_stops_the_group_and_it_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
     """A rank killed by SIGKILL mid-run: torchrun stops the other (no rank trains on alone),
     the checkpoint folder holds a whole committed version, and a new group resumes from it

@@ -10,6 +10,7 @@ import sqlite3
 from pathlib import Path
 
 import psutil
+import pytest
 
 from node.ops.churn import LedgerAudit, trainer_step
 from node.ops.devnet import Devnet
@@ -33,6 +34,7 @@ def _follower(devnet: Devnet) -> psutil.Process:
     return ranks["1"]
 
 
+@pytest.mark.slow  # ~75 s on two quiet cores: the slow tier (README)
 def test_a_two_rank_trainer_trains_on_the_network_and_a_killed_rank_stops_the_group(tmp_path):
     opts = small_options(tmp_path, workers=1, validators=1, quorum=1)
     opts.node_args = {"trainer": ["--nproc", "2"]}

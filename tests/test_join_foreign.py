@@ -112,6 +112,7 @@ def test_join_against_a_foreign_libp2p_node_fails_with_one_line_naming_what_is_m
     assert "Traceback" not in res.stderr and not libp2p_noise(res.stderr), res.stderr
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 def test_join_with_a_genesis_says_so_and_backs_off_instead_of_looping(tmp_path, homes):
     home, genesis = homes
     host, addr = foreign(tmp_path / "foreign.log")

@@ -41,6 +41,7 @@ def _wait(wan: WanDevnet, pred, what: str, timeout: float = HANG_GUARD_S):
     pytest.fail(f"timed out after {timeout}s waiting for {what}{wan.logs()}")
 
 
+@pytest.mark.slow  # ~40 s on two quiet cores: the slow tier (README)
 def test_nat_worker_and_validator_contribute(tmp_path):
     opts = small_options(tmp_path, workers=2, validators=2, quorum=2)
     placement = {"worker-1": Placement(nat=True), "validator-1": Placement(nat=True)}

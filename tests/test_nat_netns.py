@@ -164,6 +164,7 @@ class Net:
         return self.status(name).get("nat") or {}
 
 
+@pytest.mark.slow  # ~30-65 s on two quiet cores: the slow tier (README)
 def test_nat_nodes_learn_reachability_reserve_relays_and_reach_each_other(tmp_path):
     with Testbed() as tb:
         boot_h, pub_h = tb.add_public("boot"), tb.add_public("pub")

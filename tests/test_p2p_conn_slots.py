@@ -11,6 +11,7 @@ without 200 s of waiting.
 
 from __future__ import annotations
 
+import pytest
 import trio
 from libp2p.peer.id import ID
 
@@ -84,6 +85,7 @@ async def open_close_cycles(target_addr: str, cycles: int, clock: StepClock) -> 
     return done
 
 
+@pytest.mark.slow  # ~60 s on two quiet cores: the slow tier (README)
 async def test_2000_connections_come_and_go_at_the_accept_rate_then_a_real_node_joins():
     with trio.fail_after(900):
         async with trio.open_nursery() as nursery:

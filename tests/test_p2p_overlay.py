@@ -42,6 +42,7 @@ def delivered(got, nodes, tags_by_publisher) -> bool:
     return True
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 async def test_twelve_nodes_exactly_once_then_heal_after_four_die():
     with trio.fail_after(150):
         async with trio.open_nursery() as nursery:

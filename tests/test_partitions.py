@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import trio
 
 from node.p2p.faults import Partition
@@ -99,6 +100,7 @@ def newest(role) -> int:
     return role.checkpoints.newest_version() if role.checkpoints is not None else -1
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
     """Half A (bootstrap, trainer, two validators, one worker) keeps training through the cut
     and finishes its steps; half B (a validator, two workers) is stranded on old versions.

@@ -3,6 +3,7 @@ transformers engine: a from-scratch tiny Llama learns the target-length task."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from node.rl.demo import run_target_length_demo
@@ -12,6 +13,7 @@ torch.set_num_threads(2)
 STEPS = 40
 
 
+@pytest.mark.slow  # ~140 s on two quiet cores: the slow tier (README)
 def test_grpo_loop_raises_reward_on_the_learnable_task():
     result = run_target_length_demo(steps=STEPS, seed=0)
     rewards = result.rewards

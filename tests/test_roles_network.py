@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from node.p2p.testing import NodeFactory, wait_until
@@ -88,6 +89,7 @@ def votes_on(trainer, batch_ids):
     return out
 
 
+@pytest.mark.slow  # ~40-190 s on two quiet cores: the slow tier (README)
 async def test_cheating_workers_are_refused_and_banned_while_training_continues(tmp_path):
     from protocol import NodeKey
 

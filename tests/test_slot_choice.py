@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
 import trio
 
 from node.p2p.testing import wait_until
@@ -26,6 +27,7 @@ from tests.test_roles_network import start_network
 MAX_GAIN_PER_CHOICE = 0.02
 
 
+@pytest.mark.slow  # ~25-35 s on two quiet cores: the slow tier (README)
 async def test_a_worker_that_picks_the_better_version_for_its_next_batch_gains_almost_nothing(tmp_path):
     # two batches per version keep this one-process network light (the chooser computes three
     # per choice); a short idle: a step with no signal makes no new version, and capped workers

@@ -289,6 +289,7 @@ async def test_plaintext_claim_of_a_workers_id_is_refused_and_the_worker_keeps_i
 LIBRARY_INBOUND_TABLE = 250  # py-libp2p 0.8.1's default inbound limit, the slots it never gave back
 
 
+@pytest.mark.slow  # ~20 s on two quiet cores: the slow tier (README)
 async def test_js_connections_come_and_go_past_the_librarys_table_then_a_real_node_joins(
     js: JsPeer, net: NodeFactory
 ) -> None:
