@@ -401,7 +401,7 @@ class BenchRole:
             return self.real_validator.heartbeat_fields()
         if self.checkpoints is None:
             return {}
-        from node.checkpoints.p2p_overlay import checkpoint_heartbeat_fields
+        from node.roles.checkpoint_wiring import checkpoint_heartbeat_fields
 
         return checkpoint_heartbeat_fields(self.checkpoints)
 
@@ -434,7 +434,7 @@ class BenchRole:
 
     async def _start_distribution(self, node, nursery: trio.Nursery) -> None:
         from node.checkpoints import Checkpoints, ChunkStore
-        from node.checkpoints.p2p_overlay import P2POverlay, serve_checkpoints
+        from node.roles.checkpoint_wiring import P2POverlay, serve_checkpoints
 
         root = self.shard.work / f"node-{self.idx}"
         store = ChunkStore(root / "chunks", node.run_id, node.genesis.trainer)

@@ -20,11 +20,11 @@ from safetensors.torch import load_file, save_file
 
 from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
 from node.checkpoints.delta import DeltaIncompatible, apply_delta, encode_delta, iter_changes
-from node.checkpoints.p2p_overlay import delta_base_for
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.store import DELTA_MIN_CHUNK, DELTA_MIN_CHUNKS, delta_chunk_size
 from node.checkpoints.wire import send_all
 from node.p2p.testing import wait_until
+from node.roles.checkpoint_wiring import delta_base_for
 from protocol import DeltaRef, ProtocolError, sha256
 from protocol import chunk_frames as F
 from protocol.delta import BINS, DELTA_FILE, ENC_DENSE, ENC_SPARSE, SEGMENT, parse_delta

@@ -10,14 +10,14 @@ import pytest
 import trio
 
 from node.checkpoints import Checkpoints, ChunkStore
-from node.checkpoints.p2p_overlay import (
+from node.p2p.node import RoleHook
+from node.p2p.testing import NodeFactory, overlay_genesis
+from node.roles.checkpoint_wiring import (
     P2POverlay,
     checkpoint_heartbeat_fields,
     publish_checkpoint,
     serve_checkpoints,
 )
-from node.p2p.node import RoleHook
-from node.p2p.testing import NodeFactory, overlay_genesis
 from tests.support.checkpoints import keys
 from tests.support.deltas import equal_dirs, make_versions
 

@@ -75,14 +75,14 @@ async def test_six_nodes_one_seeder(tmp_path):
 
 
 async def test_libp2p_overlay_end_to_end(tmp_path):
-    from node.checkpoints.p2p_overlay import (
+    from node.p2p.node import RoleHook
+    from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
+    from node.roles.checkpoint_wiring import (
         P2POverlay,
         checkpoint_heartbeat_fields,
         publish_checkpoint,
         serve_checkpoints,
     )
-    from node.p2p.node import RoleHook
-    from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
 
     class CheckpointsHook(RoleHook):
         def __init__(self, home, role):

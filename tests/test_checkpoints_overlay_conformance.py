@@ -17,10 +17,10 @@ import pytest
 import trio
 
 from node.checkpoints import Checkpoints, ChunkOverlay, ChunkStore, DataConnection, LocalOverlay, VersionState
-from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from node.checkpoints.server import ChunkServer
 from node.p2p.node import Node, RoleHook
 from node.p2p.testing import NodeFactory, overlay_genesis
+from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from protocol import ChunkTicketRequest, NodeKey, ReverseChunkRequest
 from protocol import chunk_frames as F
 from tests.support.checkpoints import RUN_ID, keys, make_checkpoint

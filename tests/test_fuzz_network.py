@@ -37,11 +37,11 @@ from libp2p.peer.id import ID
 
 from node.checkpoints import Checkpoints, ChunkStore
 from node.checkpoints.client import DataConnection
-from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RR_PROTOCOL, read_frame
 from node.p2p.testing import NodeFactory, overlay_genesis, tagged_announce, wait_until
+from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from node.roles.worker import WorkerRole
 from node.util import now_ms
 from protocol import (

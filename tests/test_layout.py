@@ -10,7 +10,11 @@
     node.roles          anything but ops
     node.ops            the operator package (CLI, daemon, status, devnet): nothing imports it
 
-Imports inside functions count too (a lazy import is still a dependency).
+libp2p is imported only in node.p2p: every other room sees the network through ``Node``.
+
+Imports inside functions count too (a lazy import is still a dependency). And no two modules
+import each other, directly or round a longer loop: a circle makes the import order matter and
+says two rooms answer one question (the shared part belongs in a module of its own).
 """
 
 from __future__ import annotations
@@ -93,7 +97,9 @@ def violations(files: list[Path]) -> list[str]:
         layer = layer_of(module_name(path))
         for target in sorted(imports_of(path)):
             top = target.split(".")[0]
-            if top in THIRD_PARTY_BANNED.get(layer, ()):
+            if top == "libp2p" and layer != "node.p2p":
+                found.append(f"{module_name(path)} imports {target} (only node.p2p may import libp2p)")
+            elif top in THIRD_PARTY_BANNED.get(layer, ()):
                 found.append(f"{module_name(path)} imports {target} ({layer} must not)")
             if top in OURS and not allowed(layer, target):
                 found.append(f"{module_name(path)} imports {target} ({layer} may not)")
@@ -138,6 +144,9 @@ def test_nothing_outside_ops_imports_ops():
         ("node/roles/x.py", "from node.ops.cli import main\n", True),
         ("node/home.py", "from node.roles import context\n", True),
         ("node/checkpoints/x.py", "from ..roles import common\n", True),
+        ("node/p2p/x.py", "from libp2p.peer.id import ID\n", False),
+        ("node/roles/x.py", "def f():\n    from libp2p.peer.id import ID\n", True),
+        ("node/ops/x.py", "import libp2p\n", True),
     ],
 )
 def test_the_checker_catches_what_it_should(tmp_path, monkeypatch, module, source, bad):
@@ -147,6 +156,87 @@ def test_the_checker_catches_what_it_should(tmp_path, monkeypatch, module, sourc
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
     assert bool(violations([path])) is bad
+
+
+def module_targets(path: Path, modules: set[str]) -> set[str]:
+    """Our modules ``path`` imports: ``from pkg import name`` counts as ``pkg.name`` when that is
+    a module (a package's ``__init__`` is a facade, not the room the name lives in)."""
+    module = module_name(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            base = base if node.level else (node.module or "")
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def import_circles(files: list[Path]) -> list[list[str]]:
+    """Every set of modules that import each other round a loop (Tarjan's strongly connected
+    components of more than one module), each sorted."""
+    by_name = {module_name(p): p for p in files}
+    graph = {m: module_targets(p, set(by_name)) for m, p in by_name.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_modules_import_each_other():
+    assert import_circles(our_files()) == []
+
+
+def test_the_circle_check_catches_a_lazy_circle_and_passes_a_facade(tmp_path, monkeypatch):
+    """The control: a function-level import that closes a loop is a circle; a package that
+    re-exports its module, and a module importing a sibling through the package, are not."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    files = {
+        "node/rl/__init__.py": "from node.rl.a import f\n",
+        "node/rl/a.py": "from node.rl import b\ndef f():\n    return b\n",
+        "node/rl/b.py": "def g():\n    from node.rl.c import h\n",
+        "node/rl/c.py": "def h():\n    pass\n",
+    }
+    for name, source in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    paths = sorted(tmp_path.rglob("*.py"))
+    assert import_circles(paths) == []
+    (tmp_path / "node/rl/c.py").write_text("def h():\n    from node.rl.a import f\n")
+    assert import_circles(paths) == [["node.rl.a", "node.rl.b", "node.rl.c"]]
 
 
 def test_importing_protocol_loads_no_torch():

@@ -17,7 +17,8 @@ from libp2p.identity.identify.identify import parse_identify_response
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
-from node.p2p.nat import NatConfig, conn_is_relayed
+from node.p2p.host import conn_is_relayed
+from node.p2p.nat import NatConfig
 from node.p2p.node import Node
 from node.p2p.testing import NodeFactory, wait_until
 

@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
+from node.rl.answers import extract_answer, last_boxed
 from node.rl.length import completion_length, length_penalty, target_length_reward
-from node.rl.rewards import compute_reward, extract_answer, last_boxed, math_reward
+from node.rl.rewards import compute_reward, math_reward
 from node.rl.tasks import Problem
 
 

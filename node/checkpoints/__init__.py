@@ -10,7 +10,8 @@ Layers, bottom up:
   ``protocol.chunk_frames``): tickets granted over libp2p, chunk bytes outside it.
 * ``fetcher``: ``VersionFetcher`` fetches one version from many peers at once.
 * ``service``: ``Checkpoints``, the one object roles use; ``overlay`` is what it
-  needs from the network, ``p2p_overlay`` wires it into a ``node.p2p.Node``.
+  needs from the network; ``node.roles.checkpoint_wiring`` wires it into a
+  ``node.p2p.Node`` (the roles layer, the lowest that may import both).
 """
 
 from node.checkpoints.client import DataConnection, DataPlaneError

@@ -1,6 +1,6 @@
 """What the fetcher needs from the P2P overlay, as a small interface.
 
-The real implementation (:mod:`node.checkpoints.p2p_overlay`) sends the ticket
+The real implementation (:mod:`node.roles.checkpoint_wiring`) sends the ticket
 request over libp2p request/response and charges misbehaviour to the
 overlay's peer policy; :class:`LocalOverlay` connects chunk servers living in
 the same process (unit tests, benchmarks of the data plane alone).

@@ -3,7 +3,7 @@
     checkpoints = Checkpoints(store, overlay, max_async=genesis.max_async, max_upload_mbps=...)
     async with trio.open_nursery() as n:
         await n.start(checkpoints.run)                    # chunk server + fetch manager
-        # wiring from the P2P layer (p2p_overlay.serve_checkpoints does this):
+        # wiring from the P2P layer (node.roles.checkpoint_wiring.serve_checkpoints does this):
         reqresp.register(ChunkTicketRequest, lambda env, peer: checkpoints.grant_ticket(peer, env.body))
         checkpoints.on_announce_envelope(env)             # gossip: CheckpointAnnounce (already opened)
         checkpoints.on_heartbeat(peer_id, heartbeat)      # gossip: Heartbeat (have-sets)

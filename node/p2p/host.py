@@ -50,6 +50,7 @@ import multiaddr
 import trio
 from libp2p import new_host
 from libp2p.abc import IHost, ISecureTransport
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
@@ -144,8 +145,6 @@ def _identify_observed_addr_on_relays() -> None:
         handle = make_handler(host, use_varint_format)
 
         async def _handle(stream: Any) -> None:
-            from node.p2p.nat import conn_is_relayed
-
             conn = getattr(stream, "swarm_conn", None)
             token = on_relay.set(conn is None or conn_is_relayed(conn))
             try:
@@ -293,6 +292,46 @@ CIRCUIT = "/p2p-circuit"
 def is_circuit(addr: str) -> bool:
     """A relay circuit address (``<relay addr>/p2p/<relay>/p2p-circuit[/p2p/<peer>]``)."""
     return CIRCUIT in addr
+
+
+def conn_is_relayed(conn: Any) -> bool:
+    """A swarm connection that runs over a relay circuit.
+
+    The connection type, or the transport addresses recorded at upgrade; not
+    ``get_transport_addresses()``, which falls back to the peerstore's addresses of the
+    peer when none were recorded (and those list circuit addresses for any NAT'd peer).
+    """
+    try:
+        if conn.get_connection_type() == ConnectionType.RELAYED:
+            return True
+    except Exception:
+        pass
+    addrs = getattr(conn, "_actual_transport_addresses", None) or []
+    return any(is_circuit(str(a)) for a in addrs)
+
+
+def peer_ips(host: IHost, peer_id: str) -> set[str]:
+    """The IP addresses ``peer_id`` advertises as its own (its signed heartbeats put them in
+    the peerstore) or connects to us from directly: where we may dial its data port.
+    Circuit addresses name the relay's IP, not the peer's, and are left out."""
+    out: set[str] = set()
+    try:
+        pid = ID.from_base58(peer_id)
+        addrs = list(host.get_peerstore().addrs(pid))
+        for conn in host.get_network().get_connections(pid):
+            addrs += list(getattr(conn, "_actual_transport_addresses", None) or [])
+    except Exception:
+        return out
+    for a in addrs:
+        ma = a if isinstance(a, multiaddr.Multiaddr) else multiaddr.Multiaddr(str(a))
+        if "p2p-circuit" in str(ma):
+            continue
+        for proto in ("ip4", "ip6"):
+            try:
+                out.add(ma.value_for_protocol(proto))
+            except Exception:
+                continue
+    return out
 
 
 def strip_peer_id(addr: str) -> str:

@@ -54,7 +54,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
-from node.p2p.host import CIRCUIT, is_circuit
+from node.p2p.host import CIRCUIT, conn_is_relayed, is_circuit
 
 log = logging.getLogger(__name__)
 
@@ -104,22 +104,6 @@ class NatConfig:
     # Only one side of a pair starts DCUtR (the smaller peer id); the other waits this long for
     # it before starting its own (a foreign peer may only ever answer). See drives_hole_punch.
     hole_punch_defer_s: float = 20.0
-
-
-def conn_is_relayed(conn: Any) -> bool:
-    """A swarm connection that runs over a relay circuit.
-
-    The connection type, or the transport addresses recorded at upgrade; not
-    ``get_transport_addresses()``, which falls back to the peerstore's addresses of the
-    peer when none were recorded (and those list circuit addresses for any NAT'd peer).
-    """
-    try:
-        if conn.get_connection_type() == ConnectionType.RELAYED:
-            return True
-    except Exception:
-        pass
-    addrs = getattr(conn, "_actual_transport_addresses", None) or []
-    return any(is_circuit(str(a)) for a in addrs)
 
 
 def next_reachability(current: str, verdicts: dict[str, str], misses: int, demote_after: int) -> tuple[str, int]:

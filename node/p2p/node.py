@@ -29,7 +29,7 @@ from node.p2p.clock import ClockSkew
 from node.p2p.connlimits import connection_stats, register_connection_metrics, trio_task_count
 from node.p2p.connmgr import ConnectionManager
 from node.p2p.gossip import Gossip
-from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host
+from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host, peer_ips
 from node.p2p.metrics import NodeMetrics
 from node.p2p.nat import NatConfig, NatService
 from node.p2p.policy import PeerPolicy
@@ -169,6 +169,16 @@ class Node:
         if self.nat is not None and self.nat.behind_nat:
             return [f"{a}/p2p/{self.peer_id}" for a in self.addrs()]
         return full_addrs(self.host, self.config.advertise_host) if self.host else []
+
+    def peer_ips(self, peer_id: str) -> set[str]:
+        """The IP addresses ``peer_id`` advertises or connects to us from directly (no relay's):
+        where we may dial its data port. Empty before the host runs."""
+        return peer_ips(self.host, peer_id) if self.host is not None else set()
+
+    def reachable(self) -> bool:
+        """Peers can dial us directly: AutoNAT has not found us behind NAT (a node behind NAT
+        asks no holder behind NAT to dial it: two NAT'd nodes exchange no bulk)."""
+        return self.nat is None or not self.nat.behind_nat
 
     # ---------------------------------------------------------------- lifecycle
     def stop(self) -> None:

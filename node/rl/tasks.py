@@ -38,6 +38,7 @@ from typing import Any
 
 from node.models import cached_hf_snapshot as _cached_snapshot
 from node.models import parse_hf_spec
+from node.rl.answers import last_boxed
 from node.util import atomic_write_bytes, atomic_write_text
 from protocol.run_config import RunConfig
 
@@ -133,8 +134,6 @@ def extract_reference_answer(answer: Any, solution: Any = None) -> Any:
         if m:
             return _THOUSANDS.sub("", m.group(1).strip())
     if answer is None and isinstance(solution, str):
-        from node.rl.rewards import last_boxed
-
         boxed = last_boxed(solution)
         if boxed is not None and boxed.strip():
             return boxed.strip()

@@ -13,11 +13,11 @@ from typing import Any
 import trio
 
 from node.checkpoints import Checkpoints, ChunkStore
-from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from node.home import NodeHome
 from node.memory import release_free_memory
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RequestError
+from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from node.roles.context import RunContext
 from node.util import now_ms
 from protocol import (

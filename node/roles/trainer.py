@@ -328,7 +328,7 @@ class TrainerRole(LearningRole):
 
     async def _publish_current(self) -> None:
         """Announce the current version; after a restart, re-announce the manifest already in the store."""
-        from node.checkpoints.p2p_overlay import publish_checkpoint
+        from node.roles.checkpoint_wiring import publish_checkpoint
 
         st = self.store.get(self.version)
         if st is not None and st.complete:

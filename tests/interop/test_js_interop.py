@@ -47,8 +47,8 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
 from node.p2p.connlimits import connection_stats
-from node.p2p.host import parse_peer_addr
-from node.p2p.nat import NatConfig, conn_is_relayed
+from node.p2p.host import conn_is_relayed, parse_peer_addr
+from node.p2p.nat import NatConfig
 from node.p2p.node import Node, fetch_genesis
 from node.p2p.testing import NodeFactory, wait_until
 from node.util import now_ms

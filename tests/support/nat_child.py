@@ -32,13 +32,13 @@ from pathlib import Path
 import trio
 
 from node.checkpoints import Checkpoints, ChunkStore
-from node.checkpoints.p2p_overlay import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.wire import recv_exactly, send_all
 from node.p2p.host import attach_libp2p_logging
 from node.p2p.nat import NatConfig
 from node.p2p.node import Node, P2PConfig, RoleHook
 from node.p2p.testing import fast_config
+from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
 from protocol import NodeKey
 from protocol import chunk_frames as F
 

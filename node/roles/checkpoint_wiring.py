@@ -15,8 +15,9 @@ A role uses it from its ``RoleHook.run(node)``::
     await nursery.start(serve_checkpoints, node, checkpoints)
     # and in heartbeat_fields(): return checkpoint_heartbeat_fields(checkpoints)
 
-The node is typed loosely (``Any``): checkpoint code never imports the networking
-package (tests/test_layout.py), it only calls the node's public attributes.
+It lives in the roles layer, the lowest that may import both packages (tests/test_layout.py):
+``node.checkpoints`` and ``node.p2p`` do not know each other, so the node comes in with its real
+type and everything libp2p-specific (the peerstore, connections) stays behind ``Node`` methods.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.checkpoints.service import Checkpoints
+from node.p2p.gossip import Gossip
+from node.p2p.node import Node
+from node.p2p.reqresp import ReqResp
 from protocol import (
     CheckpointAnnounce,
     ChunkTicket,
@@ -59,26 +63,37 @@ POINTS = {
 }
 
 
+def _started(node: Node) -> tuple[ReqResp, Gossip]:
+    """The running node's request/response and gossip (``Node.run`` creates them)."""
+    if node.reqresp is None or node.gossip is None:
+        raise RuntimeError("the checkpoints need a running node: start Node.run first")
+    return node.reqresp, node.gossip
+
+
 class P2POverlay:
     """:class:`~node.checkpoints.overlay.ChunkOverlay` on top of a running ``node.p2p.Node``."""
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
 
+    @property
+    def _reqresp(self) -> ReqResp:
+        return _started(self.node)[0]
+
     async def request_ticket(self, peer_id: str, req: ChunkTicketRequest, timeout: float) -> ChunkTicket:
-        env = await self.node.reqresp.request(peer_id, req, expect=ChunkTicket, timeout=timeout, redial=True)
+        env = await self._reqresp.request(peer_id, req, expect=ChunkTicket, timeout=timeout, redial=True)
         ticket: ChunkTicket = env.body
         return ticket
 
     async def request_manifest(self, peer_id: str, req: ManifestRequest, timeout: float) -> ManifestResponse:
-        env = await self.node.reqresp.request(peer_id, req, expect=ManifestResponse, timeout=timeout, redial=True)
+        env = await self._reqresp.request(peer_id, req, expect=ManifestResponse, timeout=timeout, redial=True)
         resp: ManifestResponse = env.body
         return resp
 
     async def request_reverse(self, peer_id: str, req: ReverseChunkRequest, timeout: float) -> ReverseChunkAnswer:
         # to a NAT'd holder: over its relay circuit, or a direct connection (hole punch, or it
         # dialled us); only this small request crosses a relay, never the chunks
-        env = await self.node.reqresp.request(peer_id, req, expect=ReverseChunkAnswer, timeout=timeout, redial=True)
+        env = await self._reqresp.request(peer_id, req, expect=ReverseChunkAnswer, timeout=timeout, redial=True)
         answer: ReverseChunkAnswer = env.body
         return answer
 
@@ -99,7 +114,7 @@ def checkpoint_heartbeat_fields(checkpoints: Checkpoints) -> dict[str, Any]:
 
 
 async def serve_checkpoints(
-    node: Any, checkpoints: Checkpoints, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    node: Node, checkpoints: Checkpoints, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Hook ``checkpoints`` into ``node`` (already running) and run it until cancelled."""
 
@@ -128,47 +143,19 @@ async def serve_checkpoints(
     def on_reverse(env: Envelope[ReverseChunkRequest], peer: str) -> ReverseChunkAnswer:
         if node.policy.is_banned(peer):
             return ReverseChunkAnswer(ok=False, reason="banned")
-        return checkpoints.grant_reverse(peer, env.body, peer_ips(node, peer))
+        return checkpoints.grant_reverse(peer, env.body, node.peer_ips(peer))
 
-    # Our data port is reachable unless AutoNAT found us behind NAT (then we ask no holder
-    # behind NAT to dial us: two NAT'd nodes exchange no bulk).
-    checkpoints.server.reachable = lambda: node.nat is None or not node.nat.behind_nat
+    checkpoints.server.reachable = node.reachable
+    reqresp, gossip = _started(node)
 
-    node.reqresp.register(ChunkTicketRequest, on_ticket)
-    node.reqresp.register(ManifestRequest, on_manifest)
-    node.reqresp.register(ReverseChunkRequest, on_reverse)
-    node.gossip.on("checkpoint", on_announce)
-    node.gossip.on("heartbeat", on_heartbeat)
+    reqresp.register(ChunkTicketRequest, on_ticket)
+    reqresp.register(ManifestRequest, on_manifest)
+    reqresp.register(ReverseChunkRequest, on_reverse)
+    gossip.on("checkpoint", on_announce)
+    gossip.on("heartbeat", on_heartbeat)
     node.policy.ban_listeners.append(on_ban)
     checkpoints.banned.update(node.policy.banned())
     await checkpoints.run(task_status=task_status)
-
-
-def peer_ips(node: Any, peer_id: str) -> set[str]:
-    """The IP addresses ``peer_id`` advertises as its own (its signed heartbeats put them in
-    the peerstore) or connects to us from directly: where we may dial its data port.
-    Circuit addresses name the relay's IP, not the peer's, and are left out."""
-    import multiaddr  # the p2p layer's dependency; checkpoint code never imports node.p2p
-    from libp2p.peer.id import ID
-
-    out: set[str] = set()
-    try:
-        pid = ID.from_base58(peer_id)
-        addrs = list(node.host.get_peerstore().addrs(pid))
-        for conn in node.host.get_network().get_connections(pid):
-            addrs += list(getattr(conn, "_actual_transport_addresses", None) or [])
-    except Exception:
-        return out
-    for a in addrs:
-        ma = a if isinstance(a, multiaddr.Multiaddr) else multiaddr.Multiaddr(str(a))
-        if "p2p-circuit" in str(ma):
-            continue
-        for proto in ("ip4", "ip6"):
-            try:
-                out.add(ma.value_for_protocol(proto))
-            except Exception:
-                continue
-    return out
 
 
 def delta_settings(config_toml: str) -> tuple[int, float]:
@@ -190,7 +177,7 @@ def delta_base_for(checkpoints: Checkpoints, version: int, anchor_every: int) ->
 
 
 async def publish_checkpoint(
-    node: Any, checkpoints: Checkpoints, version: int, src_dir: Path | str, chunk_size: int | None = None
+    node: Node, checkpoints: Checkpoints, version: int, src_dir: Path | str, chunk_size: int | None = None
 ) -> bytes:
     """Trainer: import ``src_dir`` as ``version`` (a delta against the previous published
     version, or an anchor: ``delta_settings``), then gossip the signed announce."""
@@ -206,5 +193,5 @@ async def publish_checkpoint(
     )
     st = checkpoints.store.get(version)
     assert st is not None  # publish() stored it
-    await node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
+    await _started(node)[1].publish(CheckpointAnnounce(manifest=st.manifest))
     return raw
