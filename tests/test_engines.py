@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from node.engines.base import group_seeds
+from node.engines.base import InferenceEngine, group_seeds
 from node.engines.vllm_engine import vllm_available
 from node.models import tiny_llama
 from proofs import build_many, build_sequence_proofs, verify_sequence
@@ -60,6 +60,16 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     engine, atol = request.param(tmp_path_factory.mktemp("tiny-llama"))
     model = reference_model()
     yield {"engine": engine, "model": model, "eos": model.config.eos_token_id, "atol": atol}
+
+
+def test_the_engine_has_every_member_of_the_interface(setup: dict[str, Any]) -> None:
+    """Roles call only what ``InferenceEngine`` declares (mypy holds them to it) and probe for
+    nothing, so a backend must have all of it: here at run time, for each backend."""
+    engine = setup["engine"]
+    members = {n for n in vars(InferenceEngine) if not n.startswith("_")}
+    assert {"generate", "prefill_hidden_batch", "load_weights", "load_delta", "delta_values", "numerics"} <= members
+    assert sorted(n for n in members if not hasattr(engine, n)) == []
+    assert isinstance(engine.delta_values, bool) and isinstance(engine.numerics, str)
 
 
 def test_shapes_and_group_layout(setup: dict[str, Any]) -> None:

@@ -39,8 +39,10 @@ class Completion:
 
 
 class InferenceEngine(Protocol):
-    """What roles need from a backend. Implementations are synchronous and CPU/GPU heavy:
-    call them from ``trio.to_thread.run_sync``."""
+    """Everything roles call on a backend, in one place: both engines implement it (mypy checks
+    that where ``node.roles.engines.build_engine`` returns them) and the conformance suite
+    (tests/test_engines.py) runs each. Implementations are synchronous and CPU/GPU
+    heavy: call them from ``trio.to_thread.run_sync``."""
 
     @property
     def eos_token_id(self) -> int | None: ...
@@ -57,6 +59,12 @@ class InferenceEngine(Protocol):
 
     def lm_head_weight(self) -> Any:
         """The (V, H) output matrix: logits = final hidden states @ lm_head.T."""
+        ...
+
+    @property
+    def numerics(self) -> str:
+        """The numerics stack as a run genesis names it ("transformers-fp32-cpu"): a run that
+        declares one refuses engines on another (``RunContext.check_engine``)."""
         ...
 
     def generate(
@@ -77,8 +85,25 @@ class InferenceEngine(Protocol):
         shape (len(prompt) + len(completion), hidden_size)."""
         ...
 
+    def prefill_hidden_batch(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Any]:
+        """:meth:`prefill_hidden` for many (prompt, completion) pairs at once, in order: what a
+        validator replays a batch with (a group's shared prompt is computed once)."""
+        ...
+
     def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         """Replace the weights in place (hot reload of a new policy version)."""
+        ...
+
+    @property
+    def delta_values(self) -> bool:
+        """Whether :meth:`load_delta` needs each change's values (True) or only the changed
+        tensors' names, reading them whole from the version's files (False)."""
+        ...
+
+    def load_delta(self, changes: Iterable[Any], files: Mapping[str, Any] | None = None) -> list[str]:
+        """Apply a sparse delta in place on the loaded version (``Checkpoints.delta_changes``;
+        ``files``: the new version's verified files, for engines that reload tensors whole).
+        Returns the names of the tensors written."""
         ...
 
 

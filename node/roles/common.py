@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from node.checkpoints import Checkpoints, ChunkStore
+from node.engines.base import InferenceEngine
 from node.home import NodeHome
 from node.memory import release_free_memory
 from node.p2p.node import RoleHook
@@ -190,10 +191,10 @@ class EngineRole(LearningRole):
         super().__init__(*args, **kwargs)
         self.engine_kind = engine
         self.device = device
-        self.engine: Any = None
+        self.engine: InferenceEngine | None = None
         self.loaded_version = -1
 
-    def make_engine(self) -> Any:
+    def make_engine(self) -> InferenceEngine:
         """The role's engine on version 0 of the policy (blocking: run it in a thread)."""
         from node.roles.engines import build_engine
 
@@ -203,12 +204,12 @@ class EngineRole(LearningRole):
         """Put the weights of ``version`` into the engine (building it first if needed), then hand
         the transient memory back (node/memory.py). The caller records ``loaded_version``.
         A delta version on the loaded one goes in place, only its changed elements written."""
-        if self.engine is not None and self.checkpoints is not None and hasattr(self.engine, "load_delta"):
-            values = getattr(self.engine, "delta_values", True)  # False: the engine reads whole tensors
-            changes = await self.checkpoints.delta_changes(version, self.loaded_version, values=values)
+        engine = self.engine
+        if engine is not None and self.checkpoints is not None:
+            changes = await self.checkpoints.delta_changes(version, self.loaded_version, values=engine.delta_values)
             if changes is not None:
                 with self.checkpoints.open_version(version) as files:
-                    touched = await trio.to_thread.run_sync(self.engine.load_delta, changes, files)
+                    touched = await trio.to_thread.run_sync(engine.load_delta, changes, files)
                 log.info("version %d loaded in place from its delta (%d tensors written)", version, len(touched))
                 return
         state = await self.weights.get(version)

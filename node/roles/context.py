@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from node.engines.base import InferenceEngine
 from node.errors import ConfigError, ModelError, RoleError
 from node.genesis_file import run_config
 from proofs import ProofConfig
@@ -362,11 +363,11 @@ class RunContext:
             self._rows[folder] = value if isinstance(value, int) and not isinstance(value, bool) else 0
         return self._rows[folder]
 
-    def check_engine(self, engine: Any) -> None:
+    def check_engine(self, engine: InferenceEngine) -> None:
         """Refuse to work or validate on another stack than the genesis declares: tight
         thresholds assume worker and validator numerics agree bit for bit (nearly)."""
         want = self.numerics
-        have = getattr(engine, "numerics", None)
+        have = engine.numerics
         if want and have != want:
             raise RoleError(f"this run requires the numerics stack {want!r}; this node's engine is {have!r}")
 

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from node.engines.base import InferenceEngine
 from node.errors import ConfigError, ModelError
 from node.roles.context import RunContext
 
@@ -35,10 +36,10 @@ def check_engine_choice(engine: str, role: str | None = None, tamper: str | None
         raise ConfigError("--tamper modes exist for the transformers engine only")
 
 
-def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> Any:
+def build_engine(ctx: RunContext, kind: str, device: str = "cpu") -> InferenceEngine:
     """The engine of ``kind`` on version 0 of the policy (blocking: run it in a thread)."""
     check_engine_choice(kind)
-    engine: Any
+    engine: InferenceEngine
     if kind == "transformers":
         from node.engines.transformers_engine import TransformersEngine
 

@@ -35,10 +35,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-import torch
-
+from node.engines.base import InferenceEngine
 from node.roles.context import RunContext
 from node.util import now_ms
 from proofs import ProofConfig, ProofError, build_many, verify_sequence
@@ -48,20 +47,6 @@ from protocol import RolloutBatch, Sample, assign_prompts, expected_chunks, samp
 PROOF = ProofConfig()  # chunking (the wire format); the thresholds come from the run (ctx.proof_config)
 REWARD_TOLERANCE = 1e-6
 REASON_LIMIT = 250  # characters of a verdict's reason that may echo peer-controlled text
-
-
-class Replayer(Protocol):
-    """What checking a batch needs from the validator's engine (TransformersEngine has it)."""
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def lm_head_weight(self) -> torch.Tensor: ...
-
-    def prefill_hidden_batch(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +78,7 @@ def owed_seeds(ctx: RunContext, worker: str, counter: int, indices: Sequence[int
 
 def produce_batch(
     ctx: RunContext,
-    engine: Any,
+    engine: InferenceEngine,
     worker: str,
     policy: PolicyFacts,
     counter: int,
@@ -235,7 +220,7 @@ def check_batch_rules(
 
 def verify_batch(
     ctx: RunContext,
-    engine: Replayer,
+    engine: InferenceEngine,
     batch: RolloutBatch,
     announcer: str,
     policy: PolicyFacts,

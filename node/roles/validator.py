@@ -276,6 +276,7 @@ class ValidatorRole(EngineRole):
                 continue
             await self._ensure_version(v)
             policy = PolicyFacts.of(state.manifest)
+            assert self.engine is not None  # _ensure_version built it
             verdict = await trio.to_thread.run_sync(
                 functools.partial(verify_batch, self.ctx, self.engine, batch, env.sender, policy)
             )

@@ -276,7 +276,10 @@ class WorkerRole(EngineRole):
         # out (a stuck worker still signs batches for it)
         policy = PolicyFacts.of(self.store.versions[version].manifest)
         await self.load_policy(version)
-        if self.tamper == "weights":
+        if self.tamper == "weights":  # a transformers engine's only (check_engine_choice)
+            from node.engines.transformers_engine import TransformersEngine
+
+            assert isinstance(self.engine, TransformersEngine)
             await trio.to_thread.run_sync(_perturb, self.engine.model, 0.1)
         self.loaded_version = version
         self.policy = policy
@@ -386,6 +389,7 @@ class WorkerRole(EngineRole):
     async def _generate(self, policy: PolicyFacts, counter: int, tamper: str | None = None) -> RolloutBatch:
         """One batch at ``counter`` with the loaded weights (``policy`` their manifest facts)."""
         t0 = time.perf_counter()
+        assert self.engine is not None  # a version is loaded before the first batch
         batch = await trio.to_thread.run_sync(
             functools.partial(produce_batch, self.ctx, self.engine, self.node.peer_id, policy, counter, tamper=tamper)
         )
