@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import node.rl.sandbox as sb
+import node.rl.sandbox.runner as sb  # where the start-up check reads find_bwrap and keeps its probe
 from node.errors import NodeError, SandboxError
 from node.rl.rewards import compute_reward
 from node.rl.sandbox import (
@@ -95,7 +95,7 @@ def test_a_bwrap_that_cannot_sandbox_refuses(monkeypatch, tmp_path):
 def test_missing_libseccomp_refuses(monkeypatch):
     monkeypatch.setattr(sb, "_probe", None)
     sb.seccomp_program.cache_clear()
-    monkeypatch.setattr(sb.ctypes.util, "find_library", lambda name: "libseccomp-missing.so.9")
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: "libseccomp-missing.so.9")
     try:
         with pytest.raises(SandboxError, match="libseccomp"):
             code_reward(CORRECT, TESTS)

@@ -10,7 +10,7 @@ sees them. What remains goes to math-verify in a helper process with a hard
 deadline (math-verify's own timeout is a SIGALRM, which only works on a main
 thread, and roles compute rewards in worker threads); an overrun scores 0.
 
-Code: see sandbox.py (bubblewrap; the verdict is decided here, outside the sandbox; a node that
+Code: see the sandbox package (bubblewrap; the verdict is decided here, outside the sandbox; a node that
 cannot sandbox raises SandboxError rather than scoring). Length: see length.py.
 """
 
