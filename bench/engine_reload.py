@@ -55,7 +55,7 @@ def make_versions(args: argparse.Namespace, work: Path) -> tuple[Path, Path, dic
     from node.rl.demo import collect_groups
     from node.rl.grpo import GRPOConfig, GRPOTrainer
     from node.rl.tasks import length_problems
-    from node.roles.common import export_weights
+    from node.roles.weights import export_weights
 
     torch.manual_seed(0)
     model, tok = load_smollm2(args.cache)
@@ -111,7 +111,7 @@ def measure(
     kind: str, v0: Path, v1: Path, data: bytes, prompt: list[int], repeats: int, elements: bool = False
 ) -> dict[str, Any]:
     from node.checkpoints.delta import changed_tensors, iter_changes
-    from node.roles.common import load_state_dict
+    from node.roles.weights import load_state_dict
 
     engine = build(kind, v0)
     want = greedy(build("transformers", v1), prompt)

@@ -144,7 +144,7 @@ ATTACK_UNITS = {
     "garbage": "garbage batches (announced and served)",
     "slowstreams": "request streams opened and held unfinished",
 }
-UNSERVED_PER_IDENTITY = 4  # node.roles.common.MAX_PENDING_PER_ANNOUNCER: what one identity can queue
+UNSERVED_PER_IDENTITY = 4  # node.roles.intake.MAX_PENDING_PER_ANNOUNCER: what one identity can queue
 
 
 # ===================================================================== attacker process

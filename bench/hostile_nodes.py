@@ -241,7 +241,7 @@ def make_validator_fetcher(node, on_fetched):
     ``on_fetched(announce envelope)`` instead of TOPLOC verification (no model in this bench)."""
     import inspect
 
-    from node.roles.common import AnnounceIntake
+    from node.roles.intake import AnnounceIntake
     from node.roles.validator import ValidatorRole
     from node.roles.verify_queue import VerifyQueue
 
@@ -508,7 +508,7 @@ class BenchRole:
     async def publish_checkpoint(self, node, version: int) -> None:
         src = self.shard.work / f"ckpt-v{version}"
         if self.shard.cfg["scenario"] == "garbage":  # the real policy (what batches are checked against)
-            from node.roles.common import export_weights
+            from node.roles.weights import export_weights
 
             model = await trio.to_thread.run_sync(self.shard.ctx.initial_model)
             await trio.to_thread.run_sync(export_weights, model, src)

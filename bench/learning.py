@@ -144,7 +144,7 @@ def measure_cost(repeats: int = 5) -> dict[str, Any]:
     from node.models import tiny_llama
     from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout
     from node.rl.tasks import CharTokenizer
-    from node.roles.common import export_weights, load_state_dict
+    from node.roles.weights import export_weights, load_state_dict
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="learning-cost-"))

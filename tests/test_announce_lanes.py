@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from node.roles.common import AnnounceLanes
+from node.roles.intake import AnnounceLanes
 from protocol import Envelope, RolloutAnnounce
 
 

@@ -228,7 +228,7 @@ async def test_a_flood_that_fills_the_fetch_lane_sheds_an_honest_announce_withou
     fetched from it. Every flooder fetched is charged, the worker never; a thief announcing the
     worker's batch once it was fetched is charged and struck without a fetch."""
     from node.home import NodeHome
-    from node.roles.common import MAX_PENDING_PER_ANNOUNCER
+    from node.roles.intake import MAX_PENDING_PER_ANNOUNCER
     from node.roles.validator import ValidatorRole
     from tests.support.roles import tiny_context
     from tests.test_ledger import _signed_batch
@@ -309,7 +309,7 @@ async def test_the_trainer_sheds_a_flooded_announce_without_forgetting_it_and_re
     thief announcing that id is charged without a fetch; the worker is never charged."""
     from node.home import NodeHome
     from node.roles import trainer as trainer_mod
-    from node.roles.common import AnnounceIntake
+    from node.roles.intake import AnnounceIntake
     from tests.support.roles import tiny_context
     from tests.test_ledger import _signed_batch
 

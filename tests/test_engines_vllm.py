@@ -140,7 +140,7 @@ def test_a_sparse_delta_reloads_only_the_changed_layers_in_place(
         assert after.tokens == ref.tokens and after.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
         assert after.logprobs != pytest.approx(before.logprobs, abs=1e-4)
     finally:
-        from node.roles.common import load_state_dict
+        from node.roles.weights import load_state_dict
 
         engine.load_weights(load_state_dict(files0))
     again = engine.generate([PROMPTS[0]], 1, params, [[0]])[0][0]

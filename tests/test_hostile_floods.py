@@ -347,7 +347,7 @@ async def _unserved(role_cls, tmp_path):
             for i in range(40):  # the liar floods announcements it never serves
                 role._on_announce(_announce(liar, i, ctx.genesis.run_id))
             # at most MAX_PENDING_PER_ANNOUNCER of them wait; an honest announcer still gets in
-            from node.roles.common import MAX_PENDING_PER_ANNOUNCER
+            from node.roles.intake import MAX_PENDING_PER_ANNOUNCER
 
             assert role.dropped_announces >= 40 - MAX_PENDING_PER_ANNOUNCER - 2
             role._on_announce(_announce(honest, 999, ctx.genesis.run_id))

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from node.errors import ConfigError
 from node.rl.grpo import GRPOConfig, GRPOTrainer
-from node.roles.common import export_weights
 from node.roles.context import policy_dtype_for
+from node.roles.weights import export_weights
 from protocol import ProtocolError
 from protocol.run_config import RunConfig
 from tests.support.rl import char_llama, fake_groups

@@ -12,7 +12,7 @@ import trio.lowlevel
 import trio.testing
 
 from node.home import NodeHome
-from node.roles import common
+from node.roles import weights
 from node.roles.context import RunContext
 from node.roles.worker import WorkerRole
 from protocol import NodeKey, Vote
@@ -153,9 +153,9 @@ async def test_weight_cache_shares_one_read_between_concurrent_gets(monkeypatch)
     def open_version(version):
         yield {"v": version}
 
-    monkeypatch.setattr(common, "load_state_dict", slow_load)
+    monkeypatch.setattr(weights, "load_state_dict", slow_load)
     role = types.SimpleNamespace(checkpoints=types.SimpleNamespace(open_version=open_version), store=None)
-    cache = common.WeightCache(role, capacity=2)
+    cache = weights.WeightCache(role, capacity=2)
     results = []
 
     async def get(v):

@@ -236,7 +236,7 @@ def test_refuses_when_the_chunk_store_holds_a_version_beyond_the_commit(tmp_path
     """A version the run has seen is never trained again: if the store holds a signed version
     newer than the ledger's commit (the ledger restored from an older backup), the trainer
     stops before publishing anything, instead of announcing a second, different version 1."""
-    from node.roles.common import export_weights
+    from node.roles.weights import export_weights
     from tests.support.roles import TRAINER
 
     seed(tmp_path)

@@ -20,7 +20,7 @@ from node.engines.base import group_seeds
 from node.engines.transformers_engine import TransformersEngine
 from node.rl.filters import group_advantages
 from node.rl.grpo import GRPOConfig, GRPOTrainer, Rollout, WithWeights, token_logprobs_and_entropy
-from node.roles.common import export_weights, load_state_dict
+from node.roles.weights import export_weights, load_state_dict
 from protocol.messages import SamplingParams
 from tests.support.rl import char_llama
 

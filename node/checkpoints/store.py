@@ -206,7 +206,7 @@ class ChunkStore:
         self.tmp = self.root / "tmp"
         self.versions_dir = self.root / "versions"
         # versions GC never drops: version 0 of a run whose genesis pins the model, which
-        # late joiners fetch whatever the newest version is (roles/common.py)
+        # late joiners fetch whatever the newest version is (roles/learning.py)
         self.keep: set[int] = set()
         for d in (self.tmp, self.versions_dir):
             d.mkdir(parents=True, exist_ok=True)

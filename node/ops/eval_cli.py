@@ -87,8 +87,8 @@ def home_versions(home: NodeHome, run_id: bytes, trainer: str) -> dict[int, dict
 
 def run_policy(ctx: Any, home: Path | None, version: int | None, device: str) -> Policy:
     """A version of the run's policy: from ``home`` (newest by default) or version 0."""
-    from node.roles.common import load_state_dict
     from node.roles.engines import scoring_engine
+    from node.roles.weights import load_state_dict
 
     g = ctx.genesis
     versions = home_versions(NodeHome(home), g.run_id, g.trainer) if home is not None else {}

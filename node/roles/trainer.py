@@ -19,8 +19,9 @@ import trio
 from node.errors import CheckpointError, ConfigError, ModelError
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
-from node.roles.common import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake, LearningRole, export_weights
 from node.roles.context import policy_dtype_for
+from node.roles.intake import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake
+from node.roles.learning import LearningRole
 from node.roles.ledger import (
     MAX_PENDING,
     MAX_PENDING_BYTES,
@@ -32,6 +33,7 @@ from node.roles.ledger import (
     Ledger,
 )
 from node.roles.resume import TrainerStates
+from node.roles.weights import export_weights
 from node.util import abandon, crash_point, stop_point
 from protocol import (
     BatchKey,
@@ -602,7 +604,7 @@ class TrainerRole(LearningRole):
         """Score ``version`` (its published weights, read from the store) on the held-out
         problems in a thread of its own: the train loop never waits for it. The result is a
         ``"kind": "eval"`` line of metrics.jsonl and ``last_eval`` in the status."""
-        from node.roles.common import load_state_dict
+        from node.roles.weights import load_state_dict
 
         assert self.checkpoints is not None and self.evals is not None
         try:

@@ -13,7 +13,8 @@ import trio
 
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
-from node.roles.common import AnnounceIntake, EngineRole
+from node.roles.intake import AnnounceIntake
+from node.roles.learning import EngineRole
 from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, check_batch_rules, verify_batch
 from node.roles.verify_queue import VerifyQueue
 from protocol import BatchKey, Envelope, ProtocolError, RolloutBatch, Vote, batch_key

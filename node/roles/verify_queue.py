@@ -6,7 +6,7 @@ identity, sign a well-formed batch of random tokens with proofs of the right siz
 announce it and serve it when fetched; with first-come order a flood of such
 batches from many identities sits in front of the honest ones, and the validator
 is stalled at the price of a key pair per batch. The fetch stage
-(``common.AnnounceLanes``) cannot tell these apart: they are served.
+(``intake.AnnounceLanes``) cannot tell these apart: they are served.
 
 So the queue ranks announcers by what only this validator can vouch for: a batch of
 theirs that *it accepted*. See :class:`VerifyQueue`.

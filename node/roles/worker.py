@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from node.memory import release_free_memory
-from node.roles.common import EngineRole
+from node.roles.learning import EngineRole
 from node.roles.rollouts import PolicyFacts, produce_batch
 from node.util import atomic_write_bytes, now_ms
 from protocol import (

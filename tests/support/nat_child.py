@@ -85,7 +85,7 @@ class CorruptReplayServer(ChunkServer):
 
 
 class CheckpointsHook(RoleHook):
-    """The checkpoint subsystem alone, wired like a learning role's (node/roles/common.py)."""
+    """The checkpoint subsystem alone, wired like a learning role's (node/roles/learning.py)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         store = ChunkStore(args.store, RUN_ID, args.trainer, direct_io=False)
