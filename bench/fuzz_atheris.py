@@ -89,8 +89,8 @@ def _define_targets() -> None:
     from node.p2p import reqresp as rr_mod
     from node.p2p.gossip import Gossip
     from node.p2p.metrics import NodeMetrics
-    from node.p2p.policy import PeerPolicy
     from node.p2p.reqresp import ReqResp, RequestError
+    from node.p2p.standing import PeerStanding
     from proofs import ProofConfig, ProofError, decode_proof, verify_sequence
     from protocol import (
         ZERO_RUN_ID,
@@ -297,7 +297,7 @@ def _define_targets() -> None:
             host,
             trainer,
             RUN,
-            policy=PeerPolicy(budget=1e12),
+            standing=PeerStanding(budget=1e12),
             metrics=NodeMetrics(),
             seq=SequenceCounter(1),
             io_timeout=5,
@@ -380,7 +380,7 @@ def _define_targets() -> None:
         async def run() -> None:
             host = types.SimpleNamespace(set_stream_handler=lambda *a: None, get_connected_peers=lambda: [])
             g = Gossip(
-                host, trainer, RUN, policy=PeerPolicy(budget=1e12), metrics=NodeMetrics(), seq=SequenceCounter(1)
+                host, trainer, RUN, standing=PeerStanding(budget=1e12), metrics=NodeMetrics(), seq=SequenceCounter(1)
             )
             import node.p2p.gossip as gossip_mod
 

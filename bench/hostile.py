@@ -8,7 +8,7 @@
 
 Per scenario, a **fresh honest network** (nothing carries over from the previous
 scenario): ``--honest`` real primenode nodes (libp2p hosts, our validated Plumtree
-gossip, peer policy), by default **one OS process per node** (``--honest-procs 0``;
+gossip, peer standing), by default **one OS process per node** (``--honest-procs 0``;
 ``--honest-procs 1`` puts them all in one process as before, then memory is the
 process's for all of them). Node 0 is the bootstrap, the run's trainer and the
 publisher: it publishes ``--honest-rate`` announcements per second, each of a real,
@@ -311,8 +311,8 @@ async def attack_chunks(a: Attack, idx: int) -> None:
 async def _hoard_identity(a: Attack, target: str) -> None:
     from node.p2p.host import closing_host, make_host, parse_peer_addr
     from node.p2p.metrics import NodeMetrics
-    from node.p2p.policy import PeerPolicy
     from node.p2p.reqresp import ReqResp
+    from node.p2p.standing import PeerStanding
     from protocol import ChunkTicket, ChunkTicketRequest, SequenceCounter
     from protocol import chunk_frames as F
 
@@ -327,7 +327,7 @@ async def _hoard_identity(a: Attack, target: str) -> None:
                 host,
                 key,
                 a.run_id,
-                policy=PeerPolicy(),
+                standing=PeerStanding(),
                 metrics=NodeMetrics(),
                 seq=SequenceCounter(time.time_ns() // 1000),
             )
@@ -480,8 +480,8 @@ async def _garbage_identity(a: Attack, target: str) -> None:
     from node.p2p.gossip import GOSSIP_PROTOCOL
     from node.p2p.host import closing_host, listen_addrs, make_host, parse_peer_addr
     from node.p2p.metrics import NodeMetrics
-    from node.p2p.policy import PeerPolicy
     from node.p2p.reqresp import ReqResp
+    from node.p2p.standing import PeerStanding
     from node.roles.rollouts import PolicyFacts
     from protocol import BatchRequest, BatchResponse, SequenceCounter, sha256
 
@@ -512,7 +512,7 @@ async def _garbage_identity(a: Attack, target: str) -> None:
     host.set_stream_handler(GOSSIP_PROTOCOL, drain_gossip)
     try:
         async with closing_host(host, LISTEN):
-            rr = ReqResp(host, key, a.run_id, policy=PeerPolicy(), metrics=NodeMetrics(), seq=seq)
+            rr = ReqResp(host, key, a.run_id, standing=PeerStanding(), metrics=NodeMetrics(), seq=seq)
             rr.register(BatchRequest, serve)
             with trio.fail_after(10):
                 await host.connect(info)
@@ -685,8 +685,8 @@ class Prober:
         from node.p2p.gossip import GOSSIP_PROTOCOL
         from node.p2p.host import closing_host, make_host
         from node.p2p.metrics import NodeMetrics
-        from node.p2p.policy import PeerPolicy
         from node.p2p.reqresp import ReqResp
+        from node.p2p.standing import PeerStanding
         from protocol import SequenceCounter
 
         key = NodeKey.generate()
@@ -697,7 +697,7 @@ class Prober:
                 self.host,
                 key,
                 self.run_id,
-                policy=PeerPolicy(),
+                standing=PeerStanding(),
                 metrics=NodeMetrics(),
                 seq=SequenceCounter(time.time_ns() // 1000),
             )

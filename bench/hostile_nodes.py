@@ -364,7 +364,7 @@ def validator_stats(v, node) -> dict:
         "fetch_failures": v.fetch_failures,
         "failures_by_code": dict(v.failures_by_code),
         "failure_samples": list(v.failure_samples),
-        "banned": len(node.policy.banned()),
+        "banned": len(node.standing.banned()),
         "last_verify_s": v.verify_s,
     }
 
@@ -535,12 +535,12 @@ class BenchRole:
 
 def node_snapshot(node, role: BenchRole) -> dict:
     m = node.metrics
-    pol = node.policy.sizes()
+    pol = node.standing.sizes()
     d = {
         "dropped": dict(m.dropped),
         "internal": m.dropped["internal"] + sum(c["internal"] for c in m.req.values()),
         "duplicates": node.gossip.duplicates,
-        "bans": len(node.policy.banned()),
+        "bans": len(node.standing.banned()),
         "inbound_refused": getattr(node.host.get_network(), "primenode_inbound_refused", 0),
         "trimmed": node.conns.trimmed,
         # the connection watchdog closes connections that never carry a gossip stream

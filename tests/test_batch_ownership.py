@@ -15,8 +15,8 @@ import time
 import trio
 import trio.testing
 
-from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import RequestError
+from node.p2p.standing import PeerStanding
 from node.p2p.testing import wait_until
 from protocol import BatchRequest, BatchResponse, Envelope, NodeKey, RolloutAnnounce, Vote
 from tests.support.roles import tiny_genesis
@@ -27,13 +27,13 @@ def record_charges(nodes) -> list[tuple[str, str, str]]:
     """(charging node, charged peer, reason) of every ``policy.penalise`` at ``nodes``."""
     charges: list[tuple[str, str, str]] = []
     for n in nodes:
-        real = n.policy.penalise
+        real = n.standing.penalise
 
         def penalise(peer_id, reason, points=None, _real=real, _me=n.peer_id):
             charges.append((_me, peer_id, reason))
             return _real(peer_id, reason, points)
 
-        n.policy.penalise = penalise
+        n.standing.penalise = penalise
     return charges
 
 
@@ -177,7 +177,7 @@ async def test_thieves_announcing_an_honest_batch_first_or_later_pay_and_the_bat
             # the owner pays nothing: no charge, no strike, no reject vote, no ban anywhere
             assert not [c for c in charges if c[1] == me], charges
             for v in validators:
-                assert v.strikes[me] == 0 and not v.node.policy.is_banned(me)
+                assert v.strikes[me] == 0 and not v.node.standing.is_banned(me)
             assert honest.stats["reject_votes"] == 0 and honest.stats["batches_rejected"] == 0
             assert honest.stats["batches_accepted"] >= 1
             nursery.cancel_scope.cancel()
@@ -194,7 +194,7 @@ class _LaneNode:
     def __init__(self, batches: dict[tuple[str, bytes], bytes]) -> None:
         import types
 
-        self.policy = PeerPolicy()
+        self.standing = PeerStanding()
         self.peer_id = "validator"
         self.batches = batches
         self.requests: list[tuple[str, bytes]] = []
@@ -284,19 +284,19 @@ async def test_a_flood_that_fills_the_fetch_lane_sheds_an_honest_announce_withou
             assert (honest.peer_id, ann2.batch_id) in node.requests  # the newcomer's place was fetched
             fetched_flooders = {p for p, _ in node.requests if p != honest.peer_id}
             assert len(fetched_flooders) >= 3
-            assert all(node.policy.points(p) > 0 for p in fetched_flooders)
+            assert all(node.standing.points(p) > 0 for p in fetched_flooders)
             # the worker announces its first batch again: queued and fetched from the worker
             role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))
             await wait_until(
                 lambda: (honest.peer_id, ann.batch_id) in node.requests, 20, poll=0.05, what="the re-announce fetched"
             )
-            assert node.policy.points(honest.peer_id) == 0
+            assert node.standing.points(honest.peer_id) == 0
             # a thief announcing the worker's batch now is charged without a fetch
             thief = NodeKey.generate().peer_id
             before = len(node.requests)
             role._on_announce(_announce_env(thief, ann, next(seq), run_id))
             await trio.testing.wait_all_tasks_blocked()
-            assert len(node.requests) == before and node.policy.points(thief) > 0
+            assert len(node.requests) == before and node.standing.points(thief) > 0
             assert role.strikes[thief] == 1 and role.stolen_announces == 1
             assert not any(isinstance(m, Vote) and not m.accept and m.worker == honest.peer_id for m in node.published)
             nursery.cancel_scope.cancel()
@@ -351,15 +351,15 @@ async def test_the_trainer_sheds_a_flooded_announce_without_forgetting_it_and_re
             assert role.dropped_announces == dropped + 1 and (honest.peer_id, ann.batch_id) not in role._queued
             node.release.set()
             await wait_until(lambda: len(role.intake) == 0 and not role._queued, 20, poll=0.05, what="the lane drained")
-            assert all(node.policy.points(s) > 0 for s in flood)  # every flooder charged
+            assert all(node.standing.points(s) > 0 for s in flood)  # every flooder charged
             role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))  # the re-announce
             await wait_until(lambda: role.ledger.owner(ann.batch_id) is not None, 20, poll=0.05, what="recorded")
             assert role.ledger.batch(ann.batch_id).worker == honest.peer_id
             thief = NodeKey.generate().peer_id
             before = len(node.requests)
             role._on_announce(_announce_env(thief, ann, next(seq), run_id))
-            assert len(node.requests) == before and node.policy.points(thief) > 0 and role.stolen_announces == 1
-            assert node.policy.points(honest.peer_id) == 0
+            assert len(node.requests) == before and node.standing.points(thief) > 0 and role.stolen_announces == 1
+            assert node.standing.points(honest.peer_id) == 0
             nursery.cancel_scope.cancel()
 
 
@@ -398,7 +398,7 @@ async def test_a_fetch_that_failed_is_retried_on_the_workers_next_announce(tmp_p
             role._on_announce(_announce_env(honest.peer_id, ann2, next(seq), run_id))
             await wait_until(lambda: fetches(ann.batch_id) == 1 and fetches(ann2.batch_id) == 1, 20, poll=0.05)
             await wait_until(lambda: role.fetch_failures == 1, 20, poll=0.05, what="the failed fetch")
-            assert node.policy.points(honest.peer_id) > 0  # unserved is charged, as ever
+            assert node.standing.points(honest.peer_id) > 0  # unserved is charged, as ever
             # the worker now serves it (the link recovered) and announces it again: fetched
             node.batches[(honest.peer_id, ann.batch_id)] = raw
             role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))

@@ -119,8 +119,8 @@ async def _p2p(tmp_path: Path, net: NodeFactory) -> AsyncIterator[Wired]:
         bare_node.peer_id,
         NodeKey.generate().peer_id,
         st,
-        penalised=lambda p: me.policy.points(p) > 0,
-        banned=me.policy.is_banned,
+        penalised=lambda p: me.standing.points(p) > 0,
+        banned=me.standing.is_banned,
     )
 
 

@@ -324,10 +324,10 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                     "genesis": GenesisRequest,
                 }[kind].TYPE_ID
                 box["plan"] = (req_type, framing, data, extras)
-                before = client.policy.points(hostile.peer_id)
+                before = client.standing.points(hostile.peer_id)
                 outcome, got = on_loop(ask, kind, silence_s if framing == "silence" else 10.0)
                 box["plan"] = None
-                after = client.policy.points(hostile.peer_id)
+                after = client.standing.points(hostile.peer_id)
                 seen["ok" if outcome == "ok" else got.code if got.code in RR_CODES else "remote_error"] += 1
                 if outcome == "ok":
                     # only a frame delivered whole can be accepted, and only a verified answer of the asked type
@@ -371,7 +371,7 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
 
             await run_given(one)
             assert set(seen) >= set(RR_CODES) | {"ok", "remote_error"}, seen
-            assert not client.policy.is_banned(hostile.peer_id)
+            assert not client.standing.is_banned(hostile.peer_id)
             # the client still works with an honest peer
             env = await client.reqresp.request(boot.peer_id, PeerExchangeRequest(max_peers=8), PeerExchangeResponse)
             assert isinstance(env.body, PeerExchangeResponse)

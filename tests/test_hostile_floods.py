@@ -17,8 +17,8 @@ import trio.lowlevel
 from node.checkpoints.server import ChunkServer
 from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.host import closing_host, make_host, parse_peer_addr
-from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import RequestError
+from node.p2p.standing import PeerStanding
 from node.p2p.swarm import SwarmView
 from node.p2p.testing import NodeFactory, wait_until
 from protocol import ChunkTicketRequest, Envelope, Heartbeat, NodeKey, RolloutAnnounce, seal
@@ -33,7 +33,7 @@ from .test_p2p_gossip_adversarial import collect, vote
 
 def test_peer_policy_tables_stay_bounded_under_fresh_identities():
     t = [0.0]
-    policy = PeerPolicy(budget=20, ban_seconds=600, rate_per_s=10, rate_burst=10, clock=lambda: t[0], max_peers=100)
+    policy = PeerStanding(budget=20, ban_seconds=600, rate_per_s=10, rate_burst=10, clock=lambda: t[0], max_peers=100)
     for i in range(5000):
         pid = f"peer-{i}"
         policy.allow(pid)
@@ -159,7 +159,7 @@ async def test_fresh_identities_flooding_invalid_gossip_are_banned_and_honest_tr
             assert not {t for ts in got.values() for t in ts} & set(range(500, 550))
             assert entry.metrics.dropped["signature"] >= 15 and entry.metrics.dropped["encoding"] >= 1
             # the attackers' connections are gone and the identities banned (the ones that connected)
-            banned = [p for p in ids if entry.policy.is_banned(p)]
+            banned = [p for p in ids if entry.standing.is_banned(p)]
             assert len(banned) >= 10, (len(banned), dict(entry.metrics.dropped))
             assert sent[0] < 15 * 100  # cut off well before they sent everything
             assert entry.metrics.dropped["internal"] == 0
@@ -206,7 +206,7 @@ async def test_valid_but_useless_flood_is_rate_limited_then_banned():
                 20,
                 what="rate-limit drops",
             )
-            await wait_until(lambda: entry.policy.is_banned(key.peer_id), 20, what="the flooder banned")
+            await wait_until(lambda: entry.standing.is_banned(key.peer_id), 20, what="the flooder banned")
             # only what fitted in the burst got through; honest traffic still flows
             delivered = {t for t in got[honest[2].peer_id] if 1000 <= t < 1600}
             assert len(delivered) <= 200
@@ -297,7 +297,7 @@ async def test_data_connections_per_identity_are_capped(tmp_path):
 
 class _StubNode:
     def __init__(self, fail_code: str) -> None:
-        self.policy = PeerPolicy()
+        self.standing = PeerStanding()
         self.peer_id = "me"
         self.fail_code = fail_code
         self.requests = 0
@@ -356,9 +356,9 @@ async def _unserved(role_cls, tmp_path):
             for i in range(40, 200):
                 role._on_announce(_announce(liar, i, ctx.genesis.run_id))
                 await trio.sleep(0.05)
-                if node.policy.is_banned(liar.peer_id):
+                if node.standing.is_banned(liar.peer_id):
                     break
-            await wait_until(lambda: node.policy.is_banned(liar.peer_id), 30, what="the non-serving announcer banned")
+            await wait_until(lambda: node.standing.is_banned(liar.peer_id), 30, what="the non-serving announcer banned")
             n_before = node.requests
             for i in range(200, 220):
                 role._on_announce(_announce(liar, i, ctx.genesis.run_id))
@@ -390,7 +390,7 @@ async def test_trainer_moves_on_from_batches_that_are_never_served(tmp_path, mon
 
 
 def test_unknown_origins_get_a_small_burst_known_ones_the_full_one():
-    policy = PeerPolicy(origin_rate_per_s=0.001, origin_burst=1000, unknown_origin_burst=20)
+    policy = PeerStanding(origin_rate_per_s=0.001, origin_burst=1000, unknown_origin_burst=20)
     assert sum(policy.allow_origin("fresh", known=False) for _ in range(100)) == 20
     assert sum(policy.allow_origin("member", known=True) for _ in range(1500)) == 1000
     # an origin that becomes known (its heartbeat arrived) gets the full headroom from then on
@@ -409,7 +409,7 @@ async def test_a_fresh_identity_cannot_push_a_big_valid_burst_but_a_member_can()
             honest = [await net.start() for _ in range(3)]
             await net.wait_connected(min_peers=2)
             for n in honest:
-                n.policy.origin_rate_per_s = 1.0  # sustained rate out of the picture: bursts only
+                n.standing.origin_rate_per_s = 1.0  # sustained rate out of the picture: bursts only
             got = collect(honest)
             entry, far = honest[1], honest[2]
             key = NodeKey.generate()
@@ -422,16 +422,16 @@ async def test_a_fresh_identity_cannot_push_a_big_valid_burst_but_a_member_can()
                 for i in range(300)
             ]
             await _bare_attacker(entry.full_addrs()[0], frames, [0], key)
-            await wait_until(lambda: entry.policy.is_banned(key.peer_id), 30, what="the flooder banned (origin rate)")
+            await wait_until(lambda: entry.standing.is_banned(key.peer_id), 30, what="the flooder banned (origin rate)")
             assert entry.metrics.dropped["origin_rate"] >= 50
             await trio.sleep(1.0)
             from_fresh = [t for t in got[far.peer_id] if 2000 <= t < 2300]
-            assert len(from_fresh) <= entry.policy.unknown_origin_burst + 20, len(from_fresh)
+            assert len(from_fresh) <= entry.standing.unknown_origin_burst + 20, len(from_fresh)
             # a member of the swarm (its heartbeats are known) publishes 300 at once: all arrive
             # (back to the default sustained rate, so the member's own heartbeats keep flowing)
             for n in honest:
-                n.policy.origin_rate_per_s = PeerPolicy().origin_rate_per_s
-                n.policy._origin_buckets.clear()
+                n.standing.origin_rate_per_s = PeerStanding().origin_rate_per_s
+                n.standing._origin_buckets.clear()
             for i in range(300):
                 await honest[0].gossip.publish(vote(5000 + i, honest[0].peer_id))
             await wait_until(
@@ -480,7 +480,7 @@ async def test_a_fresh_identity_per_message_is_capped_per_forwarder():
             await net.wait_connected(min_peers=2)
             got = collect(honest)
             entry, far = honest[1], honest[2]
-            entry.policy.unknown_origins_per_forwarder_per_s = 1.0  # bursts only, for a clear count
+            entry.standing.unknown_origins_per_forwarder_per_s = 1.0  # bursts only, for a clear count
             topic = entry.gossip.topic("rollout")
             frames = []
             for i in range(400):
@@ -499,6 +499,6 @@ async def test_a_fresh_identity_per_message_is_capped_per_forwarder():
             )
             await trio.sleep(1.0)
             passed = [t for t in got[far.peer_id] if 3000 <= t < 3400]
-            assert len(passed) <= entry.policy.unknown_origins_per_forwarder_burst + 20, len(passed)
-            assert entry.policy.sizes()["unknown_origin_buckets"] >= 1
+            assert len(passed) <= entry.standing.unknown_origins_per_forwarder_burst + 20, len(passed)
+            assert entry.standing.sizes()["unknown_origin_buckets"] >= 1
             nursery.cancel_scope.cancel()

@@ -233,9 +233,9 @@ class _ServingNode:
     def __init__(self) -> None:
         import types
 
-        from node.p2p.policy import PeerPolicy
+        from node.p2p.standing import PeerStanding
 
-        self.policy = PeerPolicy()
+        self.standing = PeerStanding()
         self.batches: dict[bytes, bytes] = {}
         self.requests: list[bytes] = []
         self.reqresp = types.SimpleNamespace(request=self._request)

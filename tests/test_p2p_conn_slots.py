@@ -20,7 +20,7 @@ from node.p2p import host as host_mod
 from node.p2p.connlimits import connection_stats, trio_task_count
 from node.p2p.host import closing_host, make_host, parse_peer_addr
 from node.p2p.node import fetch_genesis
-from node.p2p.policy import RateBucket
+from node.p2p.standing import RateBucket
 from node.p2p.testing import NodeFactory, wait_until
 from protocol import NodeKey
 

@@ -69,7 +69,7 @@ async def test_invalid_messages_are_never_relayed_and_their_senders_are_banned()
                 for d in data:
                     inject(attacker, d)
                 await wait_until(
-                    lambda a=attacker: entry.policy.is_banned(a.peer_id), 30, what=f"{make.__name__} banned"
+                    lambda a=attacker: entry.standing.is_banned(a.peer_id), 30, what=f"{make.__name__} banned"
                 )
                 assert entry.metrics.dropped[rule] >= 1, dict(entry.metrics.dropped)
             assert entry.metrics.dropped["replay"] >= 1

@@ -152,7 +152,7 @@ async def test_malformed_control_frames_are_charged_and_bounded():
             await wait_until(
                 lambda: target.metrics.dropped["frame"] >= before + len(bad), 20, what="the bad frames dropped"
             )
-            assert target.policy.points(attacker.peer_id) > 0 or target.policy.is_banned(attacker.peer_id)
+            assert target.standing.points(attacker.peer_id) > 0 or target.standing.is_banned(attacker.peer_id)
             nursery.cancel_scope.cancel()
 
 

@@ -25,8 +25,8 @@ from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.host import closing_host, make_host, parse_peer_addr
 from node.p2p.metrics import NodeMetrics
 from node.p2p.node import Node
-from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import RR_PROTOCOL, ReqResp
+from node.p2p.standing import PeerStanding
 from node.p2p.testing import NodeFactory, wait_until
 from node.util import now_ms
 from protocol import (
@@ -61,7 +61,7 @@ async def peer(boot: Node) -> AsyncIterator[tuple[object, ReqResp, str]]:
     host.set_stream_handler(GOSSIP_PROTOCOL, drain)
     async with closing_host(host, LISTEN):
         rr = ReqResp(
-            host, key, boot.run_id, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(time.time_ns())
+            host, key, boot.run_id, standing=PeerStanding(), metrics=NodeMetrics(), seq=SequenceCounter(time.time_ns())
         )
         info = parse_peer_addr(boot.full_addrs()[0])
         with trio.fail_after(10):
@@ -150,7 +150,7 @@ async def test_a_peer_holding_its_whole_allowance_does_not_delay_genesis_or_peer
             extra = await open_streams(hhost, boot, 10, None, nursery)
             await wait_until(lambda: len(extra) == 10, timeout=30, what="the excess streams to be reset")
             assert boot.reqresp.streams.counters["refused_peer_cap"] - refused0 == 10
-            assert not boot.policy.is_banned(hostile_id)  # a few over the cap: free, not charged
+            assert not boot.standing.is_banned(hostile_id)  # a few over the cap: free, not charged
 
             # the honest peer, while the hostile peer holds everything it may hold
             n_before = len(grants)
@@ -159,7 +159,7 @@ async def test_a_peer_holding_its_whole_allowance_does_not_delay_genesis_or_peer
             assert mine == [True, True]  # both requests got a slot at once: no waiting
             assert boot.reqresp.streams.holding(hostile_id) == (lim.streams_per_peer, lim.slots_per_peer)
             assert not ended  # answered before any hostile stream ended
-            assert boot.policy.points(honest_id) == 0
+            assert boot.standing.points(honest_id) == 0
             release.set()
             await wait_until(lambda: boot.reqresp.streams.holding(hostile_id) == (0, 0), what="hostile streams done")
         nursery.cancel_scope.cancel()
@@ -208,13 +208,13 @@ async def test_a_peer_that_keeps_opening_streams_over_its_cap_is_charged_and_ban
         lim = boot.reqresp.streams.limits
         async with peer(boot) as (_h, honest, honest_id), peer(boot) as (hhost, _rr, hostile_id):
             await open_streams(hhost, boot, 100, None, nursery)  # the 100 unfinished streams
-            await wait_until(lambda: boot.policy.is_banned(hostile_id), timeout=30, what="the flooder to be banned")
+            await wait_until(lambda: boot.standing.is_banned(hostile_id), timeout=30, what="the flooder to be banned")
             assert boot.reqresp.streams.counters["charged"] >= 1
             assert boot.status()["request_streams"]["refused_peer_cap"] >= lim.free_refusals  # operators see it
             assert boot.reqresp.streams.counters["refused_peer_cap"] >= lim.free_refusals
             # the honest control is served and in good standing
             await honest_round(honest, boot)
-            assert not boot.policy.is_banned(honest_id) and boot.policy.points(honest_id) == 0
+            assert not boot.standing.is_banned(honest_id) and boot.standing.points(honest_id) == 0
         nursery.cancel_scope.cancel()
 
 
@@ -232,7 +232,7 @@ async def test_when_every_slot_is_busy_a_freed_slot_goes_to_the_peer_holding_non
             host,
             key,
             run_id,
-            policy=PeerPolicy(),
+            standing=PeerStanding(),
             metrics=NodeMetrics(),
             seq=SequenceCounter(1),
             limits=StreamLimits(total_slots=4, slots_per_peer=3),
@@ -263,7 +263,9 @@ async def test_when_every_slot_is_busy_a_freed_slot_goes_to_the_peer_holding_non
             ckey = NodeKey.generate()
             chost = make_host(ckey)
             async with closing_host(chost, LISTEN):
-                rr = ReqResp(chost, ckey, run_id, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(1))
+                rr = ReqResp(
+                    chost, ckey, run_id, standing=PeerStanding(), metrics=NodeMetrics(), seq=SequenceCounter(1)
+                )
                 with trio.fail_after(10):
                     await chost.connect(parse_peer_addr(addr))
                 task_status.started(rr)

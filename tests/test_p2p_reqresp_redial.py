@@ -12,8 +12,8 @@ import trio
 from libp2p.peer.id import ID
 
 from node.p2p.metrics import NodeMetrics
-from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.standing import PeerStanding
 from protocol import NodeKey, SequenceCounter
 
 PEER = NodeKey(hashlib.sha256(b"redial-peer").digest()).peer_id
@@ -60,7 +60,12 @@ class _Host:
 
 def _rr(host) -> ReqResp:
     return ReqResp(
-        host, NodeKey(b"\x01" * 32), b"\x00" * 32, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(1)
+        host,
+        NodeKey(b"\x01" * 32),
+        b"\x00" * 32,
+        standing=PeerStanding(),
+        metrics=NodeMetrics(),
+        seq=SequenceCounter(1),
     )
 
 

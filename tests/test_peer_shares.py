@@ -65,7 +65,7 @@ async def test_one_peer_holds_at_most_its_gossip_streams_while_an_honest_peer_go
             await honest.gossip.publish(tagged_announce(7))
             await wait_until(lambda: 7 in got, 20, what="the honest peer's message at the target")
             assert target.gossip._inbound[attacker.peer_id] == MAX_INBOUND_STREAMS_PER_PEER
-            assert not target.policy.is_banned(honest.peer_id)
+            assert not target.standing.is_banned(honest.peer_id)
             nursery.cancel_scope.cancel()
 
 
@@ -107,7 +107,7 @@ async def test_ids_announced_and_never_served_take_only_the_announcers_share():
             assert g.counters["ihave_over_share"] >= 2950
 
             await wait_until(lambda: 9 in got, 20, what="the honest message, grafted")
-            assert not target.policy.is_banned(honest.peer_id)
+            assert not target.standing.is_banned(honest.peer_id)
             nursery.cancel_scope.cancel()
 
 

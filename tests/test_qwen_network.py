@@ -106,7 +106,7 @@ async def test_a_qwen_style_model_travels_as_version_0_and_trains(tmp_path):
 
             # no honest worker was taken for a cheat (ids in Qwen's padding rows are legal ids)
             for v in validators:
-                assert not any(v.node.policy.is_banned(w.node.peer_id) for w in (worker, late))
+                assert not any(v.node.standing.is_banned(w.node.peer_id) for w in (worker, late))
 
             # prompts went through the ChatML template; completions end on the added EOS
             start = tok.convert_tokens_to_ids("<|im_start|>")

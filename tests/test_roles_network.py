@@ -113,7 +113,7 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
                 return {
                     m: [v.strikes[cheats[m][0]] for v in validators]
                     for m in banned_modes
-                    if not all(v.node.policy.is_banned(cheats[m][0]) for v in validators)
+                    if not all(v.node.standing.is_banned(cheats[m][0]) for v in validators)
                 }
 
             try:  # a hang guard: the bans come as fast as the cheats' batches (one CI run took > 180 s)
@@ -136,7 +136,7 @@ async def test_cheating_workers_are_refused_and_banned_while_training_continues(
             # the ban notices reach the trainer too (network-wide; gossip takes a moment,
             # longer when a ban just cut a tree link and GRAFT has to repair it)
             await wait_until(
-                lambda: all(trainer.node.policy.is_banned(cheats[m][0]) for m in banned_modes),
+                lambda: all(trainer.node.standing.is_banned(cheats[m][0]) for m in banned_modes),
                 30,
                 poll=0.2,
                 what="the ban notices at the trainer",
@@ -236,6 +236,6 @@ async def test_rollouts_older_than_max_async_are_refused_as_stale(tmp_path):
             for b in trainer.ledger.admitted_ids():
                 assert len(trainer.ledger.accept_voters(b)) >= genesis.genesis.quorum
             assert all(v.reasons["stale"] >= 1 for v in validators)
-            assert not any(v.node.policy.is_banned(stuck.node.peer_id) for v in validators)
+            assert not any(v.node.standing.is_banned(stuck.node.peer_id) for v in validators)
             assert stuck.stats["batches_rejected"] >= len(refused)
             nursery.cancel_scope.cancel()

@@ -79,8 +79,8 @@ async def test_a_worker_that_picks_the_better_version_for_its_next_batch_gains_a
     recs = [r for r in (ledger.batch(b) for b in chooser.batches) if r is not None]
     assert not any(r.reason.startswith("waiting for") for r in recs if r.status == "pending"), recs
     for node in (trainer, *validators):
-        assert not node.node.policy.is_banned(honest.node.peer_id)
-        assert not node.node.policy.is_banned(chooser.node.peer_id)
+        assert not node.node.standing.is_banned(honest.node.peer_id)
+        assert not node.node.standing.is_banned(chooser.node.peer_id)
     # What the choice bought: the better of the two versions' batches minus their mean, per
     # choice, against the better of two independent draws (old version, next counter).
     gain = [abs(a - b) / 2 for _old, _new, _c, a, b, _ind in chooser.choices]

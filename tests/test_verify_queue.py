@@ -319,7 +319,7 @@ async def _flood_behind_a_gate(tmp_path, genesis, ctx, gate, n_flooders, per_flo
             # 4. the flood is rejected at the model stage, every flooder banned, nothing left queued
             flooder_ids = {f.node.peer_id for f in flooders}
             await wait_until(
-                lambda: len(validator._verify) == 0 and all(validator.node.policy.is_banned(p) for p in flooder_ids),
+                lambda: len(validator._verify) == 0 and all(validator.node.standing.is_banned(p) for p in flooder_ids),
                 120,
                 what="the flood rejected and its identities banned",
             )

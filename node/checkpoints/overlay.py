@@ -2,7 +2,7 @@
 
 The real implementation (:mod:`node.roles.checkpoint_wiring`) sends the ticket
 request over libp2p request/response and charges misbehaviour to the
-overlay's peer policy; :class:`LocalOverlay` connects chunk servers living in
+overlay's peer standing (bans and penalties); :class:`LocalOverlay` connects chunk servers living in
 the same process (unit tests, benchmarks of the data plane alone).
 """
 

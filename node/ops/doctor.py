@@ -319,8 +319,8 @@ async def probe_bootstrap(addr: str, timeout: float = 10.0) -> BootstrapFacts:
 
     from node.p2p.host import closing_host, make_host, parse_peer_addr
     from node.p2p.metrics import NodeMetrics
-    from node.p2p.policy import PeerPolicy
     from node.p2p.reqresp import ReqResp, RequestError
+    from node.p2p.standing import PeerStanding
     from protocol import ZERO_RUN_ID, GenesisRequest, GenesisResponse, NodeKey, SequenceCounter, verify_genesis
 
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its dial errors: ours say it in one line
@@ -332,7 +332,7 @@ async def probe_bootstrap(addr: str, timeout: float = 10.0) -> BootstrapFacts:
     host = make_host(key, dial_timeout=timeout)
     async with closing_host(host, ["/ip4/127.0.0.1/tcp/0"]):
         rr = ReqResp(
-            host, key, ZERO_RUN_ID, policy=PeerPolicy(), metrics=NodeMetrics(), seq=SequenceCounter(time.time_ns())
+            host, key, ZERO_RUN_ID, standing=PeerStanding(), metrics=NodeMetrics(), seq=SequenceCounter(time.time_ns())
         )
         pid = info.peer_id.to_base58()
         try:

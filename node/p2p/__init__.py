@@ -9,8 +9,8 @@ from node.p2p.gossip import Gossip, GossipError
 from node.p2p.host import full_addrs, install_libp2p_fixes, make_host, parse_peer_addr
 from node.p2p.metrics import NodeMetrics
 from node.p2p.node import BootstrapRole, Node, P2PConfig, RoleHook, fetch_genesis
-from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.standing import PeerStanding
 from node.p2p.swarm import PeerState, SwarmView
 
 __all__ = [
@@ -21,7 +21,7 @@ __all__ = [
     "Node",
     "NodeMetrics",
     "P2PConfig",
-    "PeerPolicy",
+    "PeerStanding",
     "PeerState",
     "ReqResp",
     "RequestError",

@@ -27,8 +27,8 @@ from node.errors import NetworkError
 from node.p2p.connlimits import peer_ip
 from node.p2p.host import is_circuit, parse_peer_addr, peer_info, strip_peer_id
 from node.p2p.metrics import NodeMetrics
-from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.standing import PeerStanding
 from node.p2p.swarm import PeerState, SwarmView
 from protocol import Envelope, PeerAddr, PeerExchangeRequest, PeerExchangeResponse
 
@@ -76,7 +76,7 @@ class ConnectionManager:
         my_id: str,
         reqresp: ReqResp,
         swarm: SwarmView,
-        policy: PeerPolicy,
+        standing: PeerStanding,
         metrics: NodeMetrics,
         *,
         bootstrap: list[str],
@@ -100,7 +100,7 @@ class ConnectionManager:
         self.my_id = my_id
         self.reqresp = reqresp
         self.swarm = swarm
-        self.policy = policy
+        self.standing = standing
         self.metrics = metrics
         self.target_peers = target_peers
         self.interval = interval
@@ -162,7 +162,7 @@ class ConnectionManager:
         self.relay_dialer: Callable[[str, list[str]], Awaitable[None]] | None = None
         reqresp.register(PeerExchangeRequest, self._serve_px)
         swarm.listeners.append(self._on_peer_state)
-        policy.ban_listeners.append(self._on_ban)
+        standing.ban_listeners.append(self._on_ban)
 
     # ------------------------------------------------------------- queries
     def connected(self) -> list[str]:
@@ -255,7 +255,7 @@ class ConnectionManager:
         order = list(live.items())
         random.shuffle(order)
         for pid, st in order:
-            if pid == peer or self.policy.is_banned(pid) or not st.heartbeat.addrs:
+            if pid == peer or self.standing.is_banned(pid) or not st.heartbeat.addrs:
                 continue
             cands.append(PeerAddr(peer_id=pid, addrs=tuple(st.heartbeat.addrs[:8])))
         return PeerExchangeResponse(peers=tuple(cands[: env.body.max_peers]))
@@ -277,7 +277,7 @@ class ConnectionManager:
         e = self.book.get(peer_id)
         if e is None:
             raise DialError(f"no address known for {peer_id}")
-        if not self.policy.reachable(peer_id):  # fault layer (tests): fails like a dead link
+        if not self.standing.reachable(peer_id):  # fault layer (tests): fails like a dead link
             self._failed(peer_id, "link cut (fault layer)")
             raise DialError(f"{peer_id} at {', '.join(e.addrs)}: unreachable (link cut by the fault layer)")
         self._dialing.add(peer_id)
@@ -466,9 +466,9 @@ class ConnectionManager:
                 now = time.monotonic()
                 connected = set(self.connected())
                 for pid in connected:
-                    if self.policy.refuses(pid):  # banned, or cut by the fault layer
+                    if self.standing.refuses(pid):  # banned, or cut by the fault layer
                         nursery.start_soon(self._disconnect, pid)
-                live = {p for p in connected if not self.policy.refuses(p)}
+                live = {p for p in connected if not self.standing.refuses(p)}
                 live -= self._trim_connections(live, nursery, now)
                 self.metrics.peers_connected.set(len(live))
                 need = self.target_peers - len(live) - len(self._dialing)
@@ -478,7 +478,7 @@ class ConnectionManager:
                         for pid, e in self.book.items()
                         if pid not in connected
                         and pid not in self._dialing
-                        and not self.policy.is_banned(pid)
+                        and not self.standing.is_banned(pid)
                         and e.next_try <= now
                     ]
                     random.shuffle(cands)
@@ -498,7 +498,7 @@ class ConnectionManager:
                         if pid not in connected
                         and pid not in self._dialing
                         and e.next_try <= now
-                        and not self.policy.is_banned(pid)
+                        and not self.standing.is_banned(pid)
                         and not self.swarm.knows(pid)
                     ]
                     if unheard:

@@ -6,7 +6,7 @@ different groups cannot exchange anything, exactly where a real cut would bite:
 * dialling (``ConnectionManager.dial``) fails like a dead link (counted as a
   failed dial, with the usual back-off);
 * existing connections between the groups are closed by the connection
-  manager's next round (``PeerPolicy.refuses``), and gossip links to such peers
+  manager's next round (``PeerStanding.refuses``), and gossip links to such peers
   are closed at once (``Gossip._sync_links``); frames still arriving from them
   are dropped;
 * request/response (``ReqResp.request``: ``RequestError("unreachable")``; the
@@ -15,7 +15,7 @@ different groups cannot exchange anything, exactly where a real cut would bite:
   data connection crosses the cut (a chunk transfer already in flight when the
   cut starts may finish).
 
-Each node consults its own ``PeerPolicy.link_filter``, installed by
+Each node consults its own ``PeerStanding.link_filter``, installed by
 :meth:`Partition.install`; production nodes have none (every link is up). A
 peer id in no group is reachable from everyone (put every node of the network
 in a group: an ungrouped node would relay gossip across the cut).
@@ -69,4 +69,4 @@ class Partition:
     def install(self, node) -> None:
         """Make ``node`` (a ``node.p2p.Node``) obey this partition."""
         me = node.peer_id
-        node.policy.link_filter = lambda peer_id: self.allows(me, peer_id)
+        node.standing.link_filter = lambda peer_id: self.allows(me, peer_id)

@@ -58,7 +58,7 @@ from libp2p.peer.id import ID
 import protocol
 from node.p2p.clock import ClockSkew
 from node.p2p.metrics import NodeMetrics
-from node.p2p.policy import PeerPolicy
+from node.p2p.standing import PeerStanding
 from node.util import aclose_shielded, now_ms
 from protocol import Envelope, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter
 from protocol import gossip as frames
@@ -128,7 +128,7 @@ class Gossip:
         key: NodeKey,
         run_id: bytes,
         *,
-        policy: PeerPolicy,
+        standing: PeerStanding,
         metrics: NodeMetrics,
         seq: SequenceCounter,
         queue_size: int = 100_000,
@@ -154,7 +154,7 @@ class Gossip:
         self.clock_skew: ClockSkew | None = None
         self.key = key
         self.run_id = run_id
-        self.policy = policy
+        self.standing = standing
         self.metrics = metrics
         self.seq = seq
         self.guard = guard or ReplayGuard()
@@ -211,7 +211,7 @@ class Gossip:
         self.relayed_frames = 0
         self.duplicates = 0
         host.set_stream_handler(GOSSIP_PROTOCOL, self._handle_stream)
-        self.policy.ban_listeners.append(self._on_ban)
+        self.standing.ban_listeners.append(self._on_ban)
 
     # ------------------------------------------------------------------ API
     def on(self, kind: str, handler: Handler) -> None:
@@ -296,7 +296,7 @@ class Gossip:
     def _sync_links(self) -> None:
         connected = {p.to_base58() for p in self.host.get_connected_peers()}
         for pid in connected - set(self._links):
-            if self.policy.refuses(pid):
+            if self.standing.refuses(pid):
                 continue
             link = _Link(pid, self.peer_queue_size)
             self._links[pid] = link
@@ -304,7 +304,7 @@ class Gossip:
             self._lazy.discard(pid)
             self._spawn(self._sender, link)
         for pid in set(self._links):
-            if pid not in connected or not self.policy.reachable(pid):
+            if pid not in connected or not self.standing.reachable(pid):
                 self._close_link(pid)
 
     def _close_link(self, pid: str) -> None:
@@ -563,7 +563,7 @@ class Gossip:
                     frame = bytes(buf[frames.LEN_BYTES : end])
                     del buf[:end]
                     partial_deadline = None
-                    if self.policy.refuses(peer):
+                    if self.standing.refuses(peer):
                         return
                     self._on_frame(peer, frame)
                 if buf:
@@ -605,7 +605,7 @@ class Gossip:
     def _drop(self, reason: str, forwarder: str | None, charge: bool = True) -> bool:
         self.metrics.on_dropped(reason)
         if charge and forwarder is not None:
-            self.policy.penalise(forwarder, reason)
+            self.standing.penalise(forwarder, reason)
         return False
 
     def _on_frame(self, fwd: str, frame: bytes) -> bool:
@@ -642,7 +642,7 @@ class Gossip:
                     self._send(fwd, frames.encode_control(PRUNE))
             return False  # an honest peer relays what we already have: no charge
         self.metrics.on_received(kind)
-        if not self.policy.allow(fwd):
+        if not self.standing.allow(fwd):
             return self._drop("rate_limit", fwd)
         now = self.wall_ms()
         try:
@@ -661,11 +661,11 @@ class Gossip:
         if env.sender == self.my_id:
             return False  # our own message came back (after a restart): do not deliver it to ourselves
         known = self.is_known_origin(env.sender)
-        if not known and not self.policy.allow_unknown_origin_via(fwd):
+        if not known and not self.standing.allow_unknown_origin_via(fwd):
             # Many fresh signers through one peer: not delivered, not relayed, not charged
             # (an honest relay may be passing on someone else's burst).
             return self._drop("unknown_origin_rate", fwd, charge=False)
-        if not self.policy.allow_origin(env.sender, known=known):
+        if not self.standing.allow_origin(env.sender, known=known):
             # One signer flooding valid messages: not delivered, not relayed. Only the origin
             # itself is charged (an honest relay may pass on a burst before its own limit bites).
             return self._drop("origin_rate", fwd, charge=fwd == env.sender)
@@ -696,7 +696,7 @@ class Gossip:
 
     def _on_control(self, fwd: str, control: Control) -> bool:
         kind, ids = control
-        if not self.policy.allow(fwd):
+        if not self.standing.allow(fwd):
             return self._drop("rate_limit", fwd)
         if kind == PRUNE:
             self.counters["prune_received"] += 1

@@ -4,7 +4,7 @@
   ``new_host()`` also offers ``/plaintext/2.0.0``, secio and TLS, and over plaintext a
   peer claims any peer id without proving it holds the key (issue 30: garbage sent under a
   worker's id got the *worker* banned). Every charge, strike and ban in
-  :class:`~node.p2p.policy.PeerPolicy` is keyed by the connection's peer id, so that id
+  :class:`~node.p2p.standing.PeerStanding` is keyed by the connection's peer id, so that id
   must be one the remote proved in the handshake. Noise does (the static key is signed by
   the libp2p identity key); secio is deprecated everywhere; py-libp2p's TLS is not needed
   (every libp2p stack speaks Noise, and go-/rust-libp2p offer only Noise and TLS).
@@ -181,7 +181,7 @@ def _limit_inbound_connection_rate() -> None:
     """Close inbound TCP connections beyond a per-swarm rate *before* the handshake."""
     from libp2p.network.swarm import Swarm
 
-    from node.p2p.policy import RateBucket
+    from node.p2p.standing import RateBucket
 
     original = Swarm._handle_inbound_connection
 

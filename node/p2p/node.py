@@ -10,7 +10,7 @@ Roles plug in through :class:`RoleHook` (see ``docs/operating.md``)::
 
 The node publishes heartbeats, serves ``GenesisRequest`` (when it holds the
 genesis) and ``PeerExchangeRequest``, and exposes ``node.gossip``,
-``node.reqresp``, ``node.swarm``, ``node.conns`` and ``node.policy``.
+``node.reqresp``, ``node.swarm``, ``node.conns`` and ``node.standing``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from node.p2p.gossip import Gossip
 from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host, peer_ips
 from node.p2p.metrics import NodeMetrics
 from node.p2p.nat import NatConfig, NatService
-from node.p2p.policy import PeerPolicy
 from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.standing import PeerStanding
 from node.p2p.swarm import SwarmView
 from node.util import now_ms
 from protocol import (
@@ -130,13 +130,13 @@ class Node:
             raise ConfigError("a node needs a run: give a genesis or a run id")
         self.run_id = run_id
         self.metrics = NodeMetrics()
-        self.policy = PeerPolicy(
+        self.standing = PeerStanding(
             budget=self.config.budget,
             ban_seconds=self.config.ban_seconds,
             rate_per_s=self.config.rate_per_s,
             rate_burst=self.config.rate_burst,
         )
-        self.policy.metrics = self.metrics
+        self.standing.metrics = self.metrics
         self.seq = SequenceCounter(time.time_ns() // 1000)
         self.started = time.monotonic()
         self.host: IHost | None = None
@@ -203,7 +203,7 @@ class Node:
                     host,
                     self.key,
                     self.run_id,
-                    policy=self.policy,
+                    standing=self.standing,
                     metrics=self.metrics,
                     seq=self.seq,
                     wall_ms=cfg.wall_ms,
@@ -213,7 +213,7 @@ class Node:
                     host,
                     self.key,
                     self.run_id,
-                    policy=self.policy,
+                    standing=self.standing,
                     metrics=self.metrics,
                     seq=self.seq,
                     authorised=self._authorised_senders(),
@@ -226,7 +226,7 @@ class Node:
                     self.peer_id,
                     self.reqresp,
                     self.swarm,
-                    self.policy,
+                    self.standing,
                     self.metrics,
                     bootstrap=cfg.bootstrap,
                     target_peers=cfg.target_peers,
@@ -367,7 +367,7 @@ class Node:
                         "role": st.heartbeat.role if st else None,
                         "addr": conns.peer_addr(pid),
                         "latency_ms": round(rtt, 2) if rtt is not None else None,
-                        "banned": self.policy.is_banned(pid),
+                        "banned": self.standing.is_banned(pid),
                         "relayed": pid in relayed,
                     }
                 )
@@ -394,7 +394,7 @@ class Node:
             },
             "nat": self.nat.status() if self.nat is not None else None,
             "connections": self._connection_status(),
-            "bans": self.policy.banned(),
+            "bans": self.standing.banned(),
             # how far our wall clock is from our peers' (node/p2p/clock.py)
             "clock": self.clock_skew.status(),
             "requests": {k: dict(v) for k, v in self.metrics.req.items()},
@@ -419,7 +419,7 @@ async def fetch_genesis(
             host,
             key,
             ZERO_RUN_ID,
-            policy=PeerPolicy(),
+            standing=PeerStanding(),
             metrics=NodeMetrics(),
             seq=SequenceCounter(time.time_ns() // 1000),
         )

@@ -24,8 +24,8 @@ from libp2p.peer.id import ID
 import protocol
 from node.p2p.clock import ClockSkew
 from node.p2p.metrics import NodeMetrics
-from node.p2p.policy import PeerPolicy
 from node.p2p.rrlimits import StreamAccounting, StreamLimits
+from node.p2p.standing import PeerStanding
 from node.util import aclose_shielded, now_ms
 from protocol import Envelope, ErrorResponse, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter
 from protocol import reqresp as frames
@@ -105,7 +105,7 @@ class ReqResp:
         key: NodeKey,
         run_id: bytes,
         *,
-        policy: PeerPolicy,
+        standing: PeerStanding,
         metrics: NodeMetrics,
         seq: SequenceCounter,
         handler_timeout: float = 30.0,
@@ -120,7 +120,7 @@ class ReqResp:
         self.clock_skew: ClockSkew | None = None
         self.key = key
         self.run_id = run_id
-        self.policy = policy
+        self.standing = standing
         self.metrics = metrics
         self.seq = seq
         self.handler_timeout = handler_timeout
@@ -192,9 +192,9 @@ class ReqResp:
         allowed = {c.TYPE_ID for c in expected} | {ErrorResponse.TYPE_ID}
         cap = frames.response_cap(expected, max_bytes)
         tname = type(message).__name__
-        if self.policy.is_banned(peer_id):
+        if self.standing.is_banned(peer_id):
             raise RequestError("refused", f"{peer_id} is banned")
-        if not self.policy.reachable(peer_id):
+        if not self.standing.reachable(peer_id):
             self.metrics.on_request(tname, "client", "unreachable")
             raise RequestError("unreachable", f"{peer_id}: link cut (fault layer)")
         run_id = frames.exchange_run_id(type(message), self.run_id)
@@ -217,7 +217,7 @@ class ReqResp:
         except RequestError as exc:
             self.metrics.on_request(tname, "client", exc.code)
             if exc.code == "too_large":
-                self.policy.penalise(peer_id, "bad_response")
+                self.standing.penalise(peer_id, "bad_response")
             raise
         finally:
             if stream is not None:
@@ -232,11 +232,11 @@ class ReqResp:
             if exc.rule == "timestamp" and self._signed_by(raw, allowed, peer_id, now) is not None:
                 # signed by the peer, only its time is off: our clock or its, no charge
                 raise RequestError("bad_response", f"{exc.rule}: {exc.detail}") from None
-            self.policy.penalise(peer_id, "bad_response")
+            self.standing.penalise(peer_id, "bad_response")
             raise RequestError("bad_response", f"{exc.rule}: {exc.detail}") from None
         if env.sender != peer_id:
             self.metrics.on_request(tname, "client", "bad_response")
-            self.policy.penalise(peer_id, "sender_mismatch")
+            self.standing.penalise(peer_id, "sender_mismatch")
             raise RequestError("bad_response", "response signed by another peer")
         rtt = (time.monotonic() - t0) * 1000
         prev = self.rtt_ms.get(peer_id)
@@ -282,7 +282,7 @@ class ReqResp:
         ticket = None
         reset = False
         try:
-            if self.policy.refuses(peer) or not self.policy.allow(peer):
+            if self.standing.refuses(peer) or not self.standing.allow(peer):
                 reset = True
                 return
             adm = self.streams.open(peer)
@@ -293,7 +293,7 @@ class ReqResp:
                 self.metrics.on_request("stream", "server", "refused")
                 log.debug("request stream from %s refused: %s", peer, adm.reason)
                 if adm.charge:
-                    self.policy.penalise(peer, "stream_limit", self.streams.limits.refusal_points)
+                    self.standing.penalise(peer, "stream_limit", self.streams.limits.refusal_points)
                 return
             ticket = adm.ticket
             scope = trio.CancelScope()
@@ -360,7 +360,7 @@ class ReqResp:
                 raise ProtocolError("sender_mismatch", "request signed by another peer than the connection's")
         except ProtocolError as exc:
             self.metrics.on_request(tname, "server", "bad_request")
-            self.policy.penalise(peer, exc.rule)
+            self.standing.penalise(peer, exc.rule)
             reply: Message = frames.bad_request(exc)
             run_id = self.run_id
             if exc.rule == "timestamp":  # tell the requester the offset we saw (protocol.reqresp)

@@ -6,7 +6,7 @@
 * announces: the "checkpoint" gossip kind feeds :meth:`Checkpoints.on_announce_envelope`
   (which refuses any manifest not signed by the run's trainer and charges the signer);
 * have-sets: the "heartbeat" gossip kind feeds :meth:`Checkpoints.on_heartbeat`;
-* penalties and bans go to the node's :class:`PeerPolicy`; a peer the policy
+* penalties and bans go to the node's :class:`PeerStanding`; a peer it
   bans is refused tickets and skipped by fetchers.
 
 A role uses it from its ``RoleHook.run(node)``::
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-# Misbehaviour points per data-plane reason (the policy's budget is ~20).
+# Misbehaviour points per data-plane reason (the peer standing's budget is ~20).
 POINTS = {
     "bad_chunk": 5.0,
     "bad_bitmap": 5.0,
@@ -98,10 +98,10 @@ class P2POverlay:
         return answer
 
     def penalise(self, peer_id: str, reason: str) -> None:
-        self.node.policy.penalise(peer_id, reason, POINTS.get(reason))
+        self.node.standing.penalise(peer_id, reason, POINTS.get(reason))
 
     def ban(self, peer_id: str, reason: str) -> None:
-        self.node.policy.ban(peer_id, reason)
+        self.node.standing.ban(peer_id, reason)
 
 
 def checkpoint_heartbeat_fields(checkpoints: Checkpoints) -> dict[str, Any]:
@@ -119,7 +119,7 @@ async def serve_checkpoints(
     """Hook ``checkpoints`` into ``node`` (already running) and run it until cancelled."""
 
     def on_ticket(env: Envelope[ChunkTicketRequest], peer: str) -> ChunkTicket:
-        if node.policy.is_banned(peer):
+        if node.standing.is_banned(peer):
             return ChunkTicket(ok=False, reason="banned", ticket=b"", host="", port=0, expires_ms=0)
         return checkpoints.grant_ticket(peer, env.body)
 
@@ -128,20 +128,20 @@ async def serve_checkpoints(
             checkpoints.on_announce_envelope(env)
         except ProtocolError as exc:
             log.warning("refused checkpoint announce from %s: %s", env.sender, exc)
-            node.policy.penalise(env.sender, exc.rule)
+            node.standing.penalise(env.sender, exc.rule)
 
     def on_heartbeat(env: Envelope[Any]) -> None:
-        if not node.policy.is_banned(env.sender):
+        if not node.standing.is_banned(env.sender):
             checkpoints.on_heartbeat(env.sender, env.body)
 
     def on_ban(peer_id: str, reason: str) -> None:
-        checkpoints.note_banned(peer_id, node.policy.banned)
+        checkpoints.note_banned(peer_id, node.standing.banned)
 
     def on_manifest(env: Envelope[ManifestRequest], peer: str) -> ManifestResponse:
         return checkpoints.serve_manifest(env.body)
 
     def on_reverse(env: Envelope[ReverseChunkRequest], peer: str) -> ReverseChunkAnswer:
-        if node.policy.is_banned(peer):
+        if node.standing.is_banned(peer):
             return ReverseChunkAnswer(ok=False, reason="banned")
         return checkpoints.grant_reverse(peer, env.body, node.peer_ips(peer))
 
@@ -153,8 +153,8 @@ async def serve_checkpoints(
     reqresp.register(ReverseChunkRequest, on_reverse)
     gossip.on("checkpoint", on_announce)
     gossip.on("heartbeat", on_heartbeat)
-    node.policy.ban_listeners.append(on_ban)
-    checkpoints.banned.update(node.policy.banned())
+    node.standing.ban_listeners.append(on_ban)
+    checkpoints.banned.update(node.standing.banned())
     await checkpoints.run(task_status=task_status)
 
 

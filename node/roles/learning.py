@@ -123,16 +123,16 @@ class LearningRole(RoleHook):
         notice: BanNotice = env.body
         g = self.ctx.genesis
         if env.sender != g.trainer and env.sender not in g.validators:
-            self.node.policy.penalise(env.sender, "unauthorised_ban")
+            self.node.standing.penalise(env.sender, "unauthorised_ban")
             return
         if notice.peer_id in (self.node.peer_id, g.trainer):
             return  # never ban ourselves or the trainer on someone's word
         seconds = max(1.0, (notice.until_ms - now_ms()) / 1000)
-        self.node.policy.ban(notice.peer_id, f"ban notice from {env.sender[:12]}: {notice.reason}", seconds)
+        self.node.standing.ban(notice.peer_id, f"ban notice from {env.sender[:12]}: {notice.reason}", seconds)
         self.bans_honoured += 1
 
     async def publish_ban(self, peer_id: str, reason: str, seconds: float = BAN_SECONDS_DEFAULT) -> None:
-        self.node.policy.ban(peer_id, reason, seconds)
+        self.node.standing.ban(peer_id, reason, seconds)
         await self.node.gossip.publish(
             BanNotice(peer_id=peer_id, reason=reason[:256], until_ms=now_ms() + int(seconds * 1000))
         )
@@ -150,7 +150,7 @@ class LearningRole(RoleHook):
         """An announcer that does not serve its batch (timeout, unreachable, not found) is
         charged: a few failures ban it, so announcing batches one never serves stops costing
         fetchers time (see docs/security.md)."""
-        self.node.policy.penalise(sender, "batch_unserved", UNSERVED_POINTS)
+        self.node.standing.penalise(sender, "batch_unserved", UNSERVED_POINTS)
         self.intake.lanes.mark_unserved(sender)
 
     async def fetch_batch(self, announce: Envelope, timeout: float = 30.0) -> tuple[bytes, RolloutBatch]:
@@ -172,7 +172,7 @@ class LearningRole(RoleHook):
         try:
             batch = open_announced_batch(raw, announcer=announce.sender, announce=ann, run_id=self.ctx.genesis.run_id)
         except ProtocolError as exc:
-            self.node.policy.penalise(announce.sender, exc.rule)
+            self.node.standing.penalise(announce.sender, exc.rule)
             raise
         self.intake.lanes.mark_served(announce.sender)
         return raw, batch

@@ -369,7 +369,7 @@ class TrainerRole(LearningRole):
 
     # ------------------------------------------------------------ admission
     def _on_announce(self, env: Envelope) -> None:
-        if self.node.policy.is_banned(env.sender):
+        if self.node.standing.is_banned(env.sender):
             return
         ann: RolloutAnnounce = env.body
         owner = self.ledger.owner(ann.batch_id)
@@ -377,7 +377,7 @@ class TrainerRole(LearningRole):
             # the ledger holds this id as the batch its signer served: this announcer claims
             # someone else's batch. Charged, not fetched; the signer's row is untouched.
             self.stolen_announces += 1
-            self.node.policy.penalise(env.sender, "batch_stolen")
+            self.node.standing.penalise(env.sender, "batch_stolen")
             return
         # Nothing is written to the ledger before the batch is fetched: announces from free
         # identities must not grow the database (the row is written with the bytes below).
@@ -406,7 +406,7 @@ class TrainerRole(LearningRole):
     async def _fetch_and_record(self, env: Envelope) -> None:
         last: Exception | None = None
         for attempt in range(2):
-            if self.node.policy.is_banned(env.sender):
+            if self.node.standing.is_banned(env.sender):
                 return
             try:
                 raw, _batch = await self.fetch_batch(env, timeout=30.0)
@@ -458,7 +458,7 @@ class TrainerRole(LearningRole):
         """A quorum accepts a batch whose bytes the ledger evicted (retention caps): fetch it
         again from its worker, through the same queue and per-announcer limits as announces."""
         key: BatchKey = (worker, batch_id)
-        if key in self._queued or self.node.policy.is_banned(worker):
+        if key in self._queued or self.node.standing.is_banned(worker):
             return
         ann = RolloutAnnounce(
             batch_id=batch_id, policy_version=version, batch_counter=counter, num_samples=num_samples, size_bytes=1

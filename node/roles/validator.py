@@ -97,14 +97,14 @@ class ValidatorRole(EngineRole):
 
     def _on_announce(self, env: Envelope) -> None:
         key = batch_key(env.sender, env.body)
-        if self.node.policy.is_banned(env.sender) or key in self._seen:
+        if self.node.standing.is_banned(env.sender) or key in self._seen:
             return
         signer = self._signers.get(env.body.batch_id)
         if signer is not None and signer != env.sender:
             # a batch this validator fetched from its signer, announced as someone else's:
             # the announcer is charged and struck without a fetch; the signer's batch is untouched
             self.stolen_announces += 1
-            self.node.policy.penalise(env.sender, "batch_stolen")
+            self.node.standing.penalise(env.sender, "batch_stolen")
             assert self._nursery is not None
             self._nursery.start_soon(self._strike, env.sender, "announced a batch signed by another peer")
             return
@@ -124,7 +124,7 @@ class ValidatorRole(EngineRole):
             self._signers.popitem(last=False)
 
     async def _fetch_one(self, env: Envelope) -> None:
-        if self.node.policy.is_banned(env.sender):
+        if self.node.standing.is_banned(env.sender):
             return
         try:
             _, batch = await self.fetch_batch(env, timeout=30.0)
@@ -255,7 +255,7 @@ class ValidatorRole(EngineRole):
     async def _verify_loop(self) -> None:
         while True:
             _, (env, batch) = await self._verify.get()
-            if self.node.policy.is_banned(env.sender):  # banned while it waited: no prefill, no vote
+            if self.node.standing.is_banned(env.sender):  # banned while it waited: no prefill, no vote
                 self._verify.dropped["banned"] += 1
                 continue
             v = batch.policy_version
@@ -323,7 +323,7 @@ class ValidatorRole(EngineRole):
         if peer not in self.strikes and len(self.strikes) >= 10_000:
             del self.strikes[min(self.strikes, key=lambda p: self.strikes[p])]  # bounded: forget the mildest
         self.strikes[peer] += 1
-        if self.strikes[peer] >= self.ban_after and not self.node.policy.is_banned(peer):
+        if self.strikes[peer] >= self.ban_after and not self.node.standing.is_banned(peer):
             await self.publish_ban(peer, f"{self.strikes[peer]} rejected batches, last: {reason}")
             self._verify.discard(peer)
 

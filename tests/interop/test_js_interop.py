@@ -224,7 +224,7 @@ async def send_garbage_until_banned(js: JsPeer, name: str, node: Node, peer_id: 
     addr = node.full_addrs()[0]
     sent = 0
     for _ in range(tries):
-        if node.policy.is_banned(peer_id):
+        if node.standing.is_banned(peer_id):
             break
         try:
             await js.call("request", name=name, addr=addr, protocol=frames.PROTOCOL_ID, data_hex=garbage_request())
@@ -272,11 +272,11 @@ async def test_plaintext_claim_of_a_workers_id_is_refused_and_the_worker_keeps_i
     # Honest control: the same garbage over Noise from the attacker's own id is charged to it.
     attacker = (await js.create("noisy", security="noise"))["peer_id"]
     sent = await send_garbage_until_banned(js, "noisy", boot, attacker)
-    assert boot.policy.is_banned(attacker), f"{sent} garbage requests did not ban their sender"
+    assert boot.standing.is_banned(attacker), f"{sent} garbage requests did not ban their sender"
 
     # The worker stays in good standing and connected, and is still served.
-    assert boot.policy.points(worker.peer_id) == 0.0
-    assert not boot.policy.is_banned(worker.peer_id)
+    assert boot.standing.points(worker.peer_id) == 0.0
+    assert not boot.standing.is_banned(worker.peer_id)
     assert connected(boot, worker.peer_id)
     assert worker.reqresp is not None
     env = await worker.reqresp.request(boot.peer_id, GenesisRequest(want=0), GenesisResponse, timeout=10)
@@ -330,7 +330,7 @@ async def test_js_peer_holding_many_request_streams_is_capped_and_an_honest_peer
     await wait_until(lambda: boot.reqresp.streams.counters["refused_peer_cap"] > 0, 15, what="a stream refused")
     streams, slots = boot.reqresp.streams.holding(hog)
     assert streams <= lim.streams_per_peer and slots == 0, (streams, slots)  # nothing read: no slot
-    assert boot.policy.points(hog) > 0 or boot.policy.is_banned(hog)
+    assert boot.standing.points(hog) > 0 or boot.standing.is_banned(hog)
     # meanwhile an honest peer's genesis request is answered (it used to wait for 64 slots held 30 s)
     env = await honest.reqresp.request(boot.peer_id, GenesisRequest(want=0), GenesisResponse, timeout=10)
     assert env.sender == boot.peer_id
@@ -420,11 +420,11 @@ async def test_js_thief_front_running_an_honest_announce_pays_and_the_batch_is_a
             assert trainer.ledger.batch(stolen).status == "admitted"
 
             # an id nobody holds: charged as unserved once more at every node (points add up)
-            before = {n.peer_id: n.policy.points(thief_key.peer_id) for n in deciders}
+            before = {n.peer_id: n.standing.points(thief_key.peer_id) for n in deciders}
             await js_announce(dataclasses.replace(front_run[0], batch_id=bytes(32)))
             await wait_until(
                 lambda: all(
-                    n.policy.is_banned(thief_key.peer_id) or n.policy.points(thief_key.peer_id) > before[n.peer_id]
+                    n.standing.is_banned(thief_key.peer_id) or n.standing.points(thief_key.peer_id) > before[n.peer_id]
                     for n in deciders
                 ),
                 60,
@@ -435,7 +435,7 @@ async def test_js_thief_front_running_an_honest_announce_pays_and_the_batch_is_a
             # the owner pays nothing anywhere
             assert not [c for c in charges if c[1] == me], charges
             for v in validators:
-                assert v.strikes[me] == 0 and not v.node.policy.is_banned(me)
+                assert v.strikes[me] == 0 and not v.node.standing.is_banned(me)
             assert honest.stats["reject_votes"] == 0 and honest.stats["batches_rejected"] == 0
             await js.stop("thief")
             nursery.cancel_scope.cancel()

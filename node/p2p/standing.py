@@ -1,7 +1,8 @@
-"""Peer policy: a misbehaviour budget per peer, temporary bans, rate limits.
+"""Peer standing: a misbehaviour budget per peer, temporary bans, rate limits (the ban list;
+"policy" in this project means the model being trained).
 
 Every layer that catches a peer misbehaving (gossip validation, request/response,
-checkpoint chunk checks) calls :meth:`PeerPolicy.penalise`. Points decay over
+checkpoint chunk checks) calls :meth:`PeerStanding.penalise`. Points decay over
 time; a peer whose points exceed ``budget`` is banned for ``ban_seconds``:
 disconnected, its gossip refused, never dialled, its inbound connections closed.
 """
@@ -67,7 +68,7 @@ class RateBucket:
         return False
 
 
-class PeerPolicy:
+class PeerStanding:
     """Budgets, bans and per-peer rate limits for one node.
 
     ``on_ban`` (set by the node) is an async callback that disconnects the peer;
