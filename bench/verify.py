@@ -1,5 +1,5 @@
 """Seeded-sampling verification benchmark: false rejections of honest batches, the honest
-score gaps against the run's ``delta``, across numerics stacks, and what the sampling
+score gaps against the run's ``max_tie_gap``, across numerics stacks, and what the sampling
 check adds to a validator's time per batch.
 
     python3 bench/verify.py [--quick] [--projection] [--configs tiny-fp32,tiny-bf16,smollm2-fp32,smollm2-bf16]
@@ -155,7 +155,7 @@ def run(cfg: Config, samples: int, cache: Path, max_tokens: int, baseline_every:
         "batches": batches,
         "false_rejections": rejected,
         "rejection_reasons": reasons[:5],
-        "delta": rc.delta,
+        "max_tie_gap": rc.max_tie_gap,
         "max_near_ties": rc.max_near_ties,
         "near_tie_rate": rc.near_tie_rate,
         "max_gap": max(gaps, default=0.0),
@@ -264,7 +264,7 @@ def main() -> None:
     projected = projection() if args.projection else None
 
     head = (
-        f"{'config':<14}{'samples':>8}{'tokens':>9}{'false rej':>10}{'max gap':>11}{'delta':>8}"
+        f"{'config':<14}{'samples':>8}{'tokens':>9}{'false rej':>10}{'max gap':>11}{'tie gap':>8}"
         f"{'gap>0':>7}{'verify s':>10}{'+replay s':>10}{'overhead':>10}{'cpu ovh':>9}{'floor':>7}"
     )
     print(head)
@@ -272,7 +272,7 @@ def main() -> None:
     for r in results:
         print(
             f"{r['config']:<14}{r['samples']:>8}{r['tokens']:>9}{r['false_rejections']:>10}{r['max_gap']:>11.3g}"
-            f"{r['delta']:>8g}{r['tokens_with_gap']:>7}{r['verify_s_without_replay']:>10.3f}"
+            f"{r['max_tie_gap']:>8g}{r['tokens_with_gap']:>7}{r['verify_s_without_replay']:>10.3f}"
             f"{r['verify_s_with_replay']:>10.3f}{r['replay_overhead_pct']:>9.1f}%"
             f"{r['replay_overhead_cpu_pct']:>8.1f}%{r['lm_head_floor_pct']:>6.1f}%"
         )

@@ -10,7 +10,7 @@ where ``g`` is Gumbel noise from a counter-based generator keyed by the
 per-sample seed (``protocol.seeds.sample_seed``) and the token's position in the
 completion. A validator derives the same seed, recomputes the logits from the
 final hidden states of the prefill it already runs, regenerates the same noise
-and checks that every claimed token is the argmax, up to a tolerance ``delta``
+and checks that every claimed token is the argmax, up to a tolerance ``max_tie_gap``
 for the numerics noise between two machines.
 
 The generator is Philox4x32-10 (Salmon et al., SC'11; the generator behind
@@ -18,7 +18,7 @@ cuRAND, JAX and torch's CUDA RNG), written with 16-bit limbs so that every
 intermediate fits a signed int64: the integer stream is bit-identical on any
 device and any batch shape. The float transform ``-log(-log(u))`` runs in
 float64; two devices' ``log`` may differ in the last ulp (~1e-16), far below
-any ``delta``.
+any ``max_tie_gap``.
 
 Counter layout for vocabulary entry ``v`` at completion position ``p``:
 ``(v // 4, p, DOMAIN, 0)`` with key ``(seed & 0xffffffff, seed >> 32)``; the
@@ -236,8 +236,8 @@ class ReplayResult:
     score at position ``k`` is below the best score in the support (0 when it is the argmax;
     inf when it is outside the support), in score units, or with ``relative`` replay in
     units of the row's scale (the standard deviation of its logits / T). ``first_bad`` is
-    the first position whose gap exceeds ``delta``, or -1; ``near_ties`` counts positions
-    with 0 < gap <= delta."""
+    the first position whose gap exceeds ``max_tie_gap``, or -1; ``near_ties`` counts positions
+    with 0 < gap <= max_tie_gap."""
 
     gaps: tuple[float, ...]
     first_bad: int
@@ -257,14 +257,14 @@ def replay(
     tokens: Sequence[int],
     seed: int,
     params: SamplingParams,
-    delta: float,
+    max_tie_gap: float,
     *,
     relative: bool = False,
 ) -> ReplayResult:
     """Check that each claimed token is the seeded argmax. ``logits`` (L, V): row ``k`` is
     the distribution the model gives for completion position ``k`` (computed from the hidden
     state of the token before it)."""
-    return replay_many([logits], [tokens], [seed], params, delta, relative=relative)[0]
+    return replay_many([logits], [tokens], [seed], params, max_tie_gap, relative=relative)[0]
 
 
 def replay_many(
@@ -272,7 +272,7 @@ def replay_many(
     tokens: Sequence[Sequence[int]],
     seeds: Sequence[int],
     params: SamplingParams,
-    delta: float,
+    max_tie_gap: float,
     *,
     relative: bool = False,
 ) -> list[ReplayResult]:
@@ -281,7 +281,7 @@ def replay_many(
     ``relative``: gaps are divided by each row's scale, the standard deviation of its
     temperature-scaled logits over the whole vocabulary. Two numerics stacks differ in
     proportion to the logits' magnitude, and so does the miss of a token from another
-    source, so one relative ``delta`` fits models whose logits differ in scale by 100x
+    source, so one relative ``max_tie_gap`` fits models whose logits differ in scale by 100x
     (docs/proofs.md, "Calibration"); an absolute one cannot."""
     lengths = [len(t) for t in tokens]
     for rows, n in zip(logits, lengths):
@@ -316,8 +316,8 @@ def replay_many(
     for n in lengths:
         gap_list, best_list = all_gaps[start : start + n], all_best[start : start + n]
         start += n
-        bad = next((k for k, gap in enumerate(gap_list) if gap > delta), -1)
-        ties = sum(1 for gap in gap_list if 0 < gap <= delta)
+        bad = next((k for k, gap in enumerate(gap_list) if gap > max_tie_gap), -1)
+        ties = sum(1 for gap in gap_list if 0 < gap <= max_tie_gap)
         out.append(ReplayResult(tuple(gap_list), bad, ties, tuple(best_list)))
     return out
 

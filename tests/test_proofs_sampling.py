@@ -152,13 +152,13 @@ def test_replay_accepts_the_seeded_tokens_and_names_the_first_other_one():
     params = SamplingParams(temperature=1.0)
     logits = torch.randn(20, 50, generator=torch.Generator().manual_seed(2)) * 2
     tokens = _honest(logits, 77, params)
-    ok = replay(logits, tokens, 77, params, delta=1e-3)
+    ok = replay(logits, tokens, 77, params, max_tie_gap=1e-3)
     assert ok.ok(0) and ok.max_gap == 0 and ok.best_tokens == tuple(tokens)
-    other_seed = replay(logits, tokens, 78, params, delta=1e-3)
+    other_seed = replay(logits, tokens, 78, params, max_tie_gap=1e-3)
     assert not other_seed.ok(0) and other_seed.first_bad >= 0
     edited = list(tokens)
     edited[5] = (edited[5] + 1) % 50
-    bad = replay(logits, edited, 77, params, delta=1e-3)
+    bad = replay(logits, edited, 77, params, max_tie_gap=1e-3)
     assert bad.first_bad == 5 and bad.gaps[5] > 1e-3 and bad.best_tokens[5] == tokens[5]
 
 
@@ -173,9 +173,9 @@ def test_near_ties_within_delta_are_counted_and_bounded():
     runner = int(s[2].topk(2).indices[1])
     shifted = logits.clone()
     shifted[2, runner] += float(s[2, tokens[2]] - s[2, runner]) + 0.01  # runner-up now wins by 0.01
-    r = replay(shifted, tokens, 5, params, delta=0.05)
+    r = replay(shifted, tokens, 5, params, max_tie_gap=0.05)
     assert r.first_bad < 0 and r.near_ties == 1 and r.ok(1) and not r.ok(0)
-    assert replay(shifted, tokens, 5, params, delta=0.001).first_bad == 2
+    assert replay(shifted, tokens, 5, params, max_tie_gap=0.001).first_bad == 2
 
 
 def test_relative_gaps_are_in_units_of_each_rows_logit_scale():
@@ -190,19 +190,19 @@ def test_relative_gaps_are_in_units_of_each_rows_logit_scale():
     edited[3] = (edited[3] + 7) % 300
     for scale in (0.05, 5.0):
         shown = logits * scale
-        absolute = replay(shown, edited, 11, params, delta=1e9)
-        relative = replay(shown, edited, 11, params, delta=1e9, relative=True)
+        absolute = replay(shown, edited, 11, params, max_tie_gap=1e9)
+        relative = replay(shown, edited, 11, params, max_tie_gap=1e9, relative=True)
         row_scale = shown.double().std(dim=-1) / params.temperature
         for k in range(12):
             assert relative.gaps[k] == pytest.approx(absolute.gaps[k] / float(row_scale[k]), rel=1e-12)
-    assert replay(logits, tokens, 11, params, delta=1e-3, relative=True).max_gap == 0  # honest: still exact
+    assert replay(logits, tokens, 11, params, max_tie_gap=1e-3, relative=True).max_gap == 0  # honest: still exact
 
 
 def test_a_token_outside_the_support_is_never_within_delta():
     params = SamplingParams(temperature=1.0, top_k=1)
     logits = torch.tensor([[5.0, 4.9, 0.0]])
-    assert replay(logits, [0], 1, params, delta=10.0).ok(0)
-    r = replay(logits, [1], 1, params, delta=10.0)
+    assert replay(logits, [0], 1, params, max_tie_gap=10.0).ok(0)
+    r = replay(logits, [1], 1, params, max_tie_gap=10.0)
     assert r.first_bad == 0 and math.isinf(r.gaps[0])
 
 

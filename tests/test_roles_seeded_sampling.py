@@ -37,7 +37,7 @@ CREATED_MS = 1_700_000_000_000
 @pytest.fixture(scope="module", params=["same", "mixed"])
 def setup(request, tmp_path_factory):
     """Each attack under both replay tolerances: "same" (a run declaring one numerics
-    stack: delta 1e-3) and "mixed" (mixed hardware: delta 0.3 of the row's logit scale plus a near-tie budget)."""
+    stack: max_tie_gap 1e-3) and "mixed" (mixed hardware: max_tie_gap 0.3 of the row's logit scale plus a near-tie budget)."""
     stack = {"numerics": "transformers-fp32-cpu"} if request.param == "same" else {}
     ctx = tiny_context(tmp_path_factory.mktemp("ctx"), fields={"created_ms": CREATED_MS}, max_tokens=20, **stack)
     assert ctx.replay_config == REPLAY_PRESETS[request.param]

@@ -70,19 +70,20 @@ def proof_config_for(config: RunConfig) -> ProofConfig:
 class ReplayConfig:
     """How exactly a validator's replay of seeded sampling must match (``proofs.sampling``).
 
-    ``delta``: the largest score gap (scaled logit + noise) by which a claimed token may
-    trail the validator's seeded argmax. Near-ties (gaps in (0, delta]) are tolerated up
+    ``max_tie_gap``: the largest score gap (scaled logit + noise) by which a claimed token may
+    trail the validator's seeded argmax. Near-ties (gaps in (0, max_tie_gap]) are tolerated up
     to ``max_near_ties + near_tie_rate x length`` per completion: across numerics stacks
     they occur at a steady rate per token, so a fixed count would reject long honest
     completions. Calibrated by bench/verify.py (docs/proofs.md): on one stack honest gaps
     were all 0; a bf16 worker against an fp32 validator had 1.6 % of tokens at a gap in
     (0, 0.139] row scales (SmolLM2; 0.024 on the tiny model), and every attack test is
-    rejected up to a relative delta of 2.0."""
+    rejected up to a relative max_tie_gap of 2.0. The genesis key keeps its first name,
+    ``sampling_delta``: signed geneses carry it."""
 
-    delta: float
+    max_tie_gap: float
     max_near_ties: int
     near_tie_rate: float = 0.0
-    relative: bool = False  # delta in units of each row's logit scale (proofs.sampling.replay_many)
+    relative: bool = False  # max_tie_gap in units of each row's logit scale (proofs.sampling.replay_many)
 
     def unit(self) -> str:
         return "row scales" if self.relative else "in score"
@@ -94,8 +95,8 @@ class ReplayConfig:
 # [config] sampling_tolerance presets; "same" is the default when the genesis declares
 # one numerics stack, else "mixed".
 REPLAY_PRESETS = {
-    "same": ReplayConfig(delta=1e-3, max_near_ties=1),
-    "mixed": ReplayConfig(delta=0.3, max_near_ties=4, near_tie_rate=0.1, relative=True),
+    "same": ReplayConfig(max_tie_gap=1e-3, max_near_ties=1),
+    "mixed": ReplayConfig(max_tie_gap=0.3, max_near_ties=4, near_tie_rate=0.1, relative=True),
 }
 
 
@@ -109,7 +110,7 @@ def replay_config_for(config: RunConfig) -> ReplayConfig:
     same = bool(config.numerics) and engine_dtype_for(config) == "float32"
     base = REPLAY_PRESETS[config.sampling_tolerance or ("same" if same else "mixed")]
     return ReplayConfig(
-        base.delta if config.sampling_delta is None else config.sampling_delta,
+        base.max_tie_gap if config.sampling_delta is None else config.sampling_delta,
         base.max_near_ties if config.sampling_max_near_ties is None else config.sampling_max_near_ties,
         base.near_tie_rate if config.sampling_near_tie_rate is None else config.sampling_near_tie_rate,
         base.relative,

@@ -24,7 +24,7 @@ sample that fails):
 7. ``sampling`` / ``termination``: every token is the seeded Gumbel-max sample
    (``proofs.sampling``) of the validator's own logits, with the seed the validator
    derives itself (``protocol.sample_seed``: never the batch's ``seed`` field), up to
-   the run's ``delta`` and near-tie budget (``RunContext.replay_config``); a
+   the run's ``max_tie_gap`` and near-tie budget (``RunContext.replay_config``); a
    mismatch at an EOS (claimed or owed) is a ``termination`` failure;
 8. ``reward``: the rewards the worker claims equal the rules' rewards (a reward
    whose computation timed out is not deterministic and is not held against it).
@@ -271,7 +271,7 @@ def verify_batch(
             [t for _, t in pairs],
             [seeds[k] for k in members],
             params,
-            replay_config.delta,
+            replay_config.max_tie_gap,
             relative=replay_config.relative,
         )
         for k, (_, toks), result in zip(members, pairs, results):
@@ -284,11 +284,11 @@ def verify_batch(
                     return reject(
                         "sampling",
                         f"sample {k}: {result.near_ties} tokens are not the seeded sample "
-                        f"(each within delta {replay_config.delta:g}; at most {allowed} tolerated)",
+                        f"(each within max_tie_gap {replay_config.max_tie_gap:g}; at most {allowed} tolerated)",
                     )
                 gap = (
                     f"misses the seeded sample by {result.gaps[pos]:.3g} {replay_config.unit()} "
-                    f"(delta {replay_config.delta:g})"
+                    f"(max_tie_gap {replay_config.max_tie_gap:g})"
                 )
                 if toks[pos] in eos_ids:
                     return reject("termination", f"sample {k}: the EOS at position {pos} was not sampled: {gap}")
