@@ -171,7 +171,7 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
     on trio's clock (``DilatedClock`` when the setting runs under one); CPU seconds are
     this process's, real."""
 
-    from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+    from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
     from protocol import NodeKey
 
     ks = [NodeKey(hashlib.sha256(b"bench-delta-%d" % i).digest()) for i in range(fetchers + 1)]
@@ -179,7 +179,7 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
     nodes = []
     for i, k in enumerate(ks):
         store = ChunkStore(work / f"node{i}", RUN_ID, ks[0].peer_id)
-        c = Checkpoints(store, LocalOverlay(k.peer_id, servers), max_async=2, max_upload_mbps=upload_mbps)
+        c = Checkpoints(store, LocalControlPlane(k.peer_id, servers), max_async=2, max_upload_mbps=upload_mbps)
         servers[k.peer_id] = c.server
         nodes.append(c)
     for i, c in enumerate(nodes[1:], 1):
@@ -191,7 +191,7 @@ async def distribute(anchor_src: Path, delta_src: Path, fetchers: int, work: Pat
         for c in nodes:
             await nursery.start(c.run)
         for v, src, kind in ((1, anchor_src, "full"), (2, delta_src, "delta")):
-            raw = await nodes[0].publish(ks[0], v, src, CHUNK, delta_base=1 if kind == "delta" else None)
+            raw = await nodes[0].import_version(ks[0], v, src, CHUNK, delta_base=1 if kind == "delta" else None)
             st = nodes[0].store.get(v)
             assert (st.delta is None) == (kind == "full"), f"version {v} was not published as {kind}"
             t0, cpu0 = trio.current_time(), _cpu()

@@ -172,7 +172,7 @@ def run_node(a) -> None:
             n.start_soon(sample)
             n.start_soon(trio.serve_tcp, serve_tickets, peers[key.peer_id][1])
             if a.index == 0:
-                raw = await checkpoints.publish(key, 1, a.src, chunk_size=a.chunk_mib * 2**20)
+                raw = await checkpoints.import_version(key, 1, a.src, chunk_size=a.chunk_mib * 2**20)
                 (work / "announce").write_bytes(raw)
                 (work / "ready-0").write_text("")
             else:

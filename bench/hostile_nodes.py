@@ -434,11 +434,11 @@ class BenchRole:
 
     async def _start_distribution(self, node, nursery: trio.Nursery) -> None:
         from node.checkpoints import Checkpoints, ChunkStore
-        from node.roles.checkpoint_wiring import P2POverlay, serve_checkpoints
+        from node.roles.checkpoint_wiring import P2PControlPlane, serve_checkpoints
 
         root = self.shard.work / f"node-{self.idx}"
         store = ChunkStore(root / "chunks", node.run_id, node.genesis.trainer)
-        self.checkpoints = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async)
+        self.checkpoints = Checkpoints(store, P2PControlPlane(node), max_async=node.genesis.max_async)
         server = self.checkpoints.server
         original = server._handle
 
@@ -512,11 +512,11 @@ class BenchRole:
 
             model = await trio.to_thread.run_sync(self.shard.ctx.initial_model)
             await trio.to_thread.run_sync(export_weights, model, src)
-            await self.checkpoints.publish(node.key, version, src, chunk_size=node.genesis.chunk_size)
+            await self.checkpoints.import_version(node.key, version, src, chunk_size=node.genesis.chunk_size)
         else:
             src.mkdir(parents=True, exist_ok=True)
             (src / "model.safetensors").write_bytes(random.Random(version).randbytes(CKPT_BYTES))
-            await self.checkpoints.publish(node.key, version, src, chunk_size=CKPT_CHUNK)
+            await self.checkpoints.import_version(node.key, version, src, chunk_size=CKPT_CHUNK)
         await node.gossip.publish(CheckpointAnnounce(manifest=self.checkpoints.store.get(version).manifest))
 
     def holds(self, version: int) -> bool:

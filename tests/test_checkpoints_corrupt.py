@@ -6,7 +6,7 @@ import os
 
 import trio
 
-from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.wire import send_all
 from protocol import chunk_frames as F
@@ -32,7 +32,7 @@ async def test_corrupt_server_is_banned_and_everyone_completes(tmp_path):
     dists = []
     for i, k in enumerate(ks):
         store = ChunkStore(tmp_path / f"node{i}", RUN_ID, trainer.peer_id)
-        overlays[k.peer_id] = LocalOverlay(k.peer_id, servers)
+        overlays[k.peer_id] = LocalControlPlane(k.peer_id, servers)
         d = Checkpoints(store, overlays[k.peer_id], max_upload_mbps=100.0)
         if k is bad:
             d.server = CorruptServer(store, max_upload_mbps=0)
@@ -42,7 +42,7 @@ async def test_corrupt_server_is_banned_and_everyone_completes(tmp_path):
         for d in dists:
             await nursery.start(d.run)
         # the corrupt node holds the whole checkpoint (so it advertises everything)
-        raw = await dists[0].publish(trainer, 1, src, chunk_size=1 << 20)
+        raw = await dists[0].import_version(trainer, 1, src, chunk_size=1 << 20)
         dists[1].store.add_announce(raw)
         for h in dists[0].store.get(1).by_hash:
             dists[1].store.write_object_blocking(h, dists[0].store.read_object_blocking(h))

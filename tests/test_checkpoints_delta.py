@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
 from node.checkpoints.delta import DeltaIncompatible, apply_delta, encode_delta, iter_changes
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.store import DELTA_MIN_CHUNK, DELTA_MIN_CHUNKS, delta_chunk_size
@@ -233,7 +233,7 @@ def test_a_sparse_bf16_step_is_a_small_fraction_of_the_checkpoint(tmp_path):
 
 
 class Swarm:
-    """A trainer and followers in one process: chunk servers over real TCP, LocalOverlay."""
+    """A trainer and followers in one process: chunk servers over real TCP, LocalControlPlane."""
 
     def __init__(self, tmp: Path, n: int, *, max_async: int = 2) -> None:
         self.keys = keys(n)
@@ -242,7 +242,7 @@ class Swarm:
         self.nodes: list[Checkpoints] = []
         for i, k in enumerate(self.keys):
             store = ChunkStore(tmp / f"node{i}", RUN_ID, self.keys[0].peer_id, durable=False)
-            self.overlays[k.peer_id] = LocalOverlay(k.peer_id, self.servers)
+            self.overlays[k.peer_id] = LocalControlPlane(k.peer_id, self.servers)
             c = Checkpoints(store, self.overlays[k.peer_id], max_async=max_async)
             self.servers[k.peer_id] = c.server
             self.nodes.append(c)
@@ -261,7 +261,7 @@ class Swarm:
 
     async def publish(self, version: int, src: Path, anchor_every: int, **kw) -> bytes:
         base = delta_base_for(self.trainer, version, anchor_every)
-        return await self.trainer.publish(self.keys[0], version, src, CHUNK, delta_base=base, **kw)
+        return await self.trainer.import_version(self.keys[0], version, src, CHUNK, delta_base=base, **kw)
 
 
 async def test_chain_of_deltas_rebuilds_every_version_and_a_late_joiner_catches_up_from_peers(tmp_path):
@@ -485,7 +485,7 @@ async def test_a_delta_travels_in_its_own_small_chunks_and_its_result_is_checked
     async with trio.open_nursery() as nursery:
         await sw.start(nursery)
         for v, src in enumerate(srcs):
-            raw = await sw.trainer.publish(sw.keys[0], v, src, 1 << 20, delta_base=v - 1 if v else None)
+            raw = await sw.trainer.import_version(sw.keys[0], v, src, 1 << 20, delta_base=v - 1 if v else None)
             for follower in sw.nodes[1:]:
                 follower.on_announce(raw)
             with trio.fail_after(60):

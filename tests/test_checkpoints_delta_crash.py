@@ -16,7 +16,7 @@ from pathlib import Path
 
 import trio
 
-from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
 from tests.support.checkpoints import RUN_ID, keys
 from tests.support.deltas import equal_dirs, make_versions
 
@@ -45,11 +45,11 @@ async def _publish_two(tmp_path: Path, srcs: list[Path]) -> ChunkStore:
     """The trainer's store with version 0 (anchor) and 1 (delta on 0)."""
     trainer = keys(1)[0]
     store = ChunkStore(tmp_path / "trainer", RUN_ID, trainer.peer_id, durable=False)
-    c = Checkpoints(store, LocalOverlay(trainer.peer_id, {}))
+    c = Checkpoints(store, LocalControlPlane(trainer.peer_id, {}))
     async with trio.open_nursery() as nursery:
         await nursery.start(c.run)
-        await c.publish(trainer, 0, srcs[0], CHUNK)
-        await c.publish(trainer, 1, srcs[1], CHUNK, delta_base=0)
+        await c.import_version(trainer, 0, srcs[0], CHUNK)
+        await c.import_version(trainer, 1, srcs[1], CHUNK, delta_base=0)
         nursery.cancel_scope.cancel()
     assert store.get(1).delta is not None
     return store
@@ -67,7 +67,7 @@ def _copy_versions(src: ChunkStore, dst: ChunkStore) -> None:
 
 async def _reapply(store: ChunkStore) -> Checkpoints:
     """A node restarted on ``store``: it finishes what was complete but not assembled."""
-    node = Checkpoints(store, LocalOverlay("restarted", {}))
+    node = Checkpoints(store, LocalControlPlane("restarted", {}))
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         with trio.fail_after(30):

@@ -13,7 +13,7 @@ from node.checkpoints import Checkpoints, ChunkStore
 from node.p2p.node import RoleHook
 from node.p2p.testing import NodeFactory, overlay_genesis
 from node.roles.checkpoint_wiring import (
-    P2POverlay,
+    P2PControlPlane,
     checkpoint_heartbeat_fields,
     publish_checkpoint,
     serve_checkpoints,
@@ -29,7 +29,7 @@ class CheckpointsHook(RoleHook):
 
     async def run(self, node):
         store = ChunkStore(self.home, node.run_id, node.genesis.trainer, durable=False)
-        self.checkpoints = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async)
+        self.checkpoints = Checkpoints(store, P2PControlPlane(node), max_async=node.genesis.max_async)
         async with trio.open_nursery() as n:
             await n.start(serve_checkpoints, node, self.checkpoints)
             self.started.set()

@@ -1,7 +1,7 @@
 """Swarm distribution: six nodes, only the trainer holds a 64 MiB checkpoint at the start.
 
 ``test_six_nodes_one_seeder`` runs six stores, chunk servers and fetchers in one
-process over real TCP, with tickets granted in-process (LocalOverlay): the
+process over real TCP, with tickets granted in-process (LocalControlPlane): the
 ticket step is a few bytes, and py-libp2p request/response on a freshly
 connected 6-node overlay takes 1-5 s per new stream here, which would test the
 overlay rather than the swarm.  ``test_libp2p_overlay_end_to_end`` runs the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import trio
 from safetensors.numpy import load_file
 
-from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
 from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 CAP_MBPS = 200.0
@@ -34,7 +34,7 @@ async def test_six_nodes_one_seeder(tmp_path):
     dists = []
     for i, k in enumerate(ks):
         store = ChunkStore(tmp_path / f"node{i}", RUN_ID, trainer.peer_id)
-        d = Checkpoints(store, LocalOverlay(k.peer_id, servers), max_upload_mbps=CAP_MBPS)
+        d = Checkpoints(store, LocalControlPlane(k.peer_id, servers), max_upload_mbps=CAP_MBPS)
         servers[k.peer_id] = d.server
         dists.append(d)
     progress = []
@@ -42,7 +42,7 @@ async def test_six_nodes_one_seeder(tmp_path):
     async with trio.open_nursery() as nursery:
         for d in dists:
             await nursery.start(d.run)
-        raw = await dists[0].publish(trainer, 1, src, chunk_size=1 << 20)
+        raw = await dists[0].import_version(trainer, 1, src, chunk_size=1 << 20)
         for d, k in zip(dists[1:], ks[1:]):
             for other in ks:
                 if other is not k:
@@ -78,7 +78,7 @@ async def test_libp2p_overlay_end_to_end(tmp_path):
     from node.p2p.node import RoleHook
     from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
     from node.roles.checkpoint_wiring import (
-        P2POverlay,
+        P2PControlPlane,
         checkpoint_heartbeat_fields,
         publish_checkpoint,
         serve_checkpoints,
@@ -92,7 +92,7 @@ async def test_libp2p_overlay_end_to_end(tmp_path):
         async def run(self, node):
             store = ChunkStore(self.home, node.run_id, node.genesis.trainer)
             self.checkpoints = Checkpoints(
-                store, P2POverlay(node), max_async=node.genesis.max_async, max_upload_mbps=CAP_MBPS
+                store, P2PControlPlane(node), max_async=node.genesis.max_async, max_upload_mbps=CAP_MBPS
             )
             async with trio.open_nursery() as n:
                 await n.start(serve_checkpoints, node, self.checkpoints)

@@ -22,7 +22,7 @@ import time
 import trio
 from safetensors.numpy import load_file
 
-from node.checkpoints import ChunkStore, LocalOverlay, VersionFetcher
+from node.checkpoints import ChunkStore, LocalControlPlane, VersionFetcher
 from node.checkpoints.server import ChunkServer
 from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
@@ -58,7 +58,7 @@ async def test_a_fetch_writes_in_place_and_the_same_file_becomes_loadable(tmp_pa
     server = ChunkServer(seed_store)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
-        f = VersionFetcher(store, 1, LocalOverlay(me.peer_id, {"seeder": server}))
+        f = VersionFetcher(store, 1, LocalControlPlane(me.peer_id, {"seeder": server}))
         f.add_peer("seeder")
         with trio.fail_after(60):
             await f.run()
@@ -101,7 +101,7 @@ async def test_a_tampered_chunk_is_never_written_and_the_honest_copy_is(tmp_path
         f = VersionFetcher(
             store,
             1,
-            LocalOverlay(me.peer_id, servers),
+            LocalControlPlane(me.peer_id, servers),
             max_strikes=2,
             on_progress=lambda _p: rejected.set() if f.chunks_rejected >= 2 else None,
         )
@@ -120,7 +120,7 @@ async def test_a_tampered_chunk_is_never_written_and_the_honest_copy_is(tmp_path
                 assert p.read_bytes() == bytes(p.stat().st_size)
 
         # the honest control: the same fetch from an honest peer completes, byte for byte
-        g = VersionFetcher(store, 1, LocalOverlay(me.peer_id, servers), banned=f.banned)
+        g = VersionFetcher(store, 1, LocalControlPlane(me.peer_id, servers), banned=f.banned)
         g.add_peer("mallory")
         g.add_peer("honest")
         with trio.fail_after(60):
@@ -152,7 +152,7 @@ async def test_chunks_are_re_served_from_the_in_place_file(tmp_path):
         await nursery.start(a_srv.run)
         b = ChunkStore(tmp_path / "b", RUN_ID, seed_store.trainer)
         b.add_announce(raw)
-        fb = VersionFetcher(b, 1, LocalOverlay(b_key.peer_id, servers))
+        fb = VersionFetcher(b, 1, LocalControlPlane(b_key.peer_id, servers))
         fb.update_have("a", st_a.bitmap.to_bytes())
         fb.update_have("seeder", seed_st.bitmap.to_bytes())
         with trio.fail_after(60):
@@ -162,7 +162,7 @@ async def test_chunks_are_re_served_from_the_in_place_file(tmp_path):
         assert same_files(src, await b.assemble(1))
 
         # A completes, becomes loadable, and serves everything from files/ alone
-        fa = VersionFetcher(a, 1, LocalOverlay(a_key.peer_id, servers))
+        fa = VersionFetcher(a, 1, LocalControlPlane(a_key.peer_id, servers))
         fa.add_peer("seeder")
         with trio.fail_after(60):
             await fa.run()
@@ -170,7 +170,7 @@ async def test_chunks_are_re_served_from_the_in_place_file(tmp_path):
         assert not (a.version_dir(st_a) / "parts").exists()
         c = ChunkStore(tmp_path / "c", RUN_ID, seed_store.trainer)
         c.add_announce(raw)
-        fc = VersionFetcher(c, 1, LocalOverlay(c_key.peer_id, servers))
+        fc = VersionFetcher(c, 1, LocalControlPlane(c_key.peer_id, servers))
         fc.add_peer("a")  # not the seeder
         with trio.fail_after(60):
             await fc.run()
@@ -200,7 +200,7 @@ async def test_chunks_shared_with_a_held_version_are_copied_not_fetched(tmp_path
         fetched = {}
         for v, raw in ((1, raws[0]), (2, raws[1])):
             store.add_announce(raw)
-            f = VersionFetcher(store, v, LocalOverlay(me.peer_id, {"seeder": server}))
+            f = VersionFetcher(store, v, LocalControlPlane(me.peer_id, {"seeder": server}))
             f.add_peer("seeder")
             with trio.fail_after(60):
                 await f.run()
@@ -263,7 +263,7 @@ async def test_an_idle_fetcher_sees_a_peers_fresh_small_chunk_within_a_few_chunk
         await nursery.start(a_srv.run)
         b = ChunkStore(tmp_path / "b", RUN_ID, seed_store.trainer)
         st_b, _ = b.add_announce(raw)
-        fb = VersionFetcher(b, 1, LocalOverlay(b_key.peer_id, {"a": a_srv}))
+        fb = VersionFetcher(b, 1, LocalControlPlane(b_key.peer_id, {"a": a_srv}))
         assert fb.have_poll_s == HAVE_POLL_MIN_S < 0.25
         fb.add_peer("a")  # A is its only peer: nothing to fetch until A holds a chunk
         nursery.start_soon(fb.run)
@@ -289,4 +289,4 @@ async def test_an_idle_fetcher_sees_a_peers_fresh_small_chunk_within_a_few_chunk
     _, raw_big = c.import_directory_blocking(trainer, 2, big, chunk_size=4 * 1024 * 1024)
     d = ChunkStore(tmp_path / "d", RUN_ID, trainer.peer_id)
     d.add_announce(raw_big)
-    assert VersionFetcher(d, 2, LocalOverlay(b_key.peer_id, {})).have_poll_s == 0.25
+    assert VersionFetcher(d, 2, LocalControlPlane(b_key.peer_id, {})).have_poll_s == 0.25

@@ -12,7 +12,7 @@ from node.checkpoints import (
     ChunkStore,
     DataConnection,
     DataPlaneError,
-    LocalOverlay,
+    LocalControlPlane,
     VersionFetcher,
     build_manifest,
     sign_announce,
@@ -95,7 +95,7 @@ async def test_wrong_size_chunk_on_the_wire_is_refused(tmp_path):
     store = ChunkStore(tmp_path / "node", RUN_ID, trainer.peer_id)
     store.add_announce(raw)
     server = WrongSizeServer(seeder)
-    overlay = LocalOverlay(fetcher_key.peer_id, {trainer.peer_id: server})
+    overlay = LocalControlPlane(fetcher_key.peer_id, {trainer.peer_id: server})
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
         # a ticket for an unknown version is refused; a garbage ticket is refused on the wire

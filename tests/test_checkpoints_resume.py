@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from node.checkpoints import ChunkStore, LocalOverlay, VersionFetcher
+from node.checkpoints import ChunkStore, LocalControlPlane, VersionFetcher
 from node.checkpoints.server import ChunkServer
 from protocol import ChunkTicketRequest
 from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
@@ -79,7 +79,7 @@ async def test_killed_fetcher_resumes_from_disk(tmp_path):
             assert hashlib.sha256(store.read_chunk_blocking(st, i)).digest() == st.chunks[i][3]
         assert not any((node_dir / "tmp").iterdir())  # crash leftovers cleared, never trusted
         server.set_max_upload_mbps(0)
-        f = VersionFetcher(store, 1, LocalOverlay(fetcher_key.peer_id, {trainer.peer_id: server}))
+        f = VersionFetcher(store, 1, LocalControlPlane(fetcher_key.peer_id, {trainer.peer_id: server}))
         f.add_peer(trainer.peer_id)
         with trio.fail_after(60):
             await f.run()

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.wire import recv_exactly, send_all
 from protocol import Heartbeat, ProtocolError, ReverseChunkRequest
@@ -90,7 +90,7 @@ class Swarm:
         self.cps: list[Checkpoints] = []
         for i, k in enumerate(self.keys):
             store = ChunkStore(tmp_path / f"node{i}", RUN_ID, self.trainer.peer_id)
-            self.overlays[k.peer_id] = LocalOverlay(k.peer_id, self.servers)
+            self.overlays[k.peer_id] = LocalControlPlane(k.peer_id, self.servers)
             cp = Checkpoints(store, self.overlays[k.peer_id])
             if i in corrupt:
                 cp.server = CorruptServer(store)
@@ -118,7 +118,7 @@ async def test_a_fetch_fed_only_by_a_holder_behind_nat(tmp_path):
         async with trio.open_nursery() as nursery:
             for cp in sw.cps:
                 await nursery.start(cp.run)
-            raw = await sw.cps[0].publish(sw.trainer, 1, src, chunk_size=256 * 1024)
+            raw = await sw.cps[0].import_version(sw.trainer, 1, src, chunk_size=256 * 1024)
             sw.copy_version(0, 1, 1, raw)
             holder.server.port = 0  # what a NAT'd node's data port is to others: nothing to dial
             fetcher.on_announce(raw)
@@ -196,7 +196,7 @@ async def test_a_corrupt_holder_behind_nat_is_charged_and_the_fetch_completes_fr
         async with trio.open_nursery() as nursery:
             for cp in sw.cps:
                 await nursery.start(cp.run)
-            raw = await sw.cps[0].publish(sw.trainer, 1, src, chunk_size=256 * 1024)
+            raw = await sw.cps[0].import_version(sw.trainer, 1, src, chunk_size=256 * 1024)
             for i in (1, 2):
                 sw.copy_version(0, i, 1, raw)
             fetcher.on_announce(raw)
@@ -221,7 +221,7 @@ async def test_a_holder_dials_only_an_ip_address_the_requester_owns(tmp_path):
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
             await nursery.start(cp.run)
-            await cp.publish(sw.trainer, 1, src, chunk_size=256 * 1024)
+            await cp.import_version(sw.trainer, 1, src, chunk_size=256 * 1024)
             st = cp.store.get(1)
 
             def ask(host: str, version: int = 1, allowed=("198.18.0.7",)):
@@ -255,7 +255,7 @@ async def test_a_fetcher_that_is_not_reachable_asks_no_holder_behind_nat(tmp_pat
         async with trio.open_nursery() as nursery:
             for cp in sw.cps:
                 await nursery.start(cp.run)
-            raw = await sw.cps[0].publish(sw.trainer, 1, src, chunk_size=256 * 1024)
+            raw = await sw.cps[0].import_version(sw.trainer, 1, src, chunk_size=256 * 1024)
             sw.copy_version(0, 1, 1, raw)
             fetcher.on_announce(raw)
             fetcher.on_heartbeat(sw.keys[1].peer_id, _nat_heartbeat(holder))

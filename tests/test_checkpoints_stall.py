@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from node.checkpoints import ChunkStore, LocalOverlay, VersionFetcher
+from node.checkpoints import ChunkStore, LocalControlPlane, VersionFetcher
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.wire import recv_exactly, send_all
 from protocol import chunk_frames as F
@@ -64,7 +64,7 @@ async def test_stalled_peer_is_dropped_and_its_chunks_reassigned(tmp_path, stall
 
     store = ChunkStore(tmp_path / "me", RUN_ID, trainer.peer_id)
     store.add_announce(raw)
-    overlay = LocalOverlay(me.peer_id, servers)
+    overlay = LocalControlPlane(me.peer_id, servers)
     fetcher = VersionFetcher(store, 1, overlay, stall_timeout=0.5, endgame_after_s=None)
     fetcher.update_have(staller.peer_id, good_st.bitmap.to_bytes())  # known first: it is asked first
     fetcher.add_peer(trainer.peer_id)

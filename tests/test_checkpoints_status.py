@@ -11,7 +11,7 @@ import trio
 from rich.console import Console
 from rich.text import Text
 
-from node.checkpoints import Checkpoints, ChunkStore, FetchProgress, LocalOverlay
+from node.checkpoints import Checkpoints, ChunkStore, FetchProgress, LocalControlPlane
 from node.home import NodeHome
 from node.ops.progress import CheckpointProgress
 from node.ops.status_cli import _short, render_role_state, show_status
@@ -75,7 +75,9 @@ async def test_status_shows_the_peers_each_version_was_fed_from(tmp_path, capsys
     servers: dict = {}
 
     def node(name, k, **kw):
-        d = Checkpoints(ChunkStore(tmp_path / name, RUN_ID, trainer.peer_id), LocalOverlay(k.peer_id, servers), **kw)
+        d = Checkpoints(
+            ChunkStore(tmp_path / name, RUN_ID, trainer.peer_id), LocalControlPlane(k.peer_id, servers), **kw
+        )
         servers[k.peer_id] = d.server
         return d
 
@@ -88,7 +90,7 @@ async def test_status_shows_the_peers_each_version_was_fed_from(tmp_path, capsys
     async with trio.open_nursery() as nursery:
         for d in (seed, partial, fetcher):
             await nursery.start(d.run)
-        raw = await seed.publish(trainer, 1, src, chunk_size=256 * 1024)
+        raw = await seed.import_version(trainer, 1, src, chunk_size=256 * 1024)
         st_seed = seed.store.get(1)
         partial.on_announce(raw)
         pst = partial.store.get(1)

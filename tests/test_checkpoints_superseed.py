@@ -22,7 +22,7 @@ import time
 import trio
 import trio.testing
 
-from node.checkpoints import ChunkStore, DataConnection, LocalOverlay, VersionFetcher
+from node.checkpoints import ChunkStore, DataConnection, LocalControlPlane, VersionFetcher
 from node.checkpoints.server import ChunkServer
 from protocol import ChunkTicketRequest
 from protocol import chunk_frames as F
@@ -187,7 +187,7 @@ async def test_end_game_takes_stuck_chunks_from_the_seed(tmp_path):
     store = ChunkStore(tmp_path / "me", RUN_ID, trainer.peer_id)
     store.add_announce(raw)
     # a stall timeout far beyond the test's limit: only the end game can finish this fetch
-    fetcher = VersionFetcher(store, 1, LocalOverlay(me, servers), stall_timeout=3600.0)
+    fetcher = VersionFetcher(store, 1, LocalControlPlane(me, servers), stall_timeout=3600.0)
     fetcher.add_peer(trainer.peer_id)
     fetcher.add_peer(stuck)
     async with trio.open_nursery() as nursery:
@@ -349,7 +349,7 @@ async def test_a_fast_fetcher_asks_a_refused_chunk_again_within_a_fraction_of_a_
     seed = ChunkServer(seed_store)  # hold-off 10 s
     store = ChunkStore(tmp_path / "me", RUN_ID, trainer.peer_id)
     store.add_announce(raw)
-    fetcher = VersionFetcher(store, 1, LocalOverlay(me, {trainer.peer_id: seed}), stall_timeout=3600.0)
+    fetcher = VersionFetcher(store, 1, LocalControlPlane(me, {trainer.peer_id: seed}), stall_timeout=3600.0)
     fetcher.add_peer(trainer.peer_id)
     async with trio.open_nursery() as nursery:
         await nursery.start(seed.run)

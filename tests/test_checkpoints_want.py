@@ -11,7 +11,7 @@ import contextlib
 
 import trio
 
-from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
 from tests.support.checkpoints import RUN_ID, keys, make_checkpoint, same_files
 
 
@@ -23,7 +23,7 @@ async def _running(tmp_path, versions, size_mib: float = 4, max_async: int = 2):
     async with trio.open_nursery() as nursery:
         await nursery.start(seed.run)
         await nursery.start(node.run)
-        raws = {v: await seed.publish(trainer, v, srcs[v], chunk_size=1 << 20) for v in versions}
+        raws = {v: await seed.import_version(trainer, v, srcs[v], chunk_size=1 << 20) for v in versions}
         node.add_peer(trainer.peer_id)
         yield node, raws, srcs
         nursery.cancel_scope.cancel()
@@ -34,12 +34,12 @@ async def _pair(tmp_path, max_async: int = 2):
     servers: dict = {}
     seed = Checkpoints(
         ChunkStore(tmp_path / "seed", RUN_ID, trainer.peer_id),
-        LocalOverlay(trainer.peer_id, servers),
+        LocalControlPlane(trainer.peer_id, servers),
         max_async=max_async,
     )
     node = Checkpoints(
         ChunkStore(tmp_path / "node", RUN_ID, trainer.peer_id),
-        LocalOverlay(fetcher.peer_id, servers),
+        LocalControlPlane(fetcher.peer_id, servers),
         max_async=max_async,
     )
     servers[trainer.peer_id] = seed.server

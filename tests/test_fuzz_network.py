@@ -41,7 +41,7 @@ from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RR_PROTOCOL, read_frame
 from node.p2p.testing import NodeFactory, overlay_genesis, tagged_announce, wait_until
-from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
+from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_fields, serve_checkpoints
 from node.roles.worker import WorkerRole
 from node.util import now_ms
 from protocol import (
@@ -118,13 +118,13 @@ class TargetRole(RoleHook):
 
     async def run(self, node) -> None:
         store = ChunkStore(self.root / "chunks", node.run_id, node.genesis.trainer)
-        self.checkpoints = Checkpoints(store, P2POverlay(node), max_async=2, auto_fetch=False)
+        self.checkpoints = Checkpoints(store, P2PControlPlane(node), max_async=2, auto_fetch=False)
         src = self.root / "ckpt"
         src.mkdir(parents=True, exist_ok=True)
         (src / "model.safetensors").write_bytes(random.Random(1).randbytes(200_000))
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_checkpoints, node, self.checkpoints)
-            await self.checkpoints.publish(node.key, 0, src, chunk_size=65536)
+            await self.checkpoints.import_version(node.key, 0, src, chunk_size=65536)
             node.reqresp.register(BatchRequest, lambda env, peer: WorkerRole._serve_batch(self.worker, env, peer))
             self.ready.set()
             await trio.sleep_forever()

@@ -256,7 +256,7 @@ def _holder_stores(tmp: Path, trainer: NodeKey, names: list[str]) -> tuple[bytes
     store of each of ``names`` (under ``tmp``); its announce bytes, size and chunk count."""
     import trio
 
-    from node.checkpoints import Checkpoints, ChunkStore, LocalOverlay
+    from node.checkpoints import Checkpoints, ChunkStore, LocalControlPlane
     from tests.support.checkpoints import make_checkpoint
     from tests.support.nat_child import RUN_ID
 
@@ -264,10 +264,10 @@ def _holder_stores(tmp: Path, trainer: NodeKey, names: list[str]) -> tuple[bytes
 
     async def build() -> tuple[bytes, int, int]:
         first = ChunkStore(tmp / names[0], RUN_ID, trainer.peer_id, direct_io=False)
-        cp = Checkpoints(first, LocalOverlay(trainer.peer_id, {}))
+        cp = Checkpoints(first, LocalControlPlane(trainer.peer_id, {}))
         async with trio.open_nursery() as nursery:
             await nursery.start(cp.run)
-            raw = await cp.publish(trainer, 1, src, chunk_size=256 * 1024)
+            raw = await cp.import_version(trainer, 1, src, chunk_size=256 * 1024)
             nursery.cancel_scope.cancel()
         st = first.get(1)
         for name in names[1:]:

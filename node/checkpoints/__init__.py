@@ -9,12 +9,13 @@ Layers, bottom up:
 * ``server`` / ``client`` / ``wire``: the raw-TCP data plane (frames in
   ``protocol.chunk_frames``): tickets granted over libp2p, chunk bytes outside it.
 * ``fetcher``: ``VersionFetcher`` fetches one version from many peers at once.
-* ``service``: ``Checkpoints``, the one object roles use; ``overlay`` is what it
+* ``service``: ``Checkpoints``, the one object roles use; ``control`` is what it
   needs from the network; ``node.roles.checkpoint_wiring`` wires it into a
   ``node.p2p.Node`` (the roles layer, the lowest that may import both).
 """
 
 from node.checkpoints.client import DataConnection, DataPlaneError
+from node.checkpoints.control import ControlPlane, LocalControlPlane
 from node.checkpoints.fetcher import FetchProgress, VersionFetcher
 from node.checkpoints.manifest import (
     DEFAULT_CHUNK_SIZE,
@@ -24,7 +25,6 @@ from node.checkpoints.manifest import (
     sign_announce,
     verify_announce,
 )
-from node.checkpoints.overlay import ChunkOverlay, LocalOverlay
 from node.checkpoints.ratelimit import UploadLimiter
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.service import Checkpoints
@@ -33,14 +33,14 @@ from node.checkpoints.store import ChunkRejected, ChunkStore, VersionState
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "Checkpoints",
-    "ChunkOverlay",
     "ChunkRejected",
     "ChunkServer",
     "ChunkStore",
+    "ControlPlane",
     "DataConnection",
     "DataPlaneError",
     "FetchProgress",
-    "LocalOverlay",
+    "LocalControlPlane",
     "UploadLimiter",
     "VersionFetcher",
     "VersionState",

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.checkpoints.client import DataConnection, DataPlaneError
-from node.checkpoints.overlay import ChunkOverlay
+from node.checkpoints.control import ControlPlane
 from node.checkpoints.store import ChunkRejected, ChunkStore, VersionState
 from protocol import ChunkTicketRequest, ReverseChunkRequest
 from protocol import chunk_frames as F
@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 
 
 class TicketError(Exception):
-    """No ticket from a peer (timeout, unreachable over the overlay, refused).
+    """No ticket from a peer (timeout, unreachable over the control plane, refused).
 
     Control flow inside the fetcher (the peer cools down briefly and is tried again),
     never shown to an operator: not a :class:`node.errors.NodeError`."""
@@ -163,7 +163,7 @@ class VersionFetcher:
         self,
         store: ChunkStore,
         version: int,
-        overlay: ChunkOverlay,
+        control: ControlPlane,
         *,
         max_peers: int = 16,
         depth: int = 4,
@@ -184,7 +184,7 @@ class VersionFetcher:
         self.store = store
         self.st: VersionState = store.versions[version]
         self.version = version
-        self.overlay = overlay
+        self.control = control
         self.max_peers = max_peers
         self.depth = depth
         self.max_verifying = max_verifying
@@ -287,7 +287,7 @@ class VersionFetcher:
         try:
             new = Bitmap(self.n, bitmap)
         except ValueError:
-            self.overlay.penalise(peer_id, "bad_bitmap")
+            self.control.penalise(peer_id, "bad_bitmap")
             return
         self._apply_bitmap(p, new)
         self._poke()
@@ -504,17 +504,17 @@ class VersionFetcher:
                 else:
                     conn = await self._connection(p)
                 if conn.num_chunks != self.n:
-                    self.overlay.penalise(p.peer_id, "bad_chunk_count")
+                    self.control.penalise(p.peer_id, "bad_chunk_count")
                     raise DataPlaneError(F.BAD_REQUEST, f"peer says {conn.num_chunks} chunks, manifest {self.n}")
                 await self._session(p, conn, outstanding)
-        except Exception as exc:  # network, protocol or overlay failure: cool down, retry later
+        except Exception as exc:  # network, protocol or control-plane failure: cool down, retry later
             p.failures += 1
             p.last_error = f"{type(exc).__name__}: {exc}"[:200]
             p.cooldown_until = trio.current_time() + min(30.0, 0.25 * 2 ** min(p.failures, 7))
-            if isinstance(exc, TicketError):  # the overlay's problem, not the peer's fault: retry soon
+            if isinstance(exc, TicketError):  # the control plane's problem, not the peer's fault: retry soon
                 p.cooldown_until = trio.current_time() + min(5.0, 0.2 * p.failures)
             elif isinstance(exc, trio.TooSlowError):
-                self.overlay.penalise(p.peer_id, "chunk_stall")
+                self.control.penalise(p.peer_id, "chunk_stall")
             log.debug("peer %s: %s", p.peer_id[-8:], p.last_error)
         finally:
             p.scope = None
@@ -530,7 +530,7 @@ class VersionFetcher:
         req = ChunkTicketRequest(version=self.version, root=self.st.root, chunk_indices=self._hint(p))
         try:
             with trio.fail_after(self.ticket_timeout):
-                ticket = await self.overlay.request_ticket(p.peer_id, req, self.ticket_timeout)
+                ticket = await self.control.request_ticket(p.peer_id, req, self.ticket_timeout)
         except Exception as exc:
             raise TicketError(f"{type(exc).__name__}: {exc}") from None
         if not ticket.ok:
@@ -562,7 +562,7 @@ class VersionFetcher:
         try:
             try:
                 with trio.fail_after(self.ticket_timeout):
-                    answer = await self.overlay.request_reverse(p.peer_id, req, self.ticket_timeout)
+                    answer = await self.control.request_reverse(p.peer_id, req, self.ticket_timeout)
             except Exception as exc:
                 raise TicketError(f"{type(exc).__name__}: {exc}") from None
             if not answer.ok:
@@ -615,7 +615,7 @@ class VersionFetcher:
             if not pushed:
                 op, idx = outstanding.popleft()
                 if rop != op or (op == F.OP_GET and ridx != idx):
-                    self.overlay.penalise(p.peer_id, "bad_frame")
+                    self.control.penalise(p.peer_id, "bad_frame")
                     raise DataPlaneError(F.BAD_REQUEST, "reply out of order")
             if rop == F.OP_HAVE:
                 if not pushed:
@@ -623,7 +623,7 @@ class VersionFetcher:
                 if status != F.OK:
                     raise DataPlaneError(status)
                 if length != (self.n + 7) // 8:
-                    self.overlay.penalise(p.peer_id, "bad_bitmap")
+                    self.control.penalise(p.peer_id, "bad_bitmap")
                     raise DataPlaneError(F.BAD_REQUEST, "bitmap of the wrong size")
                 buf = bytearray(length)
                 await conn.read_payload_into(memoryview(buf))
@@ -679,13 +679,13 @@ class VersionFetcher:
     def _strike(self, p: FetchPeer, reason: str) -> None:
         p.strikes += 1
         p.last_error = reason
-        self.overlay.penalise(p.peer_id, "bad_chunk")
+        self.control.penalise(p.peer_id, "bad_chunk")
         log.warning("bad chunk from %s: %s (strike %d)", p.peer_id[-8:], reason, p.strikes)
         if p.strikes >= self.max_strikes and not p.banned:
             p.banned = True
             self.banned.add(p.peer_id)
             self._apply_bitmap(p, None)
-            self.overlay.ban(p.peer_id, f"{p.strikes} bad chunks")
+            self.control.ban(p.peer_id, f"{p.strikes} bad chunks")
             if p.scope is not None:
                 p.scope.cancel()
 

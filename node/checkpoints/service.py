@@ -1,6 +1,6 @@
 """``Checkpoints``: the one object the roles use for checkpoints.
 
-    checkpoints = Checkpoints(store, overlay, max_async=genesis.max_async, max_upload_mbps=...)
+    checkpoints = Checkpoints(store, control, max_async=genesis.max_async, max_upload_mbps=...)
     async with trio.open_nursery() as n:
         await n.start(checkpoints.run)                    # chunk server + fetch manager
         # wiring from the P2P layer (node.roles.checkpoint_wiring.serve_checkpoints does this):
@@ -10,7 +10,7 @@
         heartbeat(have=checkpoints.have_entries(), data_port=checkpoints.data_port,
                   policy_version=checkpoints.newest_version())
         # trainer:
-        raw = await checkpoints.publish(key, version, "ckpt/dir")   # gossip ``raw`` as the announce
+        raw = await checkpoints.import_version(key, version, "ckpt/dir")   # gossip ``raw`` as the announce
         # worker / validator:
         v = await checkpoints.wait_version(min_version)   # newest complete, assembled version >= min_version
         with checkpoints.open_version(v) as files: ...    # pinned: GC will not touch it while loading
@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from node.checkpoints.control import ControlPlane
 from node.checkpoints.delta import DeltaIncompatible, TensorChange, changed_tensors, iter_changes
 from node.checkpoints.fetcher import FetchProgress, VersionFetcher
 from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE, verify_announce
-from node.checkpoints.overlay import ChunkOverlay
 from node.checkpoints.server import ChunkServer
 from node.checkpoints.store import BaseMissing, ChunkStore
 from protocol import (
@@ -93,7 +93,7 @@ class Checkpoints:
     def __init__(
         self,
         store: ChunkStore,
-        overlay: ChunkOverlay,
+        control: ControlPlane,
         *,
         max_async: int = 2,
         listen_host: str = "127.0.0.1",
@@ -104,7 +104,7 @@ class Checkpoints:
         fetcher_options: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
-        self.overlay = overlay
+        self.control = control
         self.max_async = max_async
         self.server = ChunkServer(
             store,
@@ -157,7 +157,7 @@ class Checkpoints:
             self._maybe_fetch()
             task_status.started(self.server.port)
 
-    # ------------------------------------------------------------ inputs from the overlay
+    # ------------------------------------------------------------ inputs from the network
     def grant_ticket(self, peer_id: str, req: ChunkTicketRequest) -> ChunkTicket:
         if peer_id in self.banned:
             return ChunkTicket(ok=False, reason="banned", ticket=b"", host="", port=0, expires_ms=0)
@@ -330,7 +330,7 @@ class Checkpoints:
                     if pid in self.banned or not self._needs_manifest(version, root):
                         continue
                     try:
-                        resp = await self.overlay.request_manifest(
+                        resp = await self.control.request_manifest(
                             pid, ManifestRequest(version=version, root=root), MANIFEST_TIMEOUT_S
                         )
                     except Exception as exc:  # unreachable, timeout, error answer: try the next peer
@@ -347,7 +347,7 @@ class Checkpoints:
                         log.warning(
                             "peer %s answered the manifest of version %d with bad bytes: %s", pid[:12], version, exc
                         )
-                        self.overlay.penalise(pid, "bad_manifest")
+                        self.control.penalise(pid, "bad_manifest")
                         continue
                     log.info("got the manifest of version %d from peer %s (base chain of a delta)", version, pid[:12])
                     self._maybe_fetch()
@@ -397,7 +397,7 @@ class Checkpoints:
         f = VersionFetcher(
             self.store,
             version,
-            self.overlay,
+            self.control,
             banned=self.banned,
             on_progress=self._on_progress,
             reverse=self.server,
@@ -488,7 +488,7 @@ class Checkpoints:
             cb(p)
 
     # ------------------------------------------------------------ roles' API
-    async def publish(
+    async def import_version(
         self,
         key: NodeKey,
         version: int,
@@ -498,9 +498,10 @@ class Checkpoints:
         delta_base: int | None = None,
         max_delta_fraction: float = 0.5,
     ) -> bytes:
-        """Trainer: import a directory of safetensors files as ``version``; return the signed
-        announce. With ``delta_base`` (an assembled earlier version) it is published as a
-        delta against that version, unless the delta cannot express the change or is not
+        """Trainer: import a directory of safetensors files as ``version``, chunked and signed;
+        return the signed announce (gossiping it is publishing: ``publish_checkpoint`` in
+        node/roles/checkpoint_wiring.py does both). With ``delta_base`` (an assembled earlier
+        version) it is stored as a delta against that version, unless the delta cannot express the change or is not
         smaller than ``max_delta_fraction`` of the full checkpoint: then as a full anchor."""
         raw = None
         base = self.store.versions.get(delta_base) if delta_base is not None else None

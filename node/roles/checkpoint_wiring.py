@@ -11,7 +11,7 @@
 
 A role uses it from its ``RoleHook.run(node)``::
 
-    checkpoints = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async)
+    checkpoints = Checkpoints(store, P2PControlPlane(node), max_async=node.genesis.max_async)
     await nursery.start(serve_checkpoints, node, checkpoints)
     # and in heartbeat_fields(): return checkpoint_heartbeat_fields(checkpoints)
 
@@ -70,8 +70,8 @@ def _started(node: Node) -> tuple[ReqResp, Gossip]:
     return node.reqresp, node.gossip
 
 
-class P2POverlay:
-    """:class:`~node.checkpoints.overlay.ChunkOverlay` on top of a running ``node.p2p.Node``."""
+class P2PControlPlane:
+    """:class:`~node.checkpoints.control.ControlPlane` on top of a running ``node.p2p.Node``."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -183,7 +183,7 @@ async def publish_checkpoint(
     version, or an anchor: ``delta_settings``), then gossip the signed announce."""
     cs = chunk_size or (node.genesis.chunk_size if node.genesis is not None else None)
     anchor_every, max_fraction = delta_settings(node.genesis.config_toml if node.genesis is not None else "")
-    raw = await checkpoints.publish(
+    raw = await checkpoints.import_version(
         node.key,
         version,
         src_dir,
@@ -192,6 +192,6 @@ async def publish_checkpoint(
         max_delta_fraction=max_fraction,
     )
     st = checkpoints.store.get(version)
-    assert st is not None  # publish() stored it
+    assert st is not None  # import_version() stored it
     await _started(node)[1].publish(CheckpointAnnounce(manifest=st.manifest))
     return raw

@@ -15,7 +15,7 @@ from node.home import NodeHome
 from node.memory import release_free_memory
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RequestError
-from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
+from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_fields, serve_checkpoints
 from node.roles.context import RunContext
 from node.roles.intake import ANNOUNCE_QUEUE, UNPROVEN_FETCH_SLOTS, AnnounceIntake
 from node.roles.weights import WeightCache
@@ -75,7 +75,7 @@ class LearningRole(RoleHook):
 
     async def start_common(self, node: Any, nursery: trio.Nursery) -> None:
         self.node = node
-        self.checkpoints = Checkpoints(self.store, P2POverlay(node), **self._checkpoints_args)
+        self.checkpoints = Checkpoints(self.store, P2PControlPlane(node), **self._checkpoints_args)
         await nursery.start(serve_checkpoints, node, self.checkpoints)
         node.gossip.on("ban", self._on_ban)
         if not self.ctx.model_ready:

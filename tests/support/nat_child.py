@@ -38,7 +38,7 @@ from node.p2p.host import attach_libp2p_logging
 from node.p2p.nat import NatConfig
 from node.p2p.node import Node, P2PConfig, RoleHook
 from node.p2p.testing import fast_config
-from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
+from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_fields, serve_checkpoints
 from protocol import NodeKey
 from protocol import chunk_frames as F
 
@@ -95,7 +95,9 @@ class CheckpointsHook(RoleHook):
         self.checkpoints: Checkpoints | None = None
 
     async def run(self, node) -> None:
-        self.checkpoints = cp = Checkpoints(self.store, P2POverlay(node), data_port=self.args.data_port, **self.cp_args)
+        self.checkpoints = cp = Checkpoints(
+            self.store, P2PControlPlane(node), data_port=self.args.data_port, **self.cp_args
+        )
         if self.args.corrupt or self.args.replay:
             cp.server = CorruptReplayServer(
                 self.store, port=self.args.data_port, corrupt=self.args.corrupt, replay=self.args.replay, **self.cp_args

@@ -1,8 +1,11 @@
-"""What the fetcher needs from the P2P overlay, as a small interface.
+"""The checkpoints' control plane: what the fetcher asks of the network besides chunk bytes
+(tickets, manifests, reverse connections) and where it charges misbehaviour, as a small
+interface. The chunk bytes themselves travel on the data plane (raw TCP, ``server`` and
+``client``).
 
-The real implementation (:mod:`node.roles.checkpoint_wiring`) sends the ticket
-request over libp2p request/response and charges misbehaviour to the
-overlay's peer standing (bans and penalties); :class:`LocalOverlay` connects chunk servers living in
+The real implementation (:class:`node.roles.checkpoint_wiring.P2PControlPlane`) sends the
+requests over the overlay's request/response (``node.p2p``) and charges misbehaviour to its
+peer standing (bans and penalties); :class:`LocalControlPlane` connects chunk servers living in
 the same process (unit tests, benchmarks of the data plane alone).
 """
 
@@ -26,12 +29,12 @@ if TYPE_CHECKING:
     from node.checkpoints.server import ChunkServer
 
 
-class ChunkOverlay(Protocol):
-    """What every implementation promises (tests/test_checkpoints_overlay_conformance.py):
+class ControlPlane(Protocol):
+    """What every implementation promises (tests/test_checkpoints_control_conformance.py):
 
     * a peer that serves the version answers a ticket with ``ok`` (host, port, token);
       one that does not hold it answers ``ok=False`` with the chunk server's reason;
-    * a peer the overlay cannot reach, or one it banned, makes ``request_ticket`` raise;
+    * a peer the network cannot reach, or one it banned, makes ``request_ticket`` raise;
     * ``penalise`` and ``ban`` are charged to the peer named, and a banned peer is not
       asked for tickets again.
     """
@@ -53,8 +56,8 @@ class ChunkOverlay(Protocol):
         """Stop talking to ``peer_id`` (the fetcher saw too many bad chunks)."""
 
 
-class LocalOverlay:
-    """In-process overlay: ``servers`` maps peer id -> ChunkServer. For tests and benches."""
+class LocalControlPlane:
+    """In-process control plane: ``servers`` maps peer id -> ChunkServer. For tests and benches."""
 
     def __init__(self, my_id: str, servers: dict[str, ChunkServer]) -> None:
         self.my_id = my_id

@@ -1,8 +1,8 @@
-"""One suite for every :class:`~node.checkpoints.overlay.ChunkOverlay`: what the fetcher may
-rely on, whichever overlay carries its ticket requests.
+"""One suite for every :class:`~node.checkpoints.control.ControlPlane`: what the fetcher may
+rely on, whichever network carries its ticket requests.
 
-Each implementation is wired for real: :class:`LocalOverlay` over chunk servers in this
-process, :class:`P2POverlay` over libp2p nodes (the ``net`` fixture) whose ``Checkpoints``
+Each implementation is wired for real: :class:`LocalControlPlane` over chunk servers in this
+process, :class:`P2PControlPlane` over libp2p nodes (the ``net`` fixture) whose ``Checkpoints``
 are hooked in with ``serve_checkpoints``. Three peers: ``serving`` holds version 1,
 ``bare`` runs a chunk server without it, ``unknown`` does not exist.
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from node.checkpoints import Checkpoints, ChunkOverlay, ChunkStore, DataConnection, LocalOverlay, VersionState
+from node.checkpoints import Checkpoints, ChunkStore, ControlPlane, DataConnection, LocalControlPlane, VersionState
 from node.checkpoints.server import ChunkServer
 from node.p2p.node import Node, RoleHook
 from node.p2p.testing import NodeFactory, overlay_genesis
-from node.roles.checkpoint_wiring import P2POverlay, checkpoint_heartbeat_fields, serve_checkpoints
+from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_fields, serve_checkpoints
 from protocol import ChunkTicketRequest, NodeKey, ReverseChunkRequest
 from protocol import chunk_frames as F
 from tests.support.checkpoints import RUN_ID, keys, make_checkpoint
@@ -30,15 +30,15 @@ TIMEOUT = 10.0
 
 @dataclasses.dataclass
 class Wired:
-    overlay: ChunkOverlay
+    control: ControlPlane
     me: str
     serving: Checkpoints
     serving_id: str
     bare_id: str
     unknown_id: str
     st: VersionState
-    penalised: Callable[[str], bool]  # the overlay's owner has charged this peer
-    banned: Callable[[str], bool]  # the overlay's owner has banned this peer
+    penalised: Callable[[str], bool]  # the control plane's owner has charged this peer
+    banned: Callable[[str], bool]  # the control plane's owner has banned this peer
 
     def request(self, peer_id: str) -> ChunkTicketRequest:
         return ChunkTicketRequest(version=1, root=self.st.root, chunk_indices=(0,))
@@ -46,7 +46,7 @@ class Wired:
 
 async def _publish(checkpoints: Checkpoints, trainer: NodeKey, tmp_path: Path) -> VersionState:
     src = make_checkpoint(tmp_path / "ckpt", 1, seed=5)
-    await checkpoints.publish(trainer, 1, src, chunk_size=256 * 1024)
+    await checkpoints.import_version(trainer, 1, src, chunk_size=256 * 1024)
     st = checkpoints.store.get(1)
     assert st is not None
     return st
@@ -55,24 +55,26 @@ async def _publish(checkpoints: Checkpoints, trainer: NodeKey, tmp_path: Path) -
 async def _local(tmp_path: Path) -> AsyncIterator[Wired]:
     trainer, me, bare = keys(3)
     servers: dict = {}
-    serving = Checkpoints(ChunkStore(tmp_path / "serving", RUN_ID, trainer.peer_id), LocalOverlay(trainer.peer_id, {}))
-    empty = Checkpoints(ChunkStore(tmp_path / "bare", RUN_ID, trainer.peer_id), LocalOverlay(bare.peer_id, {}))
-    overlay = LocalOverlay(me.peer_id, servers)
+    serving = Checkpoints(
+        ChunkStore(tmp_path / "serving", RUN_ID, trainer.peer_id), LocalControlPlane(trainer.peer_id, {})
+    )
+    empty = Checkpoints(ChunkStore(tmp_path / "bare", RUN_ID, trainer.peer_id), LocalControlPlane(bare.peer_id, {}))
+    control = LocalControlPlane(me.peer_id, servers)
     async with trio.open_nursery() as nursery:
         for cp, key in ((serving, trainer), (empty, bare)):
             await nursery.start(cp.run)
             servers[key.peer_id] = cp.server
         st = await _publish(serving, trainer, tmp_path)
         yield Wired(
-            overlay,
+            control,
             me.peer_id,
             serving,
             trainer.peer_id,
             bare.peer_id,
             NodeKey.generate().peer_id,
             st,
-            penalised=lambda p: any(peer == p for peer, _ in overlay.penalties),
-            banned=lambda p: p in overlay.banned,
+            penalised=lambda p: any(peer == p for peer, _ in control.penalties),
+            banned=lambda p: p in control.banned,
         )
         nursery.cancel_scope.cancel()
 
@@ -88,7 +90,7 @@ class CheckpointsHook(RoleHook):
     async def run(self, node: Node) -> None:
         assert node.genesis is not None
         store = ChunkStore(self.home, node.run_id, node.genesis.trainer)
-        self.checkpoints = Checkpoints(store, P2POverlay(node), max_async=node.genesis.max_async)
+        self.checkpoints = Checkpoints(store, P2PControlPlane(node), max_async=node.genesis.max_async)
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_checkpoints, node, self.checkpoints)
             self.started.set()
@@ -112,7 +114,7 @@ async def _p2p(tmp_path: Path, net: NodeFactory) -> AsyncIterator[Wired]:
     assert serving is not None
     st = await _publish(serving, trainer, tmp_path)
     yield Wired(
-        P2POverlay(me),
+        P2PControlPlane(me),
         me.peer_id,
         serving,
         serving_node.peer_id,
@@ -126,14 +128,14 @@ async def _p2p(tmp_path: Path, net: NodeFactory) -> AsyncIterator[Wired]:
 
 @pytest.fixture(params=["local", "p2p"])
 async def wired(request: pytest.FixtureRequest, tmp_path: Path, net: NodeFactory) -> AsyncIterator[Wired]:
-    # ``net`` starts no node until asked: the local overlay leaves it empty
+    # ``net`` starts no node until asked: the local control plane leaves it empty
     wiring = _local(tmp_path) if request.param == "local" else _p2p(tmp_path, net)
     async for w in wiring:
         yield w
 
 
 async def test_a_peer_holding_the_version_grants_a_ticket_bound_to_the_requester(wired: Wired):
-    ticket = await wired.overlay.request_ticket(wired.serving_id, wired.request(wired.serving_id), TIMEOUT)
+    ticket = await wired.control.request_ticket(wired.serving_id, wired.request(wired.serving_id), TIMEOUT)
     assert ticket.ok and ticket.port == wired.serving.data_port
     assert wired.serving.server.tickets[ticket.ticket].peer_id == wired.me
     conn = await DataConnection.open(ticket.host, ticket.port, ticket.ticket)
@@ -147,29 +149,29 @@ async def test_a_peer_holding_the_version_grants_a_ticket_bound_to_the_requester
 
 
 async def test_a_peer_without_the_version_refuses_with_a_reason(wired: Wired):
-    ticket = await wired.overlay.request_ticket(wired.bare_id, wired.request(wired.bare_id), TIMEOUT)
+    ticket = await wired.control.request_ticket(wired.bare_id, wired.request(wired.bare_id), TIMEOUT)
     assert not ticket.ok and ticket.reason == "version not held"
 
 
 async def test_an_unknown_peer_makes_the_request_raise(wired: Wired):
-    with pytest.raises(Exception):  # noqa: B017 - each overlay raises its own kind; the fetcher catches any
-        await wired.overlay.request_ticket(wired.unknown_id, wired.request(wired.unknown_id), TIMEOUT)
+    with pytest.raises(Exception):  # noqa: B017 - each control plane raises its own kind; the fetcher catches any
+        await wired.control.request_ticket(wired.unknown_id, wired.request(wired.unknown_id), TIMEOUT)
 
 
 async def test_penalties_are_charged_to_the_peer_named(wired: Wired):
     assert not wired.penalised(wired.bare_id)
-    wired.overlay.penalise(wired.bare_id, "chunk_stall")
+    wired.control.penalise(wired.bare_id, "chunk_stall")
     assert wired.penalised(wired.bare_id)
     assert not wired.penalised(wired.serving_id) and not wired.banned(wired.bare_id)
 
 
 async def test_a_banned_peer_is_reported_and_never_asked_again(wired: Wired):
-    assert (await wired.overlay.request_ticket(wired.serving_id, wired.request(wired.serving_id), TIMEOUT)).ok
+    assert (await wired.control.request_ticket(wired.serving_id, wired.request(wired.serving_id), TIMEOUT)).ok
     granted = wired.serving.server.tickets_granted
-    wired.overlay.ban(wired.serving_id, "3 bad chunks")
+    wired.control.ban(wired.serving_id, "3 bad chunks")
     assert wired.banned(wired.serving_id) and not wired.banned(wired.bare_id)
     with pytest.raises(Exception):  # noqa: B017 - see above
-        await wired.overlay.request_ticket(wired.serving_id, wired.request(wired.serving_id), TIMEOUT)
+        await wired.control.request_ticket(wired.serving_id, wired.request(wired.serving_id), TIMEOUT)
     assert wired.serving.server.tickets_granted == granted
 
 
@@ -185,10 +187,10 @@ async def test_a_holder_asked_for_a_reverse_connection_dials_the_askers_data_por
                 version=1, root=wired.st.root, chunk_indices=(0,), ticket=ticket, host="127.0.0.1", port=mine.port
             )
 
-        refused = await wired.overlay.request_reverse(wired.bare_id, request(bytes(32)), TIMEOUT)
+        refused = await wired.control.request_reverse(wired.bare_id, request(bytes(32)), TIMEOUT)
         assert not refused.ok and refused.reason == "version not held"
         tok = mine.expect_reverse(wired.serving_id, 1, wired.st.root)
-        answer = await wired.overlay.request_reverse(wired.serving_id, request(tok), TIMEOUT)
+        answer = await wired.control.request_reverse(wired.serving_id, request(tok), TIMEOUT)
         assert answer.ok, answer.reason
         conn = await DataConnection.over(await mine.accept_reverse(tok, TIMEOUT), tok)
         try:
