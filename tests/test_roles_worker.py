@@ -103,7 +103,7 @@ async def test_per_version_counters_stay_within_the_max_async_window(tmp_path):
     w = make_worker(tmp_path, tiny_genesis())
     w.weights = _FakeWeights()
     w.store = types.SimpleNamespace(versions=_Manifests())
-    w.engine = types.SimpleNamespace(load_weights=lambda state: None)
+    w.engine = types.SimpleNamespace(load_weights=lambda state: None, delta_values=False)
     window = w.ctx.genesis.max_async
     for v in range(200):
         await w._load(v)
@@ -242,6 +242,9 @@ class _Held:
         self.changed.set()
         self.changed = trio.Event()
 
+    async def delta_changes(self, version: int, loaded: int, *, values: bool = True) -> None:
+        return None  # every version held is a full anchor: the engine loads whole weights
+
 
 def pipeline_worker(tmp_path, held: int, known: int, **config):
     """A worker whose generation is a stub that books (version, counter): its loop decides
@@ -250,7 +253,7 @@ def pipeline_worker(tmp_path, held: int, known: int, **config):
     w.weights = _FakeWeights()
     facts = _Manifests()
     w.store = types.SimpleNamespace(versions=_Manifests({v: facts[v] for v in range(known + 1)}))
-    w.engine = types.SimpleNamespace(load_weights=lambda state: None)
+    w.engine = types.SimpleNamespace(load_weights=lambda state: None, delta_values=False)
     w.checkpoints = _Held(held)
     w.made = []
     w.after_made = lambda: None
