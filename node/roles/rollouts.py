@@ -87,7 +87,7 @@ def produce_batch(
 ) -> RolloutBatch:
     """Generate the owed prompts' groups with proofs, sampling with the owed seeds.
     ``tamper`` exists for the adversarial tests: "tokens" (claim other tokens), "prompts"
-    (answer other prompts), "rewards" (claim reward 1), "greedy" (decode at temperature 0
+    (answer other prompts), "rewards" (claim one more than earned), "greedy" (decode at temperature 0
     and claim the run's temperature); "weights" is applied to the engine by the caller."""
     g = ctx.genesis
     indices = owed_prompts(ctx, worker, counter)
@@ -107,7 +107,10 @@ def produce_batch(
         if tamper == "tokens":  # claim a continuation it did not generate (same length, same EOS)
             tokens = [t if t in engine.eos_token_ids else _other_token(t, engine) for t in tokens]
         if tamper == "rewards":
-            reward = 1.0
+            # inflate the claim: "claim 1.0" was no lie at all where the sample had earned 1.0
+            # (a batch whose samples all did passed as honest: the tiny model's weights depend on
+            # what else ran in its process before)
+            reward = reward + 1.0
         samples.append(
             Sample(
                 prompt_index=i,
