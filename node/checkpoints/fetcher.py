@@ -421,7 +421,10 @@ class VersionFetcher:
         and lets it go again once that send proves slow, and the fast fetcher's last chunk
         waited out the second. A retry costs one small request and its refusal."""
         rate = self.receive_bps()
-        if rate <= 0:  # nothing received yet: no rate to scale by
+        if rate <= 0 or sum(b for _, b in self._received) < self._chunk_len:
+            # nothing received yet, or less than one chunk (a checkpoint's small files, e.g. an
+            # 88-byte config, arrive in a moment): a "rate" from those says nothing about a
+            # chunk's time, and read as one it held a refused chunk back for the whole second
             return min(ELSEWHERE_RETRY_FIRST_S, self.elsewhere_retry_s)
         return max(
             min(ELSEWHERE_RETRY_MIN_S, self.elsewhere_retry_s), min(self.elsewhere_retry_s, 2 * self._chunk_len / rate)
