@@ -28,6 +28,7 @@ import tomli_w
 from node.errors import ConfigError
 from node.util import atomic_write_text, now_ms
 from protocol import NodeKey, ProtocolError, RunGenesis, SignedGenesis, sign_genesis, verify_genesis
+from protocol.committee import check_committee
 from protocol.run_config import RunConfig, check_run_config
 
 _RUN_FIELDS = [f.name for f in dataclasses.fields(RunGenesis) if f.name != "config_toml"]
@@ -61,8 +62,9 @@ def make_genesis(owner: NodeKey, config: dict[str, Any], **fields: Any) -> Signe
     genesis = RunGenesis(config_toml=tomli_w.dumps(config), **fields)
     try:
         RunGenesis.decode(genesis.encode())  # run every protocol rule now, with a clear error
+        check_committee(config.get("committee_size", 0), genesis.quorum, len(genesis.validators))
     except ProtocolError as exc:
-        raise ConfigError(f"invalid genesis: {exc}") from None
+        raise ConfigError(f"invalid genesis: {exc.detail if exc.rule.startswith('config:') else exc}") from None
     return sign_genesis(owner, genesis)
 
 
@@ -76,6 +78,7 @@ def genesis_config(genesis: RunGenesis) -> dict[str, Any]:
         raise ConfigError(f"genesis [config] is not valid TOML: {exc}") from None
     try:
         check_run_config(config)
+        check_committee(config.get("committee_size", 0), genesis.quorum, len(genesis.validators))
     except ProtocolError as exc:
         raise ConfigError(
             f"genesis {genesis.name!r}: {exc.detail} (a genesis is signed: fix it with `primenode run init`, "

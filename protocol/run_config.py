@@ -160,6 +160,10 @@ class RunConfig:
         None, "float", "more near ties allowed per token", shown="(preset)", lo=0, hi=1
     )
     ban_after_rejections: int = _f(2, "int", "a validator bans a worker after this many rejected batches", lo=1)
+    committee_size: int = _f(0, "int", "validators that verify each batch (0: every validator)", lo=0, hi=64)
+    committee_deadline_s: float = _f(
+        60.0, "float", "seconds before a silent committee member is replaced", lo=0, lo_open=True
+    )
     # ------------------------------------------------------------ the trainer's intake
     batches_per_step: int = _f(1, "int", "batches a step waits for", lo=1)
     max_batches_per_step: int = _f(0, "int", "most batches a step trains (0: no cap)", lo=0)

@@ -62,7 +62,7 @@ def test_help_documents_options(cmd, options):
         assert opt in res.stdout
 
 
-def test_run_init_defaults_to_a_majority_quorum_of_the_validators(tmp_path):
+def test_run_init_defaults_to_a_majority_quorum_of_the_validators_or_of_a_committee(tmp_path):
     from node.genesis_file import read_genesis
     from protocol import NodeKey
 
@@ -78,9 +78,25 @@ def test_run_init_defaults_to_a_majority_quorum_of_the_validators(tmp_path):
         return read_genesis(tmp_path / out).genesis.quorum, res.stdout
 
     # no --quorum: a majority (len // 2 + 1), printed in the summary
-    for n, majority in ((1, 1), (2, 2), (3, 2), (4, 3)):
+    for n, majority in ((1, 1), (2, 2), (3, 2)):
         quorum, stdout = run_init(f"run{n}.toml", validators[:n])
         assert quorum == majority and f"quorum {majority} of {n} validators" in stdout
+    # four or more validators: committees of three per batch (protocol/committee.py), a
+    # majority of the committee; --committee-size 0 keeps every validator on every batch
+    quorum, stdout = run_init("run4.toml", validators[:4])
+    assert quorum == 2 and "committees of 3 of 4 validators per batch, quorum 2" in stdout
+    assert "committee_size = 3" in read_genesis(tmp_path / "run4.toml").genesis.config_toml
+    quorum, stdout = run_init("all4.toml", validators[:4], "--committee-size", "0")
+    assert quorum == 3 and "quorum 3 of 4 validators" in stdout
+    assert "committee_size" not in read_genesis(tmp_path / "all4.toml").genesis.config_toml
+    # a committee smaller than the quorum could never admit a batch: refused, naming the fix
+    flags = [arg for v in validators for arg in ("--validator", v)]
+    res = run(
+        "run", "init", "--home", owner, "--out", str(tmp_path / "bad.toml"), "--trainer", trainer, *flags,
+        "--committee-size", "2", "--quorum", "3",
+    )  # fmt: skip
+    assert res.returncode != 0 and "committee_size 2 is smaller than the quorum 3" in res.stdout + res.stderr
+    assert not (tmp_path / "bad.toml").exists()
     # --quorum still overrides it, either way
     quorum, stdout = run_init("low.toml", validators[:3], "--quorum", "1")
     assert quorum == 1 and "quorum 1 of 3 validators" in stdout

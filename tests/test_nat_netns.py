@@ -333,6 +333,9 @@ def test_nat_holders_serve_chunks_over_connections_they_open(tmp_path):
             lambda: (role("h1").get("server") or {}).get("bytes_served_reverse", 0) >= size,
             "h1's status to show what it served (written twice a second)",
         )
+        # the fetch's record is written when its task ends, a moment after the last chunk made
+        # the version complete (a status read in between had no record: KeyError on a loaded run)
+        net.wait(lambda: "1" in (role("fetch").get("fetch") or {}), "the fetcher's record of the fetch")
         evil = role("h2")["evil"]
         fetch = role("fetch")["fetch"]["1"]
         srv = {n: role(n)["server"] for n in ("fetch", "h1", "h2")}

@@ -216,6 +216,14 @@ def run_init(
         int | None,
         typer.Option("--quorum", help="Accept votes needed to admit a batch (default: a majority of the validators)."),
     ] = None,
+    committee_size: Annotated[
+        int | None,
+        typer.Option(
+            "--committee-size",
+            help="Validators that verify each batch, drawn per batch (0: every validator; default: 3 once "
+            "there are four or more validators, with a quorum of 2).",
+        ),
+    ] = None,
     max_async: Annotated[
         int, typer.Option("--max-async", help="Versions a batch's policy may lag (INTELLECT-2: 2).")
     ] = 2,
@@ -254,13 +262,21 @@ def run_init(
 ) -> None:
     """Write a signed run genesis; its hash is the run id."""
     from node.genesis_file import check_config, make_genesis, write_genesis
+    from protocol.committee import default_committee
     from protocol.run_config import RunConfig
 
     cfg = _set_values(config)
     check_config(cfg)  # a typo is named before the model and dataset are hashed
     owner = NodeHome(home).load_key()
+    size, majority = default_committee(len(validator))
+    if committee_size is not None or "committee_size" in cfg:
+        size = committee_size if committee_size is not None else int(cfg["committee_size"])
+        on_committee = size if 0 < size < len(validator) else len(validator)
+        majority = on_committee // 2 + 1
     if quorum is None:
-        quorum = len(validator) // 2 + 1  # a majority: with two or more, no validator admits alone
+        quorum = majority  # a majority (of a committee): with two or more, no validator admits alone
+    if size:
+        cfg["committee_size"] = size
     pins, split = _content_pins(model, dataset, dataset_size, chunk_size, RunConfig.decode(cfg).seed, heldout)
     cfg.update(split)
     signed = make_genesis(
@@ -280,7 +296,10 @@ def run_init(
     g = signed.genesis
     typer.echo(f"wrote {out}")
     typer.echo(f"run id {g.run_id.hex()}")
-    typer.echo(f"quorum {g.quorum} of {len(g.validators)} validators")
+    if 0 < size < len(g.validators):
+        typer.echo(f"committees of {size} of {len(g.validators)} validators per batch, quorum {g.quorum}")
+    else:
+        typer.echo(f"quorum {g.quorum} of {len(g.validators)} validators")
     typer.echo(f"dataset {g.dataset}: {g.dataset_size} problems, dataset_hash {g.dataset_hash.hex()}")
     if split:
         typer.echo(f"held out {split['heldout_size']} problems, heldout_hash {split['heldout_hash']}")

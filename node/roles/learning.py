@@ -30,6 +30,7 @@ from protocol import (
     RolloutBatch,
     open_announced_batch,
 )
+from protocol.committee import committee_order, committee_seed
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,17 @@ class LearningRole(RoleHook):
 
     def checkpoints_status(self) -> dict[str, Any]:
         return self.checkpoints.status() if self.checkpoints is not None else {}
+
+    def committee_order(self, worker: str, version: int, counter: int) -> tuple[str, ...] | None:
+        """The genesis validators in the order that verifies ``worker``'s batch ``counter`` at
+        ``version`` (``protocol/committee.py``: the first ``committee_size`` are its committee),
+        or None while this node does not hold the version's signed manifest (its root seeds
+        the draw)."""
+        st = self.store.versions.get(version)
+        if st is None:
+            return None
+        g = self.ctx.genesis
+        return committee_order(g.validators, committee_seed(g.run_id, worker, version, counter, st.manifest.root))
 
     @property
     def dropped_announces(self) -> int:

@@ -5,7 +5,9 @@ anyone is told; a killed trainer reopens the ledger, rolls back whatever it had
 consumed after its last checkpoint, and loses nothing admitted.
 
 Admission rule: a batch is admitted once ``quorum`` distinct genesis validators
-accept it *and their rewards agree* (every sample within ``reward_agreement`` of
+*of its committee* (``protocol/committee.py``: every validator when the run has no
+committees; else the validators its slot's order has called on, which grows past a
+silent or disagreeing member) accept it *and their rewards agree* (every sample within ``reward_agreement`` of
 each other's, :func:`protocol.rules.agreeing_validators`), its policy version is
 within ``max_async`` of the trainer's current version, and the signed batch
 itself is held. Accepting validators whose rewards disagree are logged and the
@@ -49,18 +51,17 @@ import dataclasses
 import logging
 import sqlite3
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import msgpack
 
 from node.util import now_ms
+from protocol.committee import Ballot, CommitteeRule, Decision
 from protocol.rules import (
     Quorum,
-    agreeing_validators,
     counter_gap,
     is_stale,
-    quorum_outcome,
     version_regression,
     window_floor,
 )
@@ -96,7 +97,8 @@ CREATE TABLE IF NOT EXISTS batches (
     reason TEXT NOT NULL DEFAULT '',
     rewards BLOB,                              -- msgpack list of floats (agreeing validators' median)
     admitted_ms INTEGER,
-    trained_step INTEGER                       -- step that consumed it (NULL = not yet)
+    trained_step INTEGER,                      -- step that consumed it (NULL = not yet)
+    seen_ms INTEGER                            -- when the row was written (a committee's clock starts)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS admitted_chain_slot
     ON batches(worker, batch_counter) WHERE status = 'admitted';
@@ -155,6 +157,10 @@ ORPHAN_VOTE_TTL_S = 3600.0
 # times out, so honest validators agree exactly; the slack only absorbs float rounding.
 REWARD_AGREEMENT = 1e-6
 
+# (worker, policy version, batch counter) -> the batch's validator order (protocol/committee.py),
+# or None where the version's manifest is unknown (then every validator is on the committee).
+OrderOf = Callable[[str, int, int], "tuple[str, ...] | None"]
+
 # Why an admitted batch was never trained on (ledger.discarded() counts them by reason).
 STALE_BEFORE_TRAINING = "stale before training"  # it fell out of the max_async window while queued
 NO_POLICY_WEIGHTS = "generating policy weights unavailable"  # its old log-probs cannot be computed
@@ -177,11 +183,17 @@ class Ledger:
         max_unadmitted_rows: int = MAX_UNADMITTED_ROWS,
         orphan_vote_ttl_s: float = ORPHAN_VOTE_TTL_S,
         reward_agreement: float = REWARD_AGREEMENT,
+        committee_size: int = 0,
+        committee_deadline_s: float = 60.0,
+        order_of: OrderOf | None = None,
     ) -> None:
         if not reward_agreement >= 0:
             raise ValueError(f"reward_agreement must be >= 0, got {reward_agreement!r}")
         self.validators = frozenset(validators)
         self.quorum = quorum
+        # who decides a batch: protocol/committee.py (size 0: every validator, the rule before committees)
+        self.rule = CommitteeRule(committee_size, quorum, committee_deadline_s, reward_agreement)
+        self.order_of = order_of
         self.max_async = max_async
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
@@ -194,6 +206,13 @@ class Ledger:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
         self._migrate_votes()
+        if "seen_ms" not in {row[1] for row in self.db.execute("PRAGMA table_info(batches)")}:
+            self.db.execute("ALTER TABLE batches ADD COLUMN seen_ms INTEGER")  # ledgers from before committees
+
+    @property
+    def committees(self) -> bool:
+        """Whether batches are decided by committees smaller than the validator set."""
+        return not self.rule.everyone(len(self.validators))
 
     def _migrate_votes(self) -> None:
         """Ledgers from before votes named their batch's worker: each vote is given the worker
@@ -254,11 +273,11 @@ class Ledger:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             self.db.execute(
-                "INSERT INTO batches(batch_id, worker, policy_version, batch_counter, num_samples, envelope) "
-                "VALUES(?, ?, ?, ?, ?, ?) ON CONFLICT(batch_id) DO UPDATE SET envelope = CASE "
+                "INSERT INTO batches(batch_id, worker, policy_version, batch_counter, num_samples, envelope, seen_ms) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(batch_id) DO UPDATE SET envelope = CASE "
                 "WHEN batches.status = 'pending' THEN COALESCE(batches.envelope, excluded.envelope) "
                 "ELSE batches.envelope END WHERE batches.worker = excluded.worker",
-                (batch_id, worker, policy_version, batch_counter, num_samples, envelope),
+                (batch_id, worker, policy_version, batch_counter, num_samples, envelope, now_ms()),
             )
             self._advance_chain(worker)
             if envelope is not None:
@@ -321,7 +340,7 @@ class Ledger:
         ).fetchone()
         if row is None:
             return None
-        if len(self._agreeing(self._accept_rewards(batch_id, row[0]), row[3])) < self.quorum:
+        if self._decision(batch_id, row[0], row[1], row[2], row[3]).outcome is not Quorum.ACCEPTED:
             return None
         if is_stale(row[1], self.policy_version, self.max_async):
             return None
@@ -361,8 +380,9 @@ class Ledger:
         return True
 
     # ------------------------------------------------------------ decisions
-    def try_admit(self, batch_id: bytes) -> str:
-        """Decide a pending batch. Returns its status: pending, admitted or rejected.
+    def try_admit(self, batch_id: bytes, now: int | None = None) -> str:
+        """Decide a pending batch (as of ``now``, wall-clock ms: a committee's reach grows with
+        time). Returns its status: pending, admitted or rejected.
 
         The decision and everything it rests on are committed before returning.
         """
@@ -375,26 +395,32 @@ class Ledger:
         worker, version, counter, n, envelope, status = row
         if status != "pending":
             return status
-        votes = self.db.execute(
-            "SELECT validator, accept, reason FROM votes WHERE batch_id = ? AND worker = ? ORDER BY received_ms, rowid",
-            (batch_id, worker),
-        ).fetchall()
-        accepters = [v for v, a, _ in votes if a]
-        rejecters = [v for v, a, _ in votes if not a]
         if is_stale(version, self.policy_version, self.max_async):
             return self._reject(
                 batch_id,
                 f"stale: policy version {version}, trainer at {self.policy_version}, max_async {self.max_async}",
             )
-        outcome = quorum_outcome(accepters, rejecters, self.validators, self.quorum)
-        if outcome is Quorum.REJECTED:
-            return self._reject(batch_id, f"rejected by validators: {next(r for _, a, r in votes if not a)}")
+        d = self._decision(batch_id, worker, version, counter, n, now)
+        if d.outcome is Quorum.REJECTED:
+            if self.rule.rejected_by_votes(len(d.rejects), len(self.validators)):
+                first = self.db.execute(
+                    "SELECT validator, reason FROM votes WHERE batch_id = ? AND worker = ? AND accept = 0 "
+                    "ORDER BY received_ms, rowid",
+                    (batch_id, worker),
+                ).fetchall()
+                reason = next(r for v, r in first if v in d.rejects)
+                return self._reject(batch_id, f"rejected by validators: {reason}")
+            return self._disagreement(batch_id, n, d, reject=True)
+        if d.outcome is Quorum.PENDING:
+            if len(d.accepts) >= self.quorum:  # a quorum accepts, but on different rewards
+                self._disagreement(batch_id, n, d, reject=False)
+            elif self.committees:
+                self._note_pending(
+                    batch_id, f"committee: {len(d.accepts)} accept, {len(d.rejects)} reject of {d.reach} called on"
+                )
+            return "pending"
+        agreeing = d.agreeing
         accepted = self._accept_rewards(batch_id, worker)
-        agreeing = self._agreeing(accepted, n)
-        if len(agreeing) < self.quorum:
-            return self._disagreement(
-                batch_id, n, accepted, agreeing, outcome, self.validators - {v for v, _, _ in votes}
-            )
         gap = counter_gap(counter, self.chain_head(worker))
         if gap is not None:
             # one chain per worker (protocol.rules.counter_gap): a later counter waits for the
@@ -475,47 +501,63 @@ class Ledger:
         )
         return {v: msgpack.unpackb(r) for v, r in rows if v in self.validators}
 
-    def _agreeing(self, accepted: dict[str, list[float]], num_samples: int) -> frozenset[str]:
-        """The largest set of accepting validators whose rewards (one per sample) agree."""
-        sized = {v: r for v, r in accepted.items() if len(r) == num_samples}
-        return agreeing_validators(sized, self.reward_agreement)
+    def _decision(
+        self, batch_id: bytes, worker: str, version: int, counter: int, num_samples: int, now: int | None = None
+    ) -> Decision:
+        """Where the votes on ``worker``'s batch stand under the run's committee rule
+        (``protocol/committee.py``): its validator order, and the time since the ledger first
+        saw the batch or a vote on it (whichever came first) for members that stay silent."""
+        rows = self.db.execute(
+            "SELECT validator, accept, rewards, received_ms FROM votes WHERE batch_id = ? AND worker = ?",
+            (batch_id, worker),
+        ).fetchall()
+        ballots = {v: Ballot(bool(a), tuple(msgpack.unpackb(r))) for v, a, r, _ in rows if v in self.validators}
+        order = self.order_of(worker, version, counter) if self.order_of is not None and self.committees else None
+        if order is None:
+            order = tuple(sorted(self.validators))
+            rule = dataclasses.replace(self.rule, size=0)  # no draw possible: every validator
+        else:
+            rule = self.rule
+        seen = self.db.execute("SELECT seen_ms FROM batches WHERE batch_id = ?", (batch_id,)).fetchone()
+        starts = [t for _, _, _, t in rows] + ([seen[0]] if seen and seen[0] is not None else [])
+        now = now_ms() if now is None else now
+        elapsed_s = max(0.0, (now - min(starts)) / 1000) if starts else 0.0
+        return rule.outcome(order, ballots, elapsed_s, num_samples)
 
-    def _disagreement(
-        self,
-        batch_id: bytes,
-        num_samples: int,
-        accepted: dict[str, list[float]],
-        agreeing: frozenset[str],
-        outcome: Quorum,
-        unvoted: frozenset[str],
-    ) -> str:
-        """No quorum of accepting validators agrees on the rewards (yet). While the validators
-        that have not voted could still complete one, the batch waits; else it is rejected."""
+    def _disagreement(self, batch_id: bytes, num_samples: int, d: Decision, *, reject: bool) -> str:
+        """No quorum of accepting validators agrees on the rewards (yet). While validators not
+        yet voted (or not yet called on) could still complete one, the batch waits (logged);
+        else it is rejected."""
+        accepted = {v: r for v, r in self._accept_rewards_of(batch_id).items() if v in d.accepts}
         missized = sorted(v for v, r in accepted.items() if len(r) != num_samples)
-        if len(agreeing) + len(unvoted) >= self.quorum:
-            if outcome is Quorum.ACCEPTED:  # a quorum accepts, but on different rewards
-                log.warning(
-                    "batch %s: %d validators accept it but their rewards disagree (no %d agree within %g; "
-                    "largest agreeing set %s; accepting %s%s); waiting: %d validators have not voted",
-                    batch_id.hex()[:12],
-                    len(accepted),
-                    self.quorum,
-                    self.reward_agreement,
-                    sorted(agreeing),
-                    sorted(accepted),
-                    f"; wrong reward count from {missized}" if missized else "",
-                    len(unvoted),
-                )
+        if not reject:
+            log.warning(
+                "batch %s: %d validators accept it but their rewards disagree (no %d agree within %g; "
+                "largest agreeing set %s; accepting %s%s); waiting for more votes",
+                batch_id.hex()[:12],
+                len(accepted),
+                self.quorum,
+                self.reward_agreement,
+                sorted(d.agreeing),
+                sorted(accepted),
+                f"; wrong reward count from {missized}" if missized else "",
+            )
             return "pending"
+        unvoted = len(self.validators) - len(d.accepts) - len(d.rejects)
         reason = (
             f"validators' rewards disagree: no {self.quorum} genesis validators accept it with rewards that agree "
             f"within {self.reward_agreement:g} per sample (accepting {sorted(accepted)}, largest agreeing set "
-            f"{sorted(agreeing)}, {len(unvoted)} not voted)"
+            f"{sorted(d.agreeing)}, {unvoted} not voted)"
         )
         if missized:
             reason += f"; reward lists that do not match the batch size ({num_samples} samples) from {missized}"
         log.warning("batch %s rejected: %s", batch_id.hex()[:12], reason)
         return self._reject(batch_id, reason)
+
+    def _accept_rewards_of(self, batch_id: bytes) -> dict[str, list[float]]:
+        """The rewards of every accepting genesis validator's vote on the batch's signer's announce."""
+        worker = self.owner(batch_id)
+        return {} if worker is None else self._accept_rewards(batch_id, worker)
 
     def _reject(self, batch_id: bytes, reason: str) -> str:
         # only ever called on pending rows: never admitted, so the bytes go (the row stays)

@@ -185,6 +185,9 @@ class TrainerRole(LearningRole):
             g.quorum,
             g.max_async,
             reward_agreement=cfg.reward_agreement,
+            committee_size=cfg.committee_size,
+            committee_deadline_s=cfg.committee_deadline_s,
+            order_of=self.committee_order,
             **{k: type(v)(getattr(cfg, f"ledger_{k}")) for k, v in LEDGER_LIMITS.items()},
         )
         self.prune_interval_s = cfg.ledger_prune_interval_s
@@ -228,6 +231,8 @@ class TrainerRole(LearningRole):
                 nursery.start_soon(self._fetch_loop)
             nursery.start_soon(self._reannounce_loop)
             nursery.start_soon(self._retention_loop)
+            if self.ledger.committees:
+                nursery.start_soon(self._committee_loop)
             await self._train_loop()
 
     def _load_or_init(self) -> None:
@@ -366,6 +371,17 @@ class TrainerRole(LearningRole):
             if any(pruned.values()):
                 log.info("ledger retention: %s", pruned)
             await trio.sleep(self.prune_interval_s)
+
+    async def _committee_loop(self) -> None:
+        """With committees a batch's reach grows with time (a silent member is replaced after
+        ``committee_deadline_s``): the votes of a validator called on late count only once the
+        ledger's clock has reached it too, so pending batches are decided again a few times per
+        deadline, not only when a vote arrives."""
+        period = max(0.5, self.ctx.config.committee_deadline_s / 4)
+        while True:
+            await trio.sleep(period)
+            for batch_id in self.ledger.pending_ids():
+                self._decide(batch_id)
 
     # ------------------------------------------------------------ admission
     def _on_announce(self, env: Envelope) -> None:

@@ -5,6 +5,7 @@ and ban workers that keep cheating."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -18,7 +19,8 @@ from node.roles.learning import EngineRole
 from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, check_batch_rules, verify_batch
 from node.roles.verify_queue import VerifyQueue
 from protocol import BatchKey, Envelope, ProtocolError, RolloutBatch, Vote, batch_key
-from protocol.rules import is_stale
+from protocol.committee import Ballot, CommitteeRule
+from protocol.rules import Quorum, is_stale
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,20 @@ MAX_SLOTS = 100_000
 MAX_SEEN = 10_000
 # Batch ids whose signer a fetch proved: another peer's announce of one is refused unfetched.
 MAX_SIGNERS = 10_000
+# Announces of batches whose committee this validator is not on (yet), watched until their
+# votes decide them or their order calls on this validator (protocol/committee.py).
+MAX_STANDBY = 10_000
+
+
+@dataclasses.dataclass
+class _Standby:
+    """An announce this validator is next in line for, should its committee fall short."""
+
+    env: Envelope
+    order: tuple[str, ...]
+    position: int  # this validator's place in the batch's order (>= the committee size)
+    seen: float  # trio clock when the announce arrived
+    ballots: dict[str, Ballot] = dataclasses.field(default_factory=dict)
 
 
 class ValidatorRole(EngineRole):
@@ -85,12 +101,21 @@ class ValidatorRole(EngineRole):
         self._slots: collections.OrderedDict[tuple[str, int], bytes] = collections.OrderedDict()
         self._parking = trio.Semaphore(MAX_PARKED)
         self._nursery: trio.Nursery | None = None
+        g, cfg = self.ctx.genesis, self.ctx.config
+        # committees (protocol/committee.py): batches whose committee this validator is not on
+        # are watched, not fetched; it steps in when their order reaches it
+        self.committee = CommitteeRule(cfg.committee_size, g.quorum, cfg.committee_deadline_s, cfg.reward_agreement)
+        self._standby: collections.OrderedDict[BatchKey, _Standby] = collections.OrderedDict()
+        self.committee_counts: collections.Counter[str] = collections.Counter()
 
     async def run(self, node: Any) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await self.start_common(node, nursery)
             node.gossip.on("rollout", self._on_announce)
+            if not self.committee.everyone(len(self.ctx.genesis.validators)):
+                node.gossip.on("vote", self._on_vote)
+                nursery.start_soon(self._standby_loop)
             for _ in range(self.n_fetchers):
                 nursery.start_soon(self._fetch_loop)
             nursery.start_soon(self._verify_loop)
@@ -108,10 +133,79 @@ class ValidatorRole(EngineRole):
             assert self._nursery is not None
             self._nursery.start_soon(self._strike, env.sender, "announced a batch signed by another peer")
             return
+        if key in self._standby or self._stand_by(key, env):
+            return
+        self._take(key, env)
+
+    def _take(self, key: BatchKey, env: Envelope) -> None:
+        """Queue an announce for a fetch (and remember it, so a repeat is not fetched again)."""
         if self.intake.offer(env):  # seen only once queued: an announce shed by a full lane may come again
             self._seen[key] = None
             while len(self._seen) > MAX_SEEN:
                 self._seen.popitem(last=False)
+
+    # ------------------------------------------------------------ committees
+    def _stand_by(self, key: BatchKey, env: Envelope) -> bool:
+        """Whether this validator is off the batch's committee: then the announce is watched
+        (:meth:`_standby_loop`) instead of fetched. A batch whose order is unknown here (the
+        version's manifest has not arrived) is verified, as without committees."""
+        if self.committee.everyone(len(self.ctx.genesis.validators)):
+            return False
+        ann = env.body
+        order = self.committee_order(env.sender, ann.policy_version, ann.batch_counter)
+        if order is None or self.node.peer_id not in order:
+            return False
+        position = order.index(self.node.peer_id)
+        if position < self.committee.size:
+            self.committee_counts["member"] += 1
+            return False
+        self._standby[key] = _Standby(env, order, position, trio.current_time())
+        while len(self._standby) > MAX_STANDBY:
+            self._standby.popitem(last=False)
+        return True
+
+    def _on_vote(self, env: Envelope) -> None:
+        """A validator's vote on a batch this validator watches: it may decide the batch, or
+        (members that disagree) call on the next validator at once."""
+        vote: Vote = env.body
+        entry = self._standby.get((vote.worker, vote.batch_id))
+        if entry is None or env.sender not in entry.order:
+            return
+        entry.ballots.setdefault(env.sender, Ballot(vote.accept, tuple(vote.rewards)))
+        self._review((vote.worker, vote.batch_id), entry)
+
+    def _review(self, key: BatchKey, entry: _Standby) -> None:
+        """Drop a watched batch its votes decided; take it once its order reaches this validator."""
+        elapsed = trio.current_time() - entry.seen
+        d = self.committee.outcome(entry.order, entry.ballots, elapsed, entry.env.body.num_samples)
+        if d.outcome is not Quorum.PENDING:
+            del self._standby[key]
+            self._seen[key] = None  # decided without this validator: a re-announce is not watched again
+            self.committee_counts["decided_without_us"] += 1
+        elif d.reach > entry.position:
+            del self._standby[key]
+            self.committee_counts["escalated_to_us"] += 1
+            log.info(
+                "batch %s: called on as validator %d of its order (%d accept, %d reject, %d silent of %d called)",
+                entry.env.body.batch_id.hex()[:12],
+                entry.position + 1,
+                len(d.accepts),
+                len(d.rejects),
+                len(d.unvoted),
+                d.reach,
+            )
+            self._take(key, entry.env)
+        elif elapsed > (len(entry.order) + 1) * self.committee.deadline_s:
+            del self._standby[key]  # stale watch (the batch went stale, or its worker vanished)
+
+    async def _standby_loop(self) -> None:
+        """Review watched batches a few times per deadline (a silent member is replaced by time)."""
+        period = max(0.25, self.committee.deadline_s / 4)
+        while True:
+            await trio.sleep(period)
+            for key, entry in list(self._standby.items()):
+                if key in self._standby:
+                    self._review(key, entry)
 
     def _unsee(self, env: Envelope) -> None:
         """A queued announce displaced by a sender with a smaller share: it may come again."""
@@ -340,6 +434,8 @@ class ValidatorRole(EngineRole):
             "queued": len(self.intake),
             "dropped_announces": self.dropped_announces,
             "stolen_announces": self.stolen_announces,
+            # committees: batches verified as a member / as an escalation, left to their committee
+            "committee": {**self.committee_counts, "watching": len(self._standby)},
             # batches waiting for a prefill, and those dropped (unproven lane full, per-announcer cap, banned)
             "verify_queue": self._verify.status(),
             "dropped_batches": sum(self._verify.dropped.values()),

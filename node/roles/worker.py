@@ -243,6 +243,9 @@ class WorkerRole(EngineRole):
             return
         # the trainer's rule (ledger.try_admit), seen from the votes alone
         outcome = quorum_outcome(tally.accepts, tally.rejects, g.validators, g.quorum)
+        size = self.ctx.config.committee_size
+        if outcome is Quorum.PENDING and 0 < size < len(g.validators) and len(tally.rejects) >= g.quorum:
+            outcome = Quorum.REJECTED  # a committee rejects on a quorum of rejects (protocol/committee.py)
         if outcome is Quorum.ACCEPTED:
             tally.decided = True
             self.stats["batches_accepted"] += 1

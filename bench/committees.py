@@ -1,0 +1,164 @@
+"""Validator capacity with committees (issue 32 point 2): admitted batches per CPU-second of
+validation, for V validators and committees of k, beside every validator checking every batch.
+
+    python bench/committees.py [--validators 1,2,4] [--sizes 0,1,2] [--steps 6] [--workers 2] [--out DIR]
+
+Each configuration is a real devnet (``node/ops/devnet.py``: bootstrap, trainer, workers,
+validators as OS processes, tiny model) with ``[config] committee_size`` k (0: every
+validator, the rule before committees) and the genesis quorum a majority of the committee.
+Validation CPU is read from ``/proc/<pid>/stat`` (user + system, all threads) of every
+validator process, between the trainer's second step (start-up, model load and the first
+checkpoint excluded) and ``--steps`` steps later; admitted batches are counted in the
+trainer's ledger over the same interval. Reported per configuration: admitted batches,
+validator CPU-seconds, CPU-seconds per admitted batch and batches per CPU-second, votes per
+admitted batch (k when committees work, V without them). Configurations run one after the
+other on this machine, nothing else running. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from node.ops.devnet import Devnet, DevnetOptions  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def admitted(devnet: Devnet) -> int:
+    db = sqlite3.connect(devnet.node("trainer").home.ledger_path)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM batches WHERE admitted_ms IS NOT NULL").fetchone()[0])
+    finally:
+        db.close()
+
+
+def step(devnet: Devnet) -> int:
+    return max((r.get("step", 0) for r in devnet.trainer_metrics()), default=0)
+
+
+def wait(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def verdicts(devnet: Devnet, name: str) -> int:
+    st = devnet.node(name).status(timeout=5.0) or {}
+    v = (st.get("role_state") or {}).get("verdicts") or {}
+    return int(v.get("accept", 0)) + int(v.get("reject", 0))
+
+
+def run_one(root: Path, validators: int, size: int, steps: int, workers: int) -> dict[str, Any]:
+    on_committee = size if 0 < size < validators else validators
+    opts = DevnetOptions(
+        out=root / f"v{validators}-k{size}",
+        workers=workers,
+        validators=validators,
+        quorum=on_committee // 2 + 1,
+        steps=1000,
+        prompts_per_batch=2,
+        group_size=4,
+        max_tokens=16,
+        extra_config={
+            "tiny_hidden_size": 64,
+            "tiny_layers": 2,
+            "batches_per_step": 1,
+            "worker_batches_per_version": 2,
+            "worker_lead_versions": 0,
+            "worker_idle_s": 5.0,
+            "committee_size": size,
+            "committee_deadline_s": 30.0,
+        },
+    )
+    devnet = Devnet(opts)
+    devnet.prepare()
+    devnet.start_all()
+    names = [f"validator-{i}" for i in range(validators)]
+    try:
+        wait(lambda: step(devnet) >= 2, 600, "the second step")
+        pids = [devnet.node(n).proc.pid for n in names]  # type: ignore[union-attr]
+        cpu0, adm0, votes0, t0 = (
+            sum(map(cpu_seconds, pids)),
+            admitted(devnet),
+            sum(verdicts(devnet, n) for n in names),
+            time.monotonic(),
+        )
+        wait(lambda: step(devnet) >= 2 + steps, 1200, f"{steps} more steps")
+        cpu1, adm1, votes1, t1 = (
+            sum(map(cpu_seconds, pids)),
+            admitted(devnet),
+            sum(verdicts(devnet, n) for n in names),
+            time.monotonic(),
+        )
+    finally:
+        devnet.stop_all()
+    batches, cpu = adm1 - adm0, cpu1 - cpu0
+    return {
+        "validators": validators,
+        "committee": size,
+        "quorum": opts.quorum,
+        "admitted": batches,
+        "validator_cpu_s": round(cpu, 2),
+        "cpu_s_per_batch": round(cpu / batches, 3) if batches else None,
+        "batches_per_cpu_s": round(batches / cpu, 4) if cpu else None,
+        "votes_per_batch": round((votes1 - votes0) / batches, 2) if batches else None,
+        "wall_s": round(t1 - t0, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--validators", default="1,2,4")
+    ap.add_argument("--sizes", default="0,1,2", help="committee sizes (0: every validator)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    root = a.out or Path(tempfile.mkdtemp(prefix="bench-committees-"))
+    rows = []
+    for v in (int(x) for x in a.validators.split(",")):
+        for k in (int(x) for x in a.sizes.split(",")):
+            if k >= v and k != 0:
+                continue  # the same as every validator
+            row = run_one(root, v, k, a.steps, a.workers)
+            rows.append(row)
+            print(
+                f"V={row['validators']} k={row['committee'] or 'all'} quorum={row['quorum']}: "
+                f"{row['admitted']} admitted, validator CPU {row['validator_cpu_s']} s, "
+                f"{row['cpu_s_per_batch']} s/batch, {row['votes_per_batch']} votes/batch",
+                flush=True,
+            )
+    print()
+    print(
+        f"{'V':>3} {'k':>4} {'quorum':>6} {'admitted':>8} {'val CPU s':>9} {'CPU s/batch':>11} {'batches/CPU s':>13} {'votes/batch':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['validators']:>3} {r['committee'] or 'all':>4} {r['quorum']:>6} {r['admitted']:>8} {r['validator_cpu_s']:>9} "
+            f"{r['cpu_s_per_batch']!s:>11} {r['batches_per_cpu_s']!s:>13} {r['votes_per_batch']!s:>11}"
+        )
+    print(json.dumps({"bench": "committees", "steps": a.steps, "workers": a.workers, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
