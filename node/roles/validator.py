@@ -181,6 +181,8 @@ class ValidatorRole(EngineRole):
         if d.outcome is not Quorum.PENDING:
             del self._standby[key]
             self._seen[key] = None  # decided without this validator: a re-announce is not watched again
+            while len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
             self.committee_counts["decided_without_us"] += 1
         elif d.reach > entry.position:
             del self._standby[key]
