@@ -49,20 +49,29 @@ def test_committees_of_two_share_the_work_and_survive_a_dead_member(tmp_path):
         votes = sum(n.get("accept", 0) + n.get("reject", 0) for n in verdicts.values())
         # every batch is checked by two validators, not by all three (one or two votes may be
         # on batches the ledger has not decided yet); the third of each order left it alone
-        assert decided >= 4 and votes <= 2 * decided + 2, (decided, verdicts, committee)
+        # (plus one per batch the third was called on for: a member's first replay, which loads
+        # the model, may take longer than the 5 s deadline)
+        escalated = sum(c.get("escalated_to_us", 0) for c in committee.values())
+        assert decided >= 4 and votes <= 2 * decided + escalated + 2, (decided, verdicts, committee)
         assert sum(c.get("decided_without_us", 0) for c in committee.values()) >= 1, committee
         assert all(c.get("member", 0) >= 1 for c in committee.values()), committee
 
         devnet.kill("validator-0", signal.SIGKILL)
         reached = trainer_step(devnet)
+
+        def stepped_in() -> int:
+            return sum(_role_state(devnet, v).get("committee", {}).get("escalated_to_us", 0) for v in validators[1:])
+
+        # Batches whose committee holds the dead validator wait one deadline (5 s), then the
+        # next validator in their order verifies them; batches of two live members go on at
+        # once (in one CI run three steps took under two seconds, before any deadline passed:
+        # wait for the escalation itself, not for a number of steps).
         wait_for(
-            lambda: trainer_step(devnet) >= reached + 3,
+            lambda: stepped_in() >= 1 and trainer_step(devnet) >= reached + 3,
             300,
-            "training to go on with a committee member dead",
+            "the next validator in order to verify a dead member's batch, and training to go on",
             devnet,
         )
-        stepped_in = sum(_role_state(devnet, v).get("committee", {}).get("escalated_to_us", 0) for v in validators[1:])
-        assert stepped_in >= 1, "no batch of the dead member's committees was verified by the next in order"
     finally:
         codes = devnet.stop_all()
     assert codes["bootstrap"] == 0
