@@ -1,7 +1,7 @@
 """Validator capacity with committees (issue 32 point 2): admitted batches per CPU-second of
 validation, for V validators and committees of k, beside every validator checking every batch.
 
-    python bench/committees.py [--validators 1,2,4] [--sizes 0,1,2] [--steps 6] [--workers 2] [--out DIR]
+    python bench/committees.py [--validators 1,2,4] [--sizes 0,1,2] [--steps 40] [--workers 2] [--out DIR]
 
 Each configuration is a real devnet (``node/ops/devnet.py``: bootstrap, trainer, workers,
 validators as OS processes, tiny model) with ``[config] committee_size`` k (0: every
@@ -130,7 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validators", default="1,2,4")
     ap.add_argument("--sizes", default="0,1,2", help="committee sizes (0: every validator)")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=40)  # 6 steps measure 1.5-5 s: too short to read
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
