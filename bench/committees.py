@@ -1,7 +1,7 @@
 """Validator capacity with committees (issue 32 point 2): admitted batches per CPU-second of
 validation, for V validators and committees of k, beside every validator checking every batch.
 
-    python bench/committees.py [--validators 1,2,4] [--sizes 0,1,2] [--steps 40] [--workers 2] [--out DIR]
+    python bench/committees.py [--validators 1,2,4] [--sizes 0,1,2] [--steps 40] [--workers 2] [--hidden 64 --layers 2] [--out DIR]
 
 Each configuration is a real devnet (``node/ops/devnet.py``: bootstrap, trainer, workers,
 validators as OS processes, tiny model) with ``[config] committee_size`` k (0: every
@@ -10,8 +10,13 @@ Validation CPU is read from ``/proc/<pid>/stat`` (user + system, all threads) of
 validator process, between the trainer's second step (start-up, model load and the first
 checkpoint excluded) and ``--steps`` steps later; admitted batches are counted in the
 trainer's ledger over the same interval. Reported per configuration: admitted batches,
-validator CPU-seconds, CPU-seconds per admitted batch and batches per CPU-second, votes per
-admitted batch (k when committees work, V without them). Configurations run one after the
+validator CPU-seconds, CPU-seconds per admitted batch and batches per CPU-second, votes and
+replays per admitted batch (k when committees work, V without them), and the part of the CPU
+spent replaying (each validator's own count: loading the batch's version into its engine, the
+prefill and the rules) per replay and per admitted batch. The rest of a validator's CPU follows
+the checkpoints (fetching, hashing, serving, applying each version's delta), which every node
+does whatever the committees; ``--hidden``/``--layers`` size the model so that a replay weighs
+what it does in a real run. Configurations run one after the
 other on this machine, nothing else running. The last line of output is one JSON object.
 """
 
@@ -62,13 +67,22 @@ def wait(pred: Any, timeout: float, what: str) -> None:
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def verdicts(devnet: Devnet, name: str) -> int:
-    st = devnet.node(name).status(timeout=5.0) or {}
-    v = (st.get("role_state") or {}).get("verdicts") or {}
-    return int(v.get("accept", 0)) + int(v.get("reject", 0))
+def replay_counts(devnet: Devnet, names: list[str]) -> tuple[int, int, float]:
+    """Votes, replays and replay CPU seconds of the validators ``names`` so far, from their status."""
+    votes = replays = 0
+    cpu = 0.0
+    for name in names:
+        st = (devnet.node(name).status(timeout=5.0) or {}).get("role_state") or {}
+        v = st.get("verdicts") or {}
+        votes += int(v.get("accept", 0)) + int(v.get("reject", 0))
+        replays += int(st.get("replays", 0))
+        cpu += float(st.get("replay_cpu_s", 0.0))
+    return votes, replays, cpu
 
 
-def run_one(root: Path, validators: int, size: int, steps: int, workers: int) -> dict[str, Any]:
+def run_one(
+    root: Path, validators: int, size: int, steps: int, workers: int, hidden: int, layers: int
+) -> dict[str, Any]:
     on_committee = size if 0 < size < validators else validators
     opts = DevnetOptions(
         out=root / f"v{validators}-k{size}",
@@ -80,8 +94,8 @@ def run_one(root: Path, validators: int, size: int, steps: int, workers: int) ->
         group_size=4,
         max_tokens=16,
         extra_config={
-            "tiny_hidden_size": 64,
-            "tiny_layers": 2,
+            "tiny_hidden_size": hidden,
+            "tiny_layers": layers,
             "batches_per_step": 1,
             "worker_batches_per_version": 2,
             "worker_lead_versions": 0,
@@ -97,22 +111,23 @@ def run_one(root: Path, validators: int, size: int, steps: int, workers: int) ->
     try:
         wait(lambda: step(devnet) >= 2, 600, "the second step")
         pids = [devnet.node(n).proc.pid for n in names]  # type: ignore[union-attr]
-        cpu0, adm0, votes0, t0 = (
+        cpu0, adm0, counts0, t0 = (
             sum(map(cpu_seconds, pids)),
             admitted(devnet),
-            sum(verdicts(devnet, n) for n in names),
+            replay_counts(devnet, names),
             time.monotonic(),
         )
-        wait(lambda: step(devnet) >= 2 + steps, 1200, f"{steps} more steps")
-        cpu1, adm1, votes1, t1 = (
+        wait(lambda: step(devnet) >= 2 + steps, 3600, f"{steps} more steps")
+        cpu1, adm1, counts1, t1 = (
             sum(map(cpu_seconds, pids)),
             admitted(devnet),
-            sum(verdicts(devnet, n) for n in names),
+            replay_counts(devnet, names),
             time.monotonic(),
         )
     finally:
         devnet.stop_all()
     batches, cpu = adm1 - adm0, cpu1 - cpu0
+    votes, replays, replay_cpu = (b - a for a, b in zip(counts0, counts1, strict=True))
     return {
         "validators": validators,
         "committee": size,
@@ -121,7 +136,11 @@ def run_one(root: Path, validators: int, size: int, steps: int, workers: int) ->
         "validator_cpu_s": round(cpu, 2),
         "cpu_s_per_batch": round(cpu / batches, 3) if batches else None,
         "batches_per_cpu_s": round(batches / cpu, 4) if cpu else None,
-        "votes_per_batch": round((votes1 - votes0) / batches, 2) if batches else None,
+        "votes_per_batch": round(votes / batches, 2) if batches else None,
+        "replays_per_batch": round(replays / batches, 2) if batches else None,
+        "replay_cpu_s": round(replay_cpu, 2),
+        "one_replay_cpu_s": round(replay_cpu / replays, 3) if replays else None,
+        "replay_cpu_s_per_batch": round(replay_cpu / batches, 3) if batches else None,
         "wall_s": round(t1 - t0, 1),
     }
 
@@ -132,6 +151,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="0,1,2", help="committee sizes (0: every validator)")
     ap.add_argument("--steps", type=int, default=40)  # 6 steps measure 1.5-5 s: too short to read
     ap.add_argument("--workers", type=int, default=2)
+    # the tiny model's size: 64 x 2 makes a replay ~0.05 s, below what following the checkpoints
+    # costs each validator per version; a bigger one makes the replay the larger part, as in a real run
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     root = a.out or Path(tempfile.mkdtemp(prefix="bench-committees-"))
@@ -140,24 +163,56 @@ def main() -> None:
         for k in (int(x) for x in a.sizes.split(",")):
             if k >= v and k != 0:
                 continue  # the same as every validator
-            row = run_one(root, v, k, a.steps, a.workers)
+            row = run_one(root, v, k, a.steps, a.workers, a.hidden, a.layers)
             rows.append(row)
             print(
                 f"V={row['validators']} k={row['committee'] or 'all'} quorum={row['quorum']}: "
-                f"{row['admitted']} admitted, validator CPU {row['validator_cpu_s']} s, "
-                f"{row['cpu_s_per_batch']} s/batch, {row['votes_per_batch']} votes/batch",
+                f"{row['admitted']} admitted, validator CPU {row['validator_cpu_s']} s "
+                f"({row['cpu_s_per_batch']} s/batch), replays {row['replays_per_batch']}/batch "
+                f"of {row['one_replay_cpu_s']} CPU s each",
                 flush=True,
             )
     print()
-    print(
-        f"{'V':>3} {'k':>4} {'quorum':>6} {'admitted':>8} {'val CPU s':>9} {'CPU s/batch':>11} {'batches/CPU s':>13} {'votes/batch':>11}"
+    head = (
+        "V",
+        "k",
+        "quorum",
+        "admitted",
+        "val CPU s",
+        "CPU s/batch",
+        "batches/CPU s",
+        "replays/batch",
+        "1 replay CPU s",
+        "replay CPU s/batch",
     )
+    keys = (
+        "validators",
+        "committee",
+        "quorum",
+        "admitted",
+        "validator_cpu_s",
+        "cpu_s_per_batch",
+        "batches_per_cpu_s",
+        "replays_per_batch",
+        "one_replay_cpu_s",
+        "replay_cpu_s_per_batch",
+    )
+    print(" ".join(f"{h:>{max(len(h), 4)}}" for h in head))
     for r in rows:
-        print(
-            f"{r['validators']:>3} {r['committee'] or 'all':>4} {r['quorum']:>6} {r['admitted']:>8} {r['validator_cpu_s']:>9} "
-            f"{r['cpu_s_per_batch']!s:>11} {r['batches_per_cpu_s']!s:>13} {r['votes_per_batch']!s:>11}"
+        cells = [str(r[k] if k != "committee" or r[k] else "all") for k in keys]
+        print(" ".join(f"{c:>{max(len(h), 4)}}" for c, h in zip(cells, head, strict=True)))
+    print(
+        json.dumps(
+            {
+                "bench": "committees",
+                "steps": a.steps,
+                "workers": a.workers,
+                "hidden": a.hidden,
+                "layers": a.layers,
+                "rows": rows,
+            }
         )
-    print(json.dumps({"bench": "committees", "steps": a.steps, "workers": a.workers, "rows": rows}))
+    )
 
 
 if __name__ == "__main__":

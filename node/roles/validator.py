@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import time
 from typing import Any
 
 import trio
@@ -93,6 +94,11 @@ class ValidatorRole(EngineRole):
         self.last_reasons: collections.deque[str] = collections.deque(maxlen=10)
         self.fetch_failures = 0
         self.verify_s = 0.0
+        # CPU seconds of this process spent replaying batches (loading their version into the
+        # engine, the prefill and the rules): the work committees divide among validators, as
+        # opposed to following the checkpoints, which every node does (bench/committees.py)
+        self.replay_cpu_s = 0.0
+        self.replays = 0
         # Announces are keyed (announcer, batch id) (protocol/batches.py): one peer's announce of
         # an id never stands for another's, so a copy announced first cannot shadow the signer's.
         self._seen: collections.OrderedDict[BatchKey, None] = collections.OrderedDict()
@@ -371,12 +377,15 @@ class ValidatorRole(EngineRole):
             if state is None:  # its manifest was collected while the batch waited
                 self.verdicts["unverifiable"] += 1
                 continue
+            cpu0 = time.process_time()
             await self._ensure_version(v)
             policy = PolicyFacts.of(state.manifest)
             assert self.engine is not None  # _ensure_version built it
             verdict = await trio.to_thread.run_sync(
                 functools.partial(verify_batch, self.ctx, self.engine, batch, env.sender, policy)
             )
+            self.replay_cpu_s += time.process_time() - cpu0
+            self.replays += 1
             if verdict.accept:
                 self._slots[slot] = env.body.batch_id
                 while len(self._slots) > MAX_SLOTS:
@@ -442,5 +451,7 @@ class ValidatorRole(EngineRole):
             "verify_queue": self._verify.status(),
             "dropped_batches": sum(self._verify.dropped.values()),
             "last_verify_s": self.verify_s,
+            "replays": self.replays,
+            "replay_cpu_s": round(self.replay_cpu_s, 3),
             "distribution": self.checkpoints_status(),
         }
