@@ -35,7 +35,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from node.ops.devnet import Devnet, DevnetOptions  # noqa: E402
+from harness.processes import small_options  # noqa: E402
+from node.ops.devnet import Devnet  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -84,22 +85,15 @@ def run_one(
     root: Path, validators: int, size: int, steps: int, workers: int, hidden: int, layers: int
 ) -> dict[str, Any]:
     on_committee = size if 0 < size < validators else validators
-    opts = DevnetOptions(
+    opts = small_options(
+        root,
         out=root / f"v{validators}-k{size}",
         workers=workers,
         validators=validators,
         quorum=on_committee // 2 + 1,
-        steps=1000,
-        prompts_per_batch=2,
-        group_size=4,
-        max_tokens=16,
-        extra_config={
+        config={
             "tiny_hidden_size": hidden,
             "tiny_layers": layers,
-            "batches_per_step": 1,
-            "worker_batches_per_version": 2,
-            "worker_lead_versions": 0,
-            "worker_idle_s": 5.0,
             "committee_size": size,
             "committee_deadline_s": 30.0,
         },

@@ -218,7 +218,7 @@ def bench_ours(args, src: Path, work: Path, total: int, caps: list[float] | None
     testbed = None
     hosts: list = []
     if caps:
-        from tests.support.netns import Testbed
+        from harness.netns import Testbed
 
         testbed = Testbed().__enter__()
         hosts = [testbed.add_public(f"n{i}", up_mbit=c, down_mbit=c) for i, c in enumerate(caps)]
@@ -487,7 +487,7 @@ def bench_raw_links(files: list[Path], work: Path, total: int, caps: list[float]
     caps, no hashing, no fsync, no swarm), ``together`` (one copy per receiver at once over
     the seeder's uplink) or one receiver after another (each alone on its link): what the
     links and this box allow. Returns seconds per receiver index (1..n-1)."""
-    from tests.support.netns import Testbed
+    from harness.netns import Testbed
 
     n = len(caps)
     with Testbed() as tb:
@@ -823,7 +823,7 @@ def _table(out: dict) -> None:
 def main_links(args) -> None:
     """Links of every speed: per-host caps, each fetcher against the bound set by the seeder's
     uplink and its own downlink, and the same swarm without its slowest fetcher (A/B in one run)."""
-    from tests.support.netns import skip_reason
+    from harness.netns import skip_reason
 
     why = skip_reason()
     if why:

@@ -1,6 +1,6 @@
 """Coverage-guided fuzzing (atheris, i.e. libFuzzer for Python) of every decoder and handler
 that reads bytes from a peer (issue 8). Optional and not part of CI: ``pip install atheris``.
-The bounded CI fuzzing is the hypothesis suites (tests/test_fuzz_*.py); this runs the same
+The bounded CI fuzzing is the hypothesis suites (tests/{protocol,p2p}/test_fuzz_*.py); this runs the same
 targets for as long as asked, guided by the coverage of ``protocol``, ``proofs`` and ``node``.
 
     python bench/fuzz_atheris.py --list
@@ -12,7 +12,7 @@ The only outcome allowed for any input is the project's own error (``ProtocolErr
 sockets), and the handlers' ``internal`` counters stay 0. Anything else is a crash:
 libFuzzer stops, prints the traceback and writes the input to
 ``<artifacts>/crash-<sha1>`` (default ``fuzz-artifacts/``); ``--reproduce FILE`` replays
-it without atheris. A crash found becomes a regression test in tests/test_fuzz_*.py.
+it without atheris. A crash found becomes a regression test in tests/{protocol,p2p}/test_fuzz_*.py.
 
 Targets (``--list``): envelope, message, signed_body, manifest, proof, genesis,
 reqresp_server, reqresp_client, gossip_frame, dataplane_server, dataplane_client. Each
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         load(instrument=False)
         print("\n".join(TARGETS))
         return 0
-    if a.seeds_only and not a.target:  # every target's seeds (tests/test_fuzz_atheris_driver.py)
+    if a.seeds_only and not a.target:  # every target's seeds (tests/ops/test_fuzz_atheris_driver.py)
         load(instrument=False)
         counts = {}
         for name, (fn, seeds) in TARGETS.items():

@@ -4,7 +4,7 @@
                         [--no-baseline] [--timeout 1500] [--out DIR]
                         [--gossip-nodes 20] [--gossip-seconds 90] [--skip-network] [--skip-gossip]
 
-Needs root (network namespaces, iptables; see tests/support/netns.py). Every node is a
+Needs root (network namespaces, iptables; see harness/netns.py). Every node is a
 real ``primenode`` process in its own host: bootstrap, trainer, validators and workers;
 the last ``--nat-workers`` workers sit behind their own NAT router (iptables MASQUERADE,
 outbound only). Each host has its own up/down caps (tc tbf), from 20 to 1000 Mbit/s.
@@ -27,8 +27,8 @@ Baseline in the same run (unless ``--no-baseline``): the same network with every
 public and uncapped.
 
 Latency and loss (the kernel here has no netem): ``--gossip-nodes`` overlay nodes
-(tests/support/nat_child.py, heartbeats every second) on a userspace switch
-(tests/support/lossy_switch.py) that delays each frame by the two hosts' one-way delays
+(harness/nat_child.py, heartbeats every second) on a userspace switch
+(harness/lossy_switch.py) that delays each frame by the two hosts' one-way delays
 (round trips spread over 50-200 ms) and drops 1% of frames; the same nodes with no delay
 and no loss on the same switch are the baseline, and delay without loss separates the
 two. The bootstrap starts first, the rest once it listens; measuring starts once every node
@@ -53,9 +53,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from harness.netns import Testbed, skip_reason  # noqa: E402
+from harness.wan import Placement, WanDevnet  # noqa: E402
 from node.ops.devnet import DevnetOptions  # noqa: E402
-from tests.support.netns import Testbed, skip_reason  # noqa: E402
-from tests.support.wan import Placement, WanDevnet  # noqa: E402
 
 CAPS = [20, 50, 100, 200, 1000]  # Mbit/s, cycled over workers (up = down)
 
@@ -219,7 +219,7 @@ def gossip_once(
         boot = f"/ip4/{hosts[0].ip}/tcp/4001/p2p/{keys[0].peer_id}"
         t0 = time.time()
         for i, (h, k) in enumerate(zip(hosts, keys, strict=True)):
-            args = [sys.executable, "-m", "tests.support.nat_child", "--seed", k.seed.hex(), "--heartbeat-s", "1"]
+            args = [sys.executable, "-m", "harness.nat_child", "--seed", k.seed.hex(), "--heartbeat-s", "1"]
             args += ["--listen", f"/ip4/{h.ip}/tcp/4001", "--status", str(out / f"g{i}.json")]
             args += ["--deployed-intervals", "--nat-interval-s", "60", "--measure-file", str(measure_file)]
             if i:

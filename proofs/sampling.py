@@ -150,7 +150,7 @@ def gumbel_dense(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     On the CPU the words of long rows come from randomgen's Philox4x32-10 (a compiled loop;
     the counter layout makes a row's words one consecutive stream; ~7x faster from 2,048
     ids, even below: a generator costs ~20 us to set up), elsewhere from the torch limbs;
-    tests/test_proofs_sampling.py checks that both give the same bits."""
+    tests/proofs/test_proofs_sampling.py checks that both give the same bits."""
     if seeds.device.type == "cpu" and _NativePhilox is not None and vocab >= 1024:
         words = _native_words(seeds.reshape(-1).tolist(), positions.reshape(-1).tolist(), vocab)
     else:

@@ -1,6 +1,6 @@
 """primenode wire protocol: every byte a wire carries and the rules every role applies alike.
 
-Pure data and rules: no I/O, no torch, nothing else of ours (``tests/test_layout.py``).
+Pure data and rules: no I/O, no torch, nothing else of ours (``tests/system/test_layout.py``).
 Read it to learn the whole protocol, in this order (docs/protocol.md follows it):
 
 * values: ``schema`` (typed messages, one canonical msgpack form, exact validation),

@@ -10,7 +10,7 @@ wrong type or out of its bounds.
 
 :class:`RunConfig` is the table decoded, typed, with every default: nodes read it by
 attribute (``RunContext.config``), never by string. docs/operating.md's table is checked
-against it by ``tests/test_run_config.py``.
+against it by ``tests/protocol/test_run_config.py``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ which is worth far more than precomputing (generation still needs the weights
 the batch claims, which prefill and the sampling replay check).
 
 Its bytes are wire-visible: changing the hash input or the truncation is a
-protocol change (tests/test_protocol_golden.py pins it).
+protocol change (tests/protocol/test_protocol_golden.py pins it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Fixtures every test file may use. Factories they build on live in tests/support/.
+"""Fixtures every test file may use. Factories they build on live in harness/.
 
 * ``node_home``: an initialised node home (key + config.toml) in the test's tmp folder.
-* ``tiny_ctx``: the run context of the tiny test run (tests/support/roles.py:
+* ``tiny_ctx``: the run context of the tiny test run (harness/roles.py:
   genesis with two validators, tiny Llama, target-length task), cache in tmp.
 * ``net``: a :class:`node.p2p.testing.NodeFactory` of real libp2p nodes on
   127.0.0.1, started in the test's own nursery and stopped with it.
@@ -38,7 +38,7 @@ def node_home(tmp_path: Path) -> NodeHome:
 
 @pytest.fixture
 def tiny_ctx(tmp_path: Path) -> RunContext:
-    from tests.support.roles import tiny_context
+    from harness.roles import tiny_context
 
     return tiny_context(tmp_path / "cache")
 

@@ -51,7 +51,7 @@ class DataConnection:
                 stream = await trio.open_tcp_stream(host, port)
             except ValueError as exc:
                 # the host comes from a peer's ticket: a name the resolver cannot even encode (a
-                # UnicodeError from the idna codec, found by tests/test_fuzz_clients.py) is the
+                # UnicodeError from the idna codec, found by tests/p2p/test_fuzz_clients.py) is the
                 # peer's bad ticket, not an exception of ours
                 raise DataPlaneError(F.BAD_TICKET, f"unusable address in the ticket: {exc}") from None
         return await cls.over(stream, ticket, stall_timeout=stall_timeout, flags=flags)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 class ControlPlane(Protocol):
-    """What every implementation promises (tests/test_checkpoints_control_conformance.py):
+    """What every implementation promises (tests/checkpoints/test_checkpoints_control_conformance.py):
 
     * a peer that serves the version answers a ticket with ``ok`` (host, port, token);
       one that does not hold it answers ``ok=False`` with the chunk server's reason;

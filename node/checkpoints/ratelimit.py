@@ -14,7 +14,7 @@ class UploadLimiter:
     ``_t`` is the virtual time at which everything granted so far has drained at
     ``rate``; a reservation may start once that lies at most ``burst / rate`` ahead
     of now. Over any interval of length T at most ``burst + rate * T`` bytes are
-    granted (tested in tests/test_checkpoints_ratelimit.py).
+    granted (tested in tests/checkpoints/test_checkpoints_ratelimit.py).
     """
 
     def __init__(self, rate: float, burst: int = 512 * 1024) -> None:

@@ -41,7 +41,7 @@ class Completion:
 class InferenceEngine(Protocol):
     """Everything roles call on a backend, in one place: both engines implement it (mypy checks
     that where ``node.roles.engines.build_engine`` returns them) and the conformance suite
-    (tests/test_engines.py) runs each. Implementations are synchronous and CPU/GPU
+    (tests/roles/test_engines.py) runs each. Implementations are synchronous and CPU/GPU
     heavy: call them from ``trio.to_thread.run_sync``."""
 
     @property

@@ -2,6 +2,6 @@
 ``join``, the status server and ``primenode status``, the checkpoint progress bar,
 ``primenode devnet`` and its churn driver, and ``primenode dataset filter``.
 
-Nothing else in the project imports this package (tests/test_layout.py): the
+Nothing else in the project imports this package (tests/system/test_layout.py): the
 roles, networking and checkpoint code take their settings as arguments.
 """

@@ -1,7 +1,7 @@
 """Churn for a local devnet: kill -9 random nodes and restart them, and audit
 the trainer's ledger so that nothing admitted is ever lost.
 
-Used by ``tests/test_churn.py`` (a bounded run) and ``bench/churn.py`` (minutes).
+Used by ``tests/system/test_churn.py`` (a bounded run) and ``bench/churn.py`` (minutes).
 One node is down at a time: it is killed with SIGKILL, stays down a random
 while, and is restarted with the same home (keys, chunk store, ledger), so a
 restarted trainer resumes from its checkpoint and ledger.

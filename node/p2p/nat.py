@@ -9,7 +9,7 @@ where our measurements showed a gap:
   failures mean *private* (behind NAT). The library's server dials back with
   ``host.connect()``, which returns the connection the request arrived on, so it answers
   "reachable" to everyone already connected, NAT'd or not (reproduced next to ours in
-  ``tests/test_nat_netns.py``). :class:`DialBackAutoNAT` dials a *fresh* TCP
+  ``tests/system/test_nat_netns.py``). :class:`DialBackAutoNAT` dials a *fresh* TCP
   connection and runs the Noise handshake on it (which proves the peer id), then closes it.
 * **Circuit relay v2** (``libp2p.relay.circuit_v2``): a private node reserves a slot on
   relays (public peers it is connected to, the bootstrap first) and advertises
@@ -128,7 +128,7 @@ def drives_hole_punch(ours: bytes, theirs: bytes, relayed_for_s: float, defer_s:
     dial the same address from the same port at once: the second ``connect`` fails with
     EADDRNOTAVAIL (errno 99), and the simultaneous opens pair dials of different sessions
     whose handshake roles do not match. On a loaded machine both sides started together and
-    no attempt ever succeeded (tests/test_nat_netns.py: one CI run in two, and beside two busy
+    no attempt ever succeeded (tests/system/test_nat_netns.py: one CI run in two, and beside two busy
     cores; 4 of 4 passed there after this).
     So one side starts, chosen by the peer ids' byte order (both sides agree without a
     message); the other answers its session, and starts its own only after ``defer_s`` still

@@ -59,7 +59,7 @@ def fast_config(**overrides) -> P2PConfig:
     """Short intervals for tests on a loaded 2-core machine. Nodes on loopback are all
     reachable: reachability is not asked (AutoNAT dial-backs would cost a dozen nodes in one
     process about a hundred Noise handshakes at start) and nothing is hole-punched; the NAT
-    tests (tests/test_nat_netns.py) run real NATs in network namespaces instead."""
+    tests (tests/system/test_nat_netns.py) run real NATs in network namespaces instead."""
     cfg = P2PConfig(
         listen=["/ip4/127.0.0.1/tcp/0"],
         target_peers=4,

@@ -175,7 +175,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
     be initialised, e.g. by :func:`init_distributed`). Every rank calls :meth:`step` with the
     same groups (:func:`broadcast_groups`); only rank 0's ``behaviour`` is read.
 
-    The same numbers as one process, to fp rounding (``tests/test_fsdp.py``); not supported:
+    The same numbers as one process, to fp rounding (``tests/rl/test_fsdp.py``); not supported:
     a KL reference model (``kl_coef`` > 0) and the full-logits path (``logprob_chunk_tokens``
     0 runs chunked)."""
 

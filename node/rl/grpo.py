@@ -327,7 +327,7 @@ class GRPOTrainer:
         moments and weights in place. The per-parameter loop (torch's CPU default) allocates a
         temporary the size of each parameter for the denominator, and at the peak that is the
         largest one: the tied embedding / head, 545 MB at Qwen's vocabulary. The fused kernel
-        computes the same update to fp32 rounding (``tests/test_rl_grpo.py``). Plain tensors on
+        computes the same update to fp32 rounding (``tests/rl/test_rl_grpo.py``). Plain tensors on
         CPU or CUDA only: a sharded trainer's parameters (DTensors) keep the loop."""
         params = list(self.model.parameters())
         devices = {"cpu", "cuda"}

@@ -15,7 +15,7 @@ on GPUs; this is the plain-torch version, so it runs on any device).
 
 ``chunk_tokens`` 0 keeps the full-logits path (``model(...).logits``), only so that
 bench/trainer_memory.py can compare before and after in one run; both paths agree to fp32
-rounding (``tests/test_rl_logprobs.py``).
+rounding (``tests/rl/test_rl_logprobs.py``).
 """
 
 from __future__ import annotations

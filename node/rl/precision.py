@@ -21,7 +21,7 @@ The update never makes an fp32 copy of a whole gradient:
 
 So the largest temporary is one slice (16 MiB of fp32 by default) instead of the tied
 embedding / head's whole fp32 gradient (545 MB at Qwen's vocabulary). The result equals
-fp32 AdamW applied to the upcast gradients (``tests/test_precision.py``).
+fp32 AdamW applied to the upcast gradients (``tests/roles/test_precision.py``).
 
 What it costs in learning: gradients are bf16. Within one backward autograd sums in bf16
 (each op's gradient is computed in fp32 inside the kernels and rounded once), and across

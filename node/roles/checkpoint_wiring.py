@@ -15,7 +15,7 @@ A role uses it from its ``RoleHook.run(node)``::
     await nursery.start(serve_checkpoints, node, checkpoints)
     # and in heartbeat_fields(): return checkpoint_heartbeat_fields(checkpoints)
 
-It lives in the roles layer, the lowest that may import both packages (tests/test_layout.py):
+It lives in the roles layer, the lowest that may import both packages (tests/system/test_layout.py):
 ``node.checkpoints`` and ``node.p2p`` do not know each other, so the node comes in with its real
 type and everything libp2p-specific (the peerstore, connections) stays behind ``Node`` methods.
 """

@@ -46,6 +46,9 @@ from libp2p.identity.identify.identify import parse_identify_response
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
+from harness.clocks import StepClock, pace_accepts_of
+from harness.network import record_charges, start_network
+from harness.roles import tiny_genesis
 from node.p2p.connlimits import connection_stats
 from node.p2p.host import conn_is_relayed, parse_peer_addr
 from node.p2p.nat import NatConfig
@@ -57,10 +60,6 @@ from protocol import gossip as gossip_frames
 from protocol import reqresp as frames
 from protocol.topics import topic
 from tests.interop.jspeer import JsError, JsPeer
-from tests.support.roles import tiny_genesis
-from tests.test_batch_ownership import record_charges
-from tests.test_p2p_conn_slots import StepClock, pace_accepts_of
-from tests.test_roles_network import start_network
 
 PING = "/ipfs/ping/1.0.0"
 IDENTIFY = "/ipfs/id/1.0.0"
