@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from node.p2p import host as host_mod
-from node.p2p.standing import RateBucket
+from node.util import TokenBucket
 
 
 class StepClock:
@@ -25,6 +25,6 @@ def pace_accepts_of(host, clock: StepClock, step: bool = False) -> None:
         clock.now += 1.0 / rate
         return clock.now
 
-    host.get_network()._primenode_accept_bucket = RateBucket(
+    host.get_network()._primenode_accept_bucket = TokenBucket(
         rate, host_mod.INBOUND_CONNECTIONS_BURST, clock=stepping if step else clock
     )

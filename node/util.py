@@ -40,6 +40,46 @@ async def aclose_shielded(close: Callable[[], Awaitable[object]], timeout: float
             await close()
 
 
+class TokenBucket:
+    """The one token bucket of the node: ``rate`` tokens per second, at most ``burst`` held.
+
+    Two ways to spend, for the two kinds of limit the node has:
+
+    * :meth:`take` refuses when the bucket holds fewer than ``n`` tokens (admission: a frame, a
+      connection or a request over its sender's rate is dropped, never queued);
+    * :meth:`reserve` always grants and returns how long the caller must wait first (pacing: an
+      upload's bytes go out late, never lost). The bucket goes into debt, and the next
+      reservation waits behind it, so concurrent callers are served in arrival order and over
+      any interval of length T at most ``burst + rate * T`` tokens are granted.
+
+    ``clock`` (seconds) is read at each call, so the bucket runs on whatever clock its owner
+    runs on: the wall clock, trio's clock, or a clock a test moves by hand.
+    """
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.t = burst, clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+
+    def take(self, n: float = 1.0) -> bool:
+        """Spend ``n`` tokens if the bucket holds them; False (nothing spent) if not."""
+        self._refill()
+        if self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False
+
+    def reserve(self, n: float) -> float:
+        """Spend ``n`` tokens now, in debt if need be; the seconds to wait until they are paid."""
+        self._refill()
+        self.tokens -= n
+        return max(0.0, -self.tokens / self.rate)
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a folder so a rename inside it survives a power loss."""
     fd = os.open(path, os.O_RDONLY)

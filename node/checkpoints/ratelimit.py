@@ -1,26 +1,26 @@
-"""A token bucket shared by every upload of a node (``--max-upload-mbps``)."""
+"""The pace of every upload of a node (``--max-upload-mbps``), on the node's one token bucket."""
 
 from __future__ import annotations
 
 import trio
 
+from node.util import TokenBucket
+
 
 class UploadLimiter:
     """Caps throughput at ``rate`` bytes/s with bursts of at most ``burst`` bytes.
 
-    Reservations are served in arrival order (virtual finishing times), so
-    concurrent uploads share the cap fairly. ``rate <= 0`` means unlimited.
-
-    ``_t`` is the virtual time at which everything granted so far has drained at
-    ``rate``; a reservation may start once that lies at most ``burst / rate`` ahead
-    of now. Over any interval of length T at most ``burst + rate * T`` bytes are
-    granted (tested in tests/checkpoints/test_checkpoints_ratelimit.py).
+    Each upload reserves its bytes on a :class:`~node.util.TokenBucket` on trio's clock and
+    sleeps off the debt, so reservations are served in arrival order and concurrent uploads
+    share the cap fairly; over any interval of length T at most ``burst + rate * T`` bytes are
+    granted (tested in tests/checkpoints/test_checkpoints_ratelimit.py). ``rate <= 0`` means
+    unlimited. The bucket is made on first use: trio's clock exists only inside ``trio.run``.
     """
 
     def __init__(self, rate: float, burst: int = 512 * 1024) -> None:
         self.rate = float(rate)
         self.burst = burst
-        self._t = 0.0
+        self._bucket: TokenBucket | None = None
 
     @classmethod
     def from_mbps(cls, mbps: float, burst: int = 512 * 1024) -> UploadLimiter:
@@ -33,11 +33,8 @@ class UploadLimiter:
     async def take(self, n: int) -> None:
         if self.rate <= 0:
             return
-        now = trio.current_time()
-        # an idle bucket holds at most ``burst`` tokens: its drain time never lags behind now
-        # (it started at ``now - burst / rate`` here before, which allowed bursts of 2 x burst)
-        start = max(self._t, now)
-        self._t = start + n / self.rate
-        delay = self._t - self.burst / self.rate - now
+        if self._bucket is None:
+            self._bucket = TokenBucket(self.rate, self.burst, clock=trio.current_time)
+        delay = self._bucket.reserve(n)
         if delay > 0:
             await trio.sleep(delay)

@@ -181,14 +181,14 @@ def _limit_inbound_connection_rate() -> None:
     """Close inbound TCP connections beyond a per-swarm rate *before* the handshake."""
     from libp2p.network.swarm import Swarm
 
-    from node.p2p.standing import RateBucket
+    from node.util import TokenBucket
 
     original = Swarm._handle_inbound_connection
 
     async def _rate_limited(self, read_write_closer, maddr) -> None:
         bucket = getattr(self, "_primenode_accept_bucket", None)
         if bucket is None:
-            bucket = self._primenode_accept_bucket = RateBucket(INBOUND_CONNECTIONS_PER_S, INBOUND_CONNECTIONS_BURST)
+            bucket = self._primenode_accept_bucket = TokenBucket(INBOUND_CONNECTIONS_PER_S, INBOUND_CONNECTIONS_BURST)
         if not bucket.take():
             self.primenode_inbound_refused = getattr(self, "primenode_inbound_refused", 0) + 1
             try:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from node.p2p.metrics import NodeMetrics
+from node.util import TokenBucket
 from protocol.errors import rule_family, rule_label
 
 log = logging.getLogger(__name__)
@@ -51,23 +52,6 @@ class _Score:
     updated: float = 0.0
 
 
-class RateBucket:
-    """Token bucket. ``clock`` is injectable so tests can run a rate on a simulated clock."""
-
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.tokens, self.t = burst, clock()
-
-    def take(self, n: float = 1.0) -> bool:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
-        self.t = now
-        if self.tokens >= n:
-            self.tokens -= n
-            return True
-        return False
-
-
 class PeerStanding:
     """Budgets, bans and per-peer rate limits for one node.
 
@@ -101,7 +85,7 @@ class PeerStanding:
         self.clock = clock
         self._scores: dict[str, _Score] = {}
         self._bans: dict[str, tuple[float, str]] = {}  # peer -> (until, reason)
-        self._buckets: dict[str, RateBucket] = {}
+        self._buckets: dict[str, TokenBucket] = {}
         # Per-origin (signer) gossip rate: a valid-but-useless flood from one identity is cut
         # at the first hop even when it arrives through honest relays.
         self.origin_rate_per_s = origin_rate_per_s
@@ -114,8 +98,8 @@ class PeerStanding:
         # second: a fresh identity *per message* would otherwise dodge the per-origin limit.
         self.unknown_origins_per_forwarder_per_s = unknown_origins_per_forwarder_per_s
         self.unknown_origins_per_forwarder_burst = unknown_origins_per_forwarder_burst
-        self._unknown_origin_buckets: dict[str, RateBucket] = {}
-        self._origin_buckets: dict[str, RateBucket] = {}
+        self._unknown_origin_buckets: dict[str, TokenBucket] = {}
+        self._origin_buckets: dict[str, TokenBucket] = {}
         self.ban_listeners: list[Callable[[str, str], None]] = []
         self.metrics: NodeMetrics | None = None  # set by the node
         # Transport fault layer (node/p2p/faults.py, tests and benchmarks only): peer id ->
@@ -198,7 +182,7 @@ class PeerStanding:
         if b is None:
             if len(self._buckets) >= self.max_peers:
                 self._prune_buckets()
-            b = self._buckets[peer_id] = RateBucket(self.rate_per_s, self.rate_burst)
+            b = self._buckets[peer_id] = TokenBucket(self.rate_per_s, self.rate_burst)
         return b.take(n)
 
     def allow_origin(self, sender: str, n: float = 1.0, known: bool = True) -> bool:
@@ -212,9 +196,9 @@ class PeerStanding:
         if b is None:
             if len(self._origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._origin_buckets)
-            b = self._origin_buckets[sender] = RateBucket(self.origin_rate_per_s, burst)
+            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
         elif b.burst < burst:  # became known: the full headroom, as if it had been known all along
-            b = self._origin_buckets[sender] = RateBucket(self.origin_rate_per_s, burst)
+            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
         elif b.burst > burst:  # forgotten (silent too long): back to the small headroom
             b.burst = burst
         return b.take(n)
@@ -225,7 +209,7 @@ class PeerStanding:
         if b is None:
             if len(self._unknown_origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._unknown_origin_buckets)
-            b = self._unknown_origin_buckets[forwarder] = RateBucket(
+            b = self._unknown_origin_buckets[forwarder] = TokenBucket(
                 self.unknown_origins_per_forwarder_per_s, self.unknown_origins_per_forwarder_burst
             )
         return b.take()
@@ -250,7 +234,7 @@ class PeerStanding:
             for pid in sorted(self._bans, key=lambda p: self._bans[p][0])[: len(self._bans) // 10 + 1]:
                 del self._bans[pid]
 
-    def _prune_buckets(self, table: dict[str, RateBucket] | None = None) -> None:
+    def _prune_buckets(self, table: dict[str, TokenBucket] | None = None) -> None:
         """Drop buckets that are full again (idle peers: a new bucket is identical)."""
         table = self._buckets if table is None else table
         now = time.monotonic()

@@ -443,7 +443,7 @@ async def test_inbound_connection_floods_are_cut_before_the_handshake():
     wall clock, the bucket refilled meanwhile and fewer were refused than the burst implies
     (1 busy-core run in 10)."""
     from node.p2p import host as host_mod
-    from node.p2p.standing import RateBucket
+    from node.util import TokenBucket
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -453,7 +453,7 @@ async def test_inbound_connection_floods_are_cut_before_the_handshake():
             port = int(addr.split("/tcp/")[1].split("/")[0])
             swarm = target.host.get_network()
             clock = [0.0]
-            swarm._primenode_accept_bucket = RateBucket(
+            swarm._primenode_accept_bucket = TokenBucket(
                 host_mod.INBOUND_CONNECTIONS_PER_S, host_mod.INBOUND_CONNECTIONS_BURST, clock=lambda: clock[0]
             )
             socks = []
