@@ -69,6 +69,7 @@ from typing import Any
 import trio
 
 from node.checkpoints import directio
+from node.checkpoints.chain import Link, gc_plan
 from node.checkpoints.delta import DeltaIncompatible, DeltaStats, apply_delta, encode_delta
 from node.checkpoints.directio import Buffer, DirectIOUnsupported
 from node.checkpoints.manifest import (
@@ -92,7 +93,6 @@ from protocol import (
 )
 from protocol.bitmap import Bitmap
 from protocol.delta import DELTA_FILE
-from protocol.rules import is_stale
 
 log = logging.getLogger(__name__)
 
@@ -792,7 +792,8 @@ class ChunkStore:
 
     # ------------------------------------------------------------ garbage collection
     def gc(self, max_async: int) -> list[int]:
-        """Drop versions behind the ``max_async`` window unless pinned, with their files.
+        """Drop versions behind the ``max_async`` window unless pinned or on the base chain of
+        a kept version, with their files (the decisions: ``chain.gc_plan``).
 
         The window is counted from the newest version known (complete or not).
         Returns the versions removed.
@@ -800,51 +801,27 @@ class ChunkStore:
         newest = self.newest()
         if newest is None:
             return []
-        keep = {v for v, st in self.versions.items() if st.pins or not is_stale(v, newest.version, max_async)}
-        keep |= {v for v in self.keep if v in self.versions}  # pinned for late joiners (a run's version 0)
-        keep |= self.chain(keep)
+        plan = gc_plan(self.links(), newest.version, max_async, self.keep)
         removed = []
-        for v, st in sorted(self.versions.items()):
-            if v not in keep:
-                del self.versions[v]  # from now on nobody can pin it
-                st.dropped = True  # a writer thread still holding it skips it
-                removed.append((v, st))
-        for v in sorted(keep):
+        for v in plan.remove:
+            st = self.versions.pop(v)  # from now on nobody can pin it
+            st.dropped = True  # a writer thread still holding it skips it
+            removed.append(st)
+        for v in plan.release:
             st = self.versions[v]
-            if is_stale(v, newest.version, max_async) and st.assembled and st.pins == 0 and v not in self.keep:
-                self._drop_files_if_unneeded(st)
-        for _v, st in removed:
+            st.assembled = False  # its chunks stay, to serve; it is no longer offered for loading
+            if st.delta is not None:  # a delta version's full files go (its chunks are the delta file)
+                shutil.rmtree(self.versions_dir / st.dirname / "files", ignore_errors=True)
+        for st in removed:
             shutil.rmtree(self.versions_dir / st.dirname, ignore_errors=True)
-        return [v for v, _ in removed]
+        return [st.version for st in removed]
 
-    def chain(self, versions: set[int]) -> set[int]:
-        """The base chain of ``versions``: every earlier version held here that one of them
-        (or one of those, and so on, down to an anchor) applies to. Kept by GC so a late
-        joiner can fetch the newest anchor and every delta after it from any peer."""
-        out: set[int] = set()
-        stack = sorted(versions)
-        while stack:
-            st = self.versions.get(stack.pop())
-            ref = st.delta if st is not None else None
-            if ref is None:
-                continue
-            b = self.versions.get(ref.base_version)
-            if b is not None and b.root == ref.base_root and b.version not in out and b.version not in versions:
-                out.add(b.version)
-                stack.append(b.version)
-        return out
-
-    def _drop_files_if_unneeded(self, st: VersionState) -> None:
-        """A chain version behind the window keeps its chunks (to serve) but is no longer
-        offered for loading once every delta applying to it has been applied. A delta
-        version's full files are deleted (its chunks are the delta file); an anchor's files
-        are its chunks, so they stay on disk, only marked not assembled."""
-        users = [u for u in self.versions.values() if u.delta is not None and u.delta.base_version == st.version]
-        if not users or not all(u.assembled for u in users):
-            return
-        st.assembled = False
-        if st.delta is not None:
-            shutil.rmtree(self.versions_dir / st.dirname / "files", ignore_errors=True)
+    def links(self) -> dict[int, Link]:
+        """The chain's view of every version held (``chain.py``)."""
+        return {
+            v: Link(version=v, root=st.root, delta=st.delta, pinned=st.pins > 0, assembled=st.assembled)
+            for v, st in self.versions.items()
+        }
 
     # ------------------------------------------------------------ status
     def status(self) -> list[dict[str, Any]]:
