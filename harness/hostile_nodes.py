@@ -554,8 +554,8 @@ def node_snapshot(node, role: BenchRole) -> dict:
             "buckets": pol["buckets"],
             "swarm_view": len(node.swarm._peers),
             "book": len(node.conns.book),
-            "seen_cache": len(node.gossip._seen),
-            "message_cache": len(node.gossip._cache),
+            "seen_cache": len(node.gossip.tree.seen),
+            "message_cache": len(node.gossip.tree.cache),
         },
     }
     if role.validator is not None:

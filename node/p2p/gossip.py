@@ -28,7 +28,8 @@ per-peer queue; every frame waiting in the queue goes out in one stream write
 whose write fails are re-sent on a fresh stream, and a peer whose queue
 overflows is disconnected and counted (never a silent drop). The frames
 (``[topic, envelope]`` messages, IHAVE / GRAFT / PRUNE, their caps) are
-``protocol.gossip``; this module is the I/O and the state machine around them.
+``protocol.gossip``; the tree's state machine is ``plumtree.Plumtree`` (no I/O); this module
+is the streams, the timers and validation around it.
 
 On arrival of a message: de-duplicate by id (no charge), then the per-peer
 rate limit, then ``protocol.open_envelope`` (size, type for the topic, run id,
@@ -58,11 +59,12 @@ from libp2p.peer.id import ID
 import protocol
 from node.p2p.clock import ClockSkew
 from node.p2p.metrics import NodeMetrics
+from node.p2p.plumtree import Plumtree, Send
 from node.p2p.standing import PeerStanding
 from node.util import aclose_shielded, now_ms
 from protocol import Envelope, Message, NodeKey, ProtocolError, ReplayGuard, SequenceCounter
 from protocol import gossip as frames
-from protocol.gossip import GRAFT, IHAVE, MAX_IDS_PER_FRAME, PRUNE, Control
+from protocol.gossip import GRAFT, MAX_IDS_PER_FRAME, PRUNE, Control
 from protocol.topics import TOPIC_TYPES
 from protocol.topics import topic as topic_name
 
@@ -73,8 +75,6 @@ KIND_OF_TYPE = {t: k for k, t in TOPIC_TYPES.items()}
 WRITE_BATCH_BYTES = 256 * 1024  # frames coalesced into one stream write, at most
 READ_CHUNK_BYTES = 256 * 1024
 PARTIAL_FRAME_TIMEOUT_S = 30.0  # a frame that has started must be complete by then (slow senders are cut)
-PRUNE_AFTER = 3  # duplicates in a row from an eager peer before it is pruned
-MIN_EAGER = 2  # never prune below this many eager links
 # A peer whose identify lists protocols but not ours (a generic libp2p relay we hold a
 # reservation on) is not sent gossip; we look again this often (it may add the protocol).
 NO_GOSSIP_RECHECK_S = 30.0
@@ -103,14 +103,6 @@ class _Link:
         self.foreign = False  # identify says the peer does not speak our gossip
         self.created = time.monotonic()
         self.sent = 0
-
-
-class _Held:
-    """The messages one forwarder has in the GRAFT cache."""
-
-    def __init__(self) -> None:
-        self.ids: collections.deque[bytes] = collections.deque()
-        self.bytes = 0
 
 
 class Gossip:
@@ -161,24 +153,19 @@ class Gossip:
         self.my_id = key.peer_id
         self.peer_queue_size = peer_queue_size
         self.write_timeout = write_timeout
-        self.seen_capacity = seen_capacity
-        self.seen_ttl_s = seen_ttl_s
         self.ihave_interval_s = ihave_interval_s
-        self.graft_timeout_s = graft_timeout_s
-        self.cache_capacity = cache_capacity
-        self.cache_max_bytes = cache_max_bytes
-        self._cache_bytes = 0
-        self.cache_ttl_s = cache_ttl_s
-        # One forwarder's messages may take at most this share of the cache's count and bytes:
-        # a peer relaying a valid flood at its full rate would otherwise cycle the whole cache
-        # and leave GRAFTs for everyone else's messages unanswered. Ours are not counted.
-        self.cache_share = 0.25
-        self._cache_by: dict[str, _Held] = {}  # forwarder -> its cached ids (oldest first), bytes
-        self.missing_capacity = missing_capacity
-        # Missing ids first announced by one peer (its share of ``missing_capacity``): a peer
-        # announcing ids it never serves must not push out the ids honest peers announced.
-        self.missing_per_peer = missing_per_peer
-        self._missing_by: collections.Counter[str] = collections.Counter()
+        # Plumtree's state (eager and lazy links, ids seen, the GRAFT cache, missing ids): the
+        # rules live there, without I/O; this class moves its frames and runs its timers.
+        self.tree = Plumtree(
+            seen_capacity=seen_capacity,
+            seen_ttl_s=seen_ttl_s,
+            graft_timeout_s=graft_timeout_s,
+            cache_capacity=cache_capacity,
+            cache_max_bytes=cache_max_bytes,
+            cache_ttl_s=cache_ttl_s,
+            missing_capacity=missing_capacity,
+            missing_per_peer=missing_per_peer,
+        )
         self._inbound: collections.Counter[str] = collections.Counter()  # open inbound streams per peer
         # kind -> the only senders whose messages of that kind count (from the genesis):
         # checkpoints from the trainer, votes from validators, bans from either.
@@ -191,25 +178,11 @@ class Gossip:
         # kind -> the peer that forwarded the message its handlers are being called with (read
         # by a sync handler during the call: the swarm view charges a new entry to it).
         self.delivered_from: dict[str, str] = {}
-        self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self._links: dict[str, _Link] = {}
-        # Plumtree state. Every peer with a link is in exactly one of eager / lazy.
-        self._eager: set[str] = set()
-        self._lazy: set[str] = set()
-        # id -> (message frame, time, forwarder or "" for ours): answers GRAFTs (bounded by
-        # count, bytes and age, and per forwarder).
-        self._cache: collections.OrderedDict[bytes, tuple[bytes, float, str]] = collections.OrderedDict()
-        # peer -> ids to announce in its next IHAVE (bounded per peer).
-        self._ihave_out: dict[str, list[bytes]] = {}
-        # id we lack -> [deadline, peers that announced it, first announcer] (bounded in all and
-        # per first announcer).
-        self._missing: collections.OrderedDict[bytes, list] = collections.OrderedDict()
-        self._dup_streak: dict[str, int] = {}  # eager peer -> duplicates in a row from it
-        self.counters: collections.Counter[str] = collections.Counter()
+        self._links: dict[str, _Link] = {}  # every peer with a link is in tree.eager or tree.lazy
+        self.counters = self.tree.counters  # the tree's and the streams' counters, one table
         self._ready = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.relayed_frames = 0
-        self.duplicates = 0
         host.set_stream_handler(GOSSIP_PROTOCOL, self._handle_stream)
         self.standing.ban_listeners.append(self._on_ban)
 
@@ -232,11 +205,9 @@ class Gossip:
         if len(data) > frames.MAX_GOSSIP_ENVELOPE_BYTES:
             raise GossipError(f"{type(message).__name__} envelope is {len(data)} bytes, over the gossip cap")
         await self._ready.wait()
-        msg_id = frames.message_id(data)
-        self._mark_seen(msg_id)
         frame = frames.encode_message(self._kind_topic[kind], data)
-        self._remember(msg_id, frame)
-        self._pass_on(msg_id, frame, exclude=())
+        self._sync_links()
+        self._do(self.tree.publish(frames.message_id(data), frame, trio.current_time()))
         self.metrics.on_published(kind)
         return data
 
@@ -249,17 +220,16 @@ class Gossip:
         link = self._links.get(peer_id)
         return link is not None and link.stream_ok
 
+    @property
+    def duplicates(self) -> int:
+        """Messages received again (no charge: honest peers relay what we already have)."""
+        return self.tree.duplicates
+
     def status(self) -> dict[str, Any]:
         return {
             "links": len(self._links),
-            "eager": len(self._eager),
-            "lazy": len(self._lazy),
-            "duplicates": self.duplicates,
+            **self.tree.status(),
             "relayed_frames": self.relayed_frames,
-            "seen_cache": len(self._seen),
-            "message_cache": len(self._cache),
-            "message_cache_bytes": self._cache_bytes,
-            "missing": len(self._missing),
             **{k: v for k, v in sorted(self.counters.items())},
         }
 
@@ -300,8 +270,7 @@ class Gossip:
                 continue
             link = _Link(pid, self.peer_queue_size)
             self._links[pid] = link
-            self._eager.add(pid)  # Plumtree: a new neighbour starts eager
-            self._lazy.discard(pid)
+            self.tree.add_link(pid)
             self._spawn(self._sender, link)
         for pid in set(self._links):
             if pid not in connected or not self.standing.reachable(pid):
@@ -309,10 +278,7 @@ class Gossip:
 
     def _close_link(self, pid: str) -> None:
         link = self._links.pop(pid, None)
-        self._eager.discard(pid)
-        self._lazy.discard(pid)
-        self._ihave_out.pop(pid, None)
-        self._dup_streak.pop(pid, None)
+        self.tree.remove_link(pid)
         if link is not None:
             link.scope.cancel()
 
@@ -341,107 +307,21 @@ class Gossip:
             if pid not in exclude:
                 self._send(pid, frame)
 
-    def _pass_on(self, msg_id: bytes, frame: bytes, exclude: tuple[str, ...]) -> None:
-        """Push a new message to eager peers and queue its id for lazy ones."""
-        self._sync_links()
-        for pid in list(self._eager):
-            if pid not in exclude:
-                self._send(pid, frame)
-        for pid in self._lazy:
-            if pid not in exclude:
-                ids = self._ihave_out.setdefault(pid, [])
-                if len(ids) < MAX_IDS_PER_FRAME:  # beyond that the peer still has GRAFT from others
-                    ids.append(msg_id)
-
-    def _remember(self, msg_id: bytes, frame: bytes, forwarder: str = "") -> None:
-        """Keep ``frame`` to answer GRAFTs: bounded by count, bytes (manifests are large) and age,
-        and per forwarder: past its share (``cache_share`` of count and bytes) a forwarder's
-        own oldest entries make room, never other peers' (GRAFTs come within a second or two
-        of a message, so the newest are the ones worth keeping)."""
-        now = time.monotonic()
-        if msg_id in self._cache:
-            return
-        if forwarder:
-            held = self._cache_by.setdefault(forwarder, _Held())
-            while held.ids and (
-                len(held.ids) + 1 > self.cache_capacity * self.cache_share
-                or held.bytes + len(frame) > self.cache_max_bytes * self.cache_share
-            ):
-                self.counters["cache_over_share"] += 1
-                self._uncache(held.ids[0])
-            held = self._cache_by.setdefault(forwarder, _Held())
-            held.ids.append(msg_id)
-            held.bytes += len(frame)
-        self._cache[msg_id] = (frame, now, forwarder)
-        self._cache_bytes += len(frame)
-        while self._cache:
-            oldest, (_f, t, _fwd) = next(iter(self._cache.items()))
-            if (
-                len(self._cache) > self.cache_capacity
-                or self._cache_bytes > self.cache_max_bytes
-                or now - t > self.cache_ttl_s
-            ):
-                self._uncache(oldest)
-            else:
-                break
-
-    def _uncache(self, msg_id: bytes) -> None:
-        """Drop one cached message. Insertion order is the same in the cache and in each
-        forwarder's list, so the entry is at the head of its forwarder's list."""
-        frame, _t, fwd = self._cache.pop(msg_id)
-        self._cache_bytes -= len(frame)
-        if fwd:
-            held = self._cache_by[fwd]
-            held.ids.popleft()
-            held.bytes -= len(frame)
-            if not held.ids:
-                del self._cache_by[fwd]
-
-    def _make_eager(self, pid: str) -> None:
-        if pid in self._links:
-            self._lazy.discard(pid)
-            self._eager.add(pid)
-
-    def _make_lazy(self, pid: str) -> None:
-        if pid in self._links:
-            self._eager.discard(pid)
-            self._lazy.add(pid)
+    def _do(self, sends: list[Send]) -> None:
+        """Queue the tree's frames to their peers."""
+        for send in sends:
+            self._send(send.peer, send.frame)
 
     async def _ihave_loop(self) -> None:
         while True:
             await trio.sleep(self.ihave_interval_s)
-            out, self._ihave_out = self._ihave_out, {}
-            for pid, ids in out.items():
-                if ids:
-                    self.counters["ihave_sent"] += len(ids)
-                    self._send(pid, frames.encode_control(IHAVE, ids))
+            self._do(self.tree.flush_ihave())
 
     async def _graft_loop(self) -> None:
         """Ask an announcer for every id still missing after ``graft_timeout_s``."""
         while True:
-            await trio.sleep(min(0.05, self.graft_timeout_s / 2))
-            now = trio.current_time()
-            wanted: dict[str, list[bytes]] = {}
-            for msg_id, entry in list(self._missing.items()):
-                deadline, announcers, _owner = entry
-                if msg_id in self._seen:
-                    self._forget_missing(msg_id)
-                    continue
-                if deadline > now:
-                    continue
-                while announcers and announcers[0] not in self._links:
-                    announcers.pop(0)
-                if not announcers:
-                    self._forget_missing(msg_id)  # nobody left to ask; a later IHAVE starts over
-                    continue
-                pid = announcers.pop(0)
-                wanted.setdefault(pid, []).append(msg_id)
-                entry[0] = now + self.graft_timeout_s  # then the next announcer
-            for pid, ids in wanted.items():
-                for i in range(0, len(ids), MAX_IDS_PER_FRAME):
-                    self.counters["graft_sent"] += 1
-                    self._make_eager(pid)
-                    self._send(pid, frames.encode_control(GRAFT, ids[i : i + MAX_IDS_PER_FRAME]))
+            await trio.sleep(min(0.05, self.tree.graft_timeout_s / 2))
+            self._do(self.tree.due_grafts(trio.current_time()))
 
     async def _disconnect(self, pid: str) -> None:
         try:
@@ -488,8 +368,7 @@ class Gossip:
                     # Opening a stream would fail every time (and py-libp2p logs each failure
                     # at ERROR); the connection manager decides whether to keep the peer.
                     link.foreign, link.stream_ok, pending = True, False, None
-                    self._make_lazy(link.peer_id)
-                    self._ihave_out.pop(link.peer_id, None)
+                    self.tree.mute(link.peer_id)
                     while True:
                         try:
                             link.recv.receive_nowait()
@@ -584,24 +463,6 @@ class Gossip:
         finally:
             await aclose_shielded(stream.close, 1)
 
-    def _forget_missing(self, msg_id: bytes) -> None:
-        entry = self._missing.pop(msg_id, None)
-        if entry is not None:
-            owner = entry[2]
-            self._missing_by[owner] -= 1
-            if self._missing_by[owner] <= 0:
-                del self._missing_by[owner]
-
-    def _mark_seen(self, msg_id: bytes) -> None:
-        now = time.monotonic()
-        self._seen[msg_id] = now
-        while self._seen:
-            _oldest, t = next(iter(self._seen.items()))
-            if len(self._seen) > self.seen_capacity or now - t > self.seen_ttl_s:
-                self._seen.popitem(last=False)
-            else:
-                break
-
     def _drop(self, reason: str, forwarder: str | None, charge: bool = True) -> bool:
         self.metrics.on_dropped(reason)
         if charge and forwarder is not None:
@@ -627,19 +488,8 @@ class Gossip:
             return self._drop("topic", fwd)
         kind, type_id = self._topic_kind[topic]
         msg_id = frames.message_id(data)
-        if msg_id in self._seen:
-            self.duplicates += 1
-            if fwd in self._eager:
-                # Plumtree: a second eager path to us; keep the first, demote this one. With
-                # hysteresis: only after PRUNE_AFTER duplicates in a row, and never below
-                # MIN_EAGER links (concurrent prunes by several nodes for messages from
-                # several origins otherwise cut the tree apart, and GRAFT storms follow).
-                streak = self._dup_streak[fwd] = self._dup_streak.get(fwd, 0) + 1
-                if streak >= PRUNE_AFTER and len(self._eager) > MIN_EAGER:
-                    self._dup_streak.pop(fwd, None)
-                    self._make_lazy(fwd)
-                    self.counters["prune_sent"] += 1
-                    self._send(fwd, frames.encode_control(PRUNE))
+        if self.tree.is_seen(msg_id):
+            self._do(self.tree.duplicate(fwd))
             return False  # an honest peer relays what we already have: no charge
         self.metrics.on_received(kind)
         if not self.standing.allow(fwd):
@@ -654,7 +504,7 @@ class Gossip:
                 self._clock_sample(data, type_id, now)
             rule = "topic_type" if exc.rule == "envelope.type" else exc.rule
             return self._drop(rule, fwd)
-        self._mark_seen(msg_id)
+        self.tree.mark_seen(msg_id, trio.current_time())
         allowed = self.authorised.get(kind)
         if allowed is not None and env.sender not in allowed:
             return self._drop("unauthorised", fwd)  # an honest peer would not have relayed it
@@ -675,11 +525,8 @@ class Gossip:
         except trio.WouldBlock:
             self.metrics.on_dropped("local_queue_full")
         self.relayed_frames += 1
-        self._forget_missing(msg_id)
-        self._remember(msg_id, frame, fwd)
-        self._make_eager(fwd)  # the path that delivered first stays in the tree
-        self._dup_streak.pop(fwd, None)
-        self._pass_on(msg_id, frame, exclude=(fwd, env.sender))
+        self._sync_links()
+        self._do(self.tree.deliver(fwd, env.sender, msg_id, frame, trio.current_time()))
         return True
 
     def _clock_sample(self, data: bytes, type_id: int, now: int) -> None:
@@ -699,33 +546,11 @@ class Gossip:
         if not self.standing.allow(fwd):
             return self._drop("rate_limit", fwd)
         if kind == PRUNE:
-            self.counters["prune_received"] += 1
-            self._make_lazy(fwd)
+            self.tree.on_prune(fwd)
         elif kind == GRAFT:
-            self.counters["graft_received"] += 1
-            self._make_eager(fwd)
-            for msg_id in ids:
-                hit = self._cache.get(msg_id)
-                if hit is not None:
-                    self.counters["graft_served"] += 1
-                    self._send(fwd, hit[0])
+            self._do(self.tree.on_graft(fwd, ids))
         else:
-            self.counters["ihave_received"] += len(ids)
-            deadline = trio.current_time() + self.graft_timeout_s
-            for msg_id in ids:
-                if msg_id in self._seen:
-                    continue
-                entry = self._missing.get(msg_id)
-                if entry is None:
-                    if self._missing_by[fwd] >= self.missing_per_peer:
-                        self.counters["ihave_over_share"] += 1
-                        continue  # its share is full; other announcers of the id still count
-                    if len(self._missing) >= self.missing_capacity:
-                        self._forget_missing(next(iter(self._missing)))
-                    self._missing[msg_id] = [deadline, [fwd], fwd]
-                    self._missing_by[fwd] += 1
-                elif fwd not in entry[1] and len(entry[1]) < 16:
-                    entry[1].append(fwd)
+            self.tree.on_ihave(fwd, ids, trio.current_time())
         return False
 
     def _on_ban(self, peer_id: str, reason: str) -> None:

@@ -89,7 +89,7 @@ async def silence_heartbeats(nodes) -> None:
         frame still in a socket is in neither)."""
         moved = sum(n.gossip.relayed_frames + n.gossip.duplicates + sum(n.gossip.counters.values()) for n in nodes)
         still, last[0] = moved == last[0], moved
-        return still and all(not n.gossip._missing and not any(n.gossip._ihave_out.values()) for n in nodes)
+        return still and all(not n.gossip.tree.missing and not any(n.gossip.tree.ihave_out.values()) for n in nodes)
 
     # polled at the IHAVE interval, so a queued IHAVE has gone out between two polls
     await wait_until(quiet, 30, poll=0.5, what="no gossip in flight")
@@ -110,7 +110,7 @@ async def test_a_node_whose_eager_links_were_all_pruned_still_gets_everything_by
             for pid in list(victim.gossip._links):
                 victim.gossip._send(pid, encode_control(PRUNE))
             await wait_until(
-                lambda: all(victim.peer_id not in n.gossip._eager for n in nodes if n is not victim),
+                lambda: all(victim.peer_id not in n.gossip.tree.eager for n in nodes if n is not victim),
                 20,
                 what="the neighbours to demote the victim to lazy",
             )
@@ -129,7 +129,7 @@ async def test_malformed_control_frames_are_charged_and_bounded():
             attacker = await net.start(target_peers=1)
             await wait_until(lambda: attacker.gossip.has_stream(target.peer_id), 20, what="attacker's gossip link")
             # Announcing ids that never come costs the target bounded state only.
-            target.gossip.missing_capacity = 50
+            target.gossip.tree.missing_capacity = 50
             for i in range(4):
                 ids = [(i * 1000 + j).to_bytes(32, "big") for j in range(40)]
                 attacker.gossip._send(target.peer_id, encode_control(IHAVE, ids))
@@ -137,7 +137,7 @@ async def test_malformed_control_frames_are_charged_and_bounded():
             attacker.gossip._send(target.peer_id, encode_control(GRAFT, [bytes(32)]))
             await wait_until(lambda: target.gossip.counters["ihave_received"] >= 160, 20, what="the IHAVEs")
             await wait_until(lambda: target.gossip.counters["graft_received"] >= 1, 20, what="the GRAFT")
-            assert len(target.gossip._missing) <= 50
+            assert len(target.gossip.tree.missing) <= 50
             assert target.gossip.counters["graft_served"] == 0
             before = target.metrics.dropped["frame"]
             bad = [
@@ -163,7 +163,7 @@ async def test_the_graft_cache_is_bounded_by_bytes():
             net = NodeFactory(nursery, target_peers=2)
             a, b = await net.start(), await net.start()
             await net.wait_connected([a, b], min_peers=1)
-            a.gossip.cache_max_bytes = 4000
+            a.gossip.tree.cache_max_bytes = 4000
             for tag in range(100):
                 await a.gossip.publish(announce(tag))
             st = a.gossip.status()

@@ -86,24 +86,24 @@ async def test_ids_announced_and_never_served_take_only_the_announcers_share():
             for n in (honest, attacker):
                 await wait_until(lambda n=n: n.gossip.has_stream(target.peer_id), 20, what="gossip links")
             g = target.gossip
-            g.missing_capacity, g.missing_per_peer = 200, 50
-            g.graft_timeout_s = 3.0  # time for the whole flood to land before the honest GRAFT
+            g.tree.missing_capacity, g.tree.missing_per_peer = 200, 50
+            g.tree.graft_timeout_s = 3.0  # time for the whole flood to land before the honest GRAFT
 
             # The honest peer holds a message the target lacks (it never pushed it) and announces it.
             data = protocol.seal(honest.key, honest.run_id, tagged_announce(9), now_ms(), honest.seq.next())
             msg_id = frames.message_id(data)
-            honest.gossip._remember(msg_id, frames.encode_message(honest.gossip.topic("rollout"), data))
+            honest.gossip.tree.remember(msg_id, frames.encode_message(honest.gossip.topic("rollout"), data), "", trio.current_time())
             got: list[int] = []
             g.on("rollout", lambda env: got.append(_tag(env)))
             honest.gossip._send(target.peer_id, encode_control(IHAVE, [msg_id]))
-            await wait_until(lambda: msg_id in g._missing or 9 in got, 20, what="the honest IHAVE")
+            await wait_until(lambda: msg_id in g.tree.missing or 9 in got, 20, what="the honest IHAVE")
 
             # The attacker announces 3,000 ids it will never serve, in 10 frames.
             before = g.counters["ihave_received"]
             for _ in range(10):
                 attacker.gossip._send(target.peer_id, encode_control(IHAVE, [os.urandom(32) for _ in range(300)]))
             await wait_until(lambda: g.counters["ihave_received"] >= before + 3000, 20, what="the flood")
-            assert g._missing_by[attacker.peer_id] == 50
+            assert g.tree.missing_by[attacker.peer_id] == 50
             assert g.counters["ihave_over_share"] >= 2950
 
             await wait_until(lambda: 9 in got, 20, what="the honest message, grafted")
@@ -266,15 +266,15 @@ async def test_a_forwarders_flood_cycles_only_its_share_of_the_graft_cache():
             g = target.gossip
             for n in (honest, attacker, third):
                 await wait_until(lambda n=n: n.gossip.has_stream(target.peer_id), 20, what="gossip links")
-            g.cache_capacity = 40  # a share of 10
+            g.tree.cache_capacity = 40  # a share of 10
             data = await honest.gossip.publish(tagged_announce(1))
             honest_id = frames.message_id(data)
-            await wait_until(lambda: honest_id in g._cache, 20, what="the honest message cached")
+            await wait_until(lambda: honest_id in g.tree.cache, 20, what="the honest message cached")
             for tag in range(100, 160):
                 await attacker.gossip.publish(tagged_announce(tag))
             await wait_until(lambda: g.counters["cache_over_share"] >= 50, 20, what="the flood")
-            assert len(g._cache_by[attacker.peer_id].ids) == 10
-            assert honest_id in g._cache
+            assert len(g.tree.cache_by[attacker.peer_id].ids) == 10
+            assert honest_id in g.tree.cache
 
             third.gossip._send(target.peer_id, encode_control(GRAFT, [honest_id]))
             await wait_until(lambda: g.counters["graft_served"] >= 1, 20, what="the GRAFT answered")
