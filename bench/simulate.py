@@ -1,0 +1,430 @@
+"""Gossip at 10 to 1,000 nodes, simulated with the real Plumtree core (issue 32 point 3, the
+gossip part): delivery, latency and cost per message, with and without churn, beside a plain
+flood of the same overlay as the baseline.
+
+    python bench/simulate.py [--nodes 10,100,1000] [--rate 20] [--seconds 30] [--degree 6]
+                             [--churn 0,10] [--loss 0.001] [--seed 0]
+
+What is real and what is modelled:
+
+* **Real**: every node runs ``node.p2p.plumtree.Plumtree``, the object the daemon's gossip
+  drives (eager/lazy links, pruning, IHAVE batching and GRAFT deadlines, the bounded
+  tables), fed the real encoded frames (``protocol.gossip``); the timers fire at the
+  daemon's intervals (IHAVE every 0.5 s, GRAFT checks every 0.05 s, graft timeout 0.25 s).
+* **Modelled** (a discrete event clock, no sockets): each node's link has an upload and a
+  download cap and an access latency; a frame waits for the sender's uplink, travels the two
+  access latencies, waits for the receiver's downlink, then for the receiver's CPU
+  (``--cpu-ms`` per frame: validation, Noise and yamux cost ~1 ms of Python per frame,
+  bench/gossip.py). TCP hides loss as delay: a frame lost (``--loss``) arrives one
+  retransmission timeout later (200 ms + 2 x the path latency). Each frame carries
+  ``FRAME_OVERHEAD`` bytes of TCP/Noise/yamux framing.
+* **Links**: 70 % home links (download log-uniform 50-1000 Mbit/s, upload 1/10 to 1/2 of
+  it, at least 20 Mbit/s), 30 % datacentre links (1-10 Gbit/s both ways); access latency
+  log-uniform 2.5-150 ms, so a path takes 5-300 ms one way.
+* **Overlay**: each node links to ``--degree`` random peers (the connection manager's
+  target); a node that leaves is noticed by its peers ``DETECT_S`` later, and a peer left
+  below the target links a random live node ``DIAL_S`` after that. ``--churn P``: P % of
+  the nodes leave per minute and as many fresh ones join (Poisson).
+* **Load**: ``--rate`` messages per second in all (announces and votes: 400-byte
+  envelopes), each from a random live node.
+
+Reported per configuration: delivery ratio (deliveries to nodes alive from the message's
+publication to the end, over those nodes), latency p50 / p99 / max from publication to
+delivery, message frames sent per delivery (1 on a perfect tree, the degree for a flood),
+control frames per delivery, upload bytes per node per second, the busiest node's CPU share,
+and the simulator's own wall time. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from node.p2p.plumtree import Plumtree, Send  # noqa: E402
+from protocol import gossip as frames  # noqa: E402
+from protocol.gossip import GRAFT, IHAVE, PRUNE, Control  # noqa: E402
+
+FRAME_OVERHEAD = 60  # bytes of TCP/IP, Noise and yamux framing per gossip frame (4-byte length prefix included)
+ENVELOPE_BYTES = 400  # a rollout announce or a vote
+IHAVE_INTERVAL_S = 0.5  # node/p2p/gossip.py's defaults
+GRAFT_CHECK_S = 0.05
+GRAFT_TIMEOUT_S = 0.25
+DETECT_S = 2.0  # a peer that left is noticed (connection closed, or the watchdog) after this
+DIAL_S = 1.0  # and a replacement link is up this long after that
+DRAIN_S = 10.0  # simulated time after the last publication
+
+
+@dataclass
+class Node:
+    name: int
+    up_bps: float
+    down_bps: float
+    latency_s: float  # access latency, one way
+    tree: Plumtree | None  # None: the flood baseline
+    phase: float  # where this node's IHAVE timer ticks
+    links: set[int] = field(default_factory=set)
+    alive: bool = True
+    born: float = 0.0
+    died: float = math.inf
+    up_free: float = 0.0
+    down_free: float = 0.0
+    cpu_free: float = 0.0
+    cpu_busy: float = 0.0
+    seen: set[bytes] = field(default_factory=set)  # flood mode
+    ihave_due: bool = False
+    graft_due: bool = False
+    sent_bytes: int = 0
+
+
+def draw_link(rnd: random.Random) -> tuple[float, float, float]:
+    """(upload bit/s, download bit/s, access latency s) from the stated distribution."""
+    if rnd.random() < 0.7:
+        down = math.exp(rnd.uniform(math.log(50e6), math.log(1000e6)))
+        up = max(20e6, down * rnd.uniform(0.1, 0.5))
+    else:
+        up = down = math.exp(rnd.uniform(math.log(1e9), math.log(10e9)))
+    latency = math.exp(rnd.uniform(math.log(0.0025), math.log(0.150)))
+    return up, down, latency
+
+
+class Sim:
+    def __init__(self, args: argparse.Namespace, n: int, mode: str, churn: float) -> None:
+        self.a, self.mode, self.churn = args, mode, churn
+        self.rnd = random.Random(f"{args.seed}-{n}-{churn}")  # the same overlay and load for both modes
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, tuple[Any, ...]]] = []
+        self.seq = 0
+        self.nodes: dict[int, Node] = {}
+        self.origin: dict[bytes, int] = {}
+        self.published: dict[bytes, float] = {}
+        self.delivered: dict[bytes, dict[int, float]] = {}
+        self.counts = {"message_frames": 0, "control_frames": 0, "duplicates": 0}
+        self.topic = "/primenode/sim/rollout"
+        for _ in range(n):
+            self._new_node()
+        names = list(self.nodes)
+        for name in names:
+            while len(self.nodes[name].links) < args.degree:
+                other = self.rnd.choice(names)
+                if other != name and other not in self.nodes[name].links:
+                    self._link(name, other)
+
+    # ------------------------------------------------------------ the overlay
+    def _new_node(self) -> Node:
+        up, down, lat = draw_link(self.rnd)
+        tree = Plumtree(graft_timeout_s=GRAFT_TIMEOUT_S) if self.mode == "plumtree" else None
+        node = Node(len(self.nodes), up, down, lat, tree, self.rnd.uniform(0, IHAVE_INTERVAL_S), born=self.now)
+        self.nodes[node.name] = node
+        return node
+
+    def _link(self, a: int, b: int) -> None:
+        for x, y in ((a, b), (b, a)):
+            self.nodes[x].links.add(y)
+            tree = self.nodes[x].tree
+            if tree is not None:
+                tree.add_link(y)
+
+    def _unlink(self, a: int, b: int) -> None:
+        node = self.nodes[a]
+        node.links.discard(b)
+        if node.tree is not None:
+            node.tree.remove_link(b)
+
+    def live(self) -> list[int]:
+        return [n.name for n in self.nodes.values() if n.alive]
+
+    # ------------------------------------------------------------ events
+    def at(self, t: float, kind: str, *args: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, args))
+
+    def send(self, src: Node, dst_name: int, frame: bytes) -> None:
+        dst = self.nodes[dst_name]
+        if not dst.alive or dst_name not in src.links:
+            return
+        size = len(frame) + FRAME_OVERHEAD
+        start = max(self.now, src.up_free)
+        src.up_free = start + size * 8 / src.up_bps
+        src.sent_bytes += size
+        path = src.latency_s + dst.latency_s
+        if self.rnd.random() < self.a.loss:
+            path += 0.2 + 2 * path  # TCP: a lost segment is a retransmission timeout later
+        self.at(src.up_free + path, "arrive", dst_name, src.name, frame)
+
+    def do(self, node: Node, sends: list[Send], message: bytes | None = None) -> None:
+        """Send the tree's frames: ``message`` (the same bytes object) is counted as a message
+        frame, everything else as control (IHAVE, GRAFT, PRUNE)."""
+        for s in sends:
+            self.counts["message_frames" if s.frame is message else "control_frames"] += 1
+            self.send(node, s.peer, s.frame)
+        self.timers(node)
+
+    def timers(self, node: Node) -> None:
+        tree = node.tree
+        if tree is None or not node.alive:
+            return
+        if tree.ihave_out and not node.ihave_due:
+            node.ihave_due = True
+            k = math.floor((self.now - node.phase) / IHAVE_INTERVAL_S) + 1
+            self.at(node.phase + k * IHAVE_INTERVAL_S, "ihave", node.name)
+        if tree.missing and not node.graft_due:
+            node.graft_due = True
+            self.at(self.now + GRAFT_CHECK_S, "graft", node.name)
+
+    def arrive(self, dst_name: int, src_name: int, frame: bytes) -> None:
+        """A frame reached ``dst``'s downlink: it is read, then validated on its CPU."""
+        dst = self.nodes[dst_name]
+        if not dst.alive:
+            return
+        size = len(frame) + FRAME_OVERHEAD
+        dst.down_free = max(self.now, dst.down_free) + size * 8 / dst.down_bps
+        cost = self.a.cpu_ms / 1000
+        dst.cpu_free = max(dst.down_free, dst.cpu_free) + cost
+        dst.cpu_busy += cost
+        self.at(dst.cpu_free, "process", dst_name, src_name, frame)
+
+    def process(self, dst_name: int, src_name: int, frame: bytes) -> None:
+        dst = self.nodes[dst_name]
+        if not dst.alive:
+            return
+        decoded = frames.decode_frame(frame)
+        if isinstance(decoded, Control):
+            kind, ids = decoded
+            assert dst.tree is not None
+            if src_name not in dst.links:
+                return
+            if kind == PRUNE:
+                dst.tree.on_prune(src_name)  # type: ignore[arg-type]
+            elif kind == GRAFT:
+                for s in dst.tree.on_graft(src_name, ids):  # type: ignore[arg-type]
+                    self.counts["message_frames"] += 1  # a GRAFT is answered with the messages
+                    self.send(dst, s.peer, s.frame)
+            elif kind == IHAVE:
+                dst.tree.on_ihave(src_name, ids, self.now)  # type: ignore[arg-type]
+                self.timers(dst)
+            return
+        _topic, data = decoded
+        msg_id = frames.message_id(data)
+        tree = dst.tree
+        if tree is None:
+            if msg_id in dst.seen:
+                self.counts["duplicates"] += 1
+                return
+            dst.seen.add(msg_id)
+            self.delivered[msg_id][dst_name] = self.now
+            origin = self.origin[msg_id]
+            for peer in dst.links:
+                if peer not in (src_name, origin):
+                    self.counts["message_frames"] += 1
+                    self.send(dst, peer, frame)
+            return
+        if tree.is_seen(msg_id):
+            self.counts["duplicates"] += 1
+            self.do(dst, tree.duplicate(src_name))  # type: ignore[arg-type]
+            return
+        tree.mark_seen(msg_id, self.now)
+        self.delivered[msg_id][dst_name] = self.now
+        self.do(dst, tree.deliver(src_name, self.origin[msg_id], msg_id, frame, self.now), message=frame)  # type: ignore[arg-type]
+
+    def publish(self, i: int) -> None:
+        name = self.rnd.choice(self.live())
+        node = self.nodes[name]
+        data = i.to_bytes(8, "big") + bytes(ENVELOPE_BYTES - 8)
+        msg_id = frames.message_id(data)
+        frame = frames.encode_message(self.topic, data)
+        self.origin[msg_id] = name
+        self.published[msg_id] = self.now
+        self.delivered[msg_id] = {name: self.now}
+        if node.tree is None:
+            node.seen.add(msg_id)
+            for peer in node.links:
+                self.counts["message_frames"] += 1
+                self.send(node, peer, frame)
+            return
+        self.do(node, node.tree.publish(msg_id, frame, self.now), message=frame)
+
+    def leave(self) -> None:
+        live = self.live()
+        if len(live) <= self.a.degree + 1:
+            return
+        node = self.nodes[self.rnd.choice(live)]
+        node.alive, node.died = False, self.now
+        for peer in list(node.links):
+            self.at(self.now + DETECT_S, "lost", peer, node.name)
+
+    def lost(self, name: int, gone: int) -> None:
+        node = self.nodes[name]
+        self._unlink(name, gone)
+        if node.alive and len(node.links) < self.a.degree:
+            self.at(self.now + DIAL_S, "dial", name)
+
+    def dial(self, name: int) -> None:
+        node = self.nodes[name]
+        candidates = [p for p in self.live() if p != name and p not in node.links]
+        if node.alive and candidates and len(node.links) < self.a.degree:
+            self._link(name, self.rnd.choice(candidates))
+
+    def join(self) -> None:
+        node = self._new_node()
+        live = [p for p in self.live() if p != node.name]
+        for peer in self.rnd.sample(live, min(self.a.degree, len(live))):
+            self._link(node.name, peer)
+
+    def ihave(self, name: int) -> None:
+        node = self.nodes[name]
+        node.ihave_due = False
+        if node.alive and node.tree is not None:
+            self.do(node, node.tree.flush_ihave())
+
+    def graft(self, name: int) -> None:
+        node = self.nodes[name]
+        node.graft_due = False
+        if node.alive and node.tree is not None:
+            self.do(node, node.tree.due_grafts(self.now))
+
+    # ------------------------------------------------------------ the run
+    def run(self) -> dict[str, Any]:
+        a = self.a
+        n_msgs = int(a.rate * a.seconds)
+        for i in range(n_msgs):
+            self.at(1.0 + i / a.rate, "publish", i)
+        end = 1.0 + a.seconds + DRAIN_S
+        if self.churn > 0:
+            per_s = self.churn / 100 * len(self.nodes) / 60
+            t = 1.0
+            while True:
+                t += self.rnd.expovariate(per_s)
+                if t >= 1.0 + a.seconds:
+                    break
+                self.at(t, "leave")
+                self.at(t + self.rnd.uniform(0, 1), "join")
+        handlers = {
+            "publish": self.publish,
+            "arrive": self.arrive,
+            "process": self.process,
+            "ihave": self.ihave,
+            "graft": self.graft,
+            "leave": self.leave,
+            "lost": self.lost,
+            "dial": self.dial,
+            "join": self.join,
+        }
+        wall0 = time.perf_counter()
+        n_events = 0
+        while self.events and self.events[0][0] <= end:
+            self.now, _seq, kind, args = heapq.heappop(self.events)
+            handlers[kind](*args)
+            n_events += 1
+        wall = time.perf_counter() - wall0
+        return self.report(end, wall, n_events)
+
+    def report(self, end: float, wall: float, n_events: int) -> dict[str, Any]:
+        lat: list[float] = []
+        expected = got = 0
+        for msg_id, t_pub in self.published.items():
+            eligible = [
+                n.name
+                for n in self.nodes.values()
+                if n.born <= t_pub and n.died > end and n.name != self.origin[msg_id]
+            ]
+            expected += len(eligible)
+            times = self.delivered[msg_id]
+            for name in eligible:
+                if name in times:
+                    got += 1
+                    lat.append(times[name] - t_pub)
+        lat.sort()
+        deliveries = sum(len(d) - 1 for d in self.delivered.values())
+        horizon = end
+        return {
+            "nodes": len([n for n in self.nodes.values() if n.born == 0.0]),
+            "mode": self.mode,
+            "churn_pct_per_min": self.churn,
+            "messages": len(self.published),
+            "delivery_ratio": round(got / expected, 5) if expected else None,
+            "latency_p50_ms": round(1000 * lat[len(lat) // 2], 1) if lat else None,
+            "latency_p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
+            "latency_max_ms": round(1000 * lat[-1], 1) if lat else None,
+            "message_frames_per_delivery": round(self.counts["message_frames"] / deliveries, 3) if deliveries else None,
+            "control_frames_per_delivery": round(self.counts["control_frames"] / deliveries, 3) if deliveries else None,
+            "upload_kB_per_node_s": round(
+                statistics.mean(n.sent_bytes for n in self.nodes.values()) / horizon / 1000, 2
+            ),
+            "busiest_cpu_share": round(max(n.cpu_busy for n in self.nodes.values()) / horizon, 3),
+            "events": n_events,
+            "sim_wall_s": round(wall, 1),
+        }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="10,100,1000")
+    ap.add_argument("--rate", type=float, default=20.0, help="messages per second, all publishers together")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--degree", type=int, default=6)
+    ap.add_argument("--churn", default="0,10", help="%% of nodes leaving (and as many joining) per minute")
+    ap.add_argument("--loss", type=float, default=0.001)
+    ap.add_argument("--cpu-ms", type=float, default=1.0, help="CPU per frame received")
+    ap.add_argument("--modes", default="plumtree,flood")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    rows = []
+    for n in (int(x) for x in a.nodes.split(",")):
+        for churn in (float(x) for x in a.churn.split(",")):
+            for mode in a.modes.split(","):
+                row = Sim(a, n, mode, churn).run()
+                rows.append(row)
+                print(
+                    f"N={n} churn={churn:g}%/min {mode}: delivery {row['delivery_ratio']}, "
+                    f"p50 {row['latency_p50_ms']} ms, p99 {row['latency_p99_ms']} ms, "
+                    f"{row['message_frames_per_delivery']} msg + {row['control_frames_per_delivery']} ctl frames/delivery, "
+                    f"{row['sim_wall_s']} s",
+                    flush=True,
+                )
+    cols = [
+        ("nodes", "N"),
+        ("churn_pct_per_min", "churn %/min"),
+        ("mode", "mode"),
+        ("delivery_ratio", "delivery"),
+        ("latency_p50_ms", "p50 ms"),
+        ("latency_p99_ms", "p99 ms"),
+        ("latency_max_ms", "max ms"),
+        ("message_frames_per_delivery", "msg frames/dlv"),
+        ("control_frames_per_delivery", "ctl frames/dlv"),
+        ("upload_kB_per_node_s", "up kB/node/s"),
+        ("busiest_cpu_share", "max CPU"),
+        ("sim_wall_s", "sim s"),
+    ]
+    print()
+    print(" ".join(f"{h:>{max(len(h), 8)}}" for _k, h in cols))
+    for r in rows:
+        print(" ".join(f"{r[k]!s:>{max(len(h), 8)}}" for k, h in cols))
+    print(
+        json.dumps(
+            {
+                "bench": "simulate",
+                "rate": a.rate,
+                "seconds": a.seconds,
+                "degree": a.degree,
+                "loss": a.loss,
+                "cpu_ms": a.cpu_ms,
+                "rows": rows,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
