@@ -54,7 +54,9 @@ sys.path.insert(0, str(REPO))
 
 from node.p2p.plumtree import Plumtree, Send  # noqa: E402
 from protocol import gossip as frames  # noqa: E402
+from protocol.committee import Ballot, CommitteeRule, committee_order, committee_seed  # noqa: E402
 from protocol.gossip import GRAFT, IHAVE, PRUNE, Control  # noqa: E402
+from protocol.rules import Quorum  # noqa: E402
 
 FRAME_OVERHEAD = 60  # bytes of TCP/IP, Noise and yamux framing per gossip frame (4-byte length prefix included)
 ENVELOPE_BYTES = 400  # a rollout announce or a vote
@@ -116,7 +118,7 @@ class Sim:
             self._new_node()
         names = list(self.nodes)
         for name in names:
-            while len(self.nodes[name].links) < args.degree:
+            while len(self.nodes[name].links) < min(args.degree, n - 1):
                 other = self.rnd.choice(names)
                 if other != name and other not in self.nodes[name].links:
                     self._link(name, other)
@@ -368,6 +370,160 @@ class Sim:
         }
 
 
+# ---------------------------------------------------------------------------- admission
+REPLAY_RATIO = 3.9  # a worker's generation costs 3.9 x a validator's replay of it on the same CPU (issue 32)
+
+
+class Admission:
+    """Workers, validators with committees and the trainer's ledger on a discrete event clock.
+
+    Real: the committee draw (``protocol.committee.committee_order`` of the slot's seed) and
+    the decision on the votes (``CommitteeRule.outcome``, the rule the ledger and validators
+    apply), including escalation past a dead member. Modelled: each worker announces a batch
+    every ``gen_s`` seconds (continuous generation, staggered starts); an announce and a vote
+    reach their readers after a gossip delay drawn from a gossip simulation of the same
+    swarm; each validator replays the batches it is called on one at a time, in arrival
+    order, ``gen_s / REPLAY_RATIO`` seconds each; ``dead`` of the validators never vote.
+    """
+
+    def __init__(self, a: argparse.Namespace, workers: int, validators: int, size: int, delays: list[float]) -> None:
+        self.a, self.workers, self.size, self.delays = a, workers, size, delays
+        self.rnd = random.Random(f"{a.seed}-adm-{workers}-{validators}-{size}")
+        self.vals = [f"v{i}" for i in range(validators)]
+        self.dead = set(self.vals[: a.dead])
+        on = size if 0 < size < validators else validators
+        self.rule = CommitteeRule(size, on // 2 + 1, a.deadline_s, 1e-6)
+        self.replay_s = a.gen_s / REPLAY_RATIO
+        # a batch is stale (refused without a replay) once max_async versions passed since it
+        # was generated: the trainer steps about once per generation time when keeping up
+        self.expiry_s = a.max_async * a.gen_s
+        self.expired = 0
+        self.end = a.hours * 3600
+        self.events: list[tuple[float, int, str, tuple[Any, ...]]] = []
+        self.seq = 0
+        self.free = dict.fromkeys(self.vals, 0.0)  # when each validator's replay queue drains
+        self.busy = dict.fromkeys(self.vals, 0.0)
+        self.queued: dict[str, list[float]] = {v: [] for v in self.vals}  # finish times of queued replays
+        self.max_backlog = 0
+        self.batches: dict[int, dict[str, Any]] = {}
+        self.replays = 0
+
+    def at(self, t: float, kind: str, *args: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, args))
+
+    def delay(self) -> float:
+        return self.rnd.choice(self.delays)
+
+    def announce(self, now: float, worker: int, counter: int) -> None:
+        seed = committee_seed(b"sim", f"w{worker}", 0, counter, b"root")
+        order = committee_order(self.vals, seed)
+        b = self.batches[len(self.batches)] = {"t": now, "order": order, "votes": {}, "called": set(), "admitted": None}
+        self.call(len(self.batches) - 1, now)
+        nxt = now + self.a.gen_s
+        if nxt < self.a.hours * 3600:
+            self.at(nxt, "announce", worker, counter + 1)
+        if not self.rule.everyone(len(order)):
+            self.at(now + self.a.deadline_s, "recheck", len(self.batches) - 1)
+        del b
+
+    def call(self, bid: int, now: float) -> None:
+        """Validators in reach that have not started on the batch queue its replay."""
+        b = self.batches[bid]
+        reach = self.rule.reach(b["order"], b["votes"], now - b["t"], 1)
+        for v in b["order"][:reach]:
+            if v in b["called"] or v in self.dead:
+                continue
+            b["called"].add(v)
+            heard = now + self.delay()  # the announce (or the votes that escalate) reach it
+            start = max(heard, self.free[v])
+            if start - b["t"] > self.expiry_s:
+                self.expired += 1  # stale by the time its turn came: voted on without a replay
+                continue
+            self.free[v] = start + self.replay_s
+            self.busy[v] += max(0.0, min(self.free[v], self.end) - start)
+            self.replays += 1
+            q = self.queued[v] = [t for t in self.queued[v] if t > heard] + [self.free[v]]
+            self.max_backlog = max(self.max_backlog, len(q))
+            self.at(self.free[v] + self.delay(), "vote", bid, v)
+
+    def vote(self, now: float, bid: int, v: str) -> None:
+        b = self.batches[bid]
+        b["votes"][v] = Ballot(accept=True, rewards=(1.0,))
+        self.decide(bid, now)
+
+    def decide(self, bid: int, now: float) -> None:
+        b = self.batches[bid]
+        if b["admitted"] is not None:
+            return
+        d = self.rule.outcome(b["order"], b["votes"], now - b["t"], 1)
+        if d.outcome is Quorum.ACCEPTED:
+            b["admitted"] = now
+        else:
+            self.call(bid, now)
+
+    def recheck(self, now: float, bid: int) -> None:
+        b = self.batches[bid]
+        if b["admitted"] is None:
+            self.decide(bid, now)
+            self.at(now + self.a.deadline_s, "recheck", bid)
+
+    def run(self) -> dict[str, Any]:
+        for w in range(self.workers):
+            self.at(self.rnd.uniform(0, self.a.gen_s), "announce", w, 0)
+        end = self.a.hours * 3600
+        while self.events and self.events[0][0] <= end + 600:
+            now, _s, kind, args = heapq.heappop(self.events)
+            {"announce": self.announce, "vote": self.vote, "recheck": self.recheck}[kind](now, *args)
+        # batches announced in the second half of the run, once queues have formed (or not)
+        late = [b for b in self.batches.values() if b["t"] >= end / 2 and b["t"] < end]
+        lat = sorted(b["admitted"] - b["t"] for b in late if b["admitted"] is not None)
+        admitted = len(lat)
+        on = self.size if 0 < self.size < len(self.vals) else len(self.vals)
+        return {
+            "workers": self.workers,
+            "validators": len(self.vals),
+            "committee": self.size,
+            "quorum": self.rule.quorum,
+            "dead": len(self.dead),
+            "offered_load": round(self.workers * on / (REPLAY_RATIO * (len(self.vals) - len(self.dead))), 2),
+            "admitted_share": round(admitted / len(late), 4) if late else None,
+            "admit_p50_s": round(lat[len(lat) // 2], 1) if lat else None,
+            "admit_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
+            "max_backlog": self.max_backlog,
+            "replays_per_batch": round(self.replays / len(self.batches), 2) if self.batches else None,
+            "expired_replays": self.expired,
+            "validator_busy": round(max(self.busy.values()) / end, 3),
+        }
+
+
+def gossip_delays(a: argparse.Namespace, nodes: int) -> list[float]:
+    """Announce and vote delays: every delivery latency of a short gossip simulation of a
+    swarm of ``nodes`` (Plumtree, no churn)."""
+    quiet = argparse.Namespace(**{**vars(a), "rate": 10.0, "seconds": 5.0})
+    sim = Sim(quiet, nodes, "plumtree", 0.0)
+    sim.run()
+    return [t - sim.published[m] for m, d in sim.delivered.items() for n, t in d.items() if n != sim.origin[m]]
+
+
+def admission_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for v in (int(x) for x in a.validators.split(",")):
+        for w in (int(x) for x in a.workers.split(",")):
+            delays = gossip_delays(a, w + v + 1)
+            for k in (int(x) for x in a.sizes.split(",")):
+                if k >= v and k != 0:
+                    continue  # the same as every validator
+                row = Admission(a, w, v, k, delays).run()
+                rows.append(row)
+                print(
+                    f"V={v} k={k or 'all'} W={w}: load {row['offered_load']}, admitted {row['admitted_share']}, "
+                    f"p50 {row['admit_p50_s']} s, p99 {row['admit_p99_s']} s, backlog {row['max_backlog']}",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", default="10,100,1000")
@@ -379,9 +535,24 @@ def main() -> None:
     ap.add_argument("--cpu-ms", type=float, default=1.0, help="CPU per frame received")
     ap.add_argument("--modes", default="plumtree,flood")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--what", default="gossip,admission")
+    # admission: V validators, committees of k (0: every validator), W workers
+    ap.add_argument("--validators", default="1,2,4,8")
+    ap.add_argument("--sizes", default="0,1,2,3")
+    ap.add_argument("--workers", default="4,8,16,32,64")
+    ap.add_argument("--gen-s", type=float, default=60.0, help="a worker's generation time per batch")
+    ap.add_argument("--deadline-s", type=float, default=60.0, help="[config] committee_deadline_s")
+    ap.add_argument("--dead", type=int, default=0, help="validators that never vote")
+    ap.add_argument("--max-async", type=int, default=2, help="[config] max_async: batches older are stale")
+    ap.add_argument("--hours", type=float, default=2.0, help="simulated time of each admission run")
     a = ap.parse_args()
-    rows = []
-    for n in (int(x) for x in a.nodes.split(",")):
+    rows: list[dict[str, Any]] = []
+    adm: list[dict[str, Any]] = []
+    if "admission" in a.what:
+        adm = admission_rows(a)
+    if "gossip" not in a.what:
+        a.nodes = ""
+    for n in (int(x) for x in a.nodes.split(",") if x):
         for churn in (float(x) for x in a.churn.split(",")):
             for mode in a.modes.split(","):
                 row = Sim(a, n, mode, churn).run()
@@ -407,23 +578,36 @@ def main() -> None:
         ("busiest_cpu_share", "max CPU"),
         ("sim_wall_s", "sim s"),
     ]
-    print()
-    print(" ".join(f"{h:>{max(len(h), 8)}}" for _k, h in cols))
-    for r in rows:
-        print(" ".join(f"{r[k]!s:>{max(len(h), 8)}}" for k, h in cols))
-    print(
-        json.dumps(
-            {
-                "bench": "simulate",
-                "rate": a.rate,
-                "seconds": a.seconds,
-                "degree": a.degree,
-                "loss": a.loss,
-                "cpu_ms": a.cpu_ms,
-                "rows": rows,
-            }
-        )
+    table(rows, cols)
+    table(
+        adm,
+        [
+            ("validators", "V"),
+            ("committee", "k"),
+            ("quorum", "quorum"),
+            ("workers", "W"),
+            ("dead", "dead"),
+            ("offered_load", "load"),
+            ("admitted_share", "admitted"),
+            ("admit_p50_s", "p50 s"),
+            ("admit_p99_s", "p99 s"),
+            ("max_backlog", "max backlog"),
+            ("replays_per_batch", "replays/batch"),
+            ("validator_busy", "max busy"),
+        ],
     )
+    out = {"bench": "simulate", "rate": a.rate, "seconds": a.seconds, "degree": a.degree, "loss": a.loss}
+    out |= {"cpu_ms": a.cpu_ms, "gen_s": a.gen_s, "deadline_s": a.deadline_s, "hours": a.hours}
+    print(json.dumps({**out, "rows": rows, "admission": adm}))
+
+
+def table(rows: list[dict[str, Any]], cols: list[tuple[str, str]]) -> None:
+    if not rows:
+        return
+    print()
+    print(" ".join(f"{h:>{max(len(h), 6)}}" for _k, h in cols))
+    for r in rows:
+        print(" ".join(f"{(r[k] if r[k] != 0 or k != 'committee' else 'all')!s:>{max(len(h), 6)}}" for k, h in cols))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ def test_a_short_simulation_delivers_everything_and_the_tree_beats_the_flood():
         [
             sys.executable,
             str(REPO / "bench" / "simulate.py"),
+            "--what",
+            "gossip",
             "--nodes",
             "30",
             "--seconds",
@@ -34,3 +36,18 @@ def test_a_short_simulation_delivers_everything_and_the_tree_beats_the_flood():
     rows = {r["mode"]: r for r in json.loads(out.strip().splitlines()[-1])["rows"]}
     assert rows["plumtree"]["delivery_ratio"] == 1.0 and rows["flood"]["delivery_ratio"] == 1.0, rows
     assert rows["plumtree"]["message_frames_per_delivery"] < rows["flood"]["message_frames_per_delivery"] / 2, rows
+
+
+def test_admission_with_committees_replays_each_batch_k_times_and_admits_at_low_load():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "simulate.py"), "--what", "admission", "--validators", "4"]
+        + ["--sizes", "0,1,2", "--workers", "4", "--hours", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    rows = {r["committee"]: r for r in json.loads(out.strip().splitlines()[-1])["admission"]}
+    assert [rows[k]["replays_per_batch"] for k in (0, 1, 2)] == [4.0, 1.0, 2.0], rows
+    assert rows[1]["admitted_share"] == rows[2]["admitted_share"] == 1.0, rows
+    assert rows[1]["validator_busy"] < rows[0]["validator_busy"] / 2, rows  # a committee of 1 of 4: a quarter
