@@ -26,7 +26,9 @@ What is real and what is modelled:
   below the target links a random live node ``DIAL_S`` after that. ``--churn P``: P % of
   the nodes leave per minute and as many fresh ones join (Poisson).
 * **Load**: ``--rate`` messages per second in all (announces and votes: 400-byte
-  envelopes), each from a random live node.
+  envelopes), each from a random live node; with ``--heartbeat-s S`` every node also
+  gossips a heartbeat every S seconds, as the daemon does every 2 s (each node keeps a view
+  of the whole swarm from them): N / S more messages per second, to every node.
 
 Reported per configuration: delivery ratio (deliveries to nodes alive from the message's
 publication to the end, over those nodes), latency p50 / p99 / max from publication to
@@ -240,8 +242,10 @@ class Sim:
         self.delivered[msg_id][dst_name] = self.now
         self.do(dst, tree.deliver(src_name, self.origin[msg_id], msg_id, frame, self.now), message=frame)  # type: ignore[arg-type]
 
-    def publish(self, i: int) -> None:
-        name = self.rnd.choice(self.live())
+    def publish(self, i: int, name: int | None = None) -> None:
+        """Message ``i`` from ``name`` (a random live node if None)."""
+        if name is None:
+            name = self.rnd.choice(self.live())
         node = self.nodes[name]
         data = i.to_bytes(8, "big") + bytes(ENVELOPE_BYTES - 8)
         msg_id = frames.message_id(data)
@@ -256,6 +260,14 @@ class Sim:
                 self.send(node, peer, frame)
             return
         self.do(node, node.tree.publish(msg_id, frame, self.now), message=frame)
+
+    def heartbeat(self, name: int) -> None:
+        """Every node gossips a heartbeat every ``--heartbeat-s`` (the full swarm view)."""
+        if not self.nodes[name].alive or self.now > 1.0 + self.a.seconds:
+            return
+        self.n_published += 1
+        self.publish(self.n_published, name)
+        self.at(self.now + self.a.heartbeat_s, "heartbeat", name)
 
     def leave(self) -> None:
         live = self.live()
@@ -280,6 +292,8 @@ class Sim:
 
     def join(self) -> None:
         node = self._new_node()
+        if self.a.heartbeat_s > 0:
+            self.at(self.now + self.rnd.uniform(0, self.a.heartbeat_s), "heartbeat", node.name)
         live = [p for p in self.live() if p != node.name]
         for peer in self.rnd.sample(live, min(self.a.degree, len(live))):
             self._link(node.name, peer)
@@ -302,6 +316,10 @@ class Sim:
         n_msgs = int(a.rate * a.seconds)
         for i in range(n_msgs):
             self.at(1.0 + i / a.rate, "publish", i)
+        self.n_published = n_msgs
+        if a.heartbeat_s > 0:
+            for name in list(self.nodes):
+                self.at(1.0 + self.rnd.uniform(0, a.heartbeat_s), "heartbeat", name)
         end = 1.0 + a.seconds + DRAIN_S
         if self.churn > 0:
             per_s = self.churn / 100 * len(self.nodes) / 60
@@ -314,6 +332,7 @@ class Sim:
                 self.at(t + self.rnd.uniform(0, 1), "join")
         handlers = {
             "publish": self.publish,
+            "heartbeat": self.heartbeat,
             "arrive": self.arrive,
             "process": self.process,
             "ihave": self.ihave,
@@ -532,6 +551,12 @@ def main() -> None:
     ap.add_argument("--degree", type=int, default=6)
     ap.add_argument("--churn", default="0,10", help="%% of nodes leaving (and as many joining) per minute")
     ap.add_argument("--loss", type=float, default=0.001)
+    ap.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=0.0,
+        help="every node gossips a heartbeat this often (the daemon: 2 s); 0: none",
+    )
     ap.add_argument("--cpu-ms", type=float, default=1.0, help="CPU per frame received")
     ap.add_argument("--modes", default="plumtree,flood")
     ap.add_argument("--seed", type=int, default=0)
