@@ -92,7 +92,9 @@ async def test_ids_announced_and_never_served_take_only_the_announcers_share():
             # The honest peer holds a message the target lacks (it never pushed it) and announces it.
             data = protocol.seal(honest.key, honest.run_id, tagged_announce(9), now_ms(), honest.seq.next())
             msg_id = frames.message_id(data)
-            honest.gossip.tree.remember(msg_id, frames.encode_message(honest.gossip.topic("rollout"), data), "", trio.current_time())
+            honest.gossip.tree.remember(
+                msg_id, frames.encode_message(honest.gossip.topic("rollout"), data), "", trio.current_time()
+            )
             got: list[int] = []
             g.on("rollout", lambda env: got.append(_tag(env)))
             honest.gossip._send(target.peer_id, encode_control(IHAVE, [msg_id]))
