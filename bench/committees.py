@@ -1,7 +1,8 @@
 """Validator capacity with committees (issue 32 point 2): admitted batches per CPU-second of
 validation, for V validators and committees of k, beside every validator checking every batch.
 
-    python bench/committees.py [--validators 1,2,4] [--sizes 0,1,2] [--steps 40] [--workers 2] [--hidden 64 --layers 2] [--out DIR]
+    python bench/committees.py [--validators 1,2,4] [--sizes 0,1,2] [--steps 40] [--workers 2] [--hidden 64 --layers 2]
+        [--prompts-per-batch 2 --group 4 --max-tokens 16] [--out DIR]
 
 Each configuration is a real devnet (``node/ops/devnet.py``: bootstrap, trainer, workers,
 validators as OS processes, tiny model) with ``[config] committee_size`` k (0: every
@@ -81,9 +82,8 @@ def replay_counts(devnet: Devnet, names: list[str]) -> tuple[int, int, float]:
     return votes, replays, cpu
 
 
-def run_one(
-    root: Path, validators: int, size: int, steps: int, workers: int, hidden: int, layers: int
-) -> dict[str, Any]:
+def run_one(root: Path, validators: int, size: int, a: argparse.Namespace) -> dict[str, Any]:
+    steps, workers, hidden, layers = a.steps, a.workers, a.hidden, a.layers
     on_committee = size if 0 < size < validators else validators
     opts = small_options(
         root,
@@ -91,6 +91,9 @@ def run_one(
         workers=workers,
         validators=validators,
         quorum=on_committee // 2 + 1,
+        prompts_per_batch=a.prompts_per_batch,
+        group_size=a.group,
+        max_tokens=a.max_tokens,
         config={
             "tiny_hidden_size": hidden,
             "tiny_layers": layers,
@@ -149,6 +152,11 @@ def main() -> None:
     # costs each validator per version; a bigger one makes the replay the larger part, as in a real run
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    # a batch's size: prompts x completions x tokens (the small devnet's 2 x 4 x 16 by default);
+    # a replay's cost grows with it, a version's does not
+    ap.add_argument("--prompts-per-batch", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     root = a.out or Path(tempfile.mkdtemp(prefix="bench-committees-"))
@@ -157,7 +165,7 @@ def main() -> None:
         for k in (int(x) for x in a.sizes.split(",")):
             if k >= v and k != 0:
                 continue  # the same as every validator
-            row = run_one(root, v, k, a.steps, a.workers, a.hidden, a.layers)
+            row = run_one(root, v, k, a)
             rows.append(row)
             print(
                 f"V={row['validators']} k={row['committee'] or 'all'} quorum={row['quorum']}: "
@@ -203,6 +211,7 @@ def main() -> None:
                 "workers": a.workers,
                 "hidden": a.hidden,
                 "layers": a.layers,
+                "batch": [a.prompts_per_batch, a.group, a.max_tokens],
                 "rows": rows,
             }
         )
