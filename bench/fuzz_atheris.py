@@ -85,7 +85,7 @@ def _define_targets() -> None:
     from node.checkpoints.server import ChunkServer, Ticket
     from node.checkpoints.testing import RecordingPeer
     from node.errors import NodeError
-    from node.genesis_file import make_genesis, read_genesis, write_genesis
+    from node.genesis_file import read_genesis
     from node.p2p import reqresp as rr_mod
     from node.p2p.gossip import Gossip
     from node.p2p.metrics import NodeMetrics
@@ -240,24 +240,9 @@ def _define_targets() -> None:
     genesis_dir = Path(tempfile.mkdtemp(prefix="fuzz-genesis-"))
 
     def genesis_seed() -> list[bytes]:
-        owner = NodeKey(b"\x31" * 32)
-        g = make_genesis(
-            owner,
-            {"steps": 3},
-            name="fuzz",
-            model="tiny",
-            dataset="builtin:x",
-            dataset_size=64,
-            trainer=owner.peer_id,
-            validators=[owner.peer_id],
-            quorum=1,
-            max_async=2,
-            prompts_per_batch=2,
-            group_size=2,
-            chunk_size=1 << 20,
-        )
-        write_genesis(g, genesis_dir / "seed.toml")
-        return [(genesis_dir / "seed.toml").read_bytes()]
+        from harness.fuzz import fuzz_genesis_toml
+
+        return [fuzz_genesis_toml().encode()]
 
     @target("genesis", seeds=genesis_seed)
     def _genesis(data: bytes) -> None:

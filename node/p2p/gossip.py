@@ -47,7 +47,6 @@ from __future__ import annotations
 import collections
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -101,7 +100,6 @@ class _Link:
         self.scope = trio.CancelScope()
         self.stream_ok = False
         self.foreign = False  # identify says the peer does not speak our gossip
-        self.created = time.monotonic()
         self.sent = 0
 
 

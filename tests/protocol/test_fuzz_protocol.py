@@ -19,11 +19,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.fuzz import fuzz_settings, mutate_bytes, mutate_tree, try_pack
+from harness.fuzz import fuzz_genesis_toml, fuzz_settings, mutate_bytes, mutate_tree, try_pack
 from harness.strategies import ALL_MESSAGE_CLASSES, message_strategy
 from node.checkpoints.manifest import verify_announce
 from node.errors import NodeError
-from node.genesis_file import make_genesis, read_genesis, write_genesis
+from node.genesis_file import read_genesis
 from proofs import ProofConfig, ProofError, decode_proof, verify_sequence
 from protocol import (
     ZERO_RUN_ID,
@@ -244,27 +244,8 @@ def test_checkpoint_announce_with_mutated_manifest(manifest, data):
 
 
 @pytest.fixture(scope="module")
-def genesis_text(tmp_path_factory) -> str:
-    owner = NodeKey(b"\x31" * 32)
-    signed = make_genesis(
-        owner,
-        {"steps": 3, "lr": 1e-4, "task": "math"},
-        name="fuzz",
-        model="tiny",
-        dataset="builtin:x",
-        dataset_size=64,
-        trainer=owner.peer_id,
-        validators=[owner.peer_id],
-        quorum=1,
-        max_async=2,
-        prompts_per_batch=2,
-        group_size=2,
-        chunk_size=1 << 20,
-    )
-    path = tmp_path_factory.mktemp("genesis") / "genesis.toml"
-    write_genesis(signed, path)
-    assert read_genesis(path) == signed
-    return path.read_text()
+def genesis_text() -> str:
+    return fuzz_genesis_toml({"steps": 3, "lr": 1e-4, "task": "math"})
 
 
 def _read_or_node_error(path: Path, text: str | bytes) -> None:

@@ -165,11 +165,7 @@ def test_tests_and_benchmarks_share_the_harness_and_never_import_each_other():
     ],
 )
 def test_the_harness_checker_catches_what_it_should(tmp_path, monkeypatch, module, source, bad):
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    path = tmp_path / module
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(source)
-    assert bool(harness_violations([path])) is bad
+    assert bool(harness_violations([planted(tmp_path, monkeypatch, module, source)])) is bad
 
 
 @pytest.mark.parametrize(
@@ -195,11 +191,16 @@ def test_the_harness_checker_catches_what_it_should(tmp_path, monkeypatch, modul
 )
 def test_the_checker_catches_what_it_should(tmp_path, monkeypatch, module, source, bad):
     """A control for the checker itself: a planted import is flagged exactly when it breaks a rule."""
+    assert bool(violations([planted(tmp_path, monkeypatch, module, source)])) is bad
+
+
+def planted(tmp_path: Path, monkeypatch, module: str, source: str) -> Path:
+    """``source`` written as ``module`` of a repository rooted at ``tmp_path``."""
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     path = tmp_path / module
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
-    assert bool(violations([path])) is bad
+    return path
 
 
 def module_targets(path: Path, modules: set[str]) -> set[str]:
