@@ -3,7 +3,10 @@ gossip part): delivery, latency and cost per message, with and without churn, be
 flood of the same overlay as the baseline.
 
     python bench/simulate.py [--nodes 10,100,1000] [--rate 20] [--seconds 30] [--degree 6]
-                             [--churn 0,10] [--loss 0.001] [--seed 0]
+                             [--churn 0,10] [--loss 0.001] [--heartbeat-s 0] [--seed 0]
+    python bench/simulate.py --what admission [--validators 1,2,4,8] [--sizes 0,1,2,3]
+                             [--workers 4,8,16,32,64] [--gen-s 60] [--dead 0]
+    ... [--plots DIR]; python bench/simulate.py --replot OUTPUT_FILE... --plots DIR
 
 What is real and what is modelled:
 
@@ -373,6 +376,7 @@ class Sim:
             "nodes": len([n for n in self.nodes.values() if n.born == 0.0]),
             "mode": self.mode,
             "churn_pct_per_min": self.churn,
+            "heartbeat_s": self.a.heartbeat_s,
             "messages": len(self.published),
             "delivery_ratio": round(got / expected, 5) if expected else None,
             "latency_p50_ms": round(1000 * lat[len(lat) // 2], 1) if lat else None,
@@ -570,7 +574,23 @@ def main() -> None:
     ap.add_argument("--dead", type=int, default=0, help="validators that never vote")
     ap.add_argument("--max-async", type=int, default=2, help="[config] max_async: batches older are stale")
     ap.add_argument("--hours", type=float, default=2.0, help="simulated time of each admission run")
+    ap.add_argument("--plots", type=Path, default=None, help="write PNG plots of the results into this folder")
+    ap.add_argument(
+        "--replot",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="plot earlier runs' output files (their last lines) instead of simulating",
+    )
     a = ap.parse_args()
+    if a.replot:
+        runs = [json.loads(f.read_text().strip().splitlines()[-1]) for f in a.replot]
+        plot(
+            [r for run in runs for r in run["rows"]],
+            [r for run in runs for r in run["admission"]],
+            a.plots or Path("."),
+        )
+        return
     rows: list[dict[str, Any]] = []
     adm: list[dict[str, Any]] = []
     if "admission" in a.what:
@@ -624,6 +644,65 @@ def main() -> None:
     out = {"bench": "simulate", "rate": a.rate, "seconds": a.seconds, "degree": a.degree, "loss": a.loss}
     out |= {"cpu_ms": a.cpu_ms, "gen_s": a.gen_s, "deadline_s": a.deadline_s, "hours": a.hours}
     print(json.dumps({**out, "rows": rows, "admission": adm}))
+    if a.plots is not None:
+        plot(rows, adm, a.plots)
+
+
+def plot(rows: list[dict[str, Any]], adm: list[dict[str, Any]], out: Path) -> None:
+    """gossip.png (p50 and p99 latency, and message frames per delivery, against nodes, per mode
+    and churn; runs without heartbeats) and admission.png (admitted share against offered load,
+    per committee size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    plain = [r for r in rows if not r.get("heartbeat_s")]
+    if plain:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for mode in sorted({r["mode"] for r in plain}):
+            for churn in sorted({r["churn_pct_per_min"] for r in plain}):
+                sel = sorted(
+                    (r for r in plain if r["mode"] == mode and r["churn_pct_per_min"] == churn),
+                    key=lambda r: r["nodes"],
+                )
+                if not sel:
+                    continue
+                label = f"{mode}, churn {churn:g} %/min"
+                ns = [r["nodes"] for r in sel]
+                ax1.plot(ns, [r["latency_p50_ms"] for r in sel], marker="o", label=f"{label}, p50")
+                ax1.plot(ns, [r["latency_p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{label}, p99")
+                ax2.plot(ns, [r["message_frames_per_delivery"] for r in sel], marker="o", label=label)
+        for ax, title, unit in ((ax1, "publication to delivery", "ms"), (ax2, "message frames per delivery", "frames")):
+            ax.set_xscale("log")
+            ax.set_xlabel("nodes")
+            ax.set_ylabel(unit)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        ax1.legend(fontsize=6)
+        ax2.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "gossip.png", dpi=120)
+        plt.close(fig)
+    if adm:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k in sorted({r["committee"] for r in adm}):
+            sel = sorted((r for r in adm if r["committee"] == k and not r["dead"]), key=lambda r: r["offered_load"])
+            ax.scatter(
+                [r["offered_load"] for r in sel], [r["admitted_share"] for r in sel], label=f"k = {k or 'all'}", s=14
+            )
+        xs = [x / 10 for x in range(1, 170)]
+        ax.plot(xs, [min(1.0, 1 / x) for x in xs], color="grey", linewidth=0.8, label="1 / load")
+        ax.set_xscale("log")
+        ax.set_xlabel("offered load: W k / (r V)")
+        ax.set_ylabel("share of batches admitted")
+        ax.set_title("admission with committees (simulated)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "admission.png", dpi=120)
+        plt.close(fig)
 
 
 def table(rows: list[dict[str, Any]], cols: list[tuple[str, str]]) -> None:
