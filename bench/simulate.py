@@ -1,6 +1,9 @@
-"""Gossip at 10 to 1,000 nodes, simulated with the real Plumtree core (issue 32 point 3, the
-gossip part): delivery, latency and cost per message, with and without churn, beside a plain
-flood of the same overlay as the baseline.
+"""The swarm at 10 to 1,000 nodes on a discrete event clock, with the real protocol cores
+(issue 32 point 3): gossip (the real Plumtree core; delivery, latency and cost per message,
+with and without churn, beside a plain flood of the same overlay) and admission (the real
+committee draw and rule; admitted share and latency as workers grow, beside every validator
+checking every batch). Checkpoint distribution is not simulated yet (the fetch schedule is not
+a sans-I/O core).
 
     python bench/simulate.py [--nodes 10,100,1000] [--rate 20] [--seconds 30] [--degree 6]
                              [--churn 0,10] [--loss 0.001] [--heartbeat-s 0] [--seed 0]
