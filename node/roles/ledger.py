@@ -50,19 +50,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sqlite3
-import statistics
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import msgpack
 
 from node.util import now_ms
+from protocol.admission import BatchFacts, Ruling, admission
 from protocol.committee import Ballot, CommitteeRule, Decision
 from protocol.rules import (
     Quorum,
-    counter_gap,
     is_stale,
-    version_regression,
     window_floor,
 )
 
@@ -384,7 +382,10 @@ class Ledger:
         """Decide a pending batch (as of ``now``, wall-clock ms: a committee's reach grows with
         time). Returns its status: pending, admitted or rejected.
 
-        The decision and everything it rests on are committed before returning.
+        The rule is ``protocol.admission``: this gathers the facts it needs from the ledger
+        (in one transaction, so the slot a batch is admitted to cannot be taken meanwhile) and
+        writes its ruling. The decision and everything it rests on are committed before
+        returning.
         """
         row = self.db.execute(
             "SELECT worker, policy_version, batch_counter, num_samples, envelope, status FROM batches WHERE batch_id = ?",
@@ -395,75 +396,64 @@ class Ledger:
         worker, version, counter, n, envelope, status = row
         if status != "pending":
             return status
-        if is_stale(version, self.policy_version, self.max_async):
-            return self._reject(
-                batch_id,
-                f"stale: policy version {version}, trainer at {self.policy_version}, max_async {self.max_async}",
-            )
-        d = self._decision(batch_id, worker, version, counter, n, now)
-        if d.outcome is Quorum.REJECTED:
-            if self.rule.rejected_by_votes(len(d.rejects), len(self.validators)):
-                first = self.db.execute(
-                    "SELECT validator, reason FROM votes WHERE batch_id = ? AND worker = ? AND accept = 0 "
-                    "ORDER BY received_ms, rowid",
-                    (batch_id, worker),
-                ).fetchall()
-                reason = next(r for v, r in first if v in d.rejects)
-                return self._reject(batch_id, f"rejected by validators: {reason}")
-            return self._disagreement(batch_id, n, d, reject=True)
-        if d.outcome is Quorum.PENDING:
-            if len(d.accepts) >= self.quorum:  # a quorum accepts, but on different rewards
-                self._disagreement(batch_id, n, d, reject=False)
-            elif self.committees:
-                self._note_pending(
-                    batch_id, f"committee: {len(d.accepts)} accept, {len(d.rejects)} reject of {d.reach} called on"
-                )
-            return "pending"
-        agreeing = d.agreeing
-        accepted = self._accept_rewards(batch_id, worker)
-        gap = counter_gap(counter, self.chain_head(worker))
-        if gap is not None:
-            # one chain per worker (protocol.rules.counter_gap): a later counter waits for the
-            # worker's batch at the gap, and is decided again when that batch is recorded
-            self._note_pending(batch_id, f"waiting for the worker's batch counter {gap}")
-            return "pending"
-        previous = self._previous_version(worker, counter)
-        if previous is not None and version_regression(previous, version):
-            return self._reject(
-                batch_id,
-                f"version regression: batch counter {counter} at policy version {version}, "
-                f"counter {counter - 1} at {previous} (a worker's chain never goes back to an older version)",
-            )
-        if envelope is None:
-            return "pending"
-        rewards = [statistics.median(col) for col in zip(*(accepted[v] for v in sorted(agreeing)))]
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            # the slot is taken by a batch admitted before (also one that aged out untrained since)
-            holder = self.db.execute(
-                f"SELECT batch_id FROM batches WHERE worker = ? AND batch_counter = ? "
-                f"AND batch_id != ? AND {_EVER_ADMITTED} LIMIT 1",
-                (worker, counter, batch_id),
-            ).fetchone()
-            if holder:
-                self.db.execute(
-                    "UPDATE batches SET status = 'rejected', reason = ?, envelope = NULL WHERE batch_id = ?",
-                    (
-                        f"duplicate slot: batch {holder[0].hex()} holds this worker's batch counter "
-                        f"{counter} and was admitted",
-                        batch_id,
-                    ),
-                )
-                self.db.execute("COMMIT")
-                return "rejected"
-            self.db.execute(
-                "UPDATE batches SET status = 'admitted', rewards = ?, admitted_ms = ? WHERE batch_id = ?",
-                (msgpack.packb(rewards), now_ms(), batch_id),
-            )
+            d = self._decision(batch_id, worker, version, counter, n, now)
+            ruling = self._ruling(batch_id, worker, version, counter, n, envelope is not None, d)
+            status = self._apply(batch_id, n, ruling, d)
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
+        return status
+
+    def _ruling(
+        self, batch_id: bytes, worker: str, version: int, counter: int, n: int, have_bytes: bool, d: Decision
+    ) -> Ruling:
+        """``protocol.admission`` on the facts the ledger holds (``d``: the votes' decision)."""
+        first_reject = ""
+        if d.outcome is Quorum.REJECTED and self.rule.rejected_by_votes(len(d.rejects), len(self.validators)):
+            first = self.db.execute(
+                "SELECT validator, reason FROM votes WHERE batch_id = ? AND worker = ? AND accept = 0 "
+                "ORDER BY received_ms, rowid",
+                (batch_id, worker),
+            ).fetchall()
+            first_reject = next(r for v, r in first if v in d.rejects)
+        # the slot is taken by a batch admitted before (also one that aged out untrained since)
+        holder = self.db.execute(
+            f"SELECT batch_id FROM batches WHERE worker = ? AND batch_counter = ? "
+            f"AND batch_id != ? AND {_EVER_ADMITTED} LIMIT 1",
+            (worker, counter, batch_id),
+        ).fetchone()
+        facts = BatchFacts(
+            worker=worker,
+            version=version,
+            counter=counter,
+            num_samples=n,
+            policy_version=self.policy_version,
+            max_async=self.max_async,
+            chain_head=self.chain_head(worker),
+            previous_version=self._previous_version(worker, counter),
+            have_bytes=have_bytes,
+            slot_holder=holder[0] if holder else None,
+        )
+        accepted = self._accept_rewards(batch_id, worker)
+        return admission(facts, d, self.rule, len(self.validators), accepted, first_reject, self.committees)
+
+    def _apply(self, batch_id: bytes, n: int, ruling: Ruling, d: Decision) -> str:
+        """Write ``ruling`` on the pending batch; its status."""
+        if ruling.why in ("disagreement", "disagreeing"):  # logged, with who disagrees
+            return self._disagreement(batch_id, n, d, reject=ruling.why == "disagreement")
+        if ruling.status == "rejected":
+            return self._reject(batch_id, ruling.reason)
+        if ruling.status == "pending":
+            if ruling.reason:
+                self._note_pending(batch_id, ruling.reason)
+            return "pending"
+        self.db.execute(
+            "UPDATE batches SET status = 'admitted', rewards = ?, admitted_ms = ? WHERE batch_id = ?",
+            (msgpack.packb(list(ruling.rewards)), now_ms(), batch_id),
+        )
         return "admitted"
 
     def _previous_version(self, worker: str, counter: int) -> int | None:
