@@ -421,7 +421,12 @@ class WorkerRole(EngineRole):
         with_old = await self._generate(old_policy, counter)
         independent = await self._generate(old_policy, counter + 1)
         assert self.checkpoints is not None
-        newest = self.checkpoints.newest_version()  # (the one seen before may be collected by now)
+        # the version seen at the change: the choice a cheat has while its old batch is still
+        # inside the window; if it was collected meanwhile, the newest (then the old batch is
+        # stale and the choice is none: the test counts only choices inside the window)
+        st = self.store.versions.get(newest)
+        if st is None or not st.assembled:
+            newest = self.checkpoints.newest_version()
         await self._load(newest)
         with_new = await self._generate(self.policy, counter)
         self.produced[newest] += 1

@@ -45,6 +45,11 @@ async def test_a_worker_that_picks_the_better_version_for_its_next_batch_gains_a
             honest, chooser = workers
             ledger = trainer.ledger
 
+            def real_choices() -> list[tuple]:
+                """Choices between versions both inside the window (the old batch admissible):
+                one made after the new version was already collected is no choice at all."""
+                return [c for c in chooser.choices if c[1] - c[0] <= genesis.genesis.max_async]
+
             def admitted(worker) -> int:
                 return sum(1 for b in worker.batches if (r := ledger.batch(b)) is not None and r.status == "admitted")
 
@@ -65,10 +70,10 @@ async def test_a_worker_that_picks_the_better_version_for_its_next_batch_gains_a
 
             try:
                 await wait_until(
-                    lambda: trainer.version >= 5 and len(chooser.choices) >= 4 and admitted(chooser) >= 2,
+                    lambda: trainer.version >= 5 and len(real_choices()) >= 6 and admitted(chooser) >= 2,
                     580,
                     poll=0.5,
-                    what="five trainer steps, four choices by the chooser and two of its batches admitted",
+                    what="five trainer steps, six choices by the chooser and two of its batches admitted",
                 )
             except trio.TooSlowError as exc:
                 raise AssertionError(f"{exc}\n{state()}") from None
@@ -83,10 +88,11 @@ async def test_a_worker_that_picks_the_better_version_for_its_next_batch_gains_a
         assert not node.node.standing.is_banned(chooser.node.peer_id)
     # What the choice bought: the better of the two versions' batches minus their mean, per
     # choice, against the better of two independent draws (old version, next counter).
-    gain = [abs(a - b) / 2 for _old, _new, _c, a, b, _ind in chooser.choices]
-    independent = [abs(a - ind) / 2 for _old, _new, _c, a, _b, ind in chooser.choices]
+    choices = real_choices()
+    gain = [abs(a - b) / 2 for _old, _new, _c, a, b, _ind in choices]
+    independent = [abs(a - ind) / 2 for _old, _new, _c, a, _b, ind in choices]
     print(
-        f"chooser: {len(chooser.choices)} choices {[(o, n, c) for o, n, c, *_ in chooser.choices]}; gain per "
+        f"chooser: {len(choices)} choices {[(o, n, c) for o, n, c, *_ in choices]}; gain per "
         f"choice {statistics.mean(gain):.4f} (between independent draws {statistics.mean(independent):.4f}); "
         f"completions that differ between the two versions per choice: {chooser.choice_differs}"
     )
