@@ -486,8 +486,8 @@ def _define_targets() -> None:
                     or (p.strikes and err.startswith("chunk "))
                 ), err
             assert p.errors or p.banned or f.complete
-            assert not p.inflight and not f._inflight and not f._verifying
-            assert all(i in f.st.bitmap or i in f._missing for i in range(nchunks))
+            assert not p.inflight and not f.schedule.inflight and not f.schedule.verifying
+            assert all(i in f.st.bitmap or i in f.schedule.missing for i in range(nchunks))
             for i in f.st.bitmap.indices():
                 assert store.read_chunk_blocking(f.st, i) == chunks[i]
             import shutil

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from node.checkpoints.fetcher import FetchPeer
+from node.checkpoints.schedule import FetchPeer
 
 
 class RecordingPeer(FetchPeer):

@@ -260,7 +260,7 @@ async def test_a_fetcher_that_is_not_reachable_asks_no_holder_behind_nat(tmp_pat
             fetcher.on_announce(raw)
             fetcher.on_heartbeat(sw.keys[1].peer_id, _nat_heartbeat(holder))
             f = fetcher.fetchers[1]
-            assert sw.keys[1].peer_id not in f.peers and not any(f.avail)
+            assert sw.keys[1].peer_id not in f.peers and not any(f.schedule.avail)
             # control: the same heartbeat with a data port makes it a peer to fetch from
             hb = _nat_heartbeat(holder)
             fetcher.on_heartbeat(sw.keys[1].peer_id, Heartbeat(**{**hb.__dict__, "data_port": holder.data_port}))

@@ -196,7 +196,7 @@ async def test_end_game_takes_stuck_chunks_from_the_seed(tmp_path):
         with trio.fail_after(120):
             await fetcher.run()
         nursery.cancel_scope.cancel()
-    assert fetcher.complete and fetcher.chunks_endgame >= 1
+    assert fetcher.complete and fetcher.schedule.chunks_endgame >= 1
     assert fetcher.peers[stuck].chunks == 0
     assert servers[trainer.peer_id].bytes_served == seed_st.manifest.total_bytes  # nothing twice
     await store.assemble(1)
@@ -359,9 +359,9 @@ async def test_a_fast_fetcher_asks_a_refused_chunk_again_within_a_fraction_of_a_
         # wait on the *fetcher* having read the refusal: the seed counts it before it sends it,
         # and a jump made before the fetcher reads it would start its retry timer after the jump
         # (seen in a loaded CI run: the retry was due at 0.4 s of a clock that stood at 0.3 s)
-        while fetcher.st.bitmap.count < seed_st.bitmap.n - 1 or fetcher.chunks_elsewhere < 1:
+        while fetcher.st.bitmap.count < seed_st.bitmap.n - 1 or fetcher.schedule.chunks_elsewhere < 1:
             await trio.testing.wait_all_tasks_blocked(cushion=0.01)
-        assert seed.chunks_elsewhere == 1 and fetcher.chunks_elsewhere == 1 and 0 not in fetcher.st.bitmap
+        assert seed.chunks_elsewhere == 1 and fetcher.schedule.chunks_elsewhere == 1 and 0 not in fetcher.st.bitmap
         mock_clock.jump(0.3)
         # let the retry go out over the socket and its refusal come back: the mock clock stands
         # still (a fetcher that waits a second never asks), only real I/O and threads run. The
@@ -380,21 +380,3 @@ async def test_a_fast_fetcher_asks_a_refused_chunk_again_within_a_fraction_of_a_
         await c.aclose()
         nursery.cancel_scope.cancel()
     assert fetcher.complete and fetcher.peers[trainer.peer_id].chunks == seed_st.bitmap.n
-
-
-async def test_a_refusal_after_only_small_files_arrived_is_asked_again_soon(tmp_path, mock_clock):
-    """The cause of the test above failing one run in a dozen on a loaded machine: a checkpoint's
-    first payloads are often its small files (an 88-byte config); a receive rate measured from
-    those alone put "two chunk times" at the whole second. Until a chunk's worth of bytes has
-    arrived the fetcher retries after its first-guess 0.25 s; then it scales by its rate.
-    (Mock clock standing still: every payload arrived in the same instant.)"""
-    _, trainer, _seed_store, _seed_st, raw = await _seeded_store(tmp_path, size_mib=2, chunk=512 * 1024)
-    store = ChunkStore(tmp_path / "me", RUN_ID, trainer.peer_id)
-    store.add_announce(raw)
-    fetcher = VersionFetcher(store, 1, LocalControlPlane("me", {}), stall_timeout=3600.0)
-    fetcher.started_trio = trio.current_time()
-    assert fetcher._elsewhere_retry() == 0.25  # nothing received
-    fetcher._received.append((trio.current_time(), 88))
-    assert fetcher._elsewhere_retry() == 0.25  # a small file is no chunk time (was 1.0)
-    fetcher._received.append((trio.current_time(), 512 * 1024))
-    assert fetcher._elsewhere_retry() == 0.1  # a whole chunk in no time: the floor

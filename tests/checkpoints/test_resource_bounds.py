@@ -51,7 +51,8 @@ def test_a_fetch_tracks_a_bounded_number_of_peers(tmp_path):
     """Heartbeats from ever new identities during a fetch add peers to it: bounded, and the
     peers that showed a bitmap (the useful ones) are never pushed out by newcomers."""
     from harness.checkpoints import make_checkpoint
-    from node.checkpoints.fetcher import MAX_KNOWN_PEERS, VersionFetcher
+    from node.checkpoints.fetcher import VersionFetcher
+    from node.checkpoints.schedule import MAX_KNOWN_PEERS
 
     trainer = keys(1)[0]
     store = ChunkStore(tmp_path / "seed", RUN_ID, trainer.peer_id)
@@ -68,7 +69,7 @@ def test_a_fetch_tracks_a_bounded_number_of_peers(tmp_path):
         f.add_peer(f"stranger-{i}")
     assert len(f.peers) <= MAX_KNOWN_PEERS
     assert "holder" in f.peers and f.peers["holder"].seed
-    assert f.nseeds == 1
+    assert f.schedule.nseeds == 1
 
 
 def test_progress_display_state_is_bounded_over_many_versions():

@@ -669,15 +669,15 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
                 assert allowed_session_error(err) or (p.strikes and err.startswith("chunk ")), err
             assert p.errors or p.banned or fetcher.complete
             # bookkeeping: nothing left in flight, every chunk either held or back in the pool
-            assert not p.inflight and not fetcher._inflight and not fetcher._verifying
+            assert not p.inflight and not fetcher.schedule.inflight and not fetcher.schedule.verifying
             for i in range(nchunks):
-                assert i in st_.bitmap or i in fetcher._missing, f"chunk {i} lost track of"
+                assert i in st_.bitmap or i in fetcher.schedule.missing, f"chunk {i} lost track of"
             # have-set counts match the peers' bitmaps
             for i in range(nchunks):
-                assert fetcher.avail[i] == sum(
+                assert fetcher.schedule.avail[i] == sum(
                     1 for q in fetcher.peers.values() if q.bitmap is not None and i in q.bitmap
                 )
-            assert fetcher.nseeds == sum(1 for q in fetcher.peers.values() if q.seed)
+            assert fetcher.schedule.nseeds == sum(1 for q in fetcher.peers.values() if q.seed)
             # only the manifest's bytes are ever stored
             for i in st_.bitmap.indices():
                 assert fetcher.store.read_chunk_blocking(st_, i) == chunks[i]
@@ -691,7 +691,7 @@ async def test_fuzz_swarm_fetcher_against_a_hostile_seed(tmp_path):
             # every bad chunk was charged, and enough of them ban the seed
             strikes = sum(1 for pid, r in overlay.penalties if pid == HOSTILE and r == "bad_chunk")
             assert strikes == p.strikes
-            assert p.banned == (p.strikes >= fetcher.max_strikes) == (HOSTILE in overlay.bans)
+            assert p.banned == (p.strikes >= fetcher.schedule.max_strikes) == (HOSTILE in overlay.bans)
 
         await run_given(one)
         # the hostile seed's inputs reached the deep paths, not only the handshake
