@@ -195,6 +195,10 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                 await client.host.connect(parse_peer_addr(hostile.full_addrs()[0]))
             run_id = client.run_id
             box: dict = {"plan": None, "last_valid": None}
+            # the client's connection manager asks every new connection for peers at once; that
+            # exchange must be over before the plans start, else it may take a px plan and leave
+            # the test's own request a plain refusal (seen once in a loaded run)
+            foreign_asked = trio.Event()
             seen: collections.Counter[str] = collections.Counter()  # outcomes, to show the paths were reached
 
             async def hostile_rr(stream) -> None:
@@ -208,6 +212,7 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                             and unpack(req)[2] == plan[0]
                         )
                         if not mine:  # not the test's request (e.g. a node's own peer exchange): refuse it plainly
+                            foreign_asked.set()
                             await stream.write(
                                 rr_frames.encode_frame(
                                     seal(
@@ -247,6 +252,15 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                             pass
 
             hostile.host.set_stream_handler(RR_PROTOCOL, hostile_rr)
+            # done when the client asked the hostile peer and had its answer: from the real handler
+            # (an exchange it recorded a latency for) or from this one (refused)
+            await wait_until(
+                lambda: (
+                    hostile.peer_id in client.conns._px_asked
+                    and (hostile.peer_id in client.conns.latency_ms or foreign_asked.is_set())
+                ),
+                timeout=30,
+            )
 
             async def ask(kind: str, timeout: float):
                 """Run one exchange; returns ("ok", env-or-count) or ("error", RequestError)."""
