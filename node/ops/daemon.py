@@ -389,12 +389,14 @@ class _FetchReporter:
             bar.__exit__(None, None, None)
 
 
-async def _attach_progress(hook: Any, reporter: _FetchReporter) -> None:
+async def _attach_progress(hook: object, reporter: _FetchReporter) -> None:
     """Roles create their ``Checkpoints`` when they start; hook in then."""
-    while getattr(hook, "checkpoints", None) is None:
-        if not hasattr(hook, "checkpoints"):
-            return  # a role without checkpoints (bootstrap)
-        await trio.sleep(0.2)
+    from node.roles.learning import LearningRole
+
+    if not isinstance(hook, LearningRole):
+        return  # a role without checkpoints (bootstrap)
+    await hook.checkpoints_ready.wait()
+    assert hook.checkpoints is not None
     hook.checkpoints.progress_callbacks.append(reporter.update)
 
 

@@ -33,6 +33,7 @@ from node.p2p.host import closing_host, full_addrs, listen_addrs, make_host, pee
 from node.p2p.metrics import NodeMetrics
 from node.p2p.nat import NatConfig, NatService
 from node.p2p.reqresp import ReqResp, RequestError
+from node.p2p.services import NodeServices, RunningNode
 from node.p2p.standing import PeerStanding
 from node.p2p.swarm import SwarmView
 from node.util import now_ms
@@ -92,7 +93,7 @@ class RoleHook:
 
     role = "worker"
 
-    async def run(self, node: Node) -> None:
+    async def run(self, node: NodeServices) -> None:
         await trio.sleep_forever()
 
     def heartbeat_fields(self) -> dict[str, Any]:
@@ -296,8 +297,27 @@ class Node:
         if self.gossip is not None and self.gossip.delivered_from.get("heartbeat") == env.sender:
             self.clock_skew.sample(env.sender, self.config.wall_ms() - env.timestamp_ms)
 
+    def services(self) -> RunningNode:
+        """What the role receives (:mod:`node.p2p.services`): the node's services once gossip and
+        request/response run."""
+        if self.gossip is None or self.reqresp is None:
+            raise RuntimeError("the node's services exist once Node.run has started them")
+        return RunningNode(
+            peer_id=self.peer_id,
+            key=self.key,
+            seq=self.seq,
+            run_id=self.run_id,
+            genesis=self.genesis,
+            gossip=self.gossip,
+            reqresp=self.reqresp,
+            standing=self.standing,
+            metrics=self.metrics,
+            _peer_ips=self.peer_ips,
+            _reachable=self.reachable,
+        )
+
     async def _run_hook(self) -> None:
-        await self.hook.run(self)
+        await self.hook.run(self.services())
 
     # ---------------------------------------------------------------- heartbeats
     def make_heartbeat(self) -> Heartbeat:

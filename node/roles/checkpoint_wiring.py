@@ -16,8 +16,9 @@ A role uses it from its ``RoleHook.run(node)``::
     # and in heartbeat_fields(): return checkpoint_heartbeat_fields(checkpoints)
 
 It lives in the roles layer, the lowest that may import both packages (tests/system/test_layout.py):
-``node.checkpoints`` and ``node.p2p`` do not know each other, so the node comes in with its real
-type and everything libp2p-specific (the peerstore, connections) stays behind ``Node`` methods.
+``node.checkpoints`` and ``node.p2p`` do not know each other. The node comes in as
+:class:`node.p2p.services.NodeServices` (what a role receives), so everything libp2p-specific
+(the peerstore, connections, the NAT service) stays behind it.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.checkpoints.service import Checkpoints
-from node.p2p.gossip import Gossip
-from node.p2p.node import Node
 from node.p2p.reqresp import ReqResp
+from node.p2p.services import NodeServices
 from protocol import (
     CheckpointAnnounce,
     ChunkTicket,
@@ -63,22 +63,15 @@ POINTS = {
 }
 
 
-def _started(node: Node) -> tuple[ReqResp, Gossip]:
-    """The running node's request/response and gossip (``Node.run`` creates them)."""
-    if node.reqresp is None or node.gossip is None:
-        raise RuntimeError("the checkpoints need a running node: start Node.run first")
-    return node.reqresp, node.gossip
-
-
 class P2PControlPlane:
     """:class:`~node.checkpoints.control.ControlPlane` on top of a running ``node.p2p.Node``."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: NodeServices) -> None:
         self.node = node
 
     @property
     def _reqresp(self) -> ReqResp:
-        return _started(self.node)[0]
+        return self.node.reqresp
 
     async def request_ticket(self, peer_id: str, req: ChunkTicketRequest, timeout: float) -> ChunkTicket:
         env = await self._reqresp.request(peer_id, req, expect=ChunkTicket, timeout=timeout, redial=True)
@@ -114,7 +107,7 @@ def checkpoint_heartbeat_fields(checkpoints: Checkpoints) -> dict[str, Any]:
 
 
 async def serve_checkpoints(
-    node: Node, checkpoints: Checkpoints, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    node: NodeServices, checkpoints: Checkpoints, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Hook ``checkpoints`` into ``node`` (already running) and run it until cancelled."""
 
@@ -146,7 +139,7 @@ async def serve_checkpoints(
         return checkpoints.grant_reverse(peer, env.body, node.peer_ips(peer))
 
     checkpoints.server.reachable = node.reachable
-    reqresp, gossip = _started(node)
+    reqresp, gossip = node.reqresp, node.gossip
 
     reqresp.register(ChunkTicketRequest, on_ticket)
     reqresp.register(ManifestRequest, on_manifest)
@@ -177,7 +170,7 @@ def delta_base_for(checkpoints: Checkpoints, version: int, anchor_every: int) ->
 
 
 async def publish_checkpoint(
-    node: Node, checkpoints: Checkpoints, version: int, src_dir: Path | str, chunk_size: int | None = None
+    node: NodeServices, checkpoints: Checkpoints, version: int, src_dir: Path | str, chunk_size: int | None = None
 ) -> bytes:
     """Trainer: import ``src_dir`` as ``version`` (a delta against the previous published
     version, or an anchor: ``delta_settings``), then gossip the signed announce."""
@@ -193,5 +186,5 @@ async def publish_checkpoint(
     )
     st = checkpoints.store.get(version)
     assert st is not None  # import_version() stored it
-    await _started(node)[1].publish(CheckpointAnnounce(manifest=st.manifest))
+    await node.gossip.publish(CheckpointAnnounce(manifest=st.manifest))
     return raw

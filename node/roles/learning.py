@@ -15,6 +15,7 @@ from node.home import NodeHome
 from node.memory import release_free_memory
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RequestError
+from node.p2p.services import NodeServices
 from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_fields, serve_checkpoints
 from node.roles.context import RunContext
 from node.roles.intake import ANNOUNCE_QUEUE, UNPROVEN_FETCH_SLOTS, AnnounceIntake
@@ -58,6 +59,7 @@ class LearningRole(RoleHook):
         if ctx.pinned_model:
             self.store.keep.add(0)  # the pinned model: every node that holds it seeds it to late joiners
         self.checkpoints: Checkpoints | None = None
+        self.checkpoints_ready = trio.Event()  # set once start_common made them
         # The data plane listens where peers can reach it: loopback for a one-machine
         # network, every interface when the node advertises a routable address.
         listen_host = "127.0.0.1" if advertise_host.startswith("127.") or advertise_host == "localhost" else "0.0.0.0"
@@ -68,15 +70,27 @@ class LearningRole(RoleHook):
             listen_host=listen_host,
             max_upload_mbps=max_upload_mbps,
         )
-        self.node: Any = None
+        self._node: NodeServices | None = None  # set when the role starts (start_common)
         self.weights = WeightCache(self, capacity=g.max_async + 2)
         # announced batches on their way to being fetched (trainer and validator size their own)
         self.intake = AnnounceIntake(ANNOUNCE_QUEUE, UNPROVEN_FETCH_SLOTS)
         self.bans_honoured = 0
 
-    async def start_common(self, node: Any, nursery: trio.Nursery) -> None:
+    @property
+    def node(self) -> NodeServices:
+        """The running node's services (:mod:`node.p2p.services`)."""
+        if self._node is None:
+            raise RuntimeError("the role has not started: its node is set by start_common")
+        return self._node
+
+    @node.setter
+    def node(self, node: NodeServices) -> None:
+        self._node = node
+
+    async def start_common(self, node: NodeServices, nursery: trio.Nursery) -> None:
         self.node = node
         self.checkpoints = Checkpoints(self.store, P2PControlPlane(node), **self._checkpoints_args)
+        self.checkpoints_ready.set()
         await nursery.start(serve_checkpoints, node, self.checkpoints)
         node.gossip.on("ban", self._on_ban)
         if not self.ctx.model_ready:

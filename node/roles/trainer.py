@@ -19,6 +19,7 @@ import trio
 from node.errors import CheckpointError, ConfigError, ModelError
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
+from node.p2p.services import NodeServices
 from node.roles.context import policy_dtype_for
 from node.roles.intake import FETCH_TASKS, UNPROVEN_FETCH_SLOTS, AnnounceIntake
 from node.roles.learning import LearningRole
@@ -214,7 +215,7 @@ class TrainerRole(LearningRole):
     # ------------------------------------------------------------ lifecycle
     _nursery: trio.Nursery | None = None
 
-    async def run(self, node) -> None:
+    async def run(self, node: NodeServices) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await self.start_common(node, nursery)

@@ -15,6 +15,7 @@ import trio
 
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
+from node.p2p.services import NodeServices
 from node.roles.intake import AnnounceIntake
 from node.roles.learning import EngineRole
 from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, check_batch_rules, verify_batch
@@ -114,7 +115,7 @@ class ValidatorRole(EngineRole):
         self._standby: collections.OrderedDict[BatchKey, _Standby] = collections.OrderedDict()
         self.committee_counts: collections.Counter[str] = collections.Counter()
 
-    async def run(self, node: Any) -> None:
+    async def run(self, node: NodeServices) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await self.start_common(node, nursery)

@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from node.memory import release_free_memory
+from node.p2p.services import NodeServices
 from node.roles.learning import EngineRole
 from node.roles.rollouts import PolicyFacts, produce_batch
 from node.util import atomic_write_bytes, now_ms
@@ -135,7 +136,7 @@ class WorkerRole(EngineRole):
         # the current batch generates); older state dicts are dead weight in its memory.
         self.weights.capacity = 2
 
-    async def run(self, node) -> None:
+    async def run(self, node: NodeServices) -> None:
         # the process clock, not trio's: /metrics reads this from the exporter's thread
         self.started_at = time.monotonic()
         self._register_metrics(node)
@@ -148,7 +149,7 @@ class WorkerRole(EngineRole):
             nursery.start_soon(self._read_ahead_loop)
             nursery.start_soon(self._reannounce_loop)
 
-    def _register_metrics(self, node: Any) -> None:
+    def _register_metrics(self, node: NodeServices) -> None:
         """Worker utilization on ``/metrics``: the generating share of wall time, and the
         seconds spent per activity (generate, load, window, rate, pace, first_version, other)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
