@@ -182,7 +182,7 @@ class PeerStanding:
         if b is None:
             if len(self._buckets) >= self.max_peers:
                 self._prune_buckets()
-            b = self._buckets[peer_id] = TokenBucket(self.rate_per_s, self.rate_burst)
+            b = self._buckets[peer_id] = TokenBucket(self.rate_per_s, self.rate_burst, self.clock)
         return b.take(n)
 
     def allow_origin(self, sender: str, n: float = 1.0, known: bool = True) -> bool:
@@ -196,9 +196,9 @@ class PeerStanding:
         if b is None:
             if len(self._origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._origin_buckets)
-            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
+            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst, self.clock)
         elif b.burst < burst:  # became known: the full headroom, as if it had been known all along
-            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst)
+            b = self._origin_buckets[sender] = TokenBucket(self.origin_rate_per_s, burst, self.clock)
         elif b.burst > burst:  # forgotten (silent too long): back to the small headroom
             b.burst = burst
         return b.take(n)
@@ -210,7 +210,7 @@ class PeerStanding:
             if len(self._unknown_origin_buckets) >= self.max_peers:
                 self._prune_buckets(self._unknown_origin_buckets)
             b = self._unknown_origin_buckets[forwarder] = TokenBucket(
-                self.unknown_origins_per_forwarder_per_s, self.unknown_origins_per_forwarder_burst
+                self.unknown_origins_per_forwarder_per_s, self.unknown_origins_per_forwarder_burst, self.clock
             )
         return b.take()
 
@@ -237,7 +237,7 @@ class PeerStanding:
     def _prune_buckets(self, table: dict[str, TokenBucket] | None = None) -> None:
         """Drop buckets that are full again (idle peers: a new bucket is identical)."""
         table = self._buckets if table is None else table
-        now = time.monotonic()
+        now = self.clock()
         for pid, b in list(table.items()):
             if b.tokens + (now - b.t) * b.rate >= b.burst:
                 del table[pid]

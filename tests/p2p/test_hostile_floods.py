@@ -49,6 +49,23 @@ def test_peer_policy_tables_stay_bounded_under_fresh_identities():
     assert policy.allow("honest")
 
 
+def test_the_rate_limits_run_on_the_standings_own_clock():
+    """Every rate of a peer standing (per peer, per signer, per forwarder of unknown signers)
+    refills by the clock the standing was given, as its bans and points do: under a test's
+    clock, or trio's, half a second of refill is half a second of that clock (the buckets
+    read the wall clock before, so a moved clock refilled nothing)."""
+    t = [0.0]
+    policy = PeerStanding(budget=20, ban_seconds=600, rate_per_s=10, rate_burst=10, clock=lambda: t[0])
+    assert all(policy.allow("p") for _ in range(10)) and not policy.allow("p")
+    assert all(policy.allow_origin("s") for _ in range(int(policy.origin_burst)))
+    assert not policy.allow_origin("s")
+    t[0] += 0.5
+    assert sum(policy.allow("p") for _ in range(10)) == 5  # 10 per second, for half a second
+    assert policy.allow_origin("s")
+    # control: a clock that does not move refills nothing
+    assert not policy.allow("p")
+
+
 def test_swarm_view_is_bounded_and_known_peers_keep_refreshing():
     t = [0.0]
     view = SwarmView("me", forget_after=10.0, clock=lambda: t[0], max_peers=50)
