@@ -134,7 +134,7 @@ def churn(
     rng = random.Random(seed)
     names = victims or [n.name for n in devnet.nodes]
     events: list[ChurnEvent] = []
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # wall time: the operator's churn schedule runs on real seconds
     todo = list(schedule) if schedule is not None else None
     while todo if todo is not None else time.monotonic() - t0 < duration_s:
         _sleep_sampling(audit, rng.uniform(*period_s))
@@ -156,7 +156,7 @@ def churn(
 
 
 def _sleep_sampling(audit: LedgerAudit, seconds: float) -> None:
-    end = time.monotonic() + seconds
+    end = time.monotonic() + seconds  # wall time (outside trio: the churn driver sleeps for real)
     while True:
         audit.sample()
         left = end - time.monotonic()

@@ -367,7 +367,7 @@ class _FetchReporter:
             self.close()
 
     def _log(self, p: FetchProgress) -> None:
-        now = time.monotonic()
+        now = time.monotonic()  # wall time: how often a person sees a progress line
         if p.done:
             self.last_log.pop(p.version, None)
             log.info(

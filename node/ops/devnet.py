@@ -367,7 +367,7 @@ class Devnet:
         for n in running:
             assert n.proc is not None
             n.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + grace_s  # wall time: real processes are given real seconds
         # other processes: no event reaches us when they exit, so poll (a tenth of a second)
         while time.monotonic() < deadline and not hurry():
             if all(n.proc is None or n.proc.poll() is not None for n in running):
@@ -756,7 +756,7 @@ def run_devnet(opts: DevnetOptions, live: bool = True) -> dict[str, Any]:
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     console = Console(stderr=False)
     devnet = Devnet(opts)
-    started = time.monotonic()
+    started = time.monotonic()  # wall time: what the operator waits (no trio run here)
     stopped_by: str | None = None
     last_snap: dict[str, Any] = {}
     with StopSignals() as stops:

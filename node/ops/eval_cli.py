@@ -207,7 +207,7 @@ def evaluate(
         split = "heldout" if ctx.heldout else "train"
     problems = select_problems(ctx, split, opts.dataset, opts.n, opts.seed)
 
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # wall time: load and evaluation seconds reported to the operator
     if opts.model is not None:
         from node.rl.tasks import PromptStyle
 

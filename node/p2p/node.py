@@ -139,7 +139,7 @@ class Node:
         )
         self.standing.metrics = self.metrics
         self.seq = SequenceCounter(time.time_ns() // 1000)
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # wall time: uptime as an operator reads it
         self.host: IHost | None = None
         self.gossip: Gossip | None = None
         self.reqresp: ReqResp | None = None

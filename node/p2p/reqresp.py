@@ -199,7 +199,7 @@ class ReqResp:
             raise RequestError("unreachable", f"{peer_id}: link cut (fault layer)")
         run_id = frames.exchange_run_id(type(message), self.run_id)
         data = protocol.seal(self.key, run_id, message, self.wall_ms(), self.seq.next())
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # wall time: a round trip measured, not a timer
         stream = None
         try:
             with trio.fail_after(timeout):

@@ -114,7 +114,7 @@ class HeldoutEvaluator:
 
         from node.rl.evaluate import sample_problems, summarize
 
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # wall time: measured seconds for metrics
         # one compute thread: the evaluation shares the machine with the training step, and two
         # pools of every core each ran SmolLM2's sampling 2-7x slower than one thread on a busy
         # 2-core machine (docs/rl.md, "Evaluation"). OpenMP's thread count is per calling thread,
@@ -562,7 +562,7 @@ class TrainerRole(LearningRole):
                 log.warning("discarded %d admitted batches: %s", n, NO_POLICY_WEIGHTS)
             if not batches:
                 continue
-            t0 = time.monotonic()
+            t0 = time.monotonic()  # wall time: measured seconds for metrics
             try:
                 # abandonable: a stop must not wait out a step (minutes on a real model); the
                 # step writes nothing, so the run resumes at the last committed version

@@ -138,7 +138,7 @@ class WorkerRole(EngineRole):
 
     async def run(self, node: NodeServices) -> None:
         # the process clock, not trio's: /metrics reads this from the exporter's thread
-        self.started_at = time.monotonic()
+        self.started_at = time.monotonic()  # wall time: utilization is a share of real seconds
         self._register_metrics(node)
         self._restore_chain(node.peer_id)
         async with trio.open_nursery() as nursery:
@@ -363,7 +363,7 @@ class WorkerRole(EngineRole):
     @contextlib.contextmanager
     def _spending(self, what: str) -> Iterator[None]:
         """Book the time spent inside under ``what`` (worker utilization, in status)."""
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # wall time: seconds per activity (utilization)
         try:
             yield
         finally:

@@ -125,7 +125,7 @@ def _run_sandboxed(
     bwrap = bwrap or find_bwrap()
     if bwrap is None:
         raise SandboxError(f"code rewards need bubblewrap (bwrap), which was not found; {INSTALL_HINT}")
-    start = time.monotonic()
+    start = time.monotonic()  # wall time: a child process's real run time (no trio here)
     limits = {
         "RLIMIT_AS": memory_mb * 2**20,
         "RLIMIT_CPU": math.ceil(timeout_s) + 1,
@@ -237,7 +237,7 @@ def _kill_sandbox(bwrap_pid: int) -> None:
         os.kill(bwrap_pid, signal.SIGSTOP)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 1.0  # wall time: waiting on real processes (no trio here)
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{bwrap_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -285,7 +285,7 @@ def _wait_namespace_gone(bwrap_status: bytes, wait_s: float = 5.0) -> None:
             os.close(pidfd)
         return
     stat = Path(f"/proc/{int(m.group(1))}/stat")
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + wait_s  # wall time: waiting on the kernel (no trio here)
     while time.monotonic() < deadline:
         try:
             state = stat.read_text().rsplit(")", 1)[1].split()[0]
