@@ -2,13 +2,16 @@
 (issue 32 point 3): gossip (the real Plumtree core; delivery, latency and cost per message,
 with and without churn, beside a plain flood of the same overlay) and admission (the real
 committee draw and rule; admitted share and latency as workers grow, beside every validator
-checking every batch). Checkpoint distribution is not simulated yet (the fetch schedule is not
-a sans-I/O core).
+checking every batch) and checkpoint distribution (the real fetch schedule and super-seeding
+rules, full checkpoints and deltas to 10-1,000 fetchers: ``bench/simulate_fetch.py``, whose
+docstring states that model).
 
     python bench/simulate.py [--nodes 10,100,1000] [--rate 20] [--seconds 30] [--degree 6]
                              [--churn 0,10] [--loss 0.001] [--heartbeat-s 0] [--seed 0]
     python bench/simulate.py --what admission [--validators 1,2,4,8] [--sizes 0,1,2,3]
                              [--workers 4,8,16,32,64] [--gen-s 60] [--dead 0]
+    python bench/simulate.py --what distribution [--fetchers 10,100,1000] [--sizes-mb 269,62000]
+                             [--dist-churn 0,10] [--seed-mbps 1000] [--known 32]
     ... [--plots DIR]; python bench/simulate.py --replot OUTPUT_FILE... --plots DIR
 
 What is real and what is modelled:
@@ -65,6 +68,9 @@ from protocol import gossip as frames  # noqa: E402
 from protocol.committee import Ballot, CommitteeRule, committee_order, committee_seed  # noqa: E402
 from protocol.gossip import GRAFT, IHAVE, PRUNE, Control  # noqa: E402
 from protocol.rules import Quorum  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import simulate_fetch  # noqa: E402
 
 FRAME_OVERHEAD = 60  # bytes of TCP/IP, Noise and yamux framing per gossip frame (4-byte length prefix included)
 ENVELOPE_BYTES = 400  # a rollout announce or a vote
@@ -577,6 +583,7 @@ def main() -> None:
     ap.add_argument("--dead", type=int, default=0, help="validators that never vote")
     ap.add_argument("--max-async", type=int, default=2, help="[config] max_async: batches older are stale")
     ap.add_argument("--hours", type=float, default=2.0, help="simulated time of each admission run")
+    simulate_fetch.add_arguments(ap)
     ap.add_argument("--plots", type=Path, default=None, help="write PNG plots of the results into this folder")
     ap.add_argument(
         "--replot",
@@ -592,12 +599,16 @@ def main() -> None:
             [r for run in runs for r in run["rows"]],
             [r for run in runs for r in run["admission"]],
             a.plots or Path("."),
+            [r for run in runs for r in run.get("distribution", [])],
         )
         return
     rows: list[dict[str, Any]] = []
     adm: list[dict[str, Any]] = []
+    dist: list[dict[str, Any]] = []
     if "admission" in a.what:
         adm = admission_rows(a)
+    if "distribution" in a.what:
+        dist = simulate_fetch.distribution_rows(a)
     if "gossip" not in a.what:
         a.nodes = ""
     for n in (int(x) for x in a.nodes.split(",") if x):
@@ -644,17 +655,39 @@ def main() -> None:
             ("validator_busy", "max busy"),
         ],
     )
+    table(
+        dist,
+        [
+            ("full_bytes", "checkpoint B"),
+            ("what", "what"),
+            ("size_bytes", "bytes"),
+            ("chunks", "chunks"),
+            ("fetchers", "fetchers"),
+            ("churn_pct_per_min", "churn %/min"),
+            ("p50_s", "50 % s"),
+            ("p95_s", "95 % s"),
+            ("p100_s", "100 % s"),
+            ("bound_s", "bound s"),
+            ("p95_over_bound", "95 % / bound"),
+            ("own_bound_p50", "own p50"),
+            ("own_bound_p95", "own p95"),
+            ("seed_copies", "seed copies"),
+            ("sim_wall_s", "sim s"),
+        ],
+    )
     out = {"bench": "simulate", "rate": a.rate, "seconds": a.seconds, "degree": a.degree, "loss": a.loss}
     out |= {"cpu_ms": a.cpu_ms, "gen_s": a.gen_s, "deadline_s": a.deadline_s, "hours": a.hours}
-    print(json.dumps({**out, "rows": rows, "admission": adm}))
+    out |= {"seed_mbps": a.seed_mbps, "known": a.known, "verify_mib_s": a.verify_mib_s, "apply_mib_s": a.apply_mib_s}
+    print(json.dumps({**out, "rows": rows, "admission": adm, "distribution": dist}))
     if a.plots is not None:
-        plot(rows, adm, a.plots)
+        plot(rows, adm, a.plots, dist)
 
 
-def plot(rows: list[dict[str, Any]], adm: list[dict[str, Any]], out: Path) -> None:
+def plot(rows: list[dict[str, Any]], adm: list[dict[str, Any]], out: Path, dist: list[dict[str, Any]]) -> None:
     """gossip.png (p50 and p99 latency, and message frames per delivery, against nodes, per mode
-    and churn; runs without heartbeats) and admission.png (admitted share against offered load,
-    per committee size)."""
+    and churn; runs without heartbeats), admission.png (admitted share against offered load,
+    per committee size) and distribution.png (time to 50/95/100 % of the fetchers over the
+    bound, against fetchers, per checkpoint, full or delta, and churn)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -705,6 +738,36 @@ def plot(rows: list[dict[str, Any]], adm: list[dict[str, Any]], out: Path) -> No
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "admission.png", dpi=120)
+        plt.close(fig)
+    if dist:
+        sizes = sorted({r["full_bytes"] for r in dist})
+        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+        for ax, size in zip(axes[0], sizes):
+            for what in ("full", "delta"):
+                for churn in sorted({r["churn_pct_per_min"] for r in dist}):
+                    sel = sorted(
+                        (
+                            r
+                            for r in dist
+                            if r["full_bytes"] == size and r["what"] == what and r["churn_pct_per_min"] == churn
+                        ),
+                        key=lambda r: r["fetchers"],
+                    )
+                    if not sel:
+                        continue
+                    ns = [r["fetchers"] for r in sel]
+                    for key, style in (("p50_s", ":"), ("p95_s", "-"), ("p100_s", "--")):
+                        ys = [r[key] / r["bound_s"] if r[key] is not None else None for r in sel]
+                        ax.plot(ns, ys, linestyle=style, marker="o", label=f"{what}, churn {churn:g}, {key[1:-2]} %")
+            ax.axhline(1.5, color="grey", linewidth=0.8)
+            ax.set_xscale("log")
+            ax.set_xlabel("fetchers")
+            ax.set_ylabel("time / bound")
+            ax.set_title(f"{size / 1e9:g} GB checkpoint (simulated)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "distribution.png", dpi=120)
         plt.close(fig)
 
 

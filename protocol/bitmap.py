@@ -24,7 +24,7 @@ class Bitmap:
             self._bits = bytearray(data)
             if n % 8 and self._bits:
                 self._bits[-1] &= (1 << (n % 8)) - 1  # ignore padding bits
-            self._count = sum(bin(b).count("1") for b in self._bits)
+            self._count = int.from_bytes(self._bits, "little").bit_count()
 
     def __contains__(self, i: int) -> bool:
         return 0 <= i < self.n and bool(self._bits[i >> 3] & (1 << (i & 7)))
@@ -59,6 +59,11 @@ class Bitmap:
 
     def missing(self) -> list[int]:
         return [i for i in range(self.n) if i not in self]
+
+    def raw(self) -> bytearray:
+        """The bits themselves, for loops that test many (``bits[i >> 3] >> (i & 7) & 1``
+        costs a third of ``i in bitmap``): read, never written."""
+        return self._bits
 
     def to_bytes(self) -> bytes:
         return bytes(self._bits)

@@ -208,18 +208,18 @@ class FetchSchedule:
         return True
 
     def apply_bitmap(self, p: FetchPeer, new: Bitmap | None) -> None:
-        """Replace ``p``'s have-set, keeping ``avail`` and ``nseeds`` in step (byte-wise diff:
-        a heartbeat of a 16,000-chunk version changes a few bits)."""
-        old_b = p.bitmap.to_bytes() if p.bitmap is not None else bytes((self.n + 7) // 8)
-        new_b = new.to_bytes() if new is not None else bytes(len(old_b))
-        if old_b != new_b:
+        """Replace ``p``'s have-set, keeping ``avail`` and ``nseeds`` in step. Only the bits that
+        changed are visited (a heartbeat of a 16,000-chunk version changes a few)."""
+        old_i = int.from_bytes(p.bitmap.raw(), "little") if p.bitmap is not None else 0
+        new_i = int.from_bytes(new.raw(), "little") if new is not None else 0
+        diff = old_i ^ new_i
+        if diff:
             avail = self.avail
-            for bi, (a, b) in enumerate(zip(old_b, new_b)):
-                if a != b:
-                    for bit in range(8):
-                        d = ((b >> bit) & 1) - ((a >> bit) & 1)
-                        if d:
-                            avail[bi * 8 + bit] += d
+            for bits, step in ((diff & new_i, 1), (diff & old_i, -1)):
+                while bits:
+                    low = bits & -bits
+                    avail[low.bit_length() - 1] += step
+                    bits ^= low
         was_seed = p.seed
         p.bitmap = new
         self.nseeds += int(p.seed) - int(was_seed)
@@ -283,11 +283,12 @@ class FetchSchedule:
         best_only_key = None
         seed_only_left = False
         stale = []
+        hb, bb = held.raw(), bm.raw()  # (the hot loop of a fetch: bits tested in place)
         for i in self.missing:
-            if i in held:
+            if hb[i >> 3] >> (i & 7) & 1:
                 stale.append(i)
                 continue
-            if i in bm:
+            if bb[i >> 3] >> (i & 7) & 1:
                 if refused and refused.get(i, 0.0) > now:
                     if seed and avail[i] <= nseeds:
                         seed_only_left = True

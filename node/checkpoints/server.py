@@ -117,6 +117,34 @@ class SeedLog:
             self.unsent -= 1
 
 
+class SendPace:
+    """The fastest recent upload rate, and which sends went to a slow recipient
+    (``SLOW_RECIPIENT``). Pure: the server passes each send's length, seconds and the sends
+    running beside it; ``bench/simulate.py`` drives the same object."""
+
+    __slots__ = ("fast_bps",)
+
+    def __init__(self) -> None:
+        self.fast_bps = 0.0  # all sends together (decays by FAST_DECAY per send)
+
+    def slow_after_s(self, length: int, sending: int) -> float:
+        """A send of ``length`` bytes running longer than this (beside ``sending`` - 1 others)
+        goes to a slow recipient."""
+        fair = self.fast_bps / max(1, sending)
+        if length < RATE_MIN_BYTES or fair <= 0:
+            return float("inf")
+        return SLOW_RECIPIENT * length / fair
+
+    def sent(self, length: int, seconds: float, share: int) -> bool:
+        """Record a finished send that ran beside ``share`` - 1 others; whether its recipient
+        was slow."""
+        if length < RATE_MIN_BYTES:
+            return False
+        total = length / max(seconds, 1e-6) * share
+        self.fast_bps = max(total, self.fast_bps * FAST_DECAY)
+        return total * SLOW_RECIPIENT < self.fast_bps
+
+
 @dataclasses.dataclass
 class Ticket:
     peer_id: str
@@ -171,7 +199,7 @@ class ChunkServer:
         self.reseed_after_s = reseed_after_s
         self.reseed_after_all_s = reseed_after_all_s
         self._seeding: dict[tuple[int, bytes], SeedLog] = {}
-        self._fast_send_bps = 0.0  # the fastest recent upload rate, all sends (decays; SLOW_RECIPIENT)
+        self.pace = SendPace()  # the fastest recent upload rate; slow recipients (SLOW_RECIPIENT)
         self._sending = 0  # chunk sends running now
         self.tickets: dict[bytes, Ticket] = {}
         self.max_tickets = 8192  # bounded: tickets that are never used expire, and a peer holds at most
@@ -491,7 +519,7 @@ class ChunkServer:
                     trio.current_time(),
                     self.reseed_after_s,
                     self.reseed_after_all_s,
-                    self._slow_after_s(st.chunks[idx][2]),
+                    self.pace.slow_after_s(st.chunks[idx][2], self._sending),
                 ):
                     self.chunks_elsewhere += 1
                     if t.reverse:
@@ -514,28 +542,12 @@ class ChunkServer:
                         now = trio.current_time()
                         share = max(beside, self._sending)
                         self._sending -= 1
-                        slow = ok and self._sent_at(st.chunks[idx][2], now - started, share)
+                        slow = ok and self.pace.sent(st.chunks[idx][2], now - started, share)
                         if sl is not None:
                             sl.finish(idx, t.peer_id, ok, now, slow)
             else:
                 await send_all(sock, F.REPLY.pack(op, F.BAD_REQUEST, idx, 0), self.stall_timeout_s)
                 return
-
-    def _slow_after_s(self, length: int) -> float:
-        """A send of ``length`` bytes running longer than this goes to a slow recipient."""
-        fair = self._fast_send_bps / max(1, self._sending)
-        if length < RATE_MIN_BYTES or fair <= 0:
-            return float("inf")
-        return SLOW_RECIPIENT * length / fair
-
-    def _sent_at(self, length: int, seconds: float, share: int) -> bool:
-        """Record a finished send that ran beside ``share`` - 1 others; whether its recipient
-        was slow (SLOW_RECIPIENT)."""
-        if length < RATE_MIN_BYTES:
-            return False
-        total = length / max(seconds, 1e-6) * share
-        self._fast_send_bps = max(total, self._fast_send_bps * FAST_DECAY)
-        return total * SLOW_RECIPIENT < self._fast_send_bps
 
     async def _send_chunk(self, sock: trio.socket.SocketType, st: VersionState, idx: int, peer: str) -> None:
         # the chunk's range of the version's file (written in place as it was verified)
