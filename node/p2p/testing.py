@@ -21,6 +21,7 @@ import trio
 
 from node.p2p.nat import NatConfig
 from node.p2p.node import BootstrapRole, Node, P2PConfig, RoleHook
+from node.p2p.services import NodeServices
 from node.util import now_ms
 from protocol import Envelope, NodeKey, RolloutAnnounce, RunGenesis, SignedGenesis, sign_genesis
 
@@ -128,7 +129,18 @@ class NodeFactory:
             self.bootstrap_addrs = node.full_addrs()
         return node
 
-    def kill(self, node: Node) -> None:
+    def node_of(self, who: Node | NodeServices | str) -> Node:
+        """The running ``Node`` behind a role's services (``role.node``), or with a peer id: what
+        a test reaches into (connections, the host) where a role sees only its services."""
+        pid = who if isinstance(who, str) else who.peer_id
+        for n in reversed(self.nodes):  # a restarted identity: its newest node
+            if n.peer_id == pid:
+                return n
+        raise KeyError(f"no running node with peer id {pid}")
+
+    def kill(self, node: Node | NodeServices) -> None:
+        if not isinstance(node, Node):
+            node = self.node_of(node)
         self._scopes[id(node)].cancel()
         if node in self.nodes:
             self.nodes.remove(node)

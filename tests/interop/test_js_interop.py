@@ -363,7 +363,7 @@ async def test_js_thief_front_running_an_honest_announce_pays_and_the_batch_is_a
         async with trio.open_nursery() as nursery:
             _net, trainer, validators, workers = await start_network(nursery, tmp_path, genesis, worker_tamper=(None,))
             (honest,) = workers
-            deciders = [trainer.node, *(v.node for v in validators)]
+            deciders = [_net.node_of(r.node) for r in (trainer, *validators)]  # the Nodes behind the roles
             for n in deciders:
                 hold_foreign_peers(n)
             thief = await js.create("thief", security="noise", seed_hex=thief_key.seed.hex())

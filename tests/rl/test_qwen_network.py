@@ -91,7 +91,7 @@ async def test_a_qwen_style_model_travels_as_version_0_and_trains(tmp_path):
             except trio.TooSlowError:
                 # CI once timed out here (window 2 then) and said nothing more: say what the late
                 # worker knew (versions announced, fetches, peers) next time
-                status = {"late": late.checkpoints_status(), "peers": len(late.node.conns.connected())}
+                status = {"late": late.checkpoints_status(), "peers": len(net.node_of(late.node).conns.connected())}
                 raise AssertionError(f"version 0 never reached the late worker: {status}") from None
             await wait_until(lambda: trainer.version >= 2, 200, poll=0.2, what="a second GRPO step")
             await wait_until(

@@ -137,8 +137,9 @@ async def test_a_network_cut_in_two_halves_converges_after_the_heal(tmp_path):
                 lambda: all(newest(r) >= 0 for r in roles), 120, poll=0.2, what="version 0 everywhere before the cut"
             )
 
-            half_a = [boot, trainer.node, validators[0].node, validators[1].node, workers[0].node]
-            half_b = [validators[2].node, workers[1].node, workers[2].node]
+            # the Nodes behind the roles' services (the partition reaches into their hosts)
+            half_a = [boot, *map(net.node_of, (trainer.node, validators[0].node, validators[1].node, workers[0].node))]
+            half_b = [net.node_of(r.node) for r in (validators[2], workers[1], workers[2])]
             part = Partition()
             for n in half_a + half_b:
                 part.install(n)
