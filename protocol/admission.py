@@ -19,13 +19,17 @@ The order of the checks is the rule:
 6. **one batch per slot**: a batch whose (worker, counter) slot was admitted before, under
    another id, is refused;
 7. otherwise admitted, with the median of the agreeing validators' rewards per sample.
+
+Then which admitted batches a trainer step takes (:func:`select_for_step`): oldest policy first,
+up to the step's token budget and batch cap, setting aside those whose generating weights are
+gone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from .committee import CommitteeRule, Decision
 from .rules import Quorum, counter_gap, is_stale, version_regression
@@ -119,3 +123,49 @@ def admission(
     agreeing = sorted(decision.agreeing)
     rewards = tuple(statistics.median(col) for col in zip(*(accept_rewards[v] for v in agreeing), strict=True))
     return Ruling("admitted", "admitted", rewards=rewards)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCandidate:
+    """An admitted, untrained batch as the trainer's step sees it: its id, the policy version
+    that generated it, its tokens (prompts and completions), and whether that version's
+    weights are still held (needed for the importance ratios)."""
+
+    batch_id: bytes
+    policy_version: int
+    tokens: int
+    weights_held: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSelection:
+    """What one trainer step trains on (``chosen``, in order, with their ``tokens``) and which
+    batches can never be trained (``unusable``: their generating weights are gone)."""
+
+    chosen: tuple[bytes, ...]
+    tokens: int
+    unusable: tuple[bytes, ...]
+
+
+def select_for_step(candidates: Iterable[StepCandidate], token_budget: int, max_batches: int = 0) -> StepSelection:
+    """The step's batches from the admitted, untrained ones, taken in the order given (the
+    ledger's: oldest policy first): every one that fits in ``token_budget`` (the first always
+    does, however large, so a big batch cannot stall training), at most ``max_batches`` (0: no
+    cap). The step stops at the first batch that does not fit rather than skipping ahead: a
+    later small batch must not overtake an older one forever. A batch whose weights are gone
+    is set aside (``unusable``) and does not count. ``candidates`` is read lazily, up to the
+    first batch that does not fit, so a caller may compute tokens as it goes."""
+    chosen: list[bytes] = []
+    unusable: list[bytes] = []
+    tokens = 0
+    for c in candidates:
+        if not c.weights_held:
+            unusable.append(c.batch_id)
+            continue
+        if chosen and tokens + c.tokens > token_budget:
+            break
+        if max_batches and len(chosen) >= max_batches:
+            break
+        chosen.append(c.batch_id)
+        tokens += c.tokens
+    return StepSelection(tuple(chosen), tokens, tuple(unusable))

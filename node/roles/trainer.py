@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import trio
@@ -46,6 +47,7 @@ from protocol import (
     batch_key,
     open_envelope,
 )
+from protocol.admission import StepCandidate, select_for_step
 
 log = logging.getLogger(__name__)
 
@@ -508,27 +510,25 @@ class TrainerRole(LearningRole):
         return version == self.version or self.weights.held(version)
 
     def _select(self, candidates: list[AdmittedBatch]) -> tuple[list[AdmittedBatch], list[list[Any]], int, list[bytes]]:
-        """The step's batches from the untrained ones (oldest policy first): every one that
-        fits in the token budget (the first always does), at most ``max_batches_per_step``. Returns the batches, their groups,
+        """The step's batches (``protocol.admission.select_for_step`` decides: oldest policy
+        first, the token budget, ``max_batches_per_step``). Returns the batches, their groups,
         their tokens, and the batches whose generating weights are gone (to discard)."""
-        chosen: list[AdmittedBatch] = []
-        groups: list[list[Any]] = []
-        tokens = 0
-        unusable: list[bytes] = []
-        for b in candidates:
-            if not self._weights_held(b.policy_version):
-                unusable.append(b.batch_id)
-                continue
-            bg = self._batch_groups(b)
-            n = sum(len(r.prompt_tokens) + len(r.completion_tokens) for g in bg for r in g)
-            if chosen and tokens + n > self.step_token_budget:
-                break
-            if self.max_batches_per_step and len(chosen) >= self.max_batches_per_step:
-                break
-            chosen.append(b)
-            groups += bg
-            tokens += n
-        return chosen, groups, tokens, unusable
+        groups_of: dict[bytes, list[list[Any]]] = {}
+
+        def facts() -> Iterator[StepCandidate]:  # lazily: a batch's groups are decoded only if reached
+            for b in candidates:
+                if not self._weights_held(b.policy_version):
+                    yield StepCandidate(b.batch_id, b.policy_version, 0, weights_held=False)
+                    continue
+                bg = groups_of[b.batch_id] = self._batch_groups(b)
+                n = sum(len(r.prompt_tokens) + len(r.completion_tokens) for g in bg for r in g)
+                yield StepCandidate(b.batch_id, b.policy_version, n, weights_held=True)
+
+        sel = select_for_step(facts(), self.step_token_budget, self.max_batches_per_step)
+        by_id = {b.batch_id: b for b in candidates}
+        chosen = [by_id[i] for i in sel.chosen]
+        groups = [g for i in sel.chosen for g in groups_of[i]]
+        return chosen, groups, sel.tokens, list(sel.unusable)
 
     def _behaviour_weights(self, version: int) -> Any:
         """The published weights of ``version`` for the step's old log-probs. Called from the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol.admission import BatchFacts, admission
+from protocol.admission import BatchFacts, StepCandidate, StepSelection, admission, select_for_step
 from protocol.committee import Ballot, CommitteeRule
 
 VALIDATORS = ("v0", "v1", "v2")
@@ -98,3 +98,44 @@ def test_the_rules_apply_in_order_staleness_first_then_votes_then_the_chain():
     gap_and_slot = dataclasses.replace(FACTS, counter=9, chain_head=0, slot_holder=b"x")
     assert rule_on({"v0": NO, "v1": NO}, gap_and_slot).why == "votes"
     assert rule_on({"v0": yes(1, 1), "v1": yes(1, 1)}, gap_and_slot).why == "chain"
+
+
+# ------------------------------------------------------------------ a step's batches
+
+
+def cand(i: int, tokens: int, held: bool = True, version: int = 0) -> StepCandidate:
+    return StepCandidate(bytes([i]) * 32, version, tokens, held)
+
+
+def test_a_step_takes_the_oldest_batches_that_fit_its_token_budget():
+    sel = select_for_step([cand(1, 400), cand(2, 400), cand(3, 400)], token_budget=1000)
+    assert sel.chosen == (bytes([1]) * 32, bytes([2]) * 32) and sel.tokens == 800 and sel.unusable == ()
+
+
+def test_the_first_batch_always_fits_and_a_later_small_one_does_not_overtake():
+    # a batch over the budget alone is still trained (else it would stall training forever)
+    sel = select_for_step([cand(1, 5000), cand(2, 10)], token_budget=1000)
+    assert sel.chosen == (bytes([1]) * 32,) and sel.tokens == 5000
+    # the step stops at the first batch that does not fit: the small one behind it waits its turn
+    sel = select_for_step([cand(1, 900), cand(2, 500), cand(3, 50)], token_budget=1000)
+    assert sel.chosen == (bytes([1]) * 32,)
+
+
+def test_batches_whose_weights_are_gone_are_set_aside_and_cost_nothing():
+    sel = select_for_step([cand(1, 0, held=False), cand(2, 600), cand(3, 0, held=False), cand(4, 400)], 1000)
+    assert sel.chosen == (bytes([2]) * 32, bytes([4]) * 32) and sel.tokens == 1000
+    assert sel.unusable == (bytes([1]) * 32, bytes([3]) * 32)
+
+
+def test_max_batches_caps_a_step_and_candidates_are_read_only_as_far_as_needed():
+    read = []
+
+    def lazily():
+        for i in range(1, 10):
+            read.append(i)
+            yield cand(i, 10)
+
+    sel = select_for_step(lazily(), token_budget=10_000, max_batches=3)
+    assert len(sel.chosen) == 3 and sel.tokens == 30
+    assert read == [1, 2, 3, 4]  # the fourth is looked at (to stop), the rest never decoded
+    assert select_for_step([], 1000) == StepSelection((), 0, ())
