@@ -104,17 +104,6 @@ class Node:
     sent_bytes: int = 0
 
 
-def draw_link(rnd: random.Random) -> tuple[float, float, float]:
-    """(upload bit/s, download bit/s, access latency s) from the stated distribution."""
-    if rnd.random() < 0.7:
-        down = math.exp(rnd.uniform(math.log(50e6), math.log(1000e6)))
-        up = max(20e6, down * rnd.uniform(0.1, 0.5))
-    else:
-        up = down = math.exp(rnd.uniform(math.log(1e9), math.log(10e9)))
-    latency = math.exp(rnd.uniform(math.log(0.0025), math.log(0.150)))
-    return up, down, latency
-
-
 class Sim:
     def __init__(self, args: argparse.Namespace, n: int, mode: str, churn: float) -> None:
         self.a, self.mode, self.churn = args, mode, churn
@@ -139,7 +128,7 @@ class Sim:
 
     # ------------------------------------------------------------ the overlay
     def _new_node(self) -> Node:
-        up, down, lat = draw_link(self.rnd)
+        up, down, lat = simulate_fetch.draw_link(self.rnd)  # one link distribution for every simulation
         tree = Plumtree(graft_timeout_s=GRAFT_TIMEOUT_S) if self.mode == "plumtree" else None
         node = Node(len(self.nodes), up, down, lat, tree, self.rnd.uniform(0, IHAVE_INTERVAL_S), born=self.now)
         self.nodes[node.name] = node

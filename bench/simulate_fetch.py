@@ -85,7 +85,8 @@ RESHARE_ALL = 16  # hosts with at most this many flows re-share on every change 
 
 
 def draw_link(rnd: random.Random) -> tuple[float, float, float]:
-    """(upload bit/s, download bit/s, access latency s): bench/simulate.py's distribution."""
+    """(upload bit/s, download bit/s, access latency s) from the stated distribution (every
+    simulation's: bench/simulate.py's gossip and admission runs draw from it too)."""
     if rnd.random() < 0.7:
         down = math.exp(rnd.uniform(math.log(50e6), math.log(1000e6)))
         up = max(20e6, down * rnd.uniform(0.1, 0.5))
