@@ -56,7 +56,7 @@ class TokenBucket:
     runs on: the wall clock, trio's clock, or a clock a test moves by hand.
     """
 
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = trio.current_time) -> None:
         self.rate, self.burst, self.clock = rate, burst, clock
         self.tokens, self.t = burst, clock()
 

@@ -165,10 +165,9 @@ class VersionFetcher:
         if 0 < self._chunk_len < HAVE_POLL_CHUNK:
             scaled = have_poll_s * self._chunk_len / HAVE_POLL_CHUNK
             self.have_poll_s = max(scaled, min(have_poll_s, HAVE_POLL_MIN_S))
-        # stats (wall clock: a fetcher may be built outside trio, and these are for people)
-        self.started = time.monotonic()
-        # trio's clock when run() began (a fetcher may be built outside trio: set there)
-        self.started_trio: float | None = None
+        # trio's clock when run() began and ended (a fetcher may be built outside trio: set
+        # there); a finished fetcher's stats read no clock, so they can be read after trio ends
+        self.started: float | None = None
         self.finished: float | None = None
         self.bytes_fetched = 0
         self.chunks_fetched = 0
@@ -207,13 +206,13 @@ class VersionFetcher:
         self._changed.set()
 
     def _trace(self, event: str, idx: int, p: FetchPeer) -> None:
-        if self.trace is not None and self.started_trio is not None:
-            self.trace.append((round(trio.current_time() - self.started_trio, 4), event, idx, p.peer_id))
+        if self.trace is not None and self.started is not None:
+            self.trace.append((round(trio.current_time() - self.started, 4), event, idx, p.peer_id))
 
     def _mark(self, phase: str) -> None:
         """Record the first time ``phase`` happened (``status()["phases"]``)."""
-        if phase not in self.phases and self.started_trio is not None:
-            self.phases[phase] = round(trio.current_time() - self.started_trio, 4)
+        if phase not in self.phases and self.started is not None:
+            self.phases[phase] = round(trio.current_time() - self.started, 4)
 
     @property
     def complete(self) -> bool:
@@ -221,14 +220,14 @@ class VersionFetcher:
 
     async def run(self) -> None:
         """Fetch until the version is complete (cancel the caller's scope to give up)."""
-        self.started_trio = trio.current_time()
+        self.started = trio.current_time()
         if not self.complete:  # chunks another version here shares are copied, not fetched
             for h in await trio.to_thread.run_sync(self.store.adopt_blocking, self.st):
                 self.store.mark_held(h)
         self.schedule.start(trio.current_time())
         self._report()
         if self.complete:
-            self.finished = time.monotonic()
+            self.finished = trio.current_time()
             return
         self._mark("scheduled")
         async with trio.open_nursery() as nursery:
@@ -240,7 +239,7 @@ class VersionFetcher:
                 with trio.move_on_after(0.5):
                     await self._changed.wait()
             nursery.cancel_scope.cancel()
-        self.finished = time.monotonic()
+        self.finished = trio.current_time()
         self._mark("done")
         self._report(force=True)
 
@@ -389,7 +388,7 @@ class VersionFetcher:
             now = trio.current_time()
             self._mark("first_payload")
             self._trace("payload", idx, p)
-            self.phases["last_payload"] = round(now - (self.started_trio or 0.0), 4)
+            self.phases["last_payload"] = round(now - (self.started or 0.0), 4)
             if not sched.payload(p, idx, length, now, read_s):  # the other copy of an end-game request won
                 if length == self._chunk_len and len(self._free_bufs) < 2 * sched.max_verifying:
                     self._free_bufs.append(buf)
@@ -422,7 +421,7 @@ class VersionFetcher:
             self._mark("first_held")
             self.bytes_fetched += len(buf)
             self.chunks_fetched += 1
-            self._rate_window.append((time.monotonic(), len(buf)))
+            self._rate_window.append((trio.current_time(), len(buf)))
         finally:
             if len(buf) == self._chunk_len and len(self._free_bufs) < 2 * self.schedule.max_verifying:
                 self._free_bufs.append(buf)
@@ -436,9 +435,20 @@ class VersionFetcher:
         return h, time.perf_counter() - t0
 
     # ------------------------------------------------------------ progress and stats
+    def _now(self) -> float:
+        """trio's clock, or the finish time once the fetch is over (read after trio ended)."""
+        return self.finished if self.finished is not None else trio.current_time()
+
+    def elapsed_s(self) -> float:
+        """Seconds since :meth:`run` began (until it ended); 0 before."""
+        return 0.0 if self.started is None else self._now() - self.started
+
     def mib_per_s(self) -> float:
-        now = time.monotonic()
+        """The receive rate over the last 3 s (the whole fetch once it ended)."""
         w = self._rate_window
+        if not w or self.started is None:
+            return 0.0
+        now = self._now()
         while w and w[0][0] < now - 3.0:
             w.popleft()
         if not w:
@@ -453,7 +463,7 @@ class VersionFetcher:
             total=self.n,
             bytes_fetched=self.bytes_fetched,
             mib_per_s=self.mib_per_s(),
-            elapsed_s=(self.finished or time.monotonic()) - self.started,
+            elapsed_s=self.elapsed_s(),
             done=self.complete,
         )
 
@@ -477,7 +487,7 @@ class VersionFetcher:
             "chunks_duplicate": self.schedule.chunks_duplicate,
             "bytes_from_seeds": self.schedule.bytes_from_seeds,
             "held_at_start": self.held_at_start,
-            "seconds": round((self.finished or time.monotonic()) - self.started, 3),
+            "seconds": round(self.elapsed_s(), 3),
             "phases": dict(self.phases),
             "verify_s": round(self.verify_s, 3),
             **({"trace": list(self.trace)} if self.trace is not None else {}),

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,12 +205,12 @@ class Checkpoints:
             return
         if peer_id not in self._have and len(self._have) >= 2048:
             # bounded: drop have-sets not refreshed for a minute, else the oldest quarter
-            now = time.monotonic()
+            now = trio.current_time()
             stale = [p for p, (t, _h) in self._have.items() if now - t > 60]
             for p in stale or sorted(self._have, key=lambda p: self._have[p][0])[: len(self._have) // 4]:
                 del self._have[p]
                 self._reverse.discard(p)
-        self._have[peer_id] = (time.monotonic(), hb.have)
+        self._have[peer_id] = (trio.current_time(), hb.have)
         if reverse:
             self._reverse.add(peer_id)
         else:
@@ -234,7 +233,7 @@ class Checkpoints:
         first such heartbeat (the node joined late, or the trainer is gone), ask the peers
         that list it for the trainer's announce."""
         key = (version, root)
-        now = time.monotonic()
+        now = trio.current_time()
         first = self._claims.setdefault(key, now)
         if len(self._claims) > MAX_UNRESOLVED:
             newest = self.store.newest()
@@ -292,7 +291,7 @@ class Checkpoints:
         key = (version, root)
         if key in self._resolving or self._nursery is None:
             return
-        if claimed and time.monotonic() - self._unresolved.get(key, -1e9) < CLAIM_RETRY_S:
+        if claimed and trio.current_time() - self._unresolved.get(key, -1e9) < CLAIM_RETRY_S:
             return
         self._resolving.add(key)
         self._nursery.start_soon(self._resolve_manifest, version, root, claimed)
@@ -353,7 +352,7 @@ class Checkpoints:
                     self._maybe_fetch()
                     return
                 if claimed and not self._is_base(version, root):
-                    self._unresolved[(version, root)] = time.monotonic()
+                    self._unresolved[(version, root)] = trio.current_time()
                     while len(self._unresolved) > MAX_UNRESOLVED:
                         del self._unresolved[next(iter(self._unresolved))]
                     return

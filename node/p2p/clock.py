@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
+
+import trio
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class ClockSkew:
         max_age_s: float = 600.0,
         repeat_s: float = 600.0,
         max_peers: int = 1024,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.warn_ms = warn_ms
         self.max_age_s = max_age_s

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -91,7 +90,7 @@ class ConnectionManager:
         has_gossip_stream: Callable[[str], bool] = lambda peer_id: True,
         gossip_grace: float = 5.0,
         keep_without_gossip: Callable[[str], bool] = lambda peer_id: False,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = trio.current_time,
         max_connections: int | None = None,
         probe_interval: float = 30.0,
         learn_from_heartbeats: bool = True,
@@ -117,7 +116,8 @@ class ConnectionManager:
         # with it, the only address a NAT'd node can advertise). Set by the node from NatService.
         self.keep_without_gossip = keep_without_gossip
         self._kept_as_relay: set[str] = set()  # foreign bootstraps kept as relays (said once each)
-        # The gossip watchdog's clock (tests drive it past several grace periods without sleeping).
+        # The manager's one clock (trio's): book ages, dial back-offs, peer-exchange and probe
+        # rounds and the gossip watchdog (tests drive it past several grace periods by hand).
         self.clock = clock
         self._no_stream_since: dict[str, float] = {}
         self.dropped_no_gossip = 0
@@ -198,7 +198,7 @@ class ConnectionManager:
                 self._trim_book()
                 if len(self.book) >= self.max_book:
                     return
-            self.book[peer_id] = BookEntry(list(addrs), time.monotonic(), source=source)
+            self.book[peer_id] = BookEntry(list(addrs), self.clock(), source=source)
             if source:
                 self._by_source[source] = self._by_source.get(source, 0) + 1
         else:
@@ -208,7 +208,7 @@ class ConnectionManager:
                 return
             if e.addrs != addrs:
                 e.addrs = list(addrs)
-            e.updated = time.monotonic()
+            e.updated = self.clock()
             if not source and e.source:
                 self._release_source(e)  # the peer's own heartbeat or the bootstrap list: ours now
 
@@ -244,7 +244,7 @@ class ConnectionManager:
             self._learn(st.peer_id, list(st.heartbeat.addrs))
         if e is not None and e.fails:
             # a fresh heartbeat means it is alive: allow a sooner retry
-            e.next_try = min(e.next_try, time.monotonic() + self.backoff_base)
+            e.next_try = min(e.next_try, self.clock() + self.backoff_base)
 
     def _serve_px(self, env: Envelope, peer: str) -> PeerExchangeResponse:
         live = self.swarm.peers()
@@ -306,7 +306,7 @@ class ConnectionManager:
         e.fails += 1
         e.last_error = why
         delay = backoff_delay(e.fails, self.backoff_base, self.backoff_max)
-        e.next_try = time.monotonic() + delay * random.uniform(0.8, 1.2)
+        e.next_try = self.clock() + delay * random.uniform(0.8, 1.2)
 
     def _trim_connections(self, live: set[str], nursery: trio.Nursery, now: float) -> set[str]:
         for pid in live:
@@ -399,12 +399,12 @@ class ConnectionManager:
     async def exchange(self, peer_id: str, max_peers: int = 32) -> int:
         """Ask ``peer_id`` for peer addresses; returns how many were new. The round trip
         (a small signed request and answer) updates ``latency_ms[peer_id]``."""
-        self._px_asked[peer_id] = time.monotonic()
-        t0 = time.monotonic()
+        self._px_asked[peer_id] = self.clock()
+        t0 = trio.current_time()  # a round trip: measured on trio's clock, never a test's
         env = await self.reqresp.request(
             peer_id, PeerExchangeRequest(max_peers=max_peers), PeerExchangeResponse, timeout=PX_TIMEOUT_S
         )
-        rtt = (time.monotonic() - t0) * 1000
+        rtt = (trio.current_time() - t0) * 1000
         prev = self.latency_ms.get(peer_id)
         self.latency_ms[peer_id] = rtt if prev is None else (1 - LATENCY_EWMA) * prev + LATENCY_EWMA * rtt
         new = 0
@@ -448,10 +448,10 @@ class ConnectionManager:
                 log.info("bootstrap %s; kept as a relay only", detail)
             return
         e = self.book.get(peer_id)
-        if e is not None and e.next_try <= time.monotonic():  # once per connection (px may be asked twice)
+        if e is not None and e.next_try <= self.clock():  # once per connection (px may be asked twice)
             e.foreign += 1
             delay = backoff_delay(e.foreign, max(self.backoff_base, 1.0), self.backoff_max)
-            e.next_try = time.monotonic() + delay
+            e.next_try = self.clock() + delay
             log.warning("bootstrap %s; next try in %.0f s", detail, delay)
         await self._disconnect(peer_id)
 
@@ -461,9 +461,9 @@ class ConnectionManager:
             self._nursery = nursery
             task_status.started()
             last_px = 0.0
-            last_probe = time.monotonic()
+            last_probe = self.clock()
             while True:
-                now = time.monotonic()
+                now = self.clock()
                 connected = set(self.connected())
                 for pid in connected:
                     if self.standing.refuses(pid):  # banned, or cut by the fault layer

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -176,7 +175,7 @@ class DialBackAutoNAT(AutoNATService):
     async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
         # The library already dials only addresses on the requester's own IP; a requester
         # could still list many ports of it (a port scan from us) or ask in a loop.
-        now = time.monotonic()
+        now = trio.current_time()
         if now - self._last.get(peer_id, -DIAL_BACK_EVERY_S) < DIAL_BACK_EVERY_S:
             self.refused += 1
             return None
@@ -471,7 +470,7 @@ class NatService:
             "mode": self.config.mode,
             "verdicts": dict(self.verdicts),
             "misses": self.misses,
-            "checked_s_ago": round(time.monotonic() - self.checked_at, 1) if self.checked_at else None,
+            "checked_s_ago": round(trio.current_time() - self.checked_at, 1) if self.checked_at else None,
             "relays": {k: list(v) for k, v in self.relays.items()},
             "relay_errors": dict(self.relay_errors),
             "relayed_peers": self.relayed_peers(),
@@ -581,7 +580,7 @@ class NatService:
                 nursery.start_soon(self._ask, s, addrs, verdicts)
         if verdicts:
             self.verdicts = verdicts
-        self.checked_at = time.monotonic()
+        self.checked_at = trio.current_time()
         before = self.reachability
         self.reachability, self.misses = next_reachability(before, verdicts, self.misses, self.config.demote_after)
         if self.reachability != before:
@@ -599,7 +598,7 @@ class NatService:
         for rid in self._direct_peers():
             if len(self.relays) >= self.config.relays:
                 break
-            if rid in self.relays or self._relay_retry_at.get(rid, 0.0) > time.monotonic():
+            if rid in self.relays or self._relay_retry_at.get(rid, 0.0) > trio.current_time():
                 continue
             self._reserving.add(rid)
             try:
@@ -607,7 +606,7 @@ class NatService:
             finally:
                 self._reserving.discard(rid)
             if not addrs:
-                self._relay_retry_at[rid] = time.monotonic() + RELAY_RETRY_S
+                self._relay_retry_at[rid] = trio.current_time() + RELAY_RETRY_S
             if addrs:
                 self.relays[rid] = addrs
                 self.relay_errors.pop(rid, None)
@@ -682,7 +681,7 @@ class NatService:
             await trio.sleep(cfg.first_check_s)
             next_check = 0.0
             while True:
-                now = time.monotonic()
+                now = trio.current_time()
                 if now >= next_check:
                     await self.check()
                     in_doubt = self.reachability == UNKNOWN or (self.reachability == PUBLIC and self.misses > 0)

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Callable
+
+import trio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,7 @@ class _Stream:
 class StreamAccounting:
     """Streams and slots per peer and in total; see the module docstring."""
 
-    def __init__(self, limits: StreamLimits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, limits: StreamLimits | None = None, clock: Callable[[], float] = trio.current_time) -> None:
         self.limits = limits or StreamLimits()
         self.clock = clock
         self._ids = itertools.count(1)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
+
+import trio
 
 from node.p2p.metrics import NodeMetrics
 from node.util import TokenBucket
@@ -66,7 +67,7 @@ class PeerStanding:
         ban_seconds: float = 600.0,
         rate_per_s: float = 1000.0,
         rate_burst: float = 5000.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = trio.current_time,
         max_peers: int = 10_000,
         origin_rate_per_s: float = 100.0,
         origin_burst: float = 1000.0,

@@ -13,6 +13,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import trio
+
 from protocol import Envelope, HaveEntry, Heartbeat
 
 
@@ -51,7 +53,11 @@ class SwarmView:
     """
 
     def __init__(
-        self, my_id: str, forget_after: float = 10.0, clock: Callable[[], float] = time.monotonic, max_peers: int = 2048
+        self,
+        my_id: str,
+        forget_after: float = 10.0,
+        clock: Callable[[], float] = trio.current_time,
+        max_peers: int = 2048,
     ) -> None:
         self.my_id = my_id
         # Heartbeats are up to 200 KiB and identities are free: a flood of fresh senders must

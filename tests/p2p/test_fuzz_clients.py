@@ -338,10 +338,10 @@ async def test_fuzz_request_response_client_against_a_hostile_responder(tmp_path
                     "genesis": GenesisRequest,
                 }[kind].TYPE_ID
                 box["plan"] = (req_type, framing, data, extras)
-                before = client.standing.points(hostile.peer_id)
+                before = trio.from_thread.run_sync(client.standing.points, hostile.peer_id)  # its clock is trio's
                 outcome, got = on_loop(ask, kind, silence_s if framing == "silence" else 10.0)
                 box["plan"] = None
-                after = client.standing.points(hostile.peer_id)
+                after = trio.from_thread.run_sync(client.standing.points, hostile.peer_id)
                 seen["ok" if outcome == "ok" else got.code if got.code in RR_CODES else "remote_error"] += 1
                 if outcome == "ok":
                     # only a frame delivered whole can be accepted, and only a verified answer of the asked type

@@ -401,7 +401,9 @@ async def test_trainer_moves_on_from_batches_that_are_never_served(tmp_path, mon
 
 
 def test_unknown_origins_get_a_small_burst_known_ones_the_full_one():
-    policy = PeerStanding(origin_rate_per_s=0.001, origin_burst=1000, unknown_origin_burst=20)
+    policy = PeerStanding(
+        origin_rate_per_s=0.001, origin_burst=1000, unknown_origin_burst=20, clock=lambda: 0.0
+    )  # time stands still
     assert sum(policy.allow_origin("fresh", known=False) for _ in range(100)) == 20
     assert sum(policy.allow_origin("member", known=True) for _ in range(1500)) == 1000
     # an origin that becomes known (its heartbeat arrived) gets the full headroom from then on

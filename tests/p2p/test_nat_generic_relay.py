@@ -12,7 +12,6 @@ injected and moved past several grace periods (no sleeping through them).
 from __future__ import annotations
 
 import logging
-import time
 
 import multiaddr
 import trio
@@ -34,7 +33,7 @@ class StepClock:
     """A clock that moves only when the test says so."""
 
     def __init__(self) -> None:
-        self.t = time.monotonic()  # where the real clock left the watchdog
+        self.t = trio.current_time()  # where the real clock left the watchdog
 
     def __call__(self) -> float:
         return self.t

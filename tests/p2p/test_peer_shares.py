@@ -235,7 +235,7 @@ async def test_a_neighbour_relaying_fresh_identities_gets_a_fair_share_of_the_sw
 
 def test_the_swarm_view_shares_out_its_room_between_introducers():
     """The rule on its own: introducers end up with equal shares, never one of them all."""
-    view = SwarmView("me", forget_after=1e9, max_peers=10)
+    view = SwarmView("me", forget_after=1e9, max_peers=10, clock=lambda: 0.0)  # time stands still
     intro = {"via": "a"}
     view.introducer = lambda: intro["via"]
     keys = [protocol.NodeKey.generate() for _ in range(30)]
