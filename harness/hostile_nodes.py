@@ -241,9 +241,8 @@ def make_validator_fetcher(node, on_fetched):
     ``on_fetched(announce envelope)`` instead of TOPLOC verification (no model in this bench)."""
     import inspect
 
-    from node.roles.intake import AnnounceIntake
+    from node.roles.intake import AnnounceIntake, verify_queue
     from node.roles.validator import ValidatorRole
-    from node.roles.verify_queue import VerifyQueue
 
     defaults = inspect.signature(ValidatorRole.__init__).parameters
 
@@ -261,7 +260,7 @@ def make_validator_fetcher(node, on_fetched):
             self.intake = AnnounceIntake(
                 defaults["queue"].default, unproven_slots=max(1, self.n_fetchers // 2), on_evicted=self._unsee
             )
-            self._verify = VerifyQueue()
+            self._verify = verify_queue()
             self.fetch_failures = 0
             self._seen = collections.OrderedDict()
             self._signers = collections.OrderedDict()
@@ -291,7 +290,9 @@ def make_validator_fetcher(node, on_fetched):
 
         async def _record(self) -> None:
             while True:
-                _, (env, _batch) = await self._verify.get()
+                taken = await self._verify.get()
+                env, _batch = taken.item
+                self._verify.done(taken)
                 self.fetched += 1
                 self._verify.mark_proven(env.sender)
                 on_fetched(env)
@@ -316,8 +317,8 @@ def make_recording_validator(home_dir: Path, ctx, on_vote, *, fifo: bool = False
     verify queue, None if it never did). ``fifo``: with the first-come verify channel (16 batches)
     the verify queue replaced, as a baseline (``--verify-queue fifo``)."""
     from node.home import NodeHome
+    from node.roles.fair_queue import FairQueue, LaneRules
     from node.roles.validator import ValidatorRole
-    from node.roles.verify_queue import VerifyQueue
 
     class RecordingValidator(ValidatorRole):
         def __init__(self, *args, **kwargs) -> None:
@@ -342,14 +343,14 @@ def make_recording_validator(home_dir: Path, ctx, on_vote, *, fifo: bool = False
                 self.failure_samples.append(str(exc)[:200])
             super().charge_unserved(sender, exc)
 
-    class FifoQueue(VerifyQueue):
-        def proven(self, announcer: str) -> bool:  # everyone in one first-come lane, put waits for room
+    class FifoQueue(FairQueue):
+        def proven(self, sender: str) -> bool:  # everyone in one first-come lane, put waits for room
             return True
 
     home_dir.mkdir(parents=True, exist_ok=True)
     v = RecordingValidator(NodeHome(home_dir), ctx)
     if fifo:
-        v._verify = FifoQueue(proven_capacity=16)
+        v._verify = FifoQueue(LaneRules(16, "wait", "fifo"), LaneRules(1, "refuse"))
     return v
 
 

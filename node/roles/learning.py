@@ -177,7 +177,7 @@ class LearningRole(RoleHook):
         charged: a few failures ban it, so announcing batches one never serves stops costing
         fetchers time (see docs/security.md)."""
         self.node.standing.penalise(sender, "batch_unserved", UNSERVED_POINTS)
-        self.intake.lanes.mark_unserved(sender)
+        self.intake.queue.forget(sender)
 
     async def fetch_batch(self, announce: Envelope, timeout: float = 30.0) -> tuple[bytes, RolloutBatch]:
         """Fetch an announced batch from its announcer and check it is the announcer's own
@@ -200,7 +200,7 @@ class LearningRole(RoleHook):
         except ProtocolError as exc:
             self.node.standing.penalise(announce.sender, exc.rule)
             raise
-        self.intake.lanes.mark_served(announce.sender)
+        self.intake.queue.mark_proven(announce.sender)
         return raw, batch
 
 

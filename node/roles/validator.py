@@ -16,10 +16,10 @@ import trio
 from node.memory import release_free_memory
 from node.p2p.reqresp import RequestError
 from node.p2p.services import NodeServices
-from node.roles.intake import AnnounceIntake
+from node.roles.fair_queue import FairQueue
+from node.roles.intake import AnnounceIntake, verify_queue
 from node.roles.learning import EngineRole
 from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, check_batch_rules, verify_batch
-from node.roles.verify_queue import VerifyQueue
 from protocol import BatchKey, Envelope, ProtocolError, RolloutBatch, Vote, batch_key
 from protocol.committee import Ballot, CommitteeRule
 from protocol.rules import Quorum, is_stale
@@ -87,8 +87,8 @@ class ValidatorRole(EngineRole):
         self.ban_after = self.ctx.config.ban_after_rejections
         self.intake = AnnounceIntake(queue, unproven_slots=max(1, fetchers // 2), on_evicted=self._unsee)
         # fetched batches that passed every rule needing no model, waiting for a prefill:
-        # announcers this validator accepted a batch of go first (see verify_queue.py)
-        self._verify: VerifyQueue[tuple[Envelope, RolloutBatch]] = VerifyQueue()
+        # announcers this validator accepted a batch of go first (intake.verify_queue)
+        self._verify: FairQueue[tuple[Envelope, RolloutBatch]] = verify_queue()
         self.verdicts: collections.Counter[str] = collections.Counter()
         self.reasons: collections.Counter[str] = collections.Counter()
         self.strikes: collections.Counter[str] = collections.Counter()
@@ -296,7 +296,7 @@ class ValidatorRole(EngineRole):
         return None
 
     async def _enqueue(self, env: Envelope, batch: RolloutBatch) -> None:
-        if not await self._verify.put(env.sender, (env, batch)):
+        if not (await self._verify.put(env.sender, (env, batch))).queued:
             log.info(
                 "verify queue: dropped batch %s of unproven announcer %s",
                 env.body.batch_id.hex()[:12],
@@ -357,44 +357,51 @@ class ValidatorRole(EngineRole):
 
     async def _verify_loop(self) -> None:
         while True:
-            _, (env, batch) = await self._verify.get()
-            if self.node.standing.is_banned(env.sender):  # banned while it waited: no prefill, no vote
-                self._verify.dropped["banned"] += 1
-                continue
-            v = batch.policy_version
-            stale = self._stale(v)
-            if stale is not None:  # a newer version arrived while the batch waited
-                await self._vote(env, stale)
-                continue
-            if not self.weights.held(v):
-                self.verdicts["unverifiable"] += 1  # collected since it was queued
-                continue
-            slot = (batch.worker, batch.batch_counter)
-            used_slot = self._slot_verdict(env, batch)  # another batch of the slot accepted while it waited
-            if used_slot is not None:
-                await self._vote(env, used_slot)
-                continue
-            state = self.store.versions.get(v)
-            if state is None:  # its manifest was collected while the batch waited
-                self.verdicts["unverifiable"] += 1
-                continue
-            cpu0 = time.process_time()
-            await self._ensure_version(v)
-            policy = PolicyFacts.of(state.manifest)
-            assert self.engine is not None  # _ensure_version built it
-            verdict = await trio.to_thread.run_sync(
-                functools.partial(verify_batch, self.ctx, self.engine, batch, env.sender, policy)
-            )
-            self.replay_cpu_s += time.process_time() - cpu0
-            self.replays += 1
-            if verdict.accept:
-                self._slots[slot] = env.body.batch_id
-                while len(self._slots) > MAX_SLOTS:
-                    self._slots.popitem(last=False)
-                self._verify.mark_proven(env.sender)
-            await trio.to_thread.run_sync(release_free_memory)  # the prefill's transient tensors
-            self.verify_s = round(verdict.seconds, 3)
-            await self._vote(env, verdict)
+            taken = await self._verify.get()
+            try:
+                await self._verify_one(*taken.item)
+            finally:
+                self._verify.done(taken)
+
+    async def _verify_one(self, env: Envelope, batch: RolloutBatch) -> None:
+        """Verify one queued batch (unless what it waited for changed) and vote."""
+        if self.node.standing.is_banned(env.sender):  # banned while it waited: no prefill, no vote
+            self._verify.dropped["banned"] += 1
+            return
+        v = batch.policy_version
+        stale = self._stale(v)
+        if stale is not None:  # a newer version arrived while the batch waited
+            await self._vote(env, stale)
+            return
+        if not self.weights.held(v):
+            self.verdicts["unverifiable"] += 1  # collected since it was queued
+            return
+        slot = (batch.worker, batch.batch_counter)
+        used_slot = self._slot_verdict(env, batch)  # another batch of the slot accepted while it waited
+        if used_slot is not None:
+            await self._vote(env, used_slot)
+            return
+        state = self.store.versions.get(v)
+        if state is None:  # its manifest was collected while the batch waited
+            self.verdicts["unverifiable"] += 1
+            return
+        cpu0 = time.process_time()
+        await self._ensure_version(v)
+        policy = PolicyFacts.of(state.manifest)
+        assert self.engine is not None  # _ensure_version built it
+        verdict = await trio.to_thread.run_sync(
+            functools.partial(verify_batch, self.ctx, self.engine, batch, env.sender, policy)
+        )
+        self.replay_cpu_s += time.process_time() - cpu0
+        self.replays += 1
+        if verdict.accept:
+            self._slots[slot] = env.body.batch_id
+            while len(self._slots) > MAX_SLOTS:
+                self._slots.popitem(last=False)
+            self._verify.mark_proven(env.sender)
+        await trio.to_thread.run_sync(release_free_memory)  # the prefill's transient tensors
+        self.verify_s = round(verdict.seconds, 3)
+        await self._vote(env, verdict)
 
     async def _ensure_version(self, version: int) -> None:
         if self.loaded_version == version:

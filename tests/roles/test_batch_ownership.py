@@ -248,20 +248,20 @@ async def test_a_flood_that_fills_the_fetch_lane_sheds_an_honest_announce_withou
             for i in range(20):
                 role._on_announce(_announce_env(flooder, fake(i), next(seq), run_id))
             await trio.testing.wait_all_tasks_blocked()
-            assert role.intake.lanes.held(flooder) == MAX_PENDING_PER_ANNOUNCER - 1  # one is being fetched
+            assert role.intake.queue.held(flooder) == MAX_PENDING_PER_ANNOUNCER - 1  # one is being fetched
             # ... and gives a newcomer a place from it: the worker's second batch gets in at once
             role._on_announce(_announce_env(honest.peer_id, ann2, next(seq), run_id))
-            assert role.intake.lanes.held(honest.peer_id) == 1 and role.intake.displaced == 0
+            assert role.intake.queue.held(honest.peer_id) == 1 and role.intake.displaced == 0
             # fresh identities, one announce each, take every other place
             for i in range(8):
                 role._on_announce(_announce_env(NodeKey.generate().peer_id, fake(100 + i), next(seq), run_id))
             assert role.intake.displaced >= 2  # the flooder's extra announces gave way, not the worker's
-            assert role.intake.lanes.held(honest.peer_id) == 1 and role.intake.lanes.held(flooder) <= 1
+            assert role.intake.queue.held(honest.peer_id) == 1 and role.intake.queue.held(flooder) <= 1
             # the worker's first batch now arrives at a lane whose every place is held by another
             # identity holding one: shed, and not remembered
             dropped = role.dropped_announces
             role._on_announce(_announce_env(honest.peer_id, ann, next(seq), run_id))
-            assert role.intake.lanes.held(honest.peer_id) == 1
+            assert role.intake.queue.held(honest.peer_id) == 1
             assert role.dropped_announces == dropped + 1
             assert (honest.peer_id, ann.batch_id) not in role._seen
             # the flood's fetches fail (each flooder charged); the lane drains

@@ -1,4 +1,4 @@
-"""The validator's verify queue (node/roles/verify_queue.py): announcers whose batches this
+"""The validator's verify queue (node/roles/intake.py verify_queue, a fair queue): announcers whose batches this
 validator accepted go first, strangers share a bounded, round-robin slice, and a flood of
 well-formed garbage from fresh identities cannot starve an honest batch (through the real
 validator role on real libp2p hosts)."""
@@ -18,7 +18,8 @@ import trio.testing
 
 from node.p2p.node import RoleHook
 from node.p2p.testing import NodeFactory, wait_until
-from node.roles.verify_queue import VerifyQueue
+from node.roles.fair_queue import FairQueue
+from node.roles.intake import verify_queue
 from node.util import now_ms
 from protocol import BatchRequest, BatchResponse, RolloutAnnounce, RolloutBatch, seal, sha256
 
@@ -26,49 +27,59 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
-async def _drain(q: VerifyQueue, n: int) -> list:
-    return [(await q.get())[1] for _ in range(n)]
+async def _drain(q: FairQueue, n: int) -> list:
+    return [(await q.get()).item for _ in range(n)]
+
+
+async def _put(q: FairQueue, sender: str, item) -> bool:
+    """Queue ``item`` (waiting for room where the lane says so); whether it was queued."""
+    return (await q.put(sender, item)).queued
+
+
+async def _get(q: FairQueue) -> tuple:
+    t = await q.get()
+    return t.sender, t.item
 
 
 # ------------------------------------------------------------------ the queue alone
 
 
 async def test_proven_announcers_are_served_first_come_before_strangers():
-    q: VerifyQueue[str] = VerifyQueue(every=4)
+    q: FairQueue[str] = verify_queue(every=4)
     q.mark_proven("honest")
     for i in range(3):
-        assert await q.put(f"sybil-{i}", f"g{i}")
-    await q.put("honest", "h1")
-    await q.put("honest", "h2")
+        assert await _put(q, f"sybil-{i}", f"g{i}")
+    await _put(q, "honest", "h1")
+    await _put(q, "honest", "h2")
     assert await _drain(q, 5) == ["h1", "h2", "g0", "g1", "g2"]
 
 
 async def test_strangers_get_at_most_one_verification_in_every_k_while_proven_batches_wait():
     k = 4
-    q: VerifyQueue[str] = VerifyQueue(every=k, max_unproven=100)
+    q: FairQueue[str] = verify_queue(every=k, max_unproven=100)
     q.mark_proven("honest")
     for i in range(6):
-        await q.put(f"sybil-{i}", "U")
+        await _put(q, f"sybil-{i}", "U")
     for _ in range(12):
-        await q.put("honest", "P")
+        await _put(q, "honest", "P")
     order = "".join(await _drain(q, 18))
     assert order == "PPPU" * 4 + "UU"  # a bounded share, never starved, and work-conserving at the end
     assert q.status()["served"] == {"proven": 12, "unproven": 6}
 
 
 async def test_unproven_announcers_take_turns_round_robin():
-    q: VerifyQueue[str] = VerifyQueue(per_announcer=3)
+    q: FairQueue[str] = verify_queue(per_announcer=3)
     for item in ("a1", "a2", "a3", "b1", "b2", "c1"):
-        await q.put(item[0], item)
+        await _put(q, item[0], item)
     assert await _drain(q, 6) == ["a1", "b1", "c1", "a2", "b2", "a3"]
 
 
 async def test_the_unproven_lane_is_bounded_per_announcer_and_in_total_and_drops_are_counted():
-    q: VerifyQueue[int] = VerifyQueue(max_unproven=4, per_announcer=2)
-    assert [await q.put("sybil", i) for i in range(3)] == [True, True, False]
-    assert [await q.put(f"fresh-{i}", i) for i in range(3)] == [True, True, False]
+    q: FairQueue[int] = verify_queue(max_unproven=4, per_announcer=2)
+    assert [await _put(q, "sybil", i) for i in range(3)] == [True, True, False]
+    assert [await _put(q, f"fresh-{i}", i) for i in range(3)] == [True, True, False]
     q.mark_proven("honest")
-    assert await q.put("honest", 99)  # the proven lane is not the strangers' to fill
+    assert await _put(q, "honest", 99)  # the proven lane is not the strangers' to fill
     st = q.status()
     assert st["dropped"] == {"announcer_cap": 1, "unproven_full": 1}
     assert (st["proven_queued"], st["unproven_queued"], st["unproven_announcers"]) == (1, 4, 3)
@@ -76,25 +87,25 @@ async def test_the_unproven_lane_is_bounded_per_announcer_and_in_total_and_drops
 
 
 async def test_batches_queued_before_their_announcer_proved_itself_move_to_the_proven_lane():
-    q: VerifyQueue[str] = VerifyQueue(every=2)
-    await q.put("sybil", "g1")
-    await q.put("newcomer", "n1")
-    await q.put("newcomer", "n2")
+    q: FairQueue[str] = verify_queue(every=2)
+    await _put(q, "sybil", "g1")
+    await _put(q, "newcomer", "n1")
+    await _put(q, "newcomer", "n2")
     q.mark_proven("newcomer")  # one of its batches was just accepted
     assert q.status()["unproven_queued"] == 1
     assert await _drain(q, 3) == ["n1", "g1", "n2"]
 
 
 async def test_forgotten_and_banned_announcers():
-    q: VerifyQueue[str] = VerifyQueue(per_announcer=2)
+    q: FairQueue[str] = verify_queue(per_announcer=2)
     q.mark_proven("turncoat")
-    await q.put("turncoat", "t1")
+    await _put(q, "turncoat", "t1")
     q.forget("turncoat")  # a batch of it broke a rule: its next ones queue as a stranger's
     assert not q.proven("turncoat")
-    await q.put("turncoat", "t2")
-    await q.put("turncoat", "t3")
-    assert not await q.put("turncoat", "t4")
-    assert q.discard("turncoat") == 3  # banned: nothing of it is verified
+    await _put(q, "turncoat", "t2")
+    await _put(q, "turncoat", "t3")
+    assert not await _put(q, "turncoat", "t4")
+    assert len(q.discard("turncoat")) == 3  # banned: nothing of it is verified
     assert len(q) == 0 and q.status()["dropped"] == {"announcer_cap": 1, "banned": 3}
     q.mark_proven("x")
     for i in range(q.remember + 1):
@@ -111,7 +122,7 @@ class _Steps(trio.abc.Instrument):
 
 
 async def test_get_and_a_full_proven_lane_wait_on_events_not_by_polling(autojump_clock):
-    q: VerifyQueue[int] = VerifyQueue(proven_capacity=1)
+    q: FairQueue[int] = verify_queue(proven_capacity=1)
     q.mark_proven("honest")
     got: list = []
     done: list = []
@@ -121,21 +132,21 @@ async def test_get_and_a_full_proven_lane_wait_on_events_not_by_polling(autojump
         async with trio.open_nursery() as nursery:
 
             async def consumer() -> None:
-                got.append(await q.get())
+                got.append(await _get(q))
 
             nursery.start_soon(consumer, name="consumer")
             await trio.testing.wait_all_tasks_blocked()
             before = counter.steps["consumer"]
             await trio.sleep(3600)  # an hour of (virtual) idle time
             assert counter.steps["consumer"] == before and got == []  # it slept: no polling
-            await q.put("honest", 1)
+            await _put(q, "honest", 1)
             await trio.testing.wait_all_tasks_blocked()
             assert got == [("honest", 1)]
 
-            await q.put("honest", 2)  # the lane holds one: the next put waits for room
+            await _put(q, "honest", 2)  # the lane holds one: the next put waits for room
 
             async def producer() -> None:
-                await q.put("honest", 3)
+                await _put(q, "honest", 3)
                 done.append(3)
 
             nursery.start_soon(producer, name="producer")
@@ -143,7 +154,7 @@ async def test_get_and_a_full_proven_lane_wait_on_events_not_by_polling(autojump
             before = counter.steps["producer"]
             await trio.sleep(3600)
             assert counter.steps["producer"] == before and not done
-            assert await q.get() == ("honest", 2)
+            assert await _get(q) == ("honest", 2)
             await trio.testing.wait_all_tasks_blocked()
             assert done == [3] and len(q) == 1
     finally:
@@ -151,17 +162,17 @@ async def test_get_and_a_full_proven_lane_wait_on_events_not_by_polling(autojump
 
 
 async def test_a_cancelled_get_loses_no_item():
-    q: VerifyQueue[str] = VerifyQueue()
+    q: FairQueue[str] = verify_queue()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(q.get)  # waits on the empty queue ...
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()  # ... and is cancelled there
-    await q.put("a", "x")
+    await _put(q, "a", "x")
     with trio.CancelScope() as cs:
         cs.cancel()
         with pytest.raises(trio.Cancelled):
             await q.get()  # cancelled before it takes anything
-    assert len(q) == 1 and await q.get() == ("a", "x")
+    assert len(q) == 1 and await _get(q) == ("a", "x")
 
 
 # ------------------------------------------------------------------ through the real validator
@@ -210,7 +221,7 @@ async def test_a_flood_of_served_garbage_does_not_starve_an_honest_batch(tmp_pat
     from harness.roles import VALIDATORS, tiny_genesis
     from node.roles import validator as validator_mod
     from node.roles.context import RunContext
-    from node.roles.verify_queue import MAX_UNPROVEN_PER_ANNOUNCER
+    from node.roles.intake import MAX_UNPROVEN_PER_ANNOUNCER
 
     genesis = tiny_genesis(fields={"validators": [VALIDATORS[0]], "quorum": 1}, batches_per_step=1_000_000)
     ctx = RunContext.from_genesis(genesis.genesis, tmp_path / "cache")
@@ -233,10 +244,10 @@ async def test_a_flood_of_served_garbage_does_not_starve_an_honest_batch(tmp_pat
 async def _flood_behind_a_gate(tmp_path, genesis, ctx, gate, n_flooders, per_flooder) -> None:
     from harness.hostile_nodes import garbage_batch
     from harness.roles import TRAINER, VALIDATORS, WORKERS, engine_for, homes
+    from node.roles.intake import MAX_UNPROVEN_PER_ANNOUNCER
     from node.roles.rollouts import PolicyFacts, produce_batch
     from node.roles.trainer import TrainerRole
     from node.roles.validator import ValidatorRole
-    from node.roles.verify_queue import MAX_UNPROVEN_PER_ANNOUNCER
 
     with trio.fail_after(300):
         async with trio.open_nursery() as nursery:
