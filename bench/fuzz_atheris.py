@@ -240,7 +240,7 @@ def _define_targets() -> None:
     genesis_dir = Path(tempfile.mkdtemp(prefix="fuzz-genesis-"))
 
     def genesis_seed() -> list[bytes]:
-        from harness.fuzz import fuzz_genesis_toml
+        from harness.genesis import fuzz_genesis_toml
 
         return [fuzz_genesis_toml().encode()]
 

@@ -100,8 +100,9 @@ def record_votes(node, into: dict[int, list], clock: Callable[[], float]) -> Non
 
 
 async def run_bench(args) -> dict:
+    from harness.genesis import overlay_genesis
     from node.p2p.node import P2PConfig
-    from node.p2p.testing import NodeFactory, overlay_genesis
+    from node.p2p.testing import NodeFactory
 
     rng = random.Random(args.seed)
     keys = [NodeKey.generate() for _ in range(args.nodes)]

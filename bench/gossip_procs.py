@@ -63,8 +63,9 @@ async def _wait_file(path: Path, timeout: float) -> str:
 
 
 async def run_shard(args, encode_id, decode_id) -> None:
+    from harness.genesis import overlay_genesis
     from node.p2p.node import P2PConfig
-    from node.p2p.testing import NodeFactory, overlay_genesis
+    from node.p2p.testing import NodeFactory
 
     work = Path(args.workdir)
     keys = seeded_keys(args.seed, args.nodes)

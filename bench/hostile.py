@@ -45,7 +45,7 @@ replacing an identity that is banned or cut off. Scenarios:
   each, 4 per identity (the per-announcer cap), and hold every batch request open
   without answering; the fetchers must still fetch every honest batch;
 * ``garbage``: the run is a tiny Llama's (384 wide, 6 layers, 96 tokens; see
-  ``hostile_nodes.GARBAGE_RUN``); node 0 publishes v0 and, as the one honest worker,
+  ``harness.genesis.GARBAGE_RUN``); node 0 publishes v0 and, as the one honest worker,
   produces a real batch (seeded sampling, TOPLOC proofs) every ``--batch-interval-s``
   and announces it; node 1 is a real validator (``ValidatorRole``: fetch, model-free
   rules, verify queue, prefill, vote). Each attacker makes ``--garbage-rate`` fresh

@@ -247,35 +247,3 @@ def apply_mutations(data: bytes, ops) -> bytes:
         else:
             b[i] = _SPECIAL_BYTES[val % len(_SPECIAL_BYTES)]
     return bytes(b)
-
-
-def fuzz_genesis_toml(config: dict[str, Any] | None = None) -> str:
-    """The seed genesis file of the genesis fuzzers (the hypothesis suite and
-    bench/fuzz_atheris.py): a small valid run signed by a fixed key, as TOML text."""
-    import tempfile
-    from pathlib import Path
-
-    from node.genesis_file import make_genesis, read_genesis, write_genesis
-    from protocol import NodeKey
-
-    owner = NodeKey(b"\x31" * 32)
-    signed = make_genesis(
-        owner,
-        config if config is not None else {"steps": 3},
-        name="fuzz",
-        model="tiny",
-        dataset="builtin:x",
-        dataset_size=64,
-        trainer=owner.peer_id,
-        validators=[owner.peer_id],
-        quorum=1,
-        max_async=2,
-        prompts_per_batch=2,
-        group_size=2,
-        chunk_size=1 << 20,
-    )
-    with tempfile.TemporaryDirectory(prefix="fuzz-genesis-") as d:
-        path = Path(d) / "genesis.toml"
-        write_genesis(signed, path)
-        assert read_genesis(path) == signed
-        return path.read_text()

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import trio
 
+from harness.genesis import GARBAGE_VALIDATOR, bench_genesis, garbage_genesis
 from node.util import now_ms
 from protocol import (
     BatchRequest,
@@ -65,57 +66,11 @@ from protocol import (
 POLL = 0.05
 CKPT_BYTES = 512 * 1024  # a small checkpoint: 32 chunks of 16 KiB
 CKPT_CHUNK = 16 * 1024
-GARBAGE_VALIDATOR = 1  # garbage: the node that runs the real validator
-# garbage: the run. A tiny Llama 384 wide and 6 layers deep, 96 tokens, so that a prefill is
-# what a validator spends its time on (on one idle core: a garbage batch ~0.1-0.15 s, one
-# group's prefill; an honest one ~0.3 s, every group's plus the sampling replay; producing
-# one ~1.5 s), and as many batch slots per version as the bench needs (one version throughout:
-# the slot rule's production rate is set out of the way).
-GARBAGE_RUN = {
-    "task": "target-length",
-    "max_tokens": 96,
-    "temperature": 1.0,
-    "seed": 0,
-    "tiny_hidden_size": 384,
-    "tiny_layers": 6,
-    "worker_batches_per_version": 1_000_000,
-}
 
 
 def seeded_keys(seed: str, n: int) -> list[NodeKey]:
     rng = random.Random(f"hostile-bench-keys/{seed}")
     return [NodeKey(rng.randbytes(32)) for _ in range(n)]
-
-
-def bench_genesis(keys: list[NodeKey], created_ms: int):
-    from node.p2p.testing import overlay_genesis
-
-    # node 0 is owner, trainer (signs checkpoints) and the one genesis validator
-    return overlay_genesis(
-        owner=keys[0], trainer=keys[0], validators=[keys[0]], name="hostile-bench", created_ms=created_ms
-    )
-
-
-def garbage_genesis(keys: list[NodeKey], created_ms: int):
-    """The run of scenario ``garbage``: node 0 owner and trainer, node 1 the one validator."""
-    from node.genesis_file import make_genesis
-
-    return make_genesis(
-        keys[0],
-        GARBAGE_RUN,
-        name="hostile-bench-garbage",
-        created_ms=created_ms,
-        model="tiny",
-        dataset="builtin:target-length",
-        dataset_size=64,
-        trainer=keys[0].peer_id,
-        validators=[keys[GARBAGE_VALIDATOR].peer_id],
-        quorum=1,
-        max_async=2,
-        prompts_per_batch=2,
-        group_size=4,
-        chunk_size=1 << 20,
-    )
 
 
 def proc_mem_mib() -> tuple[float, float]:
@@ -268,6 +223,7 @@ def make_validator_fetcher(node, on_fetched):
             self.strikes = collections.Counter()
             self.ban_after = 2
             self._nursery = None
+            self._standby = collections.OrderedDict()
             self.store = types.SimpleNamespace(versions={})
             self.weights = types.SimpleNamespace(held=lambda version: True)
             self.fetched = 0
@@ -277,6 +233,9 @@ def make_validator_fetcher(node, on_fetched):
         def charge_unserved(self, sender: str, exc: Exception) -> None:
             self.failures_by_code[getattr(exc, "code", type(exc).__name__)] += 1
             super().charge_unserved(sender, exc)
+
+        def _stand_by(self, key, env) -> bool:  # no committees: this bench's validator takes every batch
+            return False
 
         async def _vote(self, env, verdict) -> None:  # only reached for bytes that fail the checks
             self.bad_batches += 1

@@ -3,7 +3,8 @@ evaluation tests and the js-libp2p interop tests."""
 
 from __future__ import annotations
 
-from harness.roles import TRAINER, VALIDATORS, WORKERS, homes
+from harness.genesis import TRAINER, VALIDATORS, WORKERS
+from harness.roles import homes
 from node.p2p.testing import NodeFactory
 from node.roles.context import RunContext
 from node.roles.trainer import TrainerRole

@@ -1,4 +1,5 @@
-"""Shared helpers for role tests: a tiny run context and an engine on its initial weights."""
+"""Shared helpers for role tests: a tiny run context, an engine on its initial weights, node
+homes (the tiny run's genesis and keys: ``harness/genesis.py``)."""
 
 from __future__ import annotations
 
@@ -6,48 +7,9 @@ from pathlib import Path
 
 import torch
 
-from node.genesis_file import make_genesis
+from harness.genesis import tiny_genesis
 from node.home import NodeHome
 from node.roles.context import RunContext
-from protocol import NodeKey
-
-OWNER = NodeKey(b"\x21" * 32)
-TRAINER = NodeKey(b"\x22" * 32)
-VALIDATORS = [NodeKey(b"\x23" * 32), NodeKey(b"\x24" * 32)]
-WORKERS = [NodeKey(b"\x25" * 32), NodeKey(b"\x26" * 32)]
-
-
-def tiny_genesis(*, fields: dict | None = None, **config):
-    """The tiny test run's signed genesis: ``config`` overrides the ``[config]`` table,
-    ``fields`` the genesis fields (name, validators as keys, quorum, ...)."""
-    cfg = {
-        "task": "target-length",
-        "max_tokens": 24,
-        "temperature": 1.0,
-        "seed": 0,
-        "tiny_hidden_size": 64,
-        "tiny_layers": 2,
-        # in-process test networks share one interpreter: workers cap their batches per version
-        # (the lock-step pace) unless a test asks for continuous generation (0)
-        "worker_batches_per_version": 2,
-    }
-    cfg.update(config)
-    run = {
-        "name": "test",
-        "model": "tiny",
-        "dataset": "builtin:target-length",
-        "dataset_size": 64,
-        "trainer": TRAINER.peer_id,
-        "validators": VALIDATORS,
-        "quorum": 2,
-        "max_async": 2,
-        "prompts_per_batch": 2,
-        "group_size": 4,
-        "chunk_size": 1 << 20,
-    }
-    run.update(fields or {})
-    run["validators"] = [v.peer_id for v in run["validators"]]
-    return make_genesis(OWNER, cfg, **run)
 
 
 def tiny_context(tmp_path: Path, *, fields: dict | None = None, **config) -> RunContext:

@@ -20,6 +20,7 @@ import torch
 
 from node.engines.base import Completion, check_seeds, read_tensors
 from proofs.sampling import seeded_choice
+from protocol.delta import DeltaRecord
 from protocol.messages import SamplingParams
 
 
@@ -258,7 +259,7 @@ class TransformersEngine:
         """Move the live weights to the next version in place from a sparse delta; a tensor
         the delta does not name is not touched. Two forms of ``changes``:
 
-        - names only (objects with a ``name``: the delta's records, what
+        - names only (``protocol.delta.DeltaRecord``: the delta's records, what
           ``Checkpoints.delta_changes(values=False)`` gives a role): each changed tensor is
           read whole from ``files``, the new version's ``{path: file}`` (checked against
           its signed root before this is called), and copied into the parameter;
@@ -272,7 +273,7 @@ class TransformersEngine:
         Everything is checked against the model before anything is written. Returns the
         names of the tensors written."""
         changes = list(changes)
-        if changes and not hasattr(changes[0], "values"):
+        if changes and isinstance(changes[0], DeltaRecord):  # names only: whole tensors from files
             return self._load_tensors([c.name for c in changes], files)
         own = self.model.state_dict()
         todo = []

@@ -17,10 +17,11 @@ import pytest
 import trio
 
 from harness.checkpoints import RUN_ID, keys, make_checkpoint
+from harness.genesis import overlay_genesis
 from node.checkpoints import Checkpoints, ChunkStore, ControlPlane, DataConnection, LocalControlPlane, VersionState
 from node.checkpoints.server import ChunkServer
 from node.p2p.node import Node, RoleHook
-from node.p2p.testing import NodeFactory, overlay_genesis
+from node.p2p.testing import NodeFactory
 from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_fields, serve_checkpoints
 from protocol import ChunkTicketRequest, NodeKey, ReverseChunkRequest
 from protocol import chunk_frames as F

@@ -11,9 +11,10 @@ import trio
 
 from harness.checkpoints import keys
 from harness.deltas import equal_dirs, make_versions
+from harness.genesis import overlay_genesis
 from node.checkpoints import Checkpoints, ChunkStore
 from node.p2p.node import RoleHook
-from node.p2p.testing import NodeFactory, overlay_genesis
+from node.p2p.testing import NodeFactory
 from node.roles.checkpoint_wiring import (
     P2PControlPlane,
     checkpoint_heartbeat_fields,

@@ -75,8 +75,9 @@ async def test_six_nodes_one_seeder(tmp_path):
 
 
 async def test_libp2p_overlay_end_to_end(tmp_path):
+    from harness.genesis import overlay_genesis
     from node.p2p.node import RoleHook
-    from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
+    from node.p2p.testing import NodeFactory, wait_until
     from node.roles.checkpoint_wiring import (
         P2PControlPlane,
         checkpoint_heartbeat_fields,

@@ -97,7 +97,7 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path, monke
 
 
 def test_config_direct_io_false_reaches_the_roles_store(tmp_path):
-    from harness.roles import TRAINER, tiny_genesis
+    from harness.genesis import TRAINER, tiny_genesis
     from node.config import NodeConfig
     from node.errors import NodeError
     from node.home import NodeHome

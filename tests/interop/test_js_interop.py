@@ -47,8 +47,8 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
 from harness.clocks import StepClock, pace_accepts_of
+from harness.genesis import tiny_genesis
 from harness.network import record_charges, start_network
-from harness.roles import tiny_genesis
 from node.p2p.connlimits import connection_stats
 from node.p2p.host import conn_is_relayed, parse_peer_addr
 from node.p2p.nat import NatConfig

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -273,6 +274,47 @@ def test_a_short_quiet_run_reports_every_field():
         "data_lost",
     ):
         assert k in q
+
+
+@pytest.mark.slow
+def test_a_short_unserved_run_fetches_every_honest_batch():
+    """The bench's validator fetch path is the real ValidatorRole's (harness/hostile_nodes.py
+    BenchValidator): when the role grows state its stand-in lacks, every announce fails in the
+    gossip handler and the scenario reads "batches fetched 0%" (it did, once committees came).
+    Control and attack in one run: identities announcing batches they never serve, and every
+    honest batch still fetched, nothing crashed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "hostile.py"),
+            "--scenarios",
+            "unserved",
+            "--honest",
+            "3",
+            "--attackers",
+            "2",
+            "--seconds",
+            "4",
+            "--quiet-seconds",
+            "2",
+            "--drain-s",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert p.returncode in (0, 1), p.stderr[-2000:]  # 1: a goal missed, which is for the bench to say
+    final = json.loads(p.stdout.strip().splitlines()[-1])
+    u = final["scenarios"]["unserved"]
+    assert u["crashes"] == 0, u
+    # nearly every honest batch fetched under attack (one in a hundred may miss its window on a
+    # loaded machine: the bench's own goal, not this test's; broken, it reads 0 %)
+    fetched = re.match(r"batches fetched (\d+)%", u["notes"])
+    assert fetched is not None and int(fetched.group(1)) >= 90, u
+    assert u["bad_inputs_tried"] > 0  # the attack ran
 
 
 def test_slowstreams_reports_honest_request_latency_per_window_and_failures():

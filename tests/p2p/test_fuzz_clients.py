@@ -43,6 +43,7 @@ from harness.fuzz import (
     run_given,
     try_pack,
 )
+from harness.genesis import overlay_genesis
 from harness.strategies import PEER_IDS, message_strategy
 from node.checkpoints import ChunkStore
 from node.checkpoints.fetcher import VersionFetcher
@@ -50,7 +51,7 @@ from node.checkpoints.testing import RecordingPeer
 from node.checkpoints.wire import recv_exactly, send_all
 from node.p2p.host import parse_peer_addr
 from node.p2p.reqresp import RR_PROTOCOL, RequestError, read_frame
-from node.p2p.testing import NodeFactory, overlay_genesis, wait_until
+from node.p2p.testing import NodeFactory, wait_until
 from node.util import now_ms
 from protocol import (
     ZERO_RUN_ID,

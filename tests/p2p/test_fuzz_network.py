@@ -46,13 +46,14 @@ from harness.fuzz import (
     run_given,
     try_pack,
 )
+from harness.genesis import overlay_genesis
 from harness.strategies import message_strategy
 from node.checkpoints import Checkpoints, ChunkStore
 from node.checkpoints.client import DataConnection
 from node.p2p.gossip import GOSSIP_PROTOCOL
 from node.p2p.node import RoleHook
 from node.p2p.reqresp import RR_PROTOCOL, read_frame
-from node.p2p.testing import NodeFactory, overlay_genesis, tagged_announce, wait_until
+from node.p2p.testing import NodeFactory, tagged_announce, wait_until
 from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_fields, serve_checkpoints
 from node.roles.worker import WorkerRole
 from node.util import now_ms

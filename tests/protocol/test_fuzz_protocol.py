@@ -19,7 +19,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.fuzz import fuzz_genesis_toml, fuzz_settings, mutate_bytes, mutate_tree, try_pack
+from harness.fuzz import fuzz_settings, mutate_bytes, mutate_tree, try_pack
+from harness.genesis import fuzz_genesis_toml
 from harness.strategies import ALL_MESSAGE_CLASSES, message_strategy
 from node.checkpoints.manifest import verify_announce
 from node.errors import NodeError

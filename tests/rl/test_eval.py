@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.roles import WORKERS, tiny_genesis
+from harness.genesis import WORKERS, tiny_genesis
 from node.errors import ConfigError
 from node.genesis_file import write_genesis
 from node.ops.eval_cli import EvalOptions, evaluate, home_versions

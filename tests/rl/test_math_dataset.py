@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
+from harness.genesis import tiny_genesis
 from harness.qwen import qwen_folder
-from harness.roles import tiny_genesis
 from node.engines.base import Completion
 from node.models import model_files, model_root_of
 from node.ops.dataset_cli import filter_dataset, load_model_for_sampling

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
+from harness.genesis import tiny_genesis
 from harness.qwen import qwen_folder
-from harness.roles import homes, tiny_genesis
+from harness.roles import homes
 from node.checkpoints.manifest import build_manifest
 from node.errors import ConfigError, ModelError
 from node.genesis_file import read_genesis

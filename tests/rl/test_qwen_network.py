@@ -16,8 +16,9 @@ import shutil
 import torch
 import trio
 
+from harness.genesis import TRAINER, VALIDATORS, WORKERS, tiny_genesis
 from harness.qwen import qwen_folder
-from harness.roles import TRAINER, VALIDATORS, WORKERS, homes, tiny_genesis
+from harness.roles import homes
 from node.models import model_files, model_root_of
 from node.p2p.testing import NodeFactory, wait_until
 from node.rl.tasks import dataset_hash, length_problems

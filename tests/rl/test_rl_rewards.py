@@ -8,7 +8,8 @@ import pytest
 
 from node.rl.answers import extract_answer, last_boxed
 from node.rl.length import completion_length, length_penalty, target_length_reward
-from node.rl.rewards import compute_reward, math_reward
+from node.rl.math_reward import math_reward
+from node.rl.rewards import compute_reward
 from node.rl.tasks import Problem
 
 
@@ -101,7 +102,7 @@ def test_math_adversarial(completion, expected):
 
 def test_symbolic_check_overrun_kills_the_helper(monkeypatch):
     """The helper's deadline is the backstop for whatever the guards and math-verify's timeout miss."""
-    import node.rl.rewards as rw
+    import node.rl.math_reward as rw
 
     monkeypatch.setattr(rw, "MATH_TIMEOUT_S", 600)  # math-verify's own timeout would not fire
     monkeypatch.setattr(rw, "SYMBOLIC_DEADLINE_S", 1.0)

@@ -12,7 +12,7 @@ import pytest
 
 from node.engines.base import Completion
 from node.ops.dataset_cli import filter_dataset
-from node.rl.rewards import math_reward
+from node.rl.math_reward import math_reward
 from node.rl.tasks import (
     CharTokenizer,
     Problem,

@@ -15,8 +15,8 @@ import time
 import trio
 import trio.testing
 
+from harness.genesis import tiny_genesis
 from harness.network import record_charges, start_network
-from harness.roles import tiny_genesis
 from node.p2p.reqresp import RequestError
 from node.p2p.standing import PeerStanding
 from node.p2p.testing import wait_until

@@ -255,7 +255,8 @@ async def test_the_trainer_keeps_a_flood_under_the_cap_and_fetches_an_evicted_ba
     """Fresh identities serve batches nobody votes for; an honest batch fetched before them
     loses its bytes to the cap, and once a quorum of validators accepts it the trainer fetches
     it again and admits it: the cap costs an honest batch a second fetch, not its admission."""
-    from harness.roles import VALIDATORS, tiny_context
+    from harness.genesis import VALIDATORS
+    from harness.roles import tiny_context
     from node.home import NodeHome
     from node.roles.trainer import TrainerRole
     from protocol import Envelope, NodeKey, RolloutAnnounce, Vote

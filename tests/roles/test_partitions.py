@@ -8,7 +8,8 @@ import json
 import pytest
 import trio
 
-from harness.roles import TRAINER, homes, tiny_genesis
+from harness.genesis import TRAINER, tiny_genesis
+from harness.roles import homes
 from node.p2p.faults import Partition
 from node.p2p.reqresp import RequestError
 from node.p2p.testing import NodeFactory, collect_tags, tagged_announce, wait_until

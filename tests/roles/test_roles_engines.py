@@ -10,7 +10,8 @@ import os
 import pytest
 import trio
 
-from harness.roles import TRAINER, VALIDATORS, WORKERS, tiny_context, tiny_genesis
+from harness.genesis import TRAINER, VALIDATORS, WORKERS, tiny_genesis
+from harness.roles import tiny_context
 from node.engines.vllm_engine import vllm_available
 from node.errors import NodeError
 from node.home import NodeHome

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import trio
 
+from harness.genesis import tiny_genesis
 from harness.network import start_network
-from harness.roles import homes, tiny_genesis
+from harness.roles import homes
 from node.p2p.testing import wait_until
 from node.roles.worker import WorkerRole
 

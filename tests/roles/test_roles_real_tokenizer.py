@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.roles import WORKERS, engine_for, tiny_genesis
+from harness.genesis import WORKERS, tiny_genesis
+from harness.roles import engine_for
 from node.roles.context import RunContext
 from node.roles.rollouts import PolicyFacts, produce_batch, verify_batch
 from node.util import now_ms

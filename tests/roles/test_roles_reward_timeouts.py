@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from harness.roles import WORKERS, tiny_genesis
+from harness.genesis import WORKERS, tiny_genesis
 from node.roles.context import RunContext
 from node.roles.rollouts import check_rewards
 from node.util import now_ms

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.roles import WORKERS, engine_for, tiny_context
+from harness.genesis import WORKERS
+from harness.roles import engine_for, tiny_context
 from node.roles.rollouts import PolicyFacts, produce_batch, verify_batch
 from node.util import now_ms
 from protocol import RolloutBatch

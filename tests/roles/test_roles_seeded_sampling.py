@@ -14,7 +14,8 @@ import random
 import pytest
 
 from harness.attacks import forged_batch, generated
-from harness.roles import WORKERS, engine_for, tiny_context
+from harness.genesis import WORKERS
+from harness.roles import engine_for, tiny_context
 from node.roles.context import REPLAY_PRESETS
 from node.roles.rollouts import PolicyFacts, owed_prompts, owed_seeds, produce_batch, verify_batch
 from node.util import now_ms

@@ -11,7 +11,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from harness.roles import VALIDATORS, WORKERS, tiny_genesis
+from harness.genesis import VALIDATORS, WORKERS, tiny_genesis
 from node.home import NodeHome
 from node.roles import weights
 from node.roles.context import RunContext

@@ -18,8 +18,8 @@ import statistics
 import pytest
 import trio
 
+from harness.genesis import tiny_genesis
 from harness.network import start_network
-from harness.roles import tiny_genesis
 from node.p2p.testing import wait_until
 
 # What choosing the better of two versions for a counter may buy, by the chooser's own

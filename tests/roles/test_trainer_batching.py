@@ -9,8 +9,8 @@ import json
 import trio
 from rich.console import Console
 
+from harness.genesis import tiny_genesis
 from harness.network import start_network
-from harness.roles import tiny_genesis
 from node.ops.status_cli import render_role_state
 from node.p2p.testing import wait_until
 from node.roles.ledger import NO_POLICY_WEIGHTS, STALE_BEFORE_TRAINING, Ledger

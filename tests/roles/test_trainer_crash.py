@@ -22,8 +22,9 @@ import pytest
 import torch
 import trio
 
+from harness.genesis import VALIDATORS
 from harness.rl import fake_groups
-from harness.roles import VALIDATORS, tiny_context
+from harness.roles import tiny_context
 from node.errors import CheckpointError
 from node.home import NodeHome
 from node.roles.resume import TrainerStates
@@ -236,7 +237,7 @@ def test_refuses_when_the_chunk_store_holds_a_version_beyond_the_commit(tmp_path
     """A version the run has seen is never trained again: if the store holds a signed version
     newer than the ledger's commit (the ledger restored from an older backup), the trainer
     stops before publishing anything, instead of announcing a second, different version 1."""
-    from harness.roles import TRAINER
+    from harness.genesis import TRAINER
     from node.roles.weights import export_weights
 
     seed(tmp_path)

@@ -218,7 +218,7 @@ async def test_a_flood_of_served_garbage_does_not_starve_an_honest_batch(tmp_pat
     the honest batch is verified after at most the one garbage batch already in progress. A
     batch that breaks a model-free rule is rejected while the gate is still shut (it never
     waits for a prefill), and what the bounded queue dropped shows in ``status()``."""
-    from harness.roles import VALIDATORS, tiny_genesis
+    from harness.genesis import VALIDATORS, tiny_genesis
     from node.roles import validator as validator_mod
     from node.roles.context import RunContext
     from node.roles.intake import MAX_UNPROVEN_PER_ANNOUNCER
@@ -242,8 +242,9 @@ async def test_a_flood_of_served_garbage_does_not_starve_an_honest_batch(tmp_pat
 
 
 async def _flood_behind_a_gate(tmp_path, genesis, ctx, gate, n_flooders, per_flooder) -> None:
+    from harness.genesis import TRAINER, VALIDATORS, WORKERS
     from harness.hostile_nodes import garbage_batch
-    from harness.roles import TRAINER, VALIDATORS, WORKERS, engine_for, homes
+    from harness.roles import engine_for, homes
     from node.roles.intake import MAX_UNPROVEN_PER_ANNOUNCER
     from node.roles.rollouts import PolicyFacts, produce_batch
     from node.roles.trainer import TrainerRole
