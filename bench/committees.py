@@ -69,9 +69,10 @@ def wait(pred: Any, timeout: float, what: str) -> None:
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def replay_counts(devnet: Devnet, names: list[str]) -> tuple[int, int, float]:
-    """Votes, replays and replay CPU seconds of the validators ``names`` so far, from their status."""
-    votes = replays = 0
+def replay_counts(devnet: Devnet, names: list[str]) -> tuple[int, int, float, int, int]:
+    """Votes, replays, replay CPU seconds and policy loads (in place, full) of the validators
+    ``names`` so far, from their status."""
+    votes = replays = in_place = full = 0
     cpu = 0.0
     for name in names:
         st = (devnet.node(name).status(timeout=5.0) or {}).get("role_state") or {}
@@ -79,7 +80,10 @@ def replay_counts(devnet: Devnet, names: list[str]) -> tuple[int, int, float]:
         votes += int(v.get("accept", 0)) + int(v.get("reject", 0))
         replays += int(st.get("replays", 0))
         cpu += float(st.get("replay_cpu_s", 0.0))
-    return votes, replays, cpu
+        loads = st.get("policy_loads") or {}
+        in_place += int(loads.get("in_place", 0))
+        full += int(loads.get("full", 0))
+    return votes, replays, cpu, in_place, full
 
 
 def run_one(root: Path, validators: int, size: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -99,6 +103,7 @@ def run_one(root: Path, validators: int, size: int, a: argparse.Namespace) -> di
             "tiny_layers": layers,
             "committee_size": size,
             "committee_deadline_s": 30.0,
+            "policy_dtype": a.policy_dtype,
         },
     )
     devnet = Devnet(opts)
@@ -124,7 +129,7 @@ def run_one(root: Path, validators: int, size: int, a: argparse.Namespace) -> di
     finally:
         devnet.stop_all()
     batches, cpu = adm1 - adm0, cpu1 - cpu0
-    votes, replays, replay_cpu = (b - a for a, b in zip(counts0, counts1, strict=True))
+    votes, replays, replay_cpu, in_place, full = (b - a for a, b in zip(counts0, counts1, strict=True))
     return {
         "validators": validators,
         "committee": size,
@@ -138,6 +143,8 @@ def run_one(root: Path, validators: int, size: int, a: argparse.Namespace) -> di
         "replay_cpu_s": round(replay_cpu, 2),
         "one_replay_cpu_s": round(replay_cpu / replays, 3) if replays else None,
         "replay_cpu_s_per_batch": round(replay_cpu / batches, 3) if batches else None,
+        "loads_in_place": in_place,
+        "loads_full": full,
         "wall_s": round(t1 - t0, 1),
     }
 
@@ -157,6 +164,12 @@ def main() -> None:
     ap.add_argument("--prompts-per-batch", type=int, default=2)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--policy-dtype",
+        default="float32",
+        help="dtype of the published weights: bfloat16 publishes sparse deltas, which a validator "
+        "applies in place (a chain of them when it skipped versions); float32 changes every element",
+    )
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     root = a.out or Path(tempfile.mkdtemp(prefix="bench-committees-"))
@@ -186,6 +199,8 @@ def main() -> None:
         "replays/batch",
         "1 replay CPU s",
         "replay CPU s/batch",
+        "loads in place",
+        "loads full",
     )
     keys = (
         "validators",
@@ -198,6 +213,8 @@ def main() -> None:
         "replays_per_batch",
         "one_replay_cpu_s",
         "replay_cpu_s_per_batch",
+        "loads_in_place",
+        "loads_full",
     )
     print(" ".join(f"{h:>{max(len(h), 4)}}" for h in head))
     for r in rows:
@@ -212,6 +229,7 @@ def main() -> None:
                 "hidden": a.hidden,
                 "layers": a.layers,
                 "batch": [a.prompts_per_batch, a.group, a.max_tokens],
+                "policy_dtype": a.policy_dtype,
                 "rows": rows,
             }
         )

@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from node.checkpoints.control import ControlPlane
-from node.checkpoints.delta import DeltaIncompatible, TensorChange, changed_tensors, iter_changes
+from node.checkpoints.delta import DeltaIncompatible, TensorChange, iter_changes
 from node.checkpoints.fetcher import FetchProgress, VersionFetcher
 from node.checkpoints.manifest import DEFAULT_CHUNK_SIZE, verify_announce
 from node.checkpoints.server import ChunkServer
-from node.checkpoints.store import BaseMissing, ChunkStore
+from node.checkpoints.store import BaseMissing, ChunkStore, VersionState
 from protocol import (
     ChunkTicket,
     ChunkTicketRequest,
@@ -64,6 +64,7 @@ from protocol import (
     ReverseChunkAnswer,
     ReverseChunkRequest,
 )
+from protocol.delta import parse_delta
 from protocol.rules import is_stale, window_floor
 
 if TYPE_CHECKING:
@@ -536,25 +537,66 @@ class Checkpoints:
         st = self.store.get(req.version, req.root)
         return ManifestResponse(found=st is not None, envelope=st.raw if st is not None else b"")
 
-    async def delta_changes(self, version: int, loaded: int, *, values: bool = True) -> list[Any] | None:
-        """The tensors ``version`` changes, if it is an applied delta on exactly ``loaded``
-        (what an engine holding ``loaded`` needs to move to ``version`` in place), else None:
-        decoded ``TensorChange`` objects, or with ``values=False`` the delta's records
-        (names, checked against the base, not decoded) for an engine that reloads whole
-        tensors from the new files."""
-        st = self.store.versions.get(version)
-        if st is None or st.delta is None or not st.assembled or st.delta.base_version != loaded:
+    def delta_chain(self, version: int, loaded: int, *, base_files: bool = True) -> list[VersionState] | None:
+        """The versions after ``loaded`` up to ``version``, oldest first, when each is an
+        assembled delta on the one before and ``loaded`` is held under the root the first
+        names (with its full files, if ``base_files``); else None.
+
+        A validator on a committee replays only some versions' batches, so the version in
+        its engine is often a few behind the one it needs; while no anchor (a full version)
+        lies between them it can still move there in place, link by link. ``loaded`` may be
+        behind the window (its files released by GC: ``chain.gc_plan``): reading whole
+        tensors from the newest files needs only the links' records, not its bits."""
+        chain: list[VersionState] = []
+        v = version
+        while v != loaded:
+            st = self.store.versions.get(v)
+            if st is None or st.delta is None or not st.assembled or st.delta.base_version < loaded:
+                return None
+            base = self.store.base_of(st)
+            if base is None or base.root != st.delta.base_root:
+                return None
+            chain.append(st)
+            v = base.version
+        if not chain:
             return None
-        base = self.store.base_of(st)
-        if base is None or base.root != st.delta.base_root or not base.assembled:
+        bottom = self.store.versions.get(loaded)
+        if base_files and (bottom is None or not bottom.assembled):
             return None  # decoding needs the base's bits (values are differences from them)
-        with self.store.pin(version), self.store.pin(base.version):
-            data = await trio.to_thread.run_sync(self.store.delta_bytes_blocking, st)
-            files = self.store.version_files(base)
-            if not values:
-                return await trio.to_thread.run_sync(changed_tensors, data, files)
-            changes: list[TensorChange] = await trio.to_thread.run_sync(lambda: list(iter_changes(data, files)))
-            return changes
+        return chain[::-1]
+
+    async def delta_changes(self, version: int, loaded: int, *, values: bool = True) -> list[Any] | None:
+        """The tensors to write to move an engine holding ``loaded`` to ``version`` in place,
+        when ``version`` is reached from ``loaded`` by assembled deltas only
+        (:meth:`delta_chain`), else None (the role does a full load).
+
+        Decoded ``TensorChange`` objects, each link's in order (a later link's elements
+        overwrite an earlier one's); or with ``values=False`` the links' records, one per
+        tensor, for an engine that reloads whole tensors from ``version``'s files: a tensor
+        no link names is the same in ``loaded`` and ``version`` (each link was applied to its
+        base and the result checked against the trainer's signed ``weights_root`` when it
+        was assembled, so its records need no second check against the base)."""
+        chain = self.delta_chain(version, loaded, base_files=values)
+        if chain is None:
+            return None
+        out: list[Any] = []
+        named: set[tuple[str, str]] = set()
+        with contextlib.ExitStack() as pins:
+            for st in chain:
+                pins.enter_context(self.store.pin(st.version))
+            pins.enter_context(self.store.pin(loaded))
+            for st in chain:
+                data = await trio.to_thread.run_sync(self.store.delta_bytes_blocking, st)
+                if not values:
+                    for r in await trio.to_thread.run_sync(parse_delta, data):
+                        if (r.path, r.name) not in named:
+                            named.add((r.path, r.name))
+                            out.append(r)
+                    continue
+                base = self.store.base_of(st)
+                assert base is not None  # delta_chain checked it
+                out += await trio.to_thread.run_sync(_decoded, data, self.store.version_files(base))
+        return out
 
     def newest_version(self) -> int:
         """Newest complete, assembled version, or -1 (``Heartbeat.policy_version``)."""
@@ -662,3 +704,8 @@ class Checkpoints:
             "max_upload_mbps": self.server.bucket.rate * 8 / 1e6,
             "banned": sorted(self.banned),
         }
+
+
+def _decoded(data: bytes | memoryview, files: dict[str, Path]) -> list[TensorChange]:
+    """Every changed element of one delta, decoded against its base's files (worker thread)."""
+    return list(iter_changes(data, files))

@@ -4,6 +4,7 @@ validator) and running the policy in an inference engine (worker and validator).
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any
 
@@ -214,6 +215,9 @@ class EngineRole(LearningRole):
         self.device = device
         self.engine: InferenceEngine | None = None
         self.loaded_version = -1
+        # versions put into the engine: "in_place" (from the delta, or a chain of them, on the
+        # loaded version) or "full" (every tensor from the version's files); status shows them
+        self.policy_loads: collections.Counter[str] = collections.Counter()
 
     def make_engine(self) -> InferenceEngine:
         """The role's engine on version 0 of the policy (blocking: run it in a thread)."""
@@ -224,17 +228,25 @@ class EngineRole(LearningRole):
     async def load_policy(self, version: int) -> None:
         """Put the weights of ``version`` into the engine (building it first if needed), then hand
         the transient memory back (node/memory.py). The caller records ``loaded_version``.
-        A delta version on the loaded one goes in place, only its changed elements written."""
+        A version reached from the loaded one by deltas alone goes in place, only the tensors
+        they change written (``Checkpoints.delta_changes``: one delta or a chain of them)."""
         engine = self.engine
         if engine is not None and self.checkpoints is not None:
             changes = await self.checkpoints.delta_changes(version, self.loaded_version, values=engine.delta_values)
             if changes is not None:
                 with self.checkpoints.open_version(version) as files:
                     touched = await trio.to_thread.run_sync(engine.load_delta, changes, files)
-                log.info("version %d loaded in place from its delta (%d tensors written)", version, len(touched))
+                log.info(
+                    "version %d loaded in place from version %d by deltas (%d tensors written)",
+                    version,
+                    self.loaded_version,
+                    len(touched),
+                )
+                self.policy_loads["in_place"] += 1
                 return
         state = await self.weights.get(version)
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self.make_engine)
         await trio.to_thread.run_sync(self.engine.load_weights, state)
+        self.policy_loads["full"] += 1
         await trio.to_thread.run_sync(release_free_memory)

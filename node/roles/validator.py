@@ -461,5 +461,6 @@ class ValidatorRole(EngineRole):
             "last_verify_s": self.verify_s,
             "replays": self.replays,
             "replay_cpu_s": round(self.replay_cpu_s, 3),
+            "policy_loads": dict(self.policy_loads),
             "distribution": self.checkpoints_status(),
         }

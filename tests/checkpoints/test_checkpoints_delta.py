@@ -358,6 +358,48 @@ async def test_delta_changes_decode_against_the_base_the_engine_holds(tmp_path):
     assert {c.name for c in changes} == {k for k in new if not np.array_equal(bits(old[k]), bits(new[k]))}
 
 
+async def test_delta_changes_follow_a_chain_of_deltas_and_stop_at_an_anchor(tmp_path):
+    """A validator on a committee replays only some versions: its engine holds v1 (or v0,
+    behind the window) when it needs v3. With v1..v3 each a delta on the one before, it still
+    moves in place: decoded changes of every link in order (applied one after another they
+    give v3's bits; they need the engine's version's files), or one record per changed tensor
+    (read whole from v3's files; no base files needed, so from v0 too). Control: across an
+    anchor (v4, a full version) there is no chain, and the role does a full load."""
+    srcs = make_versions(tmp_path / "src", 6, seed=7)
+    async with trio.open_nursery() as nursery:
+        sw = await _two_nodes_at_v0(tmp_path, nursery, srcs)
+        f = sw.nodes[1]
+
+        async def publish(v: int) -> None:
+            f.on_announce(await sw.publish(v, srcs[v], anchor_every=4))  # v4 is an anchor
+            with trio.fail_after(30):
+                await f.wait_assembled(v)
+
+        for v in range(1, 4):
+            await publish(v)
+        assert [st.version for st in f.delta_chain(3, 1)] == [2, 3]
+        assert [st.version for st in f.delta_chain(3, 0, base_files=False)] == [1, 2, 3]
+        changes = await f.delta_changes(3, 1)
+        records = await f.delta_changes(3, 0, values=False)
+        assert f.delta_chain(2, 3) is None and f.delta_chain(3, 3) is None  # never backwards, nor in place
+        for v in (4, 5):
+            await publish(v)
+        assert [st.version for st in f.delta_chain(5, 4)] == [5]
+        assert f.delta_chain(5, 3, base_files=False) is None and await f.delta_changes(4, 3, values=False) is None
+        nursery.cancel_scope.cancel()
+    v0, v1, v3 = (load_file(str(srcs[i] / "model.safetensors")) for i in (0, 1, 3))
+    got = {k: bits(t).reshape(-1).copy() for k, t in v1.items()}
+    for c in changes:
+        if c.positions is None:
+            got[c.name][:] = c.values.view(got[c.name].dtype)
+        else:
+            got[c.name][c.positions] = c.values.view(got[c.name].dtype)
+    for k, t in v3.items():
+        assert np.array_equal(got[k], bits(t).reshape(-1)), k
+    changed = {k for k in v3 if not np.array_equal(bits(v0[k]), bits(v3[k]))}
+    assert records is not None and sorted(r.name for r in records) == sorted(changed)
+
+
 @pytest.mark.parametrize("case", ["wrong_base", "wrong_result", "malformed"])
 async def test_bad_delta_is_refused_never_loaded_and_the_next_anchor_is_taken(tmp_path, caplog, case):
     srcs = make_versions(tmp_path / "src", 3, seed=2)
