@@ -538,44 +538,41 @@ class Checkpoints:
         return ManifestResponse(found=st is not None, envelope=st.raw if st is not None else b"")
 
     def delta_chain(self, version: int, loaded: int, *, base_files: bool = True) -> list[VersionState] | None:
-        """The versions after ``loaded`` up to ``version``, oldest first, when each is an
-        assembled delta on the one before and ``loaded`` is held under the root the first
-        names (with its full files, if ``base_files``); else None.
+        """The versions after ``loaded`` up to ``version``, oldest first, when each is a delta
+        on the one before that was applied here and checked, and ``loaded`` is held under the
+        root the first names; else None. ``base_files``: every link's base must still have
+        its full files (decoding a link needs its base's bits).
 
         A validator on a committee replays only some versions' batches, so the version in
         its engine is often a few behind the one it needs; while no anchor (a full version)
-        lies between them it can still move there in place, link by link. ``loaded`` may be
-        behind the window (its files released by GC: ``chain.gc_plan``): reading whole
-        tensors from the newest files needs only the links' records, not its bits."""
+        lies between them it can still move there in place, link by link. Links behind the
+        window whose full files GC released (``chain.gc_plan``) still count when no base
+        files are needed: reading whole tensors from the newest files needs only each link's
+        records, and its delta file stays."""
         chain: list[VersionState] = []
         v = version
         while v != loaded:
             st = self.store.versions.get(v)
-            if st is None or st.delta is None or not st.assembled or st.delta.base_version < loaded:
+            if st is None or st.delta is None or not st.applied or st.delta.base_version < loaded:
                 return None
             base = self.store.base_of(st)
-            if base is None or base.root != st.delta.base_root:
+            if base is None or base.root != st.delta.base_root or (base_files and not base.assembled):
                 return None
             chain.append(st)
             v = base.version
-        if not chain:
-            return None
-        bottom = self.store.versions.get(loaded)
-        if base_files and (bottom is None or not bottom.assembled):
-            return None  # decoding needs the base's bits (values are differences from them)
-        return chain[::-1]
+        return chain[::-1] or None
 
     async def delta_changes(self, version: int, loaded: int, *, values: bool = True) -> list[Any] | None:
         """The tensors to write to move an engine holding ``loaded`` to ``version`` in place,
-        when ``version`` is reached from ``loaded`` by assembled deltas only
+        when ``version`` is reached from ``loaded`` by applied deltas only
         (:meth:`delta_chain`), else None (the role does a full load).
 
         Decoded ``TensorChange`` objects, each link's in order (a later link's elements
         overwrite an earlier one's); or with ``values=False`` the links' records, one per
         tensor, for an engine that reloads whole tensors from ``version``'s files: a tensor
         no link names is the same in ``loaded`` and ``version`` (each link was applied to its
-        base and the result checked against the trainer's signed ``weights_root`` when it
-        was assembled, so its records need no second check against the base)."""
+        base and the result checked against the trainer's signed ``weights_root``, so its
+        records need no second check against the base)."""
         chain = self.delta_chain(version, loaded, base_files=values)
         if chain is None:
             return None

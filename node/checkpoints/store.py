@@ -128,7 +128,11 @@ class VersionState:
     chunks: list[tuple[str, int, int, bytes]]  # (path, offset, length, sha256) per global index
     by_hash: dict[bytes, list[int]]
     pins: int = 0
-    assembled: bool = False
+    assembled: bool = False  # its full files are on disk and offered for loading
+    # checked once: an anchor's files assembled, or a delta applied and the result checked
+    # against the signed weights_root (stays true when GC releases the full files: the delta
+    # file stays, and what it changes is still known to be right)
+    applied: bool = False
     added_at: float = dataclasses.field(default_factory=time.time)
     # chunk indices whose bytes are in the version's file (set by writer threads under
     # ``lock``; the bitmap follows on the trio thread, see ChunkStore.mark_held)
@@ -254,7 +258,7 @@ class ChunkStore:
                 (d / JOURNAL).unlink(missing_ok=True)
         for i in st.written:
             st.bitmap.set(i)
-        st.assembled = st.final and (d / "files").is_dir()
+        st.assembled = st.applied = st.final and (d / "files").is_dir()
         self.versions[manifest.version] = st
         return st
 
@@ -767,7 +771,7 @@ class ChunkStore:
             raise BaseMissing(version, st.delta.base_version)
         with self.pin(version), self.pin(base.version) if base is not None else contextlib.nullcontext():
             path = await trio.to_thread.run_sync(self.assemble_blocking, st, base)
-        st.assembled = True
+        st.assembled = st.applied = True
         return path
 
     @contextlib.contextmanager

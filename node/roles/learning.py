@@ -21,7 +21,7 @@ from node.roles.checkpoint_wiring import P2PControlPlane, checkpoint_heartbeat_f
 from node.roles.context import RunContext
 from node.roles.intake import ANNOUNCE_QUEUE, UNPROVEN_FETCH_SLOTS, AnnounceIntake
 from node.roles.weights import WeightCache
-from node.util import now_ms
+from node.util import now_ms, thread_cpu
 from protocol import (
     BanNotice,
     BatchRequest,
@@ -218,6 +218,9 @@ class EngineRole(LearningRole):
         # versions put into the engine: "in_place" (from the delta, or a chain of them, on the
         # loaded version) or "full" (every tensor from the version's files); status shows them
         self.policy_loads: collections.Counter[str] = collections.Counter()
+        # CPU seconds of the threads that put versions into the engine (their own thread
+        # time: the process's would count whatever else ran meanwhile, e.g. the checkpoints)
+        self.load_cpu_s = 0.0
 
     def make_engine(self) -> InferenceEngine:
         """The role's engine on version 0 of the policy (blocking: run it in a thread)."""
@@ -235,7 +238,8 @@ class EngineRole(LearningRole):
             changes = await self.checkpoints.delta_changes(version, self.loaded_version, values=engine.delta_values)
             if changes is not None:
                 with self.checkpoints.open_version(version) as files:
-                    touched = await trio.to_thread.run_sync(engine.load_delta, changes, files)
+                    touched, cpu = await trio.to_thread.run_sync(thread_cpu, engine.load_delta, changes, files)
+                self.load_cpu_s += cpu
                 log.info(
                     "version %d loaded in place from version %d by deltas (%d tensors written)",
                     version,
@@ -247,6 +251,7 @@ class EngineRole(LearningRole):
         state = await self.weights.get(version)
         if self.engine is None:
             self.engine = await trio.to_thread.run_sync(self.make_engine)
-        await trio.to_thread.run_sync(self.engine.load_weights, state)
+        _, cpu = await trio.to_thread.run_sync(thread_cpu, self.engine.load_weights, state)
+        self.load_cpu_s += cpu
         self.policy_loads["full"] += 1
         await trio.to_thread.run_sync(release_free_memory)

@@ -8,7 +8,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import time
 from typing import Any
 
 import trio
@@ -20,6 +19,7 @@ from node.roles.fair_queue import FairQueue
 from node.roles.intake import AnnounceIntake, verify_queue
 from node.roles.learning import EngineRole
 from node.roles.rollouts import REASON_LIMIT, BatchVerdict, PolicyFacts, check_batch_rules, verify_batch
+from node.util import thread_cpu
 from protocol import BatchKey, Envelope, ProtocolError, RolloutBatch, Vote, batch_key
 from protocol.committee import Ballot, CommitteeRule
 from protocol.rules import Quorum, is_stale
@@ -95,9 +95,10 @@ class ValidatorRole(EngineRole):
         self.last_reasons: collections.deque[str] = collections.deque(maxlen=10)
         self.fetch_failures = 0
         self.verify_s = 0.0
-        # CPU seconds of this process spent replaying batches (loading their version into the
-        # engine, the prefill and the rules): the work committees divide among validators, as
-        # opposed to following the checkpoints, which every node does (bench/committees.py)
+        # CPU seconds spent replaying batches (loading their version into the engine, the
+        # prefill and the rules), each counted in the thread that did it (``thread_cpu``): the
+        # work committees divide among validators, as opposed to following the checkpoints,
+        # which every node does (bench/committees.py)
         self.replay_cpu_s = 0.0
         self.replays = 0
         # Announces are keyed (announcer, batch id) (protocol/batches.py): one peer's announce of
@@ -385,14 +386,14 @@ class ValidatorRole(EngineRole):
         if state is None:  # its manifest was collected while the batch waited
             self.verdicts["unverifiable"] += 1
             return
-        cpu0 = time.process_time()
+        load0 = self.load_cpu_s
         await self._ensure_version(v)
         policy = PolicyFacts.of(state.manifest)
         assert self.engine is not None  # _ensure_version built it
-        verdict = await trio.to_thread.run_sync(
-            functools.partial(verify_batch, self.ctx, self.engine, batch, env.sender, policy)
+        verdict, cpu = await trio.to_thread.run_sync(
+            thread_cpu, functools.partial(verify_batch, self.ctx, self.engine, batch, env.sender, policy)
         )
-        self.replay_cpu_s += time.process_time() - cpu0
+        self.replay_cpu_s += cpu + (self.load_cpu_s - load0)
         self.replays += 1
         if verdict.accept:
             self._slots[slot] = env.body.batch_id

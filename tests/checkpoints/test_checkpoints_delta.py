@@ -384,6 +384,11 @@ async def test_delta_changes_follow_a_chain_of_deltas_and_stop_at_an_anchor(tmp_
         assert f.delta_chain(2, 3) is None and f.delta_chain(3, 3) is None  # never backwards, nor in place
         for v in (4, 5):
             await publish(v)
+        # v1 and v2 are behind the window now: GC released their full files, not their deltas
+        assert not f.store.get(1).assembled and not f.store.get(2).assembled
+        assert [st.version for st in f.delta_chain(3, 0, base_files=False)] == [1, 2, 3]
+        assert await f.delta_changes(3, 0, values=False) == records
+        assert f.delta_chain(3, 1) is None  # decoding v2 needs v1's bits
         assert [st.version for st in f.delta_chain(5, 4)] == [5]
         assert f.delta_chain(5, 3, base_files=False) is None and await f.delta_changes(4, 3, values=False) is None
         nursery.cancel_scope.cancel()
