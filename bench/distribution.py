@@ -37,6 +37,7 @@ import os
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -730,6 +731,12 @@ def main() -> None:
         "--trace", action="store_true", help="print every fetcher's schedule (GETs, refusals, payloads by peer)"
     )
     p.add_argument("--workdir", default=None)
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat every method this many times on the same checkpoint; report each run, the median and the spread",
+    )
     args = p.parse_args()
     if args.link_caps:
         return main_links(args)
@@ -741,52 +748,104 @@ def main() -> None:
         total = sum(f.stat().st_size for f in files)
         print(
             f"checkpoint: {len(files)} files, {total / 2**20:.0f} MiB; {args.fetchers} fetchers; "
-            f"cap {args.max_upload_mbps or 'none'} Mbit/s",
+            f"cap {args.max_upload_mbps or 'none'} Mbit/s; {args.runs} run(s)",
             file=sys.stderr,
         )
-        out: dict = {
-            "size_mib": round(total / 2**20, 1),
-            "fetchers": args.fetchers,
-            "max_upload_mbps": args.max_upload_mbps,
-        }
-        if args.no_fsync:
-            out["no_fsync"] = True
-        if args.buffered_io:
-            out["buffered_io"] = True
-        os.sync()  # each stage starts with no dirty pages left by the one before
-        out["raw_copy_seconds"] = None if args.no_raw else bench_raw(files, work, total)
-        print(f"raw copy: {out['raw_copy_seconds']} s", file=sys.stderr)
-        out["bound_seconds"] = round(total * 8 / (args.max_upload_mbps * 1e6), 3) if args.max_upload_mbps else None
-        out["seconds"] = out["loadable_seconds"] = out["seeder_bytes"] = None
-        if not args.no_ours:
-            os.sync()
-            (work / "ours").mkdir()
-            ours = bench_ours(args, src, work / "ours", total)
-            out.update(ours)
-            shutil.rmtree(work / "ours", ignore_errors=True)
-            print(f"primenode: {ours['seconds']} s, seeder uploaded {ours['seeder_copies']} copies", file=sys.stderr)
-        os.sync()
-        fan = None if args.no_raw else bench_raw_fanout(files, work, total, args.fetchers)
-        out["raw_fanout_seconds"] = fan["seconds"] if fan else None
-        out["raw_fanout_by_receiver"] = fan["by_receiver"] if fan else None
-        print(f"raw fan-out to {args.fetchers}: {out['raw_fanout_seconds']} s", file=sys.stderr)
-        os.sync()
-        sc = None if args.no_shardcast else bench_shardcast(files, work, args.fetchers)
-        out["shardcast_seconds"] = sc["seconds"] if sc else None
-        out["shardcast_by_client"] = sc["by_client"] if sc else None
-        print(f"shardcast: {out['shardcast_seconds']} s", file=sys.stderr)
-        if out["bound_seconds"] and out["seconds"]:
-            out["seconds_over_bound"] = round(out["seconds"] / out["bound_seconds"], 3)
-        if out["shardcast_seconds"] and out["seconds"]:
-            out["speedup_vs_shardcast"] = round(out["shardcast_seconds"] / out["seconds"], 2)
-        if out["shardcast_seconds"] and out["loadable_seconds"]:
-            out["loadable_speedup_vs_shardcast"] = round(out["shardcast_seconds"] / out["loadable_seconds"], 2)
-        if out["raw_fanout_seconds"] and out["loadable_seconds"]:
-            out["loadable_over_raw_fanout"] = round(out["loadable_seconds"] / out["raw_fanout_seconds"], 2)
-        _table(out)
+        runs = []
+        for r in range(args.runs):
+            if args.runs > 1:
+                print(f"--- run {r + 1} of {args.runs}", file=sys.stderr)
+            run_work = work / f"run{r}"  # every method leaves files behind: each run its own folder
+            run_work.mkdir()
+            out = one_run(args, src, files, run_work, total)
+            shutil.rmtree(run_work, ignore_errors=True)
+            _table(out)
+            runs.append(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(out))
+    if args.runs == 1:
+        print(json.dumps(runs[0]))
+        return
+    summary = summarise_runs(runs)
+    print(
+        "median of {n} runs (min-max): loadable {loadable_seconds}, raw TCP fan-out {raw_fanout_seconds}, "
+        "SHARDCAST {shardcast_seconds} s; loadable {loadable_over_raw_fanout} x the raw fan-out (goal <= 1.25), "
+        "{loadable_speedup_vs_shardcast} x faster than SHARDCAST (goal >= 2.5)".format(
+            n=len(runs), **{k: _median_cell(v) for k, v in summary.items()}
+        ),
+        file=sys.stderr,
+    )
+    print(json.dumps({"runs": runs, "median": {k: v["median"] for k, v in summary.items()}, "spread": summary}))
+
+
+SUMMARISED = (
+    "seconds",
+    "loadable_seconds",
+    "raw_fanout_seconds",
+    "shardcast_seconds",
+    "loadable_over_raw_fanout",
+    "loadable_speedup_vs_shardcast",
+    "seeder_copies",
+)
+
+
+def summarise_runs(runs: list[dict]) -> dict[str, dict]:
+    """Median, min and max over the runs of each headline number (each run's own ratios, so a
+    ratio's median compares like with like: the same run's two methods)."""
+    out = {}
+    for k in SUMMARISED:
+        xs = sorted(r[k] for r in runs if r.get(k) is not None)
+        out[k] = {"median": round(statistics.median(xs), 3), "min": xs[0], "max": xs[-1]} if xs else {"median": None}
+    return out
+
+
+def _median_cell(v: dict) -> str:
+    return "-" if v.get("median") is None else f"{v['median']} ({v['min']}-{v['max']})"
+
+
+def one_run(args, src: Path, files: list[Path], work: Path, total: int) -> dict:
+    """One run of every method on the same checkpoint: raw copy, ours, raw fan-out, SHARDCAST."""
+    out: dict = {
+        "size_mib": round(total / 2**20, 1),
+        "fetchers": args.fetchers,
+        "max_upload_mbps": args.max_upload_mbps,
+    }
+    if args.no_fsync:
+        out["no_fsync"] = True
+    if args.buffered_io:
+        out["buffered_io"] = True
+    os.sync()  # each stage starts with no dirty pages left by the one before
+    out["raw_copy_seconds"] = None if args.no_raw else bench_raw(files, work, total)
+    print(f"raw copy: {out['raw_copy_seconds']} s", file=sys.stderr)
+    out["bound_seconds"] = round(total * 8 / (args.max_upload_mbps * 1e6), 3) if args.max_upload_mbps else None
+    out["seconds"] = out["loadable_seconds"] = out["seeder_bytes"] = None
+    if not args.no_ours:
+        os.sync()
+        shutil.rmtree(work / "ours", ignore_errors=True)
+        (work / "ours").mkdir()
+        ours = bench_ours(args, src, work / "ours", total)
+        out.update(ours)
+        shutil.rmtree(work / "ours", ignore_errors=True)
+        print(f"primenode: {ours['seconds']} s, seeder uploaded {ours['seeder_copies']} copies", file=sys.stderr)
+    os.sync()
+    fan = None if args.no_raw else bench_raw_fanout(files, work, total, args.fetchers)
+    out["raw_fanout_seconds"] = fan["seconds"] if fan else None
+    out["raw_fanout_by_receiver"] = fan["by_receiver"] if fan else None
+    print(f"raw fan-out to {args.fetchers}: {out['raw_fanout_seconds']} s", file=sys.stderr)
+    os.sync()
+    sc = None if args.no_shardcast else bench_shardcast(files, work, args.fetchers)
+    out["shardcast_seconds"] = sc["seconds"] if sc else None
+    out["shardcast_by_client"] = sc["by_client"] if sc else None
+    print(f"shardcast: {out['shardcast_seconds']} s", file=sys.stderr)
+    if out["bound_seconds"] and out["seconds"]:
+        out["seconds_over_bound"] = round(out["seconds"] / out["bound_seconds"], 3)
+    if out["shardcast_seconds"] and out["seconds"]:
+        out["speedup_vs_shardcast"] = round(out["shardcast_seconds"] / out["seconds"], 2)
+    if out["shardcast_seconds"] and out["loadable_seconds"]:
+        out["loadable_speedup_vs_shardcast"] = round(out["shardcast_seconds"] / out["loadable_seconds"], 2)
+    if out["raw_fanout_seconds"] and out["loadable_seconds"]:
+        out["loadable_over_raw_fanout"] = round(out["loadable_seconds"] / out["raw_fanout_seconds"], 2)
+    return out
 
 
 def _table(out: dict) -> None:

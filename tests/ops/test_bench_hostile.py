@@ -232,29 +232,16 @@ def test_only_the_projects_tracebacks_count_as_escaped_exceptions():
     assert "ValueError: boom" in h.samples[0]
 
 
+def _run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python bench/hostile.py ARGS`` as a user runs it (its last stdout line is the JSON)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "bench" / "hostile.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
 @pytest.mark.slow
 def test_a_short_quiet_run_reports_every_field():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "hostile.py"),
-            "--scenarios",
-            "quiet",
-            "--honest",
-            "3",
-            "--seconds",
-            "2",
-            "--quiet-seconds",
-            "2",
-            "--drain-s",
-            "5",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
+    p = _run_bench("--scenarios", "quiet", "--honest", "3", "--seconds", "2", "--quiet-seconds", "2", "--drain-s", "5")
     assert p.returncode == 0, p.stderr[-2000:]
     final = json.loads(p.stdout.strip().splitlines()[-1])
     q = final["scenarios"]["quiet"]
@@ -283,29 +270,10 @@ def test_a_short_unserved_run_fetches_every_honest_batch():
     gossip handler and the scenario reads "batches fetched 0%" (it did, once committees came).
     Control and attack in one run: identities announcing batches they never serve, and every
     honest batch still fetched, nothing crashed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "hostile.py"),
-            "--scenarios",
-            "unserved",
-            "--honest",
-            "3",
-            "--attackers",
-            "2",
-            "--seconds",
-            "4",
-            "--quiet-seconds",
-            "2",
-            "--drain-s",
-            "10",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    p = _run_bench(
+        "--scenarios", "unserved", "--honest", "3", "--attackers", "2", "--seconds", "4", "--quiet-seconds", "2",
+        "--drain-s", "10",
+    )  # fmt: skip
     assert p.returncode in (0, 1), p.stderr[-2000:]  # 1: a goal missed, which is for the bench to say
     final = json.loads(p.stdout.strip().splitlines()[-1])
     u = final["scenarios"]["unserved"]
