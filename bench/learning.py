@@ -61,6 +61,12 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             acc["tokens"] += st["tokens"]
             acc["dev"] += st["ratio_dev"] * st["tokens"]
             acc["clip"] += st["clip_fraction"] * st["tokens"]
+    by_version: dict[str, list[float]] = {}  # version -> [rollouts, reward sum], whichever step trained them
+    for r in rows:
+        for v, st in (r.get("by_version") or {}).items():
+            acc_v = by_version.setdefault(v, [0, 0.0])
+            acc_v[0] += st["rollouts"]
+            acc_v[1] += st["rollouts"] * st["reward_mean"]
     last = rows[-1] if rows else {}
     used = last.get("batches_used")
     discarded = last.get("batches_discarded")
@@ -77,6 +83,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if used is not None and discarded is not None
             else None
         ),
+        "reward_by_version": {
+            v: {"rollouts": int(n), "reward_mean": round(t / n, 4)}
+            for v, (n, t) in sorted(by_version.items(), key=lambda kv: int(kv[0]))
+            if n
+        },
         "staleness_mix": dict(sorted(mix.items())),
         "ratio_by_staleness": {
             s: {"ratio_dev": round(a["dev"] / a["tokens"], 4), "clip_fraction": round(a["clip"] / a["tokens"], 4)}

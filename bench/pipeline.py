@@ -24,8 +24,9 @@ else running.
 
 Reported per mode: emulated seconds per trainer step (from the second step's metrics line
 to the last: start-up excluded) and steps per emulated minute, the workers' utilization
-(share of wall time generating), mean reward over steps 31-40, the staleness mix, clip
-fractions, wall seconds. Needs root (the quotas). The last line of output is one JSON
+(share of wall time generating), mean reward over steps 31-40, the reward of the policies
+of versions 30-39 (the versions lock-step's steps 31-40 train; an asynchronous step trains
+older policies' rollouts, so both are given), the staleness mix, clip fractions, wall seconds. Needs root (the quotas). The last line of output is one JSON
 object.
 """
 
@@ -44,7 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.learning import read_metrics, summarise  # noqa: E402
+from bench.learning import WINDOW, read_metrics, summarise  # noqa: E402
 from node.ops.emulation import own_cores_dilation, parse_node_cores  # noqa: E402
 
 BUSY = {"trainer": 1, "worker": 2, "validator": 2}  # the bootstrap only answers joins
@@ -102,6 +103,25 @@ def run_mode(out: Path, mode: str, args: argparse.Namespace, dilation: float) ->
     }
 
 
+def policy_reward(runs: list[dict[str, Any]]) -> tuple[list[int], list[float | None]]:
+    """The reward the policies of versions ``WINDOW - 1`` earned (lock-step's steps 31-40 train
+    versions 30-39), over the versions every run trained rollouts of: rollout-weighted, each
+    version's rollouts whichever step trained them. Steps 31-40 of an asynchronous run train
+    rollouts of policies one or two versions older than lock-step's steps 31-40 do, so the
+    per-step reward compares policies of different ages; this compares the same ones."""
+    wanted = {str(v) for v in range(WINDOW[0] - 1, WINDOW[1])}
+    common = set.intersection(wanted, *(set(r.get("reward_by_version") or {}) for r in runs))
+    versions = sorted(int(v) for v in common)
+    means: list[float | None] = []
+    for r in runs:
+        by = r.get("reward_by_version") or {}
+        n = sum(by[str(v)]["rollouts"] for v in versions)
+        means.append(
+            round(sum(by[str(v)]["rollouts"] * by[str(v)]["reward_mean"] for v in versions) / n, 4) if n else None
+        )
+    return versions, means
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -152,10 +172,20 @@ def main() -> None:
             if r["reward_31_40"] is not None and base["reward_31_40"] is not None
             else None
         )
-        compared[r["mode"]] = {"speedup": speedup, "reward_gap": gap}
+        versions, (base_v, r_v) = policy_reward([base, r])
+        version_gap = round(abs(r_v - base_v), 4) if base_v is not None and r_v is not None else None
+        span = f"{versions[0]}-{versions[-1]}" if versions else "none in common"
+        compared[r["mode"]] = {
+            "speedup": speedup,
+            "reward_gap": gap,
+            "policy_versions": span,
+            "policy_reward": [base_v, r_v],
+            "policy_reward_gap": version_gap,
+        }
         print(
             f"\n{r['mode']} / {base['mode']} steps per minute: {speedup}x (goal >= 1.5); worker utilization "
-            f"{r['worker_utilization']} (goal >= 0.8); reward 31-40 gap {gap} (goal <= 0.05)"
+            f"{r['worker_utilization']} (goal >= 0.8); reward 31-40 gap {gap} (goal <= 0.05); "
+            f"reward of the policies of versions {span}: {base_v} / {r_v}, gap {version_gap}"
         )
     print(
         json.dumps(

@@ -58,7 +58,7 @@ from node.errors import CheckpointError
 from node.memory import set_mmap_threshold
 from node.rl.filters import filter_zero_advantage, group_advantages
 from node.rl.logprobs import default_chunk_tokens, micro_batches, token_logprobs_and_entropy
-from node.rl.metrics import RatioStats, StepMetrics, reward_stats
+from node.rl.metrics import RatioStats, StepMetrics, reward_by_version, reward_stats
 from node.rl.precision import MasterAdamW, is_master_state
 from node.util import crash_point, fsync_dir, fsync_tree
 from protocol.rules import within_window
@@ -416,6 +416,7 @@ class GRPOTrainer:
             )
             for name, value in stats.items():
                 setattr(m, name, value)
+            m.by_version = reward_by_version([r.policy_version for r in rollouts_all], [r.reward for r in rollouts_all])
         advs = [group_advantages([r.reward for r in g], cfg.adv_eps) for g in fresh]
         kept, kept_adv, m.filtered_groups = filter_zero_advantage(fresh, advs)
         m.lr = self.lr_at(self._opt_steps)

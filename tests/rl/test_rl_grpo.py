@@ -126,6 +126,9 @@ def test_staleness_bound_and_zero_advantage_filter_are_counted():
     m = tr.step(groups, behaviour=lambda v: v3 if v == 3 else None)
     assert m.stale_groups == 2 and m.filtered_groups == 1 and m.num_rollouts == 3 * 4 + 4 + 4
     assert m.missing_policy_groups == 1 and m.by_staleness["2"]["rollouts"] == 3 * 4 and "1" not in m.by_staleness
+    # reward per generating version counts the admitted rollouts (stale groups left out) under their own version
+    assert {v: b["rollouts"] for v, b in m.by_version.items()} == {"3": 12, "4": 4, "5": 4}
+    assert m.by_version["5"]["reward_mean"] == 0.5
     assert tr.version == 6
     only_flat = tr.step([[Rollout([1, 4], [5, 6], 1.0, policy_version=6)] * 4])
     assert only_flat.skipped and only_flat.filtered_groups == 1 and tr.version == 6

@@ -80,6 +80,12 @@ async def test_steps_take_all_waiting_batches_and_report_ratios_by_staleness(tmp
                 if s != "0":
                     assert st["ratio_dev"] > 0  # against the generating version, not the current one
         assert r["missing_policy_groups"] == 0
+        # reward per generating version: every rollout of the step, once, under its own version
+        by_version = r["by_version"]
+        assert sum(v["rollouts"] for v in by_version.values()) == r["num_rollouts"]
+        assert {int(v) for v in by_version} <= set(r["batch_versions"])
+        mean = sum(v["rollouts"] * v["reward_mean"] for v in by_version.values()) / r["num_rollouts"]
+        assert abs(mean - r["reward_mean"]) < 1e-9
     # what was admitted was used (a batch admitted during a step at its last eligible version can
     # still age out: the one sanctioned loss), and the status says so
     assert set(status["discarded_batches"]) <= {STALE_BEFORE_TRAINING}
