@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 
 # circuit relay v2's hop protocol (the relay side); a foreign bootstrap offering it is kept
 RELAY_HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
+# A bootstrap that refuses our request protocol is judged (relay kept, or closed and backed
+# off) only once identify has listed its protocols, or after this long without them: the
+# refusal can arrive first, and closing a generic relay then killed the NAT service's
+# reservation in flight (its next try is RELAY_RETRY_S later).
+IDENTIFY_WAIT_S = 3.0
 
 
 class DialError(Exception):
@@ -427,19 +432,30 @@ class ConnectionManager:
             if e is not None:
                 e.foreign = 0
 
+    def _protocols(self, peer_id: str) -> list[str]:
+        """The protocols identify listed for ``peer_id`` (empty until identify has answered)."""
+        try:
+            return [str(p) for p in self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))]
+        except Exception:
+            return []
+
     def _offers_relay(self, peer_id: str) -> bool:
         """Whether identify lists the circuit relay v2 hop protocol for ``peer_id``."""
-        try:
-            protos = self.host.get_peerstore().get_protocols(ID.from_base58(peer_id))
-        except Exception:
-            return False
-        return any(str(p) == RELAY_HOP_PROTOCOL for p in protos)
+        return RELAY_HOP_PROTOCOL in self._protocols(peer_id)
+
+    async def _identified(self, peer_id: str) -> None:
+        """Until identify has listed ``peer_id``'s protocols, at most ``IDENTIFY_WAIT_S``
+        (py-libp2p's identify sets no event to wait on: a short poll on trio's clock)."""
+        with trio.move_on_after(IDENTIFY_WAIT_S):
+            while not self._protocols(peer_id):  # noqa: ASYNC110 (no event to wait on: the docstring)
+                await trio.sleep(0.05)
 
     async def _foreign_bootstrap(self, peer_id: str, detail: str) -> None:
         """A bootstrap address that leads to a libp2p node which is not primenode (a wrong
         address, a generic relay): say so in one line, close the connection and dial it again
         only after an exponential back-off (capped), instead of redialling it every few seconds
         as a peer that merely lost its gossip stream."""
+        await self._identified(peer_id)
         if self.keep_without_gossip(peer_id) or self._offers_relay(peer_id):
             # A generic libp2p relay given as a bootstrap is still worth a reservation (a NAT'd
             # node's only way in); closing the connection would end it. Said once, kept.
