@@ -2,7 +2,7 @@
 cores of its own and 100 Mbit/s uploads (issue 35 point 5).
 
     python bench/pipeline.py [--steps 40] [--node-cores trainer=2,worker=0.25,validator=1] [--modes lock-step,continuous,paced]
-                             [--upload-mbps 100] [--out DIR]
+                             [--upload-mbps 100] [--batch-split 1] [--out DIR]
 
 On this machine all six devnet processes share its cores, where on the internet each node
 has its own: a lock-step phase running alone takes every core, overlapping phases share
@@ -28,6 +28,13 @@ to the last: start-up excluded) and steps per emulated minute, the workers' util
 of versions 30-39 (the versions lock-step's steps 31-40 train; an asynchronous step trains
 older policies' rollouts, so both are given), the staleness mix, clip fractions, wall seconds. Needs root (the quotas). The last line of output is one JSON
 object.
+
+``--batch-split N`` keeps what a step learns from (16 prompts, 8 per worker) but has each worker
+make it as N smaller batches (8 / N prompts each; the trainer waits for and takes 2 N batches a
+step; lock-step and paced workers make N batches per version). A continuous worker's batch then
+spans a fraction of a trainer step, so it starts on a newer version more often: the question is
+whether that lowers the staleness that costs the asynchronous run reward, and what the smaller
+batches cost (issue 35 point 5).
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ def run_mode(out: Path, mode: str, args: argparse.Namespace, dilation: float) ->
         "--timeout",
         str(args.timeout),
         *MODES[mode],
+        *split_args(mode, args.batch_split),
     ]
     load = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -101,6 +109,22 @@ def run_mode(out: Path, mode: str, args: argparse.Namespace, dilation: float) ->
         "load_before": round(load, 2),
         **summarise(rows),
     }
+
+
+PROMPTS_PER_WORKER_STEP = 8  # the devnet's 16 prompts a step over its 2 workers
+
+
+def split_args(mode: str, n: int) -> list[str]:
+    """Devnet flags that cut each worker's share of a step into ``n`` batches (none for 1)."""
+    if n <= 1:
+        return []
+    if PROMPTS_PER_WORKER_STEP % n:
+        raise SystemExit(f"--batch-split must divide {PROMPTS_PER_WORKER_STEP}, got {n}")
+    flags = ["--prompts-per-batch", str(PROMPTS_PER_WORKER_STEP // n)]
+    flags += ["--set", f"batches_per_step={2 * n}", "--set", f"max_batches_per_step={2 * n}"]
+    if mode != "continuous":  # continuous workers have no per-version quota
+        flags += ["--set", f"worker_batches_per_version={n}"]
+    return flags
 
 
 def policy_reward(runs: list[dict[str, Any]]) -> tuple[list[int], list[float | None]]:
@@ -131,6 +155,7 @@ def main() -> None:
     ap.add_argument("--upload-mbps", type=float, default=100.0)
     ap.add_argument("--timeout", type=float, default=5400.0, help="per devnet, real seconds")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--batch-split", type=int, default=1, help="each worker's share of a step in N batches")
     ap.add_argument(
         "--modes", default="lock-step,continuous", help=f"comma-separated, the baseline first: {', '.join(MODES)}"
     )
@@ -140,7 +165,8 @@ def main() -> None:
     dilation = round(own_cores_dilation(sum(cores[role] * n for role, n in BUSY.items())), 3)
     print(
         f"nodes' CPUs {args.node_cores} on {os.cpu_count()} cores: time dilation x{dilation:g}, "
-        f"uploads {args.upload_mbps:g} Mbit/s per emulated second; {args.steps} steps per mode; out {out}",
+        f"uploads {args.upload_mbps:g} Mbit/s per emulated second; {args.steps} steps per mode; "
+        f"batch split {args.batch_split}; out {out}",
         flush=True,
     )
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -194,6 +220,7 @@ def main() -> None:
                 "dilation": dilation,
                 "node_cores": args.node_cores,
                 "upload_mbps": args.upload_mbps,
+                "batch_split": args.batch_split,
                 "steps": args.steps,
                 "baseline": base["mode"],
                 "compared": compared,
