@@ -159,6 +159,30 @@ def test_sigint_stops_a_bootstrap_with_exit_0(tmp_path, run_setup):
         boot.stdout.close()
 
 
+def test_a_bootstrap_never_loads_torch(tmp_path, run_setup):
+    """A bootstrap only answers joins and relays: torch in it is ~190 MiB of memory an operator
+    pays on a small VPS for nothing (the progress bar's import of the roles once pulled it in:
+    105 -> 295 MiB). Once the bootstrap answered its status, everything it runs at start has
+    run (the status is served by the same event loop, after the start-up tasks' first steps)."""
+    boot_home, _, genesis = run_setup
+    log = tmp_path / "boot.log"
+    boot = start(
+        "bootstrap", "--home", str(boot_home), "--listen", "/ip4/127.0.0.1/tcp/0", "--genesis", str(genesis), log=log
+    )
+    try:
+        assert boot.stdout.readline().decode().startswith("/ip4/"), log.read_text()
+        wait_for(lambda: "listening on" in log.read_text(), HANG_GUARD_S, "the bootstrap's start-up", [log], [boot])
+        wait_for(lambda: status_json(boot_home), HANG_GUARD_S, "the bootstrap's status", [log], [boot])
+        libraries = {ln.split()[-1] for ln in Path(f"/proc/{boot.pid}/maps").read_text().splitlines() if "/" in ln}
+        assert not [lib for lib in libraries if "/torch/" in lib], "a bootstrap loaded torch"
+        assert stop(boot, signal.SIGTERM) == 0, log.read_text()
+    finally:
+        if boot.poll() is None:
+            boot.kill()
+            boot.wait()
+        boot.stdout.close()
+
+
 def test_unreachable_bootstrap_is_a_clear_error_not_a_hang(tmp_path, run_setup):
     _, join_home, _ = run_setup
     with socket.socket() as s:  # a port nobody listens on
