@@ -2,7 +2,7 @@
 cores of its own and 100 Mbit/s uploads (issue 35 point 5).
 
     python bench/pipeline.py [--steps 40] [--node-cores trainer=2,worker=0.25,validator=1] [--modes lock-step,continuous,paced]
-                             [--upload-mbps 100] [--batch-split 1] [--out DIR]
+                             [--upload-mbps 100] [--batch-split 1] [--lr 1e-4] [--out DIR]
 
 On this machine all six devnet processes share its cores, where on the internet each node
 has its own: a lock-step phase running alone takes every core, overlapping phases share
@@ -34,7 +34,9 @@ make it as N smaller batches (8 / N prompts each; the trainer waits for and take
 step; lock-step and paced workers make N batches per version). A continuous worker's batch then
 spans a fraction of a trainer step, so it starts on a newer version more often: the question is
 whether that lowers the staleness that costs the asynchronous run reward, and what the smaller
-batches cost (issue 35 point 5).
+batches cost (issue 35 point 5). ``--lr`` sets the trainer's learning rate in every mode (the
+devnet's 1e-4 by default): how far one version moves the policy, and so what a version of lag
+costs.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def run_mode(out: Path, mode: str, args: argparse.Namespace, dilation: float) ->
         str(args.timeout),
         *MODES[mode],
         *split_args(mode, args.batch_split),
+        *(["--lr", f"{args.lr:g}"] if args.lr else []),
     ]
     load = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -156,6 +159,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=5400.0, help="per devnet, real seconds")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--batch-split", type=int, default=1, help="each worker's share of a step in N batches")
+    ap.add_argument("--lr", type=float, default=0.0, help="trainer learning rate in every mode (0: the devnet's)")
     ap.add_argument(
         "--modes", default="lock-step,continuous", help=f"comma-separated, the baseline first: {', '.join(MODES)}"
     )
@@ -221,6 +225,7 @@ def main() -> None:
                 "node_cores": args.node_cores,
                 "upload_mbps": args.upload_mbps,
                 "batch_split": args.batch_split,
+                "lr": args.lr or None,
                 "steps": args.steps,
                 "baseline": base["mode"],
                 "compared": compared,
